@@ -1,0 +1,396 @@
+"""The event schema: every fact and decision of an agent run, as msgspec Structs.
+
+Events are the source of truth; everything else (samples, summaries) is derived
+by replaying them. This module does no I/O, reads no clock, draws no random
+numbers. Token arrays never live inside an event: events hold an `ArrayRef`
+into the store's content-addressed array table.
+
+Each event type has a `VERSION`. The stored row keeps the version it was
+written at; `decode_event` upcasts older payloads to the current struct
+through the functions registered in `UPCASTERS`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
+
+import msgspec
+
+# --------------------------------------------------------------------------
+# Array references (token ids, logprobs, routed experts live in the store)
+# --------------------------------------------------------------------------
+
+DType = Literal["int32", "float32", "uint8"]
+
+
+class ArrayRef(msgspec.Struct, frozen=True, array_like=True):
+    """A content-addressed handle to a 1-D array held by the store.
+
+    `digest` names the whole array (a hash chain over its stored pieces), so
+    equal refs mean equal contents. `length` is the element count.
+    """
+
+    digest: bytes
+    length: int
+    dtype: DType = "int32"
+
+
+# --------------------------------------------------------------------------
+# Base class
+# --------------------------------------------------------------------------
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", omit_defaults=True):
+    """Base of every event payload. Subclasses set `tag` and `VERSION`."""
+
+    VERSION: ClassVar[int] = 1
+    KIND: ClassVar[Literal["fact", "decision"]] = "fact"
+
+
+class Decision(Event, frozen=True, kw_only=True):
+    """A choice made by code, tagged with the rules version that made it."""
+
+    KIND: ClassVar[Literal["fact", "decision"]] = "decision"
+    rules_version: str
+
+
+# --------------------------------------------------------------------------
+# Facts: session lifecycle
+# --------------------------------------------------------------------------
+
+
+class TokenizerIdentity(msgspec.Struct, frozen=True, kw_only=True):
+    name_or_path: str
+    vocab_size: int
+    vocab_digest: str
+    chat_template_digest: str
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+
+class SessionOpened(Event, frozen=True, kw_only=True, tag="session_opened"):
+    session_id: str
+    metadata: dict[str, Any] = {}
+    config: dict[str, Any] = {}
+    tokenizer: TokenizerIdentity | None = None
+    context_length: int | None = None
+    engine_url: str | None = None
+    attempt: int = 0
+
+
+class SessionClosed(Event, frozen=True, kw_only=True, tag="session_closed"):
+    status: Literal["completed", "failed", "aborted", "truncated"] = "completed"
+    reason: str = ""
+
+
+class SessionFailed(Event, frozen=True, kw_only=True, tag="session_failed"):
+    """An exception inside one session's work: logged, recorded, contained."""
+
+    where: str
+    error_type: str
+    message: str
+    traceback: str = ""
+
+
+# --------------------------------------------------------------------------
+# Facts: one Messages request and its turn
+# --------------------------------------------------------------------------
+
+
+class MessagesRequest(Event, frozen=True, kw_only=True, tag="messages_request"):
+    """The client's request, kept whole (raw body as a uint8 array ref),
+    plus a small digest the reducer needs without re-parsing the body."""
+
+    request_id: str
+    turn: int
+    body: ArrayRef
+    path: str = "/v1/messages"
+    stream: bool = False
+    system_digest: str = ""
+    n_messages: int = 0
+    tool_result_ids: tuple[str, ...] = ()
+    model: str = ""
+
+
+class RenderedInput(Event, frozen=True, kw_only=True, tag="rendered_input"):
+    """The exact engine input for a turn.
+
+    `input_ids` extends the chain's previous full sequence when `prefix_len`
+    > 0: input_ids[:prefix_len] are reused tokens, the rest were newly rendered.
+    """
+
+    request_id: str
+    turn: int
+    chain_id: int
+    input_ids: ArrayRef
+    prefix_len: int = 0
+    new_messages: int = 0
+
+
+class GenerateAttempt(Event, frozen=True, kw_only=True, tag="generate_attempt"):
+    request_id: str
+    turn: int
+    attempt: int
+    rid: str
+    engine_url: str = ""
+    # Tokens sent in this attempt beyond the turn's input (resume: partial output).
+    resumed_tokens: int = 0
+    max_new_tokens: int = 0
+    sampling_params: dict[str, Any] = {}
+
+
+class GenerateResult(Event, frozen=True, kw_only=True, tag="generate_result"):
+    """One attempt's output. For a resumed turn, each attempt's result holds
+    only the tokens produced in that attempt."""
+
+    request_id: str
+    turn: int
+    attempt: int
+    rid: str
+    output_ids: ArrayRef
+    logprobs: ArrayRef | None
+    finish_reason: Literal["stop", "length", "abort", "unknown"]
+    finish_detail: str = ""
+    weight_version: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    routed_experts: ArrayRef | None = None
+    latency_s: float = 0.0
+
+
+class TurnAborted(Event, frozen=True, kw_only=True, tag="turn_aborted"):
+    """An attempt ended by an engine abort (weight update, cancel)."""
+
+    request_id: str
+    turn: int
+    attempt: int
+    rid: str
+    partial_tokens: int
+    message: str = ""
+
+
+class TurnResumed(Event, frozen=True, kw_only=True, tag="turn_resumed"):
+    request_id: str
+    turn: int
+    attempt: int
+    resumed_tokens: int
+    remaining_new_tokens: int
+
+
+class TurnFailed(Event, frozen=True, kw_only=True, tag="turn_failed"):
+    """The turn produced no usable output (e.g. logprobs missing, budget out)."""
+
+    request_id: str
+    turn: int
+    reason: str
+
+
+class EngineError(Event, frozen=True, kw_only=True, tag="engine_error"):
+    request_id: str
+    turn: int
+    attempt: int = 0
+    kind: Literal["unreachable", "http", "timeout", "protocol"] = "http"
+    status: int = 0
+    message: str = ""
+
+
+class ClientDisconnected(Event, frozen=True, kw_only=True, tag="client_disconnected"):
+    request_id: str
+    turn: int
+    rid: str = ""
+
+
+class ResponseSent(Event, frozen=True, kw_only=True, tag="response_sent"):
+    request_id: str
+    turn: int
+    content: list[dict[str, Any]]
+    stop_reason: str
+    usage: dict[str, int] = {}
+    status: int = 200
+
+
+class RequestRejected(Event, frozen=True, kw_only=True, tag="request_rejected"):
+    """A request refused before any turn started (4xx)."""
+
+    request_id: str
+    status: int
+    error_type: str
+    message: str
+
+
+# --------------------------------------------------------------------------
+# Facts: sandbox and reward
+# --------------------------------------------------------------------------
+
+
+class SandboxEvent(Event, frozen=True, kw_only=True, tag="sandbox_event"):
+    kind: str
+    detail: dict[str, Any] = {}
+
+
+class RewardAssigned(Event, frozen=True, kw_only=True, tag="reward_assigned"):
+    """v1 stored `{"value": float}`; v2 renamed it to `reward` and added `detail`."""
+
+    VERSION: ClassVar[int] = 2
+    reward: float
+    detail: dict[str, Any] = {}
+
+
+# --------------------------------------------------------------------------
+# Decisions
+# --------------------------------------------------------------------------
+
+
+class ChainDecision(Decision, frozen=True, kw_only=True, tag="chain_decision"):
+    """Which chain a request extended, or why it started a new one."""
+
+    request_id: str
+    turn: int
+    chain_id: int
+    action: Literal["extend", "new"]
+    reason: Literal["first", "extends", "compaction", "subagent", "diverged"] = "extends"
+    parent_chain_id: int | None = None
+    dispatch_tool_use_id: str | None = None
+
+
+class TitoVerdict(Decision, frozen=True, kw_only=True, tag="tito_verdict"):
+    """Does decode -> re-encode of the turn's output give back the same ids?"""
+
+    request_id: str
+    turn: int
+    ok: bool
+    first_divergence: int | None = None
+    reencoded_ids: ArrayRef | None = None
+
+
+class ClampApplied(Decision, frozen=True, kw_only=True, tag="clamp_applied"):
+    request_id: str
+    turn: int
+    requested: int
+    clamped_to: int
+    context_length: int
+
+
+# --------------------------------------------------------------------------
+# The union, the envelope, and (de)serialisation
+# --------------------------------------------------------------------------
+
+AnyEvent = (
+    SessionOpened
+    | SessionClosed
+    | SessionFailed
+    | MessagesRequest
+    | RenderedInput
+    | GenerateAttempt
+    | GenerateResult
+    | TurnAborted
+    | TurnResumed
+    | TurnFailed
+    | EngineError
+    | ClientDisconnected
+    | ResponseSent
+    | RequestRejected
+    | SandboxEvent
+    | RewardAssigned
+    | ChainDecision
+    | TitoVerdict
+    | ClampApplied
+)
+
+EVENT_TYPES: dict[str, type[Event]] = {
+    cls.__struct_config__.tag: cls  # type: ignore[misc]
+    for cls in AnyEvent.__args__  # type: ignore[attr-defined]
+}
+
+
+class NewEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """An event about to be appended. `event_id` makes appends idempotent."""
+
+    event: AnyEvent
+    event_id: uuid.UUID = msgspec.field(default_factory=uuid.uuid4)
+    ts: float = 0.0
+
+
+class RecordedEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """An event as read back from the log."""
+
+    position: int
+    session_id: str
+    seq: int
+    event_id: uuid.UUID
+    ts: float
+    version: int
+    event: AnyEvent
+
+    @property
+    def type(self) -> str:
+        return type_name(self.event)
+
+
+def type_name(event: Event) -> str:
+    return type(event).__struct_config__.tag  # type: ignore[return-value]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders: dict[str, msgspec.msgpack.Decoder[Any]] = {
+    name: msgspec.msgpack.Decoder(cls) for name, cls in EVENT_TYPES.items()
+}
+
+# (type name, stored version) -> function turning that version's raw dict
+# into the next version's raw dict. Chains are applied until VERSION.
+Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
+UPCASTERS: dict[tuple[str, int], Upcaster] = {}
+
+
+def upcaster(type_: str, from_version: int) -> Callable[[Upcaster], Upcaster]:
+    def register(fn: Upcaster) -> Upcaster:
+        UPCASTERS[(type_, from_version)] = fn
+        return fn
+
+    return register
+
+
+@upcaster("reward_assigned", 1)
+def _reward_v1_to_v2(raw: dict[str, Any]) -> dict[str, Any]:
+    raw = dict(raw)
+    raw["reward"] = raw.pop("value")
+    raw.setdefault("detail", {})
+    return raw
+
+
+class UnknownEventType(ValueError):
+    pass
+
+
+def encode_event(event: Event) -> bytes:
+    """Payload bytes for storage (the `type` tag is stored in its own column too)."""
+    return _encoder.encode(event)
+
+
+def decode_event(type_: str, version: int, payload: bytes) -> AnyEvent:
+    try:
+        cls = EVENT_TYPES[type_]
+    except KeyError:
+        raise UnknownEventType(
+            f"event type {type_!r} is not known to this version of trajectory-recorder; "
+            "upgrade the package to read this log"
+        ) from None
+    if version == cls.VERSION:
+        return _decoders[type_].decode(payload)
+    if version > cls.VERSION:
+        raise UnknownEventType(
+            f"event {type_!r} was written at schema version {version}, newer than this "
+            f"code's {cls.VERSION}; upgrade the package to read this log"
+        )
+    raw: dict[str, Any] = msgspec.msgpack.decode(payload)
+    for v in range(version, cls.VERSION):
+        try:
+            raw = UPCASTERS[(type_, v)](raw)
+        except KeyError:
+            raise UnknownEventType(
+                f"no upcaster from {type_!r} v{v} to v{v + 1}; this is a bug in the schema module"
+            ) from None
+    raw["type"] = type_
+    return msgspec.convert(raw, cls)

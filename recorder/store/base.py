@@ -1,0 +1,164 @@
+"""The one store interface every backend implements (SQLite, Postgres).
+
+Callers see only this module: `open_store(url)` in `recorder.store` picks the
+backend from the URL. The shared test suite in `tests/store/` runs against
+every backend.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Sequence
+
+import numpy as np
+
+from recorder.events import ArrayRef, NewEvent, RecordedEvent
+
+
+class StoreError(Exception):
+    """Base class of every error the store raises on purpose."""
+
+
+class ConcurrencyConflict(StoreError):
+    """The session stream was not at the expected sequence number.
+
+    Nothing of the batch was written; re-read the session and retry.
+    """
+
+    def __init__(self, session_id: str, expected_seq: int, actual_seq: int) -> None:
+        super().__init__(
+            f"session {session_id!r}: expected next seq {expected_seq}, but the stream is at "
+            f"{actual_seq}; re-read the session and retry"
+        )
+        self.session_id = session_id
+        self.expected_seq = expected_seq
+        self.actual_seq = actual_seq
+
+
+class IdempotencyConflict(StoreError):
+    """An event id was re-sent with a different payload."""
+
+
+class CorruptArray(StoreError):
+    """A stored array failed its hash check on read."""
+
+
+class SchemaOutOfDate(StoreError):
+    """The database is at an older migration revision than this code needs."""
+
+
+class ProjectionStore(abc.ABC):
+    """Derived data (samples per rules version) kept beside the log.
+
+    Unlike events, projections are mutable: `replay reclassify` writes a new
+    one per rules version and may overwrite its own rows when re-run.
+    """
+
+    @abc.abstractmethod
+    async def save_projection(
+        self, name: str, rows: Sequence[tuple[str, int, str, bytes]]
+    ) -> None:
+        """Upsert rows of (session_id, covers_position, digest, payload) under `name`."""
+
+    @abc.abstractmethod
+    async def load_projection(self, name: str) -> dict[str, tuple[int, str, bytes]]:
+        """session_id -> (covers_position, digest, payload) for one projection."""
+
+    @abc.abstractmethod
+    async def projection_names(self) -> list[str]:
+        """Projections in the order they were first written."""
+
+
+class EventStore(ProjectionStore):
+    """An append-only event log plus a content-addressed array store.
+
+    Sequence numbers (`seq`) count per session from 0. Positions are global,
+    increasing in commit order as seen by `read_all`/`follow` (gaps allowed,
+    never filled later).
+    """
+
+    url: str
+
+    # -- events ---------------------------------------------------------
+
+    @abc.abstractmethod
+    async def append(
+        self,
+        session_id: str,
+        events: Sequence[NewEvent],
+        *,
+        expected_seq: int | None = None,
+    ) -> list[int]:
+        """Append a batch atomically; return the global positions.
+
+        `expected_seq` is the seq the first event must get (optimistic
+        concurrency): on mismatch raise `ConcurrencyConflict`, writing
+        nothing. None appends at the end. Re-sending a batch whose event ids
+        are all stored with identical payloads returns the original positions
+        and writes nothing; a known id with a different payload raises
+        `IdempotencyConflict`.
+        """
+
+    @abc.abstractmethod
+    async def read_session(self, session_id: str, *, from_seq: int = 0) -> list[RecordedEvent]:
+        """All events of one session in seq order."""
+
+    @abc.abstractmethod
+    async def read_all(self, *, after: int = 0, limit: int = 1000) -> list[RecordedEvent]:
+        """One keyset page of events with position > `after`, in position order.
+
+        Never returns an event while an earlier-positioned one may still commit
+        (so a reader that pages with the last position it saw misses nothing).
+        """
+
+    async def follow(
+        self, *, after: int = 0, page_size: int = 1000, poll_interval: float = 0.05
+    ) -> AsyncIterator[RecordedEvent]:
+        """Tail the log forever from `after`, yielding every committed event once."""
+        import anyio
+
+        while True:
+            page = await self.read_all(after=after, limit=page_size)
+            for ev in page:
+                yield ev
+                after = ev.position
+            if len(page) < page_size:
+                await anyio.sleep(poll_interval)
+
+    @abc.abstractmethod
+    async def session_ids(self) -> list[str]:
+        """Every session id in the log, in order of first appearance."""
+
+    @abc.abstractmethod
+    async def last_position(self) -> int:
+        """The highest committed position (0 for an empty log)."""
+
+    # -- arrays ---------------------------------------------------------
+
+    @abc.abstractmethod
+    async def put_array(self, array: np.ndarray, *, extends: ArrayRef | None = None) -> ArrayRef:
+        """Store a 1-D array; return its ref.
+
+        With `extends`, `array` is only the suffix to append to the array that
+        `extends` names: the prefix is shared, not stored again.
+        """
+
+    @abc.abstractmethod
+    async def get_array(self, ref: ArrayRef) -> np.ndarray:
+        """The whole array a ref names. Raises `CorruptArray` on a bad hash."""
+
+    async def get_arrays(self, refs: Sequence[ArrayRef]) -> list[np.ndarray]:
+        """Many arrays at once; backends batch the reads."""
+        return [await self.get_array(r) for r in refs]
+
+    # -- lifecycle ------------------------------------------------------
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    async def __aenter__(self) -> EventStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
