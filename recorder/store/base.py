@@ -43,6 +43,10 @@ class CorruptArray(StoreError):
     """A stored array failed its hash check on read."""
 
 
+class ArrayNotFound(CorruptArray):
+    """A ref (or an `extends=` parent) names an array this database does not hold."""
+
+
 class SchemaOutOfDate(StoreError):
     """The database is at an older migration revision than this code needs."""
 
@@ -55,9 +59,7 @@ class ProjectionStore(abc.ABC):
     """
 
     @abc.abstractmethod
-    async def save_projection(
-        self, name: str, rows: Sequence[tuple[str, int, str, bytes]]
-    ) -> None:
+    async def save_projection(self, name: str, rows: Sequence[tuple[str, int, str, bytes]]) -> None:
         """Upsert rows of (session_id, covers_position, digest, payload) under `name`."""
 
     @abc.abstractmethod
@@ -161,4 +163,3 @@ class EventStore(ProjectionStore):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-

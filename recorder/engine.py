@@ -1,0 +1,515 @@
+"""SGLang `/generate` client (token in, token out) and the abort/resume driver.
+
+`EngineClient.generate` makes exactly one attempt and reports what the engine
+said; `generate_with_resume` turns engine aborts (weight updates pause the
+engine with mode "abort") into re-submissions of prompt + partial output and
+stitches the pieces, calling back before and after every attempt so the
+caller can record each one as an event. Text is never re-tokenized here:
+output tokens and their logprobs come from the engine or the turn fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Literal
+
+import aiohttp
+import msgspec
+
+log = logging.getLogger(__name__)
+
+FinishReason = Literal["stop", "length", "abort", "unknown"]
+ErrorKind = Literal["unreachable", "http", "timeout", "protocol"]
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    """Sampling settings; only keys SGLang knows (0.5.23 rejects unknown ones)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+    def to_sglang(self) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            # Output must be the exact tokens: no trimming, no special-token games.
+            "skip_special_tokens": False,
+            "spaces_between_special_tokens": False,
+            "no_stop_trim": True,
+        }
+        if self.stop:
+            params["stop"] = list(self.stop)
+        if self.stop_token_ids:
+            params["stop_token_ids"] = list(self.stop_token_ids)
+        return params
+
+    def with_max_new_tokens(self, n: int) -> SamplingParams:
+        return msgspec.structs.replace(self, max_new_tokens=n)
+
+
+class GenerateOutput(msgspec.Struct):
+    """One `/generate` attempt's answer. `logprobs` is None when the engine sent
+    none (or fewer than one per output token)."""
+
+    output_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: FinishReason
+    finish_detail: str
+    weight_version: str
+    prompt_tokens: int
+    cached_tokens: int
+    routed_experts: bytes | None
+    latency_s: float
+
+
+class EngineError(Exception):
+    """The engine could not be reached or answered badly."""
+
+    def __init__(self, kind: ErrorKind, message: str, *, status: int = 0, url: str = "") -> None:
+        super().__init__(message)
+        self.kind: ErrorKind = kind
+        self.status = status
+        self.url = url
+        self.message = message
+
+    def __str__(self) -> str:
+        where = f" ({self.url})" if self.url else ""
+        status = f" HTTP {self.status}" if self.status else ""
+        return f"engine {self.kind}{status}{where}: {self.message}"
+
+
+class MissingLogprobs(Exception):
+    """The engine returned output tokens without one logprob each.
+
+    The turn must fail: re-tokenizing the text would give tokens without
+    logprobs (seed 003). Start SGLang so it returns logprobs
+    (`return_logprob` must reach it) and check its version.
+    """
+
+    def __init__(self, rid: str, output_tokens: int) -> None:
+        super().__init__(
+            f"engine returned {output_tokens} output tokens without a logprob for each (rid "
+            f"{rid}); the turn is aborted, its text is never re-tokenized"
+        )
+        self.rid = rid
+        self.output_tokens = output_tokens
+
+
+def new_rid() -> str:
+    """A request id of fixed length (32 hex): SGLang aborts by rid prefix, so
+    no rid may be a prefix of another."""
+    return uuid.uuid4().hex
+
+
+# --------------------------------------------------------------------------
+# Parsing the engine's answer (pure)
+# --------------------------------------------------------------------------
+
+
+def parse_generate_response(
+    body: Any, *, rid: str, latency_s: float, url: str = ""
+) -> GenerateOutput:
+    """Turn SGLang's `/generate` JSON into a GenerateOutput (raises EngineError(protocol))."""
+    if isinstance(body, list) and len(body) == 1:
+        body = body[0]
+    if not isinstance(body, dict):
+        raise EngineError("protocol", f"expected a JSON object, got {type(body).__name__}", url=url)
+    if "error" in body:
+        raise EngineError("http", _error_message(body), url=url)
+    meta = body.get("meta_info")
+    ids = body.get("output_ids")
+    if not isinstance(meta, dict) or not isinstance(ids, list):
+        raise EngineError(
+            "protocol", "response lacks output_ids/meta_info (is this SGLang /generate?)", url=url
+        )
+    if not all(isinstance(i, int) for i in ids):
+        raise EngineError("protocol", "output_ids must be integers", url=url)
+    reason, detail = _finish(meta.get("finish_reason"))
+    return GenerateOutput(
+        output_ids=ids,
+        logprobs=_logprobs(meta.get("output_token_logprobs"), ids, url),
+        finish_reason=reason,
+        finish_detail=detail,
+        weight_version=str(meta.get("weight_version") or ""),
+        prompt_tokens=int(meta.get("prompt_tokens") or 0),
+        cached_tokens=int(meta.get("cached_tokens") or 0),
+        routed_experts=_routed_experts(meta.get("routed_experts"), url),
+        latency_s=latency_s,
+    )
+
+
+def _finish(raw: Any) -> tuple[FinishReason, str]:
+    if isinstance(raw, str):
+        raw = {"type": raw}
+    if not isinstance(raw, dict):
+        return "unknown", ""
+    kind = raw.get("type")
+    if kind == "stop":
+        matched = raw.get("matched")
+        return "stop", "" if matched is None else str(matched)
+    if kind == "length":
+        return "length", str(raw.get("length", ""))
+    if kind == "abort":
+        return "abort", str(raw.get("message") or "")
+    return "unknown", str(kind)
+
+
+def _logprobs(raw: Any, ids: list[int], url: str) -> list[float] | None:
+    """Logprob triples `[logprob, token_id, text]`, one per output id, or None."""
+    if not ids:
+        return []
+    if not isinstance(raw, list) or len(raw) < len(ids):
+        return None
+    out: list[float] = []
+    for i, (entry, token) in enumerate(zip(raw, ids, strict=False)):
+        if not isinstance(entry, list | tuple) or len(entry) < 2:
+            raise EngineError("protocol", f"output_token_logprobs[{i}] is not a triple", url=url)
+        logprob, token_id = entry[0], entry[1]
+        if logprob is None:
+            return None
+        if token_id != token:
+            raise EngineError(
+                "protocol",
+                f"output_token_logprobs[{i}] is for token {token_id}, output_ids has {token}",
+                url=url,
+            )
+        out.append(float(logprob))
+    return out
+
+
+def _routed_experts(raw: Any, url: str) -> bytes | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, str):
+        raise EngineError("protocol", "routed_experts must be a base64 string", url=url)
+    try:
+        return base64.b64decode(raw)
+    except ValueError as exc:
+        raise EngineError("protocol", f"routed_experts is not base64: {exc}", url=url) from exc
+
+
+def _error_message(body: Any) -> str:
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict):
+            return str(err.get("message") or err)
+        return str(err)
+    return str(body)
+
+
+# --------------------------------------------------------------------------
+# The client
+# --------------------------------------------------------------------------
+
+
+class EngineClient:
+    """HTTP client for one or more SGLang servers (one pooled aiohttp session)."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        timeout_s: float = 3600,
+        connect_timeout_s: float = 10,
+        max_connections: int = 0,
+    ) -> None:
+        if not urls:
+            raise ValueError("EngineClient needs at least one engine URL")
+        self.urls: tuple[str, ...] = tuple(u.rstrip("/") for u in urls)
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self._max_connections),
+                timeout=aiohttp.ClientTimeout(
+                    total=self.timeout_s, sock_connect=self.connect_timeout_s
+                ),
+            )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> EngineClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def pick(self, session_id: str) -> str:
+        """Stable engine choice per session (rendezvous hashing: adding an
+        engine moves only the sessions that now prefer it)."""
+        return max(
+            self.urls,
+            key=lambda u: hashlib.blake2b(f"{session_id}\x00{u}".encode(), digest_size=8).digest(),
+        )
+
+    async def generate(
+        self,
+        url: str,
+        input_ids: Sequence[int],
+        params: SamplingParams,
+        rid: str,
+        *,
+        return_routed_experts: bool = False,
+    ) -> GenerateOutput:
+        """One `/generate` attempt. Raises EngineError; an abort is a normal result."""
+        body: dict[str, Any] = {
+            "rid": rid,
+            "input_ids": list(input_ids),
+            "stream": False,
+            "return_logprob": True,
+            "logprob_start_len": -1,
+            "top_logprobs_num": 0,
+            "sampling_params": params.to_sglang(),
+        }
+        if return_routed_experts:
+            body["return_routed_experts"] = True
+        started = time.monotonic()
+        status, answer = await self._request("POST", url, "/generate", body)
+        latency = time.monotonic() - started
+        if status != 200:
+            raise EngineError("http", _error_message(answer), status=status, url=url)
+        return parse_generate_response(answer, rid=rid, latency_s=latency, url=url)
+
+    async def abort(self, url: str, rid: str) -> None:
+        """Ask the engine to abort `rid` (a running request answers with its partial output)."""
+        status, answer = await self._request(
+            "POST", url, "/abort_request", {"rid": rid, "abort_all": False}, timeout_s=30
+        )
+        if status != 200:
+            raise EngineError("http", _error_message(answer), status=status, url=url)
+
+    async def model_info(self, url: str) -> dict[str, Any]:
+        status, answer = await self._request("GET", url, "/model_info", timeout_s=30)
+        if status != 200 or not isinstance(answer, dict):
+            raise EngineError("http", _error_message(answer), status=status, url=url)
+        return answer
+
+    async def context_length(self, url: str) -> int | None:
+        """The engine's context length from /v1/models (max_model_len) or /model_info."""
+        with contextlib.suppress(EngineError):
+            status, answer = await self._request("GET", url, "/v1/models", timeout_s=30)
+            if status == 200 and isinstance(answer, dict):
+                for model in answer.get("data") or []:
+                    if isinstance(model, dict) and isinstance(model.get("max_model_len"), int):
+                        return model["max_model_len"]
+        with contextlib.suppress(EngineError):
+            info = await self.model_info(url)
+            for key in ("context_length", "max_model_len", "max_context_length"):
+                if isinstance(info.get(key), int):
+                    return info[key]
+        return None
+
+    async def health(self, url: str) -> bool:
+        try:
+            status, _ = await self._request("GET", url, "/health", timeout_s=10)
+        except EngineError:
+            return False
+        return status == 200
+
+    async def _request(
+        self,
+        method: str,
+        url: str,
+        path: str,
+        body: Any = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> tuple[int, Any]:
+        if self._session is None:
+            raise RuntimeError("EngineClient.start() was not called")
+        target = url.rstrip("/") + path
+        timeout = (
+            aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.connect_timeout_s)
+            if timeout_s is not None
+            else None
+        )
+        kwargs: dict[str, Any] = {"timeout": timeout} if timeout else {}
+        if body is not None:
+            kwargs["data"] = msgspec.json.encode(body)
+            kwargs["headers"] = {"Content-Type": "application/json"}
+        try:
+            async with self._session.request(method, target, **kwargs) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except TimeoutError as exc:
+            raise EngineError("timeout", f"{method} {path} timed out", url=url) from exc
+        except aiohttp.ClientConnectorError as exc:
+            raise EngineError("unreachable", f"cannot connect: {exc}", url=url) from exc
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            raise EngineError("unreachable", f"connection lost: {exc}", url=url) from exc
+        except aiohttp.ClientError as exc:
+            raise EngineError("protocol", f"{type(exc).__name__}: {exc}", url=url) from exc
+        try:
+            answer = msgspec.json.decode(raw) if raw else None
+        except msgspec.DecodeError:
+            if status == 200:
+                raise EngineError(
+                    "protocol", f"{path} answered non-JSON: {raw[:200]!r}", url=url
+                ) from None
+            answer = raw.decode(errors="replace")
+        return status, answer
+
+
+# --------------------------------------------------------------------------
+# Abort / resume driver
+# --------------------------------------------------------------------------
+
+
+class Attempt(msgspec.Struct):
+    """One `/generate` call of a turn. `resumed_tokens` partial-output tokens
+    were appended to the turn's input for this attempt."""
+
+    attempt: int
+    rid: str
+    resumed_tokens: int
+    max_new_tokens: int
+
+
+class TurnOutput(msgspec.Struct):
+    """A turn's stitched output.
+
+    `finish_reason == "abort"` means the resume budget (attempts or time)
+    ran out: the output is partial and the turn should be failed.
+    """
+
+    output_ids: list[int]
+    logprobs: list[float]
+    weight_versions: list[str]
+    finish_reason: FinishReason
+    finish_detail: str
+    attempts: list[Attempt]
+    results: list[GenerateOutput]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.results[0].prompt_tokens if self.results else 0
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.results[0].cached_tokens if self.results else 0
+
+
+async def generate_with_resume(
+    client: EngineClient,
+    url: str,
+    input_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    max_attempts: int = 8,
+    budget_s: float = 3600,
+    on_attempt: Callable[[Attempt], Awaitable[None]],
+    on_result: Callable[[Attempt, GenerateOutput], Awaitable[None]],
+    return_routed_experts: bool = False,
+) -> TurnOutput:
+    """Generate one turn, resuming after engine aborts.
+
+    Each attempt sends `input_ids` + all output so far with `max_new_tokens`
+    reduced by what was already generated. Raises MissingLogprobs (after
+    `on_result` saw the offending output), EngineError, or CancelledError
+    (after asking the engine to abort the in-flight rid).
+    """
+    prompt = list(input_ids)
+    ids: list[int] = []
+    logprobs: list[float] = []
+    versions: list[str] = []
+    attempts: list[Attempt] = []
+    results: list[GenerateOutput] = []
+    deadline = time.monotonic() + budget_s
+    finish: FinishReason = "abort"
+    detail = f"resume budget exhausted ({max_attempts} attempts, {budget_s:g}s)"
+    for number in range(max_attempts):
+        remaining = params.max_new_tokens - len(ids)
+        if remaining <= 0:
+            finish, detail = "length", str(params.max_new_tokens)
+            break
+        time_left = deadline - time.monotonic()
+        if time_left <= 0:
+            break
+        attempt = Attempt(
+            attempt=number, rid=new_rid(), resumed_tokens=len(ids), max_new_tokens=remaining
+        )
+        attempts.append(attempt)
+        await on_attempt(attempt)
+        out = await _one_attempt(
+            client,
+            url,
+            prompt + ids,
+            params.with_max_new_tokens(remaining),
+            attempt.rid,
+            time_left,
+            return_routed_experts,
+        )
+        results.append(out)
+        await on_result(attempt, out)
+        if out.logprobs is None:
+            raise MissingLogprobs(attempt.rid, len(out.output_ids))
+        ids += out.output_ids
+        logprobs += out.logprobs
+        versions += [out.weight_version] * len(out.output_ids)
+        if out.finish_reason != "abort":
+            finish, detail = out.finish_reason, out.finish_detail
+            break
+    return TurnOutput(
+        output_ids=ids,
+        logprobs=logprobs,
+        weight_versions=versions,
+        finish_reason=finish,
+        finish_detail=detail,
+        attempts=attempts,
+        results=results,
+    )
+
+
+async def _one_attempt(
+    client: EngineClient,
+    url: str,
+    input_ids: list[int],
+    params: SamplingParams,
+    rid: str,
+    time_left: float,
+    return_routed_experts: bool,
+) -> GenerateOutput:
+    try:
+        async with asyncio.timeout(time_left):
+            return await client.generate(
+                url, input_ids, params, rid, return_routed_experts=return_routed_experts
+            )
+    except asyncio.CancelledError:
+        # The caller went away (client disconnect): free the engine's slot.
+        await asyncio.shield(_abort_quietly(client, url, rid))
+        raise
+    except TimeoutError as exc:
+        await asyncio.shield(_abort_quietly(client, url, rid))
+        raise EngineError("timeout", f"turn time budget ran out (rid {rid})", url=url) from exc
+    except EngineError as exc:
+        if exc.kind == "timeout":
+            await asyncio.shield(_abort_quietly(client, url, rid))
+        raise
+
+
+async def _abort_quietly(client: EngineClient, url: str, rid: str) -> None:
+    try:
+        await client.abort(url, rid)
+    except (EngineError, RuntimeError) as exc:
+        log.warning("could not abort rid %s on %s: %s", rid, url, exc)

@@ -1,0 +1,299 @@
+"""The trainer's session API: open, inspect, close (with reward) and collect samples.
+
+A rollout opens a session, hands its id to the agent as the API key, and
+closes it when the episode is over; the close answer carries the training
+samples, built by the same reducer `replay reclassify` runs offline.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from recorder.events import RewardAssigned, SessionClosed, SessionOpened
+from recorder.server.auth import require_admin
+from recorder.server.context import CTX, ServerContext
+from recorder.server.errors import ApiError
+from recorder.server.journal import Journal, finish_even_if_cancelled
+from recorder.server.sessions import SESSION_ID_RE, SessionState
+from recorder.store.base import ConcurrencyConflict
+
+log = logging.getLogger("recorder.server")
+
+CLOSE_STATUSES = ("completed", "failed", "aborted", "truncated")
+_OPEN_KEYS = ("session_id", "metadata", "config", "reopen")
+
+
+def routes() -> list[web.RouteDef]:
+    return [
+        web.post("/sessions", open_session),
+        web.get("/sessions/{session_id}", inspect_session),
+        web.post("/sessions/{session_id}/close", close_session),
+        web.get("/sessions/{session_id}/samples", session_samples),
+    ]
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(
+        status=status, body=msgspec.json.encode(data), content_type="application/json"
+    )
+
+
+async def _json_object(request: web.Request) -> dict[str, Any]:
+    body = await request.read()
+    if not body.strip():
+        return {}
+    try:
+        data = msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise ApiError("invalid_request_error", f"body: not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ApiError("invalid_request_error", "body: expected a JSON object")
+    return data
+
+
+def _field(data: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any) -> Any:
+    value = data.get(name, default)
+    if value is default:
+        return value
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        expected = (
+            kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        )
+        raise ApiError("invalid_request_error", f"{name}: expected {expected}")
+    return value
+
+
+# --------------------------------------------------------------------------
+# Open
+# --------------------------------------------------------------------------
+
+
+async def open_session(request: web.Request) -> web.Response:
+    """POST /sessions: `{session_id?, metadata?, config?, reopen?, <any trainer field>...}`.
+
+    Fields other than those four are trainer metadata too (instance_id,
+    sample_index, group_index, ...). A taken id answers 409 unless `reopen`
+    is true, which starts a clean new attempt of that session (the reducer
+    only looks at the latest one).
+    """
+    ctx = request.app[CTX]
+    require_admin(request, ctx.config.admin_token)
+    data = await _json_object(request)
+    session_id = _field(data, "session_id", str, None)
+    metadata = dict(_field(data, "metadata", dict, {}))
+    metadata.update({k: v for k, v in data.items() if k not in _OPEN_KEYS})
+    config = _field(data, "config", dict, {})
+    reopen = _field(data, "reopen", bool, False)
+    if session_id is None:
+        session_id = "sess_" + uuid.uuid4().hex
+    elif not SESSION_ID_RE.match(session_id):
+        raise ApiError(
+            "invalid_request_error",
+            "session_id: 1-200 characters of letters, digits and ._:@+=- "
+            "(it travels as an HTTP bearer token), starting with a letter or digit",
+        )
+    state = await _open(ctx, session_id, metadata, config, reopen=reopen)
+    log.info(
+        "session %s opened (attempt %d, engine %s)", session_id, state.attempt, state.engine_url
+    )
+    return _json(_describe(state), status=201)
+
+
+async def _open(
+    ctx: ServerContext,
+    session_id: str,
+    metadata: dict[str, Any],
+    config: dict[str, Any],
+    *,
+    reopen: bool,
+) -> SessionState:
+    existing = await ctx.registry.acquire(session_id)
+    if existing is None:
+        return await _open_new(ctx, session_id, metadata, config)
+    try:
+        if not reopen:
+            raise ApiError(
+                "invalid_request_error",
+                f"session {session_id!r} already exists; choose another id, or pass "
+                '"reopen": true to start a new attempt of it',
+                status=409,
+            )
+        state = _fresh_state(
+            ctx, session_id, existing.journal, metadata, attempt=existing.attempt + 1
+        )
+        state.next_turn = existing.next_turn
+        state.lock = existing.lock
+        await finish_even_if_cancelled(state.journal.write(_opened_event(ctx, state, config)))
+        ctx.registry.put(state)
+        return state
+    finally:
+        existing.lock.release()
+
+
+async def _open_new(
+    ctx: ServerContext, session_id: str, metadata: dict[str, Any], config: dict[str, Any]
+) -> SessionState:
+    journal = Journal(ctx.store, session_id, next_seq=0)
+    state = _fresh_state(ctx, session_id, journal, metadata, attempt=0)
+    try:
+        await finish_even_if_cancelled(journal.write(_opened_event(ctx, state, config)))
+    except ConcurrencyConflict:
+        raise ApiError(
+            "invalid_request_error",
+            f"session {session_id!r} was opened concurrently by another request",
+            status=409,
+        ) from None
+    if ctx.registry.cached(session_id) is None:
+        ctx.registry.put(state)
+    return state
+
+
+def _fresh_state(
+    ctx: ServerContext,
+    session_id: str,
+    journal: Journal,
+    metadata: dict[str, Any],
+    *,
+    attempt: int,
+) -> SessionState:
+    from recorder.tokens import SessionChains
+
+    return SessionState(
+        session_id=session_id,
+        journal=journal,
+        metadata=metadata,
+        engine_url=ctx.engine.pick(session_id),
+        attempt=attempt,
+        opened_ts=time.time(),
+        chains=SessionChains(),
+    )
+
+
+def _opened_event(ctx: ServerContext, state: SessionState, config: dict[str, Any]) -> SessionOpened:
+    return SessionOpened(
+        session_id=state.session_id,
+        metadata=state.metadata,
+        config={**config, "live_rules_version": _live_rules_version()},
+        tokenizer=ctx.tokenizer.identity,
+        context_length=ctx.config.context_length,
+        engine_url=state.engine_url,
+        attempt=state.attempt,
+    )
+
+
+def _live_rules_version() -> str:
+    from recorder.server.context import LIVE_RULES_VERSION
+
+    return LIVE_RULES_VERSION
+
+
+# --------------------------------------------------------------------------
+# Inspect
+# --------------------------------------------------------------------------
+
+
+async def _known(ctx: ServerContext, session_id: str) -> SessionState:
+    state = await ctx.registry.get(session_id)
+    if state is None:
+        raise ApiError("not_found_error", f"no session {session_id!r} in this log")
+    return state
+
+
+def _describe(state: SessionState) -> dict[str, Any]:
+    return {
+        "session_id": state.session_id,
+        "status": state.status,
+        "close_status": state.close_status or None,
+        "attempt": state.attempt,
+        "metadata": state.metadata,
+        "engine_url": state.engine_url,
+        "turns": state.next_turn,
+        "turns_completed": state.turns_completed,
+        "events": state.next_seq,
+        "chains": len(state.chain_refs),
+        "busy": state.lock.locked(),
+        "opened_at": state.opened_ts,
+    }
+
+
+async def inspect_session(request: web.Request) -> web.Response:
+    ctx = request.app[CTX]
+    require_admin(request, ctx.config.admin_token)
+    state = await _known(ctx, request.match_info["session_id"])
+    return _json(_describe(state))
+
+
+# --------------------------------------------------------------------------
+# Close
+# --------------------------------------------------------------------------
+
+
+async def close_session(request: web.Request) -> web.Response:
+    """POST /sessions/{id}/close: `{reward?, reward_detail?, status?, reason?}` -> samples.
+
+    Waits for an in-flight turn of the session to finish (the session lock),
+    records the reward and the close durably, then reduces the session's log.
+    """
+    ctx = request.app[CTX]
+    require_admin(request, ctx.config.admin_token)
+    session_id = request.match_info["session_id"]
+    data = await _json_object(request)
+    reward = _field(data, "reward", (int, float), None)
+    detail = _field(data, "reward_detail", dict, {})
+    status = _field(data, "status", str, "completed")
+    reason = _field(data, "reason", str, "")
+    if status not in CLOSE_STATUSES:
+        raise ApiError("invalid_request_error", f"status: one of {', '.join(CLOSE_STATUSES)}")
+    state = await ctx.registry.acquire(session_id)
+    if state is None:
+        raise ApiError("not_found_error", f"no session {session_id!r} in this log")
+    try:
+        if state.status == "closed":
+            raise ApiError(
+                "invalid_request_error",
+                f"session {session_id!r} is already closed; its samples are at "
+                f"GET /sessions/{session_id}/samples",
+                status=409,
+            )
+        events: list[Any] = []
+        if reward is not None:
+            events.append(RewardAssigned(reward=float(reward), detail=detail))
+        events.append(SessionClosed(status=status, reason=reason))  # type: ignore[arg-type]
+        await finish_even_if_cancelled(state.journal.write(*events))
+        state.status = "closed"
+        state.close_status = status
+        state.chains = None
+        state.chain_refs.clear()
+    finally:
+        state.lock.release()
+    return await _samples_response(ctx, session_id)
+
+
+async def session_samples(request: web.Request) -> web.Response:
+    """GET /sessions/{id}/samples: the session's samples under this server's rules."""
+    ctx = request.app[CTX]
+    require_admin(request, ctx.config.admin_token)
+    session_id = request.match_info["session_id"]
+    await _known(ctx, session_id)
+    return await _samples_response(ctx, session_id)
+
+
+async def _samples_response(ctx: ServerContext, session_id: str) -> web.Response:
+    from replay import close_session_samples
+
+    started = time.perf_counter()
+    result = await close_session_samples(ctx.store, session_id, ctx.rules)
+    log.info(
+        "session %s reduced: %d samples, status %s, %.0f ms",
+        session_id,
+        len(result.samples),
+        result.status,
+        (time.perf_counter() - started) * 1000,
+    )
+    return _json(result)

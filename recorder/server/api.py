@@ -1,0 +1,178 @@
+"""The agent-facing Anthropic endpoints: messages, count_tokens, models, health."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from recorder.server.auth import session_id_of
+from recorder.server.context import CTX, ServerContext
+from recorder.server.errors import ApiError
+from recorder.server.responders import JsonResponder, Responder, SseResponder
+from recorder.server.turn import reject, run_turn
+from recorder.tokens import full_input_ids
+from recorder.translate import ChatRequest, InvalidRequest, parse_request
+
+_STARTED = int(time.time())
+
+
+def routes() -> list[web.RouteDef]:
+    return [
+        web.post("/v1/messages", messages),
+        web.post("/v1/messages/count_tokens", count_tokens),
+        web.get("/v1/models", list_models),
+        web.get("/v1/models/{model_id}", get_model),
+        web.get("/health", health),
+        web.get("/", root),  # aiohttp answers HEAD / from the GET route
+    ]
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(
+        status=status, body=msgspec.json.encode(data), content_type="application/json"
+    )
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    """POST /v1/messages (`?beta=true` too: only the path is matched)."""
+    ctx = request.app[CTX]
+    if ctx.stopping:
+        raise ApiError("overloaded_error", "the recorder is shutting down; retry shortly")
+    session_id = session_id_of(request)
+    body = await request.read()
+    state = await ctx.registry.get(session_id)
+    if state is None:
+        raise ApiError("authentication_error", _unknown_session(session_id))
+    if state.status == "closed":
+        raise ApiError("invalid_request_error", _closed_session(session_id), status=409)
+    chat: ChatRequest | None = None
+    invalid: InvalidRequest | None = None
+    try:
+        chat = parse_request(body)
+    except InvalidRequest as exc:
+        invalid = exc
+    responder = _responder(ctx, request, streaming=chat is not None and chat.stream)
+    task = asyncio.current_task()
+    assert task is not None
+    ctx.inflight.add(task)
+    try:
+        return await _serve(ctx, session_id, chat, invalid, body, request.path, responder)
+    finally:
+        ctx.inflight.discard(task)
+        await responder.close()
+
+
+async def _serve(
+    ctx: ServerContext,
+    session_id: str,
+    chat: ChatRequest | None,
+    invalid: InvalidRequest | None,
+    body: bytes,
+    path: str,
+    responder: Responder,
+) -> web.StreamResponse:
+    state = await ctx.registry.acquire(session_id)
+    if state is None:
+        return await responder.fail(ApiError("authentication_error", _unknown_session(session_id)))
+    try:
+        if state.status == "closed":
+            return await responder.fail(
+                ApiError("invalid_request_error", _closed_session(session_id), status=409)
+            )
+        if invalid is not None or chat is None:
+            from recorder.server.answer import new_message_id
+
+            return await reject(
+                state, new_message_id(), responder, "invalid_request_error", str(invalid)
+            )
+        return await run_turn(ctx, state, chat, body, path, responder)
+    finally:
+        state.lock.release()
+
+
+def _responder(ctx: ServerContext, request: web.Request, *, streaming: bool) -> Responder:
+    if not streaming:
+        return JsonResponder()
+    responder = SseResponder(
+        request,
+        ping_interval=ctx.config.ping_interval_s,
+        first_byte_after=ctx.config.first_byte_after_s,
+    )
+    responder.keep_alive()
+    return responder
+
+
+def _unknown_session(session_id: str) -> str:
+    shown = session_id if len(session_id) <= 64 else session_id[:64] + "..."
+    return (
+        f"unknown session {shown!r}: the API key / bearer token must be the id of a session "
+        "opened with POST /sessions on this recorder"
+    )
+
+
+def _closed_session(session_id: str) -> str:
+    return f"session {session_id!r} is closed; open a new session (or reopen this one)"
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """POST /v1/messages/count_tokens: the real count, rendered with the chat template."""
+    ctx = request.app[CTX]
+    session_id = session_id_of(request)
+    body = await request.read()
+    if await ctx.registry.get(session_id) is None:
+        raise ApiError("authentication_error", _unknown_session(session_id))
+    try:
+        chat = parse_request(body, count_tokens=True)
+        ids = await asyncio.to_thread(full_input_ids, chat, ctx.tokenizer)
+    except (InvalidRequest, ValueError) as exc:
+        raise ApiError("invalid_request_error", str(exc)) from None
+    return _json({"input_tokens": len(ids)})
+
+
+def _model_entry(ctx: ServerContext, model_id: str | None = None) -> dict[str, Any]:
+    name = model_id or ctx.config.model_name or "recorder"
+    return {
+        "type": "model",
+        "id": name,
+        "display_name": name,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(_STARTED)),
+        "max_input_tokens": ctx.config.context_length,
+    }
+
+
+async def list_models(request: web.Request) -> web.Response:
+    ctx = request.app[CTX]
+    entry = _model_entry(ctx)
+    return _json(
+        {"data": [entry], "has_more": False, "first_id": entry["id"], "last_id": entry["id"]}
+    )
+
+
+async def get_model(request: web.Request) -> web.Response:
+    ctx = request.app[CTX]
+    return _json(_model_entry(ctx, request.match_info["model_id"]))
+
+
+async def health(request: web.Request) -> web.Response:
+    ctx = request.app[CTX]
+    return _json(
+        {
+            "status": "stopping" if ctx.stopping else "ok",
+            "sessions_cached": len(ctx.registry),
+            "sessions_open": ctx.registry.open_count(),
+            "turns_in_flight": len(ctx.inflight),
+            "engines": list(ctx.engine.urls),
+            "context_length": ctx.config.context_length,
+        },
+        status=503 if ctx.stopping else 200,
+    )
+
+
+async def root(request: web.Request) -> web.Response:
+    if request.method == "HEAD":
+        return web.Response(status=200)
+    return _json({"service": "trajectory-recorder", "api": "anthropic-messages"})

@@ -1,0 +1,89 @@
+"""The aiohttp application and its lifecycle (start on a port, graceful stop).
+
+`RecorderServer` is what `recorder serve`, the tests and the benchmark run:
+it owns the listening socket and, on stop, refuses new turns, lets in-flight
+turns finish for a grace period, cancels the rest (each records why), then
+closes the engine client and the store (which flushes the log).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+from aiohttp import web
+
+from recorder.server import admin, api
+from recorder.server.context import CTX, ServerContext
+from recorder.server.errors import anthropic_errors
+
+log = logging.getLogger("recorder.server")
+
+
+def create_app(ctx: ServerContext) -> web.Application:
+    app = web.Application(middlewares=[anthropic_errors], client_max_size=ctx.config.max_body_bytes)
+    app[CTX] = ctx
+    app.add_routes(api.routes())
+    app.add_routes(admin.routes())
+    return app
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class RecorderServer:
+    """A running recorder HTTP server bound to `host:port` (port 0 picks a free one)."""
+
+    def __init__(self, ctx: ServerContext, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.ctx = ctx
+        self.host = host
+        self.port = port or free_port(host)
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        app = create_app(self.ctx)
+        # handler_cancellation: a client that disconnects cancels its handler,
+        # which aborts the engine request and records the disconnect.
+        self._runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+        )
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
+        await self._site.start()
+        log.info("recorder listening on %s", self.url)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop accepting, finish or cancel in-flight turns, release everything.
+
+        Closing the store (which flushes the log) is the caller's job: it
+        opened it.
+        """
+        grace = self.ctx.config.shutdown_grace_s if grace_s is None else grace_s
+        self.ctx.stopping = True
+        if self._site is not None:
+            await self._site.stop()
+        inflight = set(self.ctx.inflight)
+        if inflight:
+            log.info("waiting up to %.0fs for %d in-flight turns", grace, len(inflight))
+            _, pending = await asyncio.wait(inflight, timeout=grace)
+            for task in pending:
+                task.cancel()
+            if pending:
+                log.warning("cancelled %d turns still running after the grace period", len(pending))
+                await asyncio.wait(pending, timeout=30)
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        await self.ctx.engine.close()
+        close = getattr(self.ctx.parser, "close", None)
+        if close is not None:
+            await close()

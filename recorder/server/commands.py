@@ -1,0 +1,240 @@
+"""`recorder serve`: run the live middleware until SIGTERM / SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Sequence
+
+import click
+
+from recorder.server.context import ServerConfig, ServerContext
+
+log = logging.getLogger("recorder.server")
+
+
+@click.command()
+@click.option(
+    "--db",
+    "db_url",
+    default="runs.db",
+    show_default=True,
+    help="Event log: SQLite path/URL or postgresql+asyncpg:// URL.",
+)
+@click.option(
+    "--engine",
+    "engines",
+    multiple=True,
+    required=True,
+    help="SGLang server URL; repeat to spread sessions across engines.",
+)
+@click.option(
+    "--tokenizer",
+    "tokenizer_path",
+    required=True,
+    help="Hugging Face tokenizer directory or .gguf file of the served model.",
+)
+@click.option(
+    "--chat-template",
+    default=None,
+    help="Jinja chat template file (or a bundled name, e.g. chatml-tools).",
+)
+@click.option(
+    "--context-length",
+    type=int,
+    default=None,
+    help="Model context length (default: asked from the engine).",
+)
+@click.option("--tool-parser", default=None, help="Tool-call parser name (e.g. qwen25, hermes).")
+@click.option("--reasoning-parser", default=None, help="Reasoning parser name (e.g. qwen3).")
+@click.option(
+    "--parser-backend",
+    type=click.Choice(["auto", "builtin", "http", "sglang"]),
+    default="auto",
+    show_default=True,
+)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8080, show_default=True)
+@click.option(
+    "--admin-token",
+    envvar="TR_ADMIN_TOKEN",
+    default=None,
+    help="Bearer token for /sessions (env TR_ADMIN_TOKEN); unset = admin API open.",
+)
+@click.option(
+    "--rules",
+    "rules_spec",
+    default=None,
+    help="Replay rules for the close path: a TOML/JSON file or a preset name.",
+)
+@click.option("--model-name", default="", help="Model id reported by /v1/models.")
+@click.option("--max-body-mb", type=float, default=64.0, show_default=True)
+@click.option(
+    "--ping-interval",
+    type=float,
+    default=5.0,
+    show_default=True,
+    help="Seconds between SSE pings while a turn waits.",
+)
+@click.option(
+    "--shutdown-grace",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="Seconds in-flight turns get to finish on SIGTERM before they are aborted.",
+)
+@click.option(
+    "--max-attempts",
+    type=int,
+    default=8,
+    show_default=True,
+    help="Engine attempts per turn (aborted attempts are resumed).",
+)
+@click.option("--log-level", default="INFO", show_default=True)
+def serve(
+    db_url: str,
+    engines: Sequence[str],
+    tokenizer_path: str,
+    chat_template: str | None,
+    context_length: int | None,
+    tool_parser: str | None,
+    reasoning_parser: str | None,
+    parser_backend: str,
+    host: str,
+    port: int,
+    admin_token: str | None,
+    rules_spec: str | None,
+    model_name: str,
+    max_body_mb: float,
+    ping_interval: float,
+    shutdown_grace: float,
+    max_attempts: int,
+    log_level: str,
+) -> None:
+    """Record every agent turn between an Anthropic client and SGLang."""
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from recorder.tokenizer import TokenizerLoadError, load_tokenizer
+    from replay.rules import RulesError, load_rules
+
+    try:
+        tokenizer = load_tokenizer(tokenizer_path, chat_template)
+        rules = load_rules(rules_spec)
+    except (TokenizerLoadError, RulesError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    settings = {
+        "db_url": db_url,
+        "engines": list(engines),
+        "context_length": context_length,
+        "tool_parser": tool_parser,
+        "reasoning_parser": reasoning_parser,
+        "parser_backend": parser_backend,
+        "host": host,
+        "port": port,
+        "admin_token": admin_token,
+        "model_name": model_name,
+        "max_body_bytes": int(max_body_mb * 1024 * 1024),
+        "ping_interval": ping_interval,
+        "shutdown_grace": shutdown_grace,
+        "max_attempts": max_attempts,
+    }
+    try:
+        asyncio.run(_serve(tokenizer, rules, **settings))  # type: ignore[arg-type]
+    except _StartupError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+class _StartupError(Exception):
+    pass
+
+
+async def _serve(tokenizer, rules, **s) -> None:  # type: ignore[no-untyped-def]
+    from recorder.engine import EngineClient
+    from recorder.parsers import make_parser, prefills_reasoning
+    from recorder.server.app import RecorderServer
+    from recorder.store import StoreError, open_store
+
+    engine = EngineClient(s["engines"])
+    await engine.start()
+    try:
+        context_length = s["context_length"] or await _engine_context_length(engine)
+        model_name = s["model_name"] or await _engine_model_name(engine)
+        force = prefills_reasoning(tokenizer.render([{"role": "user", "content": "x"}], None, True))
+        parser = make_parser(
+            s["tool_parser"],
+            s["reasoning_parser"],
+            s["parser_backend"],
+            engine_url=engine.urls[0],
+            force_reasoning=force if s["reasoning_parser"] else None,
+        )
+        store = await open_store(s["db_url"], create=True)
+    except (StoreError, ValueError, OSError) as exc:
+        await engine.close()
+        raise _StartupError(str(exc)) from exc
+    except BaseException:
+        await engine.close()
+        raise
+    config = ServerConfig(
+        context_length=context_length,
+        model_name=model_name,
+        admin_token=s["admin_token"],
+        max_body_bytes=s["max_body_bytes"],
+        ping_interval_s=s["ping_interval"],
+        shutdown_grace_s=s["shutdown_grace"],
+        max_attempts=s["max_attempts"],
+    )
+    ctx = ServerContext(
+        config=config, store=store, engine=engine, tokenizer=tokenizer, parser=parser, rules=rules
+    )
+    server = RecorderServer(ctx, s["host"], s["port"])
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await server.start()
+        if s["admin_token"] is None:
+            log.warning(
+                "no --admin-token: the /sessions admin API is open to anyone who can connect"
+            )
+        log.info(
+            "engines %s, context length %d, db %s",
+            ", ".join(engine.urls),
+            context_length,
+            store.url,
+        )
+        await stop.wait()
+        log.info("stopping: no new turns; in-flight turns get %.0fs", config.shutdown_grace_s)
+    finally:
+        await server.stop()
+        await store.close()
+        log.info("stopped; the log is flushed")
+
+
+async def _engine_context_length(engine: object) -> int:
+    from recorder.engine import EngineClient
+
+    assert isinstance(engine, EngineClient)
+    lengths = [await engine.context_length(url) for url in engine.urls]
+    known = [n for n in lengths if n]
+    if not known:
+        raise _StartupError(
+            "could not read the context length from the engine (/v1/models, /model_info); "
+            "pass --context-length N"
+        )
+    return min(known)
+
+
+async def _engine_model_name(engine: object) -> str:
+    from recorder.engine import EngineClient, EngineError
+
+    assert isinstance(engine, EngineClient)
+    with contextlib.suppress(EngineError):
+        info = await engine.model_info(engine.urls[0])
+        path = info.get("model_path")
+        if isinstance(path, str) and path:
+            return path
+    return ""

@@ -1,0 +1,63 @@
+"""Everything a request handler needs, built once per server."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from recorder.server.sessions import SessionRegistry
+
+if TYPE_CHECKING:
+    from recorder.engine import EngineClient
+    from recorder.parsers import OutputParser
+    from recorder.store.base import EventStore
+    from recorder.tokenizer import Tokenizer
+    from replay.rules import Rules
+
+# Decisions the live server records (chain choice, clamp, TITO verdict) carry
+# this tag; bump it when the live decision logic changes meaning.
+LIVE_RULES_VERSION = "live-1"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    context_length: int
+    model_name: str = ""
+    admin_token: str | None = None
+    max_body_bytes: int = 64 * 1024 * 1024
+    ping_interval_s: float = 5.0
+    first_byte_after_s: float = 1.0
+    shutdown_grace_s: float = 30.0
+    max_attempts: int = 8
+    turn_budget_s: float = 3600.0
+    return_routed_experts: bool = False
+    # Applied when a request leaves a sampling field unset.
+    default_temperature: float = 1.0
+
+
+@dataclass(kw_only=True)
+class ServerContext:
+    config: ServerConfig
+    store: EventStore
+    engine: EngineClient
+    tokenizer: Tokenizer
+    parser: OutputParser
+    rules: Rules
+    registry: SessionRegistry = field(init=False)
+    # Handler tasks running a turn; shutdown waits for them, then cancels.
+    inflight: set[asyncio.Task[Any]] = field(default_factory=set)
+    stopping: bool = False
+
+    def __post_init__(self) -> None:
+        from recorder.server.restore import load_session_state
+
+        async def loader(session_id: str) -> Any:
+            return await load_session_state(self, session_id)
+
+        self.registry = SessionRegistry(loader)
+
+
+CTX: web.AppKey[ServerContext] = web.AppKey("recorder_ctx", ServerContext)

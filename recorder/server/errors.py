@@ -1,0 +1,125 @@
+"""Errors in the Anthropic Messages API shape.
+
+Every failure a client sees is `{"type": "error", "error": {"type", "message"}}`
+with the status Anthropic uses for that type, so SDK retry logic (408/409/429/
+5xx are retried) behaves the same against the recorder as against the real API.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
+
+import msgspec
+from aiohttp import web
+
+log = logging.getLogger("recorder.server")
+
+ErrorType = Literal[
+    "invalid_request_error",
+    "authentication_error",
+    "permission_error",
+    "not_found_error",
+    "request_too_large",
+    "rate_limit_error",
+    "api_error",
+    "overloaded_error",
+]
+
+DEFAULT_STATUS: dict[str, int] = {
+    "invalid_request_error": 400,
+    "authentication_error": 401,
+    "permission_error": 403,
+    "not_found_error": 404,
+    "request_too_large": 413,
+    "rate_limit_error": 429,
+    "api_error": 500,
+    "overloaded_error": 529,
+}
+
+_STATUS_TO_TYPE: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+
+
+class ApiError(Exception):
+    """An error to answer with; `status` defaults to the type's usual status.
+
+    Anthropic has no type of its own for 409: conflicts (closed session,
+    duplicate session id) are `invalid_request_error` with status 409.
+    """
+
+    def __init__(self, error_type: ErrorType, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.error_type: str = error_type
+        self.message = message
+        self.status = status if status is not None else DEFAULT_STATUS[error_type]
+
+
+def error_payload(error_type: str, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": error_type, "message": message}}
+
+
+def error_response(err: ApiError) -> web.Response:
+    return web.Response(
+        status=err.status,
+        body=msgspec.json.encode(error_payload(err.error_type, err.message)),
+        content_type="application/json",
+    )
+
+
+def error_type_for_status(status: int) -> str:
+    if status in _STATUS_TO_TYPE:
+        return _STATUS_TO_TYPE[status]
+    return "invalid_request_error" if status < 500 else "api_error"
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def anthropic_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Turn every error escaping a handler into Anthropic's error shape.
+
+    aiohttp's own HTTP errors (unknown route, wrong method, body too large)
+    keep their status; anything unexpected becomes a logged 500 `api_error`
+    so a bug never surfaces as an HTML page or a dropped connection.
+    """
+    try:
+        return await handler(request)
+    except ApiError as err:
+        return error_response(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = _http_exception_message(request, exc)
+        return error_response(
+            ApiError(error_type_for_status(exc.status), message, status=exc.status)  # type: ignore[arg-type]
+        )
+    except Exception as exc:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(
+            ApiError("api_error", f"internal error ({type(exc).__name__}); see the server log")
+        )
+
+
+def _http_exception_message(request: web.Request, exc: web.HTTPException) -> str:
+    if exc.status == 404:
+        return f"no route for {request.method} {request.path}"
+    if exc.status == 405:
+        return f"method {request.method} not allowed on {request.path}"
+    if exc.status == 413:
+        return (
+            f"request body too large ({exc.text or 'over the limit'}); "
+            "raise `recorder serve --max-body-mb` if this is legitimate"
+        )
+    return exc.text or exc.reason

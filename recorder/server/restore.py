@@ -1,0 +1,144 @@
+"""Rebuilding a session's live state from its log (after a restart or a failure).
+
+Only the latest attempt counts (the events after the last SessionOpened).
+Chains are rebuilt by replaying the pipeline's own pure calls over each
+answered turn: `plan_turn` on the recorded request body, then `commit_turn`
+with the recorded engine input and output tokens, so the rebuilt chains hold
+exactly the tokens the engine saw, whatever the template does today.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from recorder import events as ev
+from recorder.events import ArrayRef, RecordedEvent
+from recorder.server.journal import Journal
+from recorder.server.sessions import SessionState
+from recorder.server.turn import remember_refs
+from recorder.tokens import SessionChains, commit_turn, note_dispatch, plan_turn
+from recorder.translate import find_dispatches, parse_request, response_message_digest
+
+if TYPE_CHECKING:
+    from recorder.server.context import ServerContext
+
+log = logging.getLogger("recorder.server")
+
+
+@dataclass
+class _Turn:
+    request: ev.MessagesRequest | None = None
+    decision: ev.ChainDecision | None = None
+    rendered: ev.RenderedInput | None = None
+    outputs: list[ArrayRef] = field(default_factory=list)
+    response: ev.ResponseSent | None = None
+
+
+async def load_session_state(ctx: ServerContext, session_id: str) -> SessionState | None:
+    """The session's state as the log says, or None if it was never opened."""
+    events = await ctx.store.read_session(session_id)
+    opened_at = _last_opened(events)
+    if opened_at is None:
+        return None
+    opened = events[opened_at].event
+    assert isinstance(opened, ev.SessionOpened)
+    tail = events[opened_at:]
+    state = SessionState(
+        session_id=session_id,
+        journal=Journal(ctx.store, session_id, next_seq=events[-1].seq + 1),
+        metadata=dict(opened.metadata),
+        engine_url=opened.engine_url or ctx.engine.pick(session_id),
+        attempt=opened.attempt,
+        opened_ts=events[opened_at].ts,
+        next_turn=_next_turn(events),
+    )
+    closed = next((r.event for r in tail if isinstance(r.event, ev.SessionClosed)), None)
+    if closed is not None:
+        state.status = "closed"
+        state.close_status = closed.status
+        return state
+    state.chains = SessionChains()
+    await _rebuild_chains(ctx, state, tail)
+    return state
+
+
+def _last_opened(events: list[RecordedEvent]) -> int | None:
+    for i in range(len(events) - 1, -1, -1):
+        if isinstance(events[i].event, ev.SessionOpened):
+            return i
+    return None
+
+
+def _next_turn(events: list[RecordedEvent]) -> int:
+    turns = [getattr(r.event, "turn", -1) for r in events]
+    return max(turns, default=-1) + 1
+
+
+def _answered_turns(events: list[RecordedEvent]) -> list[_Turn]:
+    turns: dict[int, _Turn] = defaultdict(_Turn)
+    for r in events:
+        e = r.event
+        if isinstance(e, ev.MessagesRequest):
+            turns[e.turn].request = e
+        elif isinstance(e, ev.ChainDecision):
+            turns[e.turn].decision = e
+        elif isinstance(e, ev.RenderedInput):
+            turns[e.turn].rendered = e
+        elif isinstance(e, ev.GenerateResult):
+            turns[e.turn].outputs.append(e.output_ids)
+        elif isinstance(e, ev.ResponseSent) and e.status == 200:
+            turns[e.turn].response = e
+    return [
+        t
+        for _, t in sorted(turns.items())
+        if t.request is not None and t.rendered is not None and t.response is not None
+    ]
+
+
+async def _rebuild_chains(
+    ctx: ServerContext, state: SessionState, events: list[RecordedEvent]
+) -> None:
+    for turn in _answered_turns(events):
+        assert turn.request is not None and turn.rendered is not None and turn.response is not None
+        body, input_ids, *outputs = await ctx.store.get_arrays(
+            [turn.request.body, turn.rendered.input_ids, *turn.outputs]
+        )
+        chat = parse_request(body.tobytes())
+        if turn.decision is not None:
+            # Chain ids as recorded: a new chain takes the id the live server gave it.
+            state.chains.next_chain_id = max(state.chains.next_chain_id, turn.decision.chain_id)
+            if turn.decision.action == "new":
+                state.chains.next_chain_id = turn.decision.chain_id
+        plan = plan_turn(state.chains, chat, ctx.tokenizer)
+        recorded = input_ids.astype(np.int64).tolist()
+        if plan.input_ids != recorded:
+            log.warning(
+                "session %s turn %d: today's render differs from the recorded engine input; "
+                "the rebuilt chain keeps the recorded tokens",
+                state.session_id,
+                turn.request.turn,
+            )
+            plan.action, plan.reason = "new", "diverged"
+            plan.parent_chain_id, plan.prefix_len, plan.input_ids = None, 0, recorded
+        output_ids = np.concatenate(outputs).astype(np.int64).tolist() if outputs else []
+        content = turn.response.content
+        chain = commit_turn(state.chains, plan, output_ids, response_message_digest(content))
+        dispatches = find_dispatches(content)
+        if dispatches:
+            note_dispatch(state.chains, [d[0] for d in dispatches], [d[1] for d in dispatches])
+        full_ref = await ctx.store.put_array(
+            np.asarray(output_ids, dtype=np.int32), extends=turn.rendered.input_ids
+        )
+        remember_refs(state, plan, chain.chain_id, turn.rendered.input_ids, full_ref)
+        state.turns_completed += 1
+    state.chains.next_chain_id = max(state.chains.next_chain_id, _max_chain_id(events) + 1)
+
+
+def _max_chain_id(events: list[RecordedEvent]) -> int:
+    ids = [r.event.chain_id for r in events if isinstance(r.event, ev.ChainDecision)]
+    return max(ids, default=-1)

@@ -1,0 +1,130 @@
+"""Live sessions: their per-session lock and the state a turn needs.
+
+The log is the truth; a `SessionState` is a cache of it. It is built when a
+session opens, or rebuilt from the log the first time a request names a
+session this process does not hold (after a restart, or after a failure made
+the cached state suspect). One lock per session serialises its turns (a
+retried or raced request must not interleave two turns); sessions are
+otherwise independent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from recorder.events import ArrayRef
+from recorder.server.journal import Journal
+
+SessionStatus = Literal["open", "closed"]
+
+SESSION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,199}$")
+
+
+@dataclass
+class SessionState:
+    session_id: str
+    journal: Journal
+    status: SessionStatus = "open"
+    metadata: dict[str, Any] = field(default_factory=dict)
+    engine_url: str = ""
+    attempt: int = 0
+    opened_ts: float = 0.0
+    next_turn: int = 0
+    turns_completed: int = 0
+    close_status: str = ""
+    # Token chains (recorder.tokens.SessionChains) and, per chain id, the ref
+    # of its full token sequence so the next input is stored as a delta.
+    chains: Any = None
+    chain_refs: dict[int, ArrayRef] = field(default_factory=dict)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Set when an unexpected error left the cache possibly out of step with
+    # the log: the registry rebuilds it before the next use.
+    suspect: bool = False
+
+    @property
+    def next_seq(self) -> int:
+        return self.journal.next_seq
+
+
+Loader = Callable[[str], Awaitable[SessionState | None]]
+
+
+class SessionRegistry:
+    """session id -> state, loading from the log on a miss (once, even when raced)."""
+
+    def __init__(self, loader: Loader) -> None:
+        self._loader = loader
+        self._sessions: dict[str, SessionState] = {}
+        self._loading: dict[str, asyncio.Future[SessionState | None]] = {}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def cached(self, session_id: str) -> SessionState | None:
+        return self._sessions.get(session_id)
+
+    def open_count(self) -> int:
+        return sum(1 for s in self._sessions.values() if s.status == "open")
+
+    def put(self, state: SessionState) -> None:
+        self._sessions[state.session_id] = state
+
+    def forget(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+
+    async def get(self, session_id: str) -> SessionState | None:
+        """The session's state, from memory or rebuilt from the log; None if it never existed."""
+        state = self._sessions.get(session_id)
+        if state is not None and not state.suspect:
+            return state
+        if not SESSION_ID_RE.match(session_id):
+            return None
+        pending = self._loading.get(session_id)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future: asyncio.Future[SessionState | None] = asyncio.get_running_loop().create_future()
+        self._loading[session_id] = future
+        try:
+            if state is not None:
+                # Rebuild under the old state's lock (kept by the new state) so
+                # no turn of this session runs while its log is re-read.
+                async with state.lock:
+                    loaded = await self._loader(session_id)
+                    if loaded is not None:
+                        loaded.lock = state.lock
+            else:
+                loaded = await self._loader(session_id)
+        except asyncio.CancelledError:
+            future.cancel()
+            raise
+        except Exception as exc:
+            future.set_exception(exc)
+            future.exception()  # mark retrieved: waiters re-raise it themselves
+            raise
+        finally:
+            self._loading.pop(session_id, None)
+        if loaded is not None:
+            self._sessions[session_id] = loaded
+        else:
+            self._sessions.pop(session_id, None)
+        future.set_result(loaded)
+        return loaded
+
+    async def acquire(self, session_id: str) -> SessionState | None:
+        """The session's current state with its lock held (caller releases `state.lock`).
+
+        Re-checks after the wait: a turn that failed meanwhile may have
+        marked the state suspect and a rebuilt one replaced it.
+        """
+        while True:
+            state = await self.get(session_id)
+            if state is None:
+                return None
+            await state.lock.acquire()
+            if not state.suspect and self._sessions.get(session_id) is state:
+                return state
+            state.lock.release()

@@ -1,0 +1,173 @@
+"""Content-addressed array pieces: hashing and (de)compression, no I/O.
+
+An array is stored as a chain of pieces. A piece holds one suffix of data and
+names its parent (the prefix it extends) by digest, so a turn whose prompt
+extends the previous turn's prompt stores only its new tokens. A piece's
+digest hashes the parent digest, the dtype and the raw suffix bytes, so the
+digest of the last piece names the whole array (a hash chain) and equal
+content written twice is one row.
+
+int32/float32 suffixes are byte-shuffled before zstd: grouping the 1st, 2nd,
+3rd and 4th byte of every element lets zstd see the near-constant high bytes
+of token ids and float exponents as long runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Final
+
+import msgspec
+import numpy as np
+import zstandard
+
+from recorder.events import ArrayRef, DType
+from recorder.store.base import ArrayNotFound, CorruptArray
+
+DIGEST_SIZE: Final = 16
+_NO_PARENT: Final = b"\x00" * DIGEST_SIZE
+_PERSON: Final = b"tr-array-v1"
+_ZSTD_LEVEL: Final = 3
+
+# Codec ids stored per piece, so the format can change without rewriting rows.
+CODEC_ZSTD: Final = 1
+CODEC_ZSTD_SHUFFLED: Final = 2
+
+NUMPY_DTYPES: Final[dict[str, np.dtype]] = {
+    "int32": np.dtype("<i4"),
+    "float32": np.dtype("<f4"),
+    "uint8": np.dtype("u1"),
+}
+
+
+class Piece(msgspec.Struct, frozen=True):
+    """One stored row of the `arrays` table."""
+
+    digest: bytes
+    parent: bytes | None
+    dtype: str
+    total_length: int  # elements in the whole array this piece ends
+    codec: int
+    data: bytes
+
+
+class DecodedPiece(msgspec.Struct, frozen=True):
+    """A verified piece with its suffix as a read-only numpy array."""
+
+    digest: bytes
+    parent: bytes | None
+    dtype: str
+    total_length: int
+    suffix: np.ndarray
+
+
+def piece_digest(parent: bytes | None, dtype: str, raw: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=_PERSON)
+    h.update(parent or _NO_PARENT)
+    h.update(dtype.encode("ascii").ljust(8, b"\x00"))
+    h.update(raw)
+    return h.digest()
+
+
+def as_suffix(array: np.ndarray, dtype: DType | None) -> tuple[np.ndarray, DType]:
+    """Validate and normalise an array to a contiguous little-endian 1-D array."""
+    arr = np.asarray(array)
+    if arr.ndim != 1:
+        raise ValueError(f"put_array stores 1-D arrays; got shape {arr.shape}: flatten it first")
+    name = dtype or _dtype_name(arr.dtype)
+    target = NUMPY_DTYPES[name]
+    if arr.dtype != target:
+        if not np.can_cast(arr.dtype, target, casting="same_kind") or (
+            arr.dtype.kind in "iu" and arr.size and not _fits(arr, target)
+        ):
+            raise ValueError(f"cannot store a {arr.dtype} array as {name} without loss")
+        arr = arr.astype(target)
+    return np.ascontiguousarray(arr), name
+
+
+def _dtype_name(dt: np.dtype) -> DType:
+    if dt.kind in "iu" and dt != np.dtype("u1"):
+        return "int32"
+    if dt.kind == "f":
+        return "float32"
+    if dt == np.dtype("u1"):
+        return "uint8"
+    raise ValueError(f"arrays of dtype {dt} cannot be stored; use int32, float32 or uint8")
+
+
+def _fits(arr: np.ndarray, target: np.dtype) -> bool:
+    info = np.iinfo(target)
+    return bool(arr.min() >= info.min and arr.max() <= info.max)
+
+
+def _shuffle(raw: bytes, itemsize: int) -> bytes:
+    return np.frombuffer(raw, np.uint8).reshape(-1, itemsize).T.tobytes()
+
+
+def _unshuffle(data: bytes, itemsize: int) -> bytes:
+    return np.frombuffer(data, np.uint8).reshape(itemsize, -1).T.tobytes()
+
+
+def encode_piece(suffix: np.ndarray, dtype: DType, parent: ArrayRef | None) -> Piece:
+    """The row to store for `suffix` appended to `parent` (None: a root piece)."""
+    raw = suffix.tobytes()
+    parent_digest = parent.digest if parent is not None else None
+    itemsize = NUMPY_DTYPES[dtype].itemsize
+    if itemsize > 1:
+        codec, body = CODEC_ZSTD_SHUFFLED, _shuffle(raw, itemsize)
+    else:
+        codec, body = CODEC_ZSTD, raw
+    data = zstandard.ZstdCompressor(level=_ZSTD_LEVEL, write_content_size=True).compress(body)
+    total = (parent.length if parent is not None else 0) + len(suffix)
+    return Piece(piece_digest(parent_digest, dtype, raw), parent_digest, dtype, total, codec, data)
+
+
+def decode_piece(piece: Piece) -> DecodedPiece:
+    """Decompress and verify one stored piece; raise `CorruptArray` on any mismatch."""
+    dt = NUMPY_DTYPES.get(piece.dtype)
+    try:
+        if dt is None:
+            raise ValueError(f"unknown dtype {piece.dtype!r}")
+        body = zstandard.ZstdDecompressor().decompress(piece.data)
+        if piece.codec == CODEC_ZSTD_SHUFFLED:
+            if len(body) % dt.itemsize:
+                raise ValueError("decompressed size is not a multiple of the item size")
+            raw = _unshuffle(body, dt.itemsize)
+        elif piece.codec == CODEC_ZSTD:
+            raw = body
+        else:
+            raise ValueError(f"unknown codec {piece.codec}")
+    except (zstandard.ZstdError, ValueError) as e:
+        raise _corrupt(piece.digest, f"cannot be decoded ({e})") from None
+    if piece_digest(piece.parent, piece.dtype, raw) != piece.digest:
+        raise _corrupt(piece.digest, "does not match its digest")
+    suffix = np.frombuffer(raw, dt)
+    return DecodedPiece(piece.digest, piece.parent, piece.dtype, piece.total_length, suffix)
+
+
+def _corrupt(digest: bytes, what: str) -> CorruptArray:
+    return CorruptArray(
+        f"stored array piece {digest.hex()} {what}: the database file or its backup is "
+        "damaged. Restore it from a good copy (`recorder db copy --from GOOD --to NEW`); "
+        "events referring to this array cannot be replayed until then"
+    )
+
+
+def missing_piece(digest: bytes) -> ArrayNotFound:
+    return ArrayNotFound(
+        f"array piece {digest.hex()} is not in this database: the ref comes from another "
+        "database or the arrays table was truncated; read it from the store that wrote it"
+    )
+
+
+def assemble(ref: ArrayRef, chain: list[DecodedPiece]) -> np.ndarray:
+    """Concatenate a root-first chain of pieces into the array `ref` names."""
+    last = chain[-1]
+    if last.digest != ref.digest or last.total_length != ref.length or last.dtype != ref.dtype:
+        raise CorruptArray(
+            f"array {ref.digest.hex()}: stored piece says {last.total_length} x {last.dtype}, "
+            f"the ref says {ref.length} x {ref.dtype}; the ref was not made by this store"
+        )
+    if len(chain) == 1:
+        return last.suffix.copy()
+    return np.concatenate([p.suffix for p in chain])

@@ -1,0 +1,561 @@
+"""The event store over SQLAlchemy async Core: the logic both backends share.
+
+Backends (`sqlite.py`, `postgres.py`) subclass `SqlEventStore` and supply
+only what differs: engines, the dialect's INSERT (for ON CONFLICT), how
+writers serialise, and how positions are allocated.
+
+Write path: every append and array put goes through one `GroupCommitter`
+per store. A group is one transaction that (1) takes the backend's writer
+lock, (2) inserts array pieces (ON CONFLICT DO NOTHING), (3) checks each
+append's idempotency and expected seq against the database *inside* the
+locked transaction, (4) allocates one contiguous run of positions for the
+accepted events, in queue order, and inserts them. A request that fails its
+check fails alone; the rest of the group commits. If the transaction itself
+fails, each request is retried in its own transaction so one bad request
+cannot sink its neighbours.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from recorder.events import ArrayRef, NewEvent, RecordedEvent, decode_event, type_name
+from recorder.store import arrays as arr
+from recorder.store.base import (
+    ArrayNotFound,
+    ConcurrencyConflict,
+    EventStore,
+    IdempotencyConflict,
+    StoreError,
+)
+from recorder.store.group_commit import GroupCommitter, WriteRequest
+from recorder.store.tables import arrays, events, projection_names, projections
+
+# Bound on events + pieces per group transaction (keeps a group's latency and
+# memory modest while still amortising the commit over thousands of rows).
+MAX_GROUP_WEIGHT = 20_000
+# Bound on bind parameters in one IN (...) list.
+IN_CHUNK = 500
+PIECE_CACHE_BYTES = 256 * 1024 * 1024
+
+_EVENT_COLUMNS = (
+    events.c.position,
+    events.c.session_id,
+    events.c.seq,
+    events.c.event_id,
+    events.c.type,
+    events.c.version,
+    events.c.ts,
+    events.c.payload,
+)
+
+
+# -- write requests -----------------------------------------------------------
+
+
+@dataclass(slots=True)
+class EventRow:
+    event_id: uuid.UUID
+    type: str
+    version: int
+    ts: float
+    payload: bytes
+    position: int = 0
+
+
+class AppendRequest(WriteRequest):
+    __slots__ = ("expected_seq", "rows", "session_id")
+
+    def __init__(self, session_id: str, rows: list[EventRow], expected_seq: int | None) -> None:
+        super().__init__(len(rows) or 1)
+        self.session_id = session_id
+        self.rows = rows
+        self.expected_seq = expected_seq
+
+
+class PiecesRequest(WriteRequest):
+    __slots__ = ("pieces",)
+
+    def __init__(self, pieces: list[arr.Piece]) -> None:
+        super().__init__(len(pieces))
+        self.pieces = pieces
+
+
+@dataclass(slots=True)
+class _GroupPlan:
+    """What one group transaction will write, and each request's outcome."""
+
+    new_rows: list[dict[str, Any]] = field(default_factory=list)
+    # request -> rows whose positions it returns (new or previously stored)
+    answers: dict[int, list[EventRow]] = field(default_factory=dict)
+    errors: dict[int, StoreError] = field(default_factory=dict)
+
+
+class _PieceCache:
+    """LRU of verified pieces, bounded by decoded bytes."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self._items: OrderedDict[bytes, arr.DecodedPiece] = OrderedDict()
+        self._bytes = 0
+        self._max = max_bytes
+
+    def get(self, digest: bytes) -> arr.DecodedPiece | None:
+        p = self._items.get(digest)
+        if p is not None:
+            self._items.move_to_end(digest)
+        return p
+
+    def put(self, piece: arr.DecodedPiece) -> None:
+        if piece.digest in self._items:
+            self._items.move_to_end(piece.digest)
+            return
+        self._items[piece.digest] = piece
+        self._bytes += piece.suffix.nbytes
+        while self._bytes > self._max and len(self._items) > 1:
+            _, old = self._items.popitem(last=False)
+            self._bytes -= old.suffix.nbytes
+
+
+def _chunks(items: Sequence[Any], n: int = IN_CHUNK) -> Iterable[Sequence[Any]]:
+    for i in range(0, len(items), n):
+        yield items[i : i + n]
+
+
+def _record(row: sa.Row[Any]) -> RecordedEvent:
+    position, session_id, seq, event_id, type_, version, ts, payload = row
+    return RecordedEvent(
+        position=position,
+        session_id=session_id,
+        seq=seq,
+        event_id=event_id,
+        ts=ts,
+        version=version,
+        event=decode_event(type_, version, payload),
+    )
+
+
+class SqlEventStore(EventStore):
+    """`EventStore` on two engines: one for the single writer, one for readers."""
+
+    dialect_insert: ClassVar[Callable[[sa.Table], Any]]
+
+    def __init__(self, url: str, write_engine: AsyncEngine, read_engine: AsyncEngine) -> None:
+        self.url = url
+        self.write_engine = write_engine
+        self.read_engine = read_engine
+        self._writer: GroupCommitter[AppendRequest | PiecesRequest] = GroupCommitter(
+            self._commit_group, max_weight=MAX_GROUP_WEIGHT
+        )
+        self._pieces = _PieceCache(PIECE_CACHE_BYTES)
+        # Test hook: awaited inside each write transaction just before COMMIT.
+        self.before_commit: Callable[[], Awaitable[None]] | None = None
+
+    # -- backend hooks ------------------------------------------------------
+
+    @abc.abstractmethod
+    async def _lock_writers(self, conn: AsyncConnection) -> None:
+        """Serialise write transactions (held until commit)."""
+
+    @abc.abstractmethod
+    async def _allocate_positions(self, conn: AsyncConnection, n: int) -> int:
+        """Reserve `n` consecutive positions; return the first. Called under the lock."""
+
+    async def _after_bulk_copy(self, conn: AsyncConnection) -> None:
+        """Fix up identity counters after rows were inserted with explicit keys."""
+
+    # -- events: write ------------------------------------------------------
+
+    async def append(
+        self,
+        session_id: str,
+        events: Sequence[NewEvent],
+        *,
+        expected_seq: int | None = None,
+    ) -> list[int]:
+        if not events:
+            return []
+        now = time.time()
+        rows = [
+            EventRow(
+                event_id=ne.event_id,
+                type=type_name(ne.event),
+                version=type(ne.event).VERSION,
+                ts=ne.ts or now,
+                payload=_encode(ne),
+            )
+            for ne in events
+        ]
+        if len({r.event_id for r in rows}) != len(rows):
+            raise IdempotencyConflict("a batch lists the same event_id twice; ids must be unique")
+        result: list[int] = await self._writer.submit(AppendRequest(session_id, rows, expected_seq))
+        return result
+
+    async def _commit_group(self, group: list[AppendRequest | PiecesRequest]) -> None:
+        try:
+            plan = await self._write_group(group)
+        except Exception as e:
+            if len(group) == 1:
+                group[0].fail(e)
+                return
+            for request in group:
+                await self._commit_group([request])
+            return
+        for i, request in enumerate(group):
+            if i in plan.errors:
+                request.fail(plan.errors[i])
+            elif isinstance(request, AppendRequest):
+                request.resolve([r.position for r in plan.answers[i]])
+            else:
+                request.resolve(None)
+
+    async def _write_group(self, group: list[AppendRequest | PiecesRequest]) -> _GroupPlan:
+        async with self.write_engine.begin() as conn:
+            await self._lock_writers(conn)
+            plan = _GroupPlan()
+            piece_requests = [(i, r) for i, r in enumerate(group) if isinstance(r, PiecesRequest)]
+            if piece_requests:
+                await self._insert_pieces(conn, piece_requests, plan)
+            appends = [(i, r) for i, r in enumerate(group) if isinstance(r, AppendRequest)]
+            if appends:
+                await self._plan_appends(conn, appends, plan)
+            if plan.new_rows:
+                first = await self._allocate_positions(conn, len(plan.new_rows))
+                for offset, row in enumerate(plan.new_rows):
+                    row["position"] = row["_row"].position = first + offset
+                await conn.execute(
+                    events.insert(),
+                    [{k: v for k, v in r.items() if k != "_row"} for r in plan.new_rows],
+                )
+            if self.before_commit is not None:
+                await self.before_commit()
+        return plan
+
+    async def _plan_appends(
+        self,
+        conn: AsyncConnection,
+        appends: list[tuple[int, AppendRequest]],
+        plan: _GroupPlan,
+    ) -> None:
+        stored = await self._stored_by_id(
+            conn, [row.event_id for _, r in appends for row in r.rows]
+        )
+        next_seq = await self._next_seqs(conn, {r.session_id for _, r in appends})
+        pending: dict[uuid.UUID, tuple[str, EventRow]] = {}
+        for i, request in appends:
+            known = [stored.get(row.event_id) or pending.get(row.event_id) for row in request.rows]
+            if any(k is not None for k in known):
+                outcome = _resend_outcome(request, known)
+                if isinstance(outcome, StoreError):
+                    plan.errors[i] = outcome
+                else:
+                    plan.answers[i] = outcome
+                continue
+            seq = next_seq.get(request.session_id, 0)
+            if request.expected_seq is not None and request.expected_seq != seq:
+                plan.errors[i] = ConcurrencyConflict(request.session_id, request.expected_seq, seq)
+                continue
+            for row in request.rows:
+                plan.new_rows.append(
+                    {
+                        "_row": row,
+                        "session_id": request.session_id,
+                        "seq": seq,
+                        "event_id": row.event_id,
+                        "type": row.type,
+                        "version": row.version,
+                        "ts": row.ts,
+                        "payload": row.payload,
+                    }
+                )
+                pending[row.event_id] = (request.session_id, row)
+                seq += 1
+            next_seq[request.session_id] = seq
+            plan.answers[i] = request.rows
+
+    async def _stored_by_id(
+        self, conn: AsyncConnection, ids: list[uuid.UUID]
+    ) -> dict[uuid.UUID, tuple[str, EventRow]]:
+        found: dict[uuid.UUID, tuple[str, EventRow]] = {}
+        cols = (events.c.session_id, events.c.event_id, events.c.type, events.c.version)
+        for chunk in _chunks(ids):
+            stmt = sa.select(*cols, events.c.ts, events.c.payload, events.c.position).where(
+                events.c.event_id.in_(chunk)
+            )
+            for session_id, event_id, type_, version, ts, payload, position in await conn.execute(
+                stmt
+            ):
+                found[event_id] = (
+                    session_id,
+                    EventRow(event_id, type_, version, ts, payload, position),
+                )
+        return found
+
+    async def _next_seqs(self, conn: AsyncConnection, session_ids: set[str]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for chunk in _chunks(sorted(session_ids)):
+            stmt = (
+                sa.select(events.c.session_id, sa.func.max(events.c.seq))
+                .where(events.c.session_id.in_(chunk))
+                .group_by(events.c.session_id)
+            )
+            for session_id, max_seq in await conn.execute(stmt):
+                out[session_id] = max_seq + 1
+        return out
+
+    # -- events: read -------------------------------------------------------
+
+    async def read_session(self, session_id: str, *, from_seq: int = 0) -> list[RecordedEvent]:
+        stmt = (
+            sa.select(*_EVENT_COLUMNS)
+            .where(events.c.session_id == session_id, events.c.seq >= from_seq)
+            .order_by(events.c.seq)
+        )
+        async with self.read_engine.connect() as conn:
+            return [_record(r) for r in await conn.execute(stmt)]
+
+    async def read_all(self, *, after: int = 0, limit: int = 1000) -> list[RecordedEvent]:
+        async with self.read_engine.connect() as conn:
+            return [_record(r) for r in await self._raw_events(conn, after, limit)]
+
+    async def _raw_events(self, conn: AsyncConnection, after: int, limit: int) -> list[sa.Row[Any]]:
+        stmt = (
+            sa.select(*_EVENT_COLUMNS)
+            .where(events.c.position > after)
+            .order_by(events.c.position)
+            .limit(limit)
+        )
+        return list(await conn.execute(stmt))
+
+    async def session_ids(self) -> list[str]:
+        first = sa.func.min(events.c.position)
+        stmt = sa.select(events.c.session_id, first).group_by(events.c.session_id).order_by(first)
+        async with self.read_engine.connect() as conn:
+            return [r[0] for r in await conn.execute(stmt)]
+
+    async def last_position(self) -> int:
+        async with self.read_engine.connect() as conn:
+            value = await conn.scalar(sa.select(sa.func.max(events.c.position)))
+        return int(value or 0)
+
+    # -- arrays -------------------------------------------------------------
+
+    async def put_array(self, array: np.ndarray, *, extends: ArrayRef | None = None) -> ArrayRef:
+        suffix, dtype = arr.as_suffix(array, extends.dtype if extends is not None else None)
+        if extends is not None and len(suffix) == 0:
+            return extends
+        piece = arr.encode_piece(suffix, dtype, extends)
+        ref = ArrayRef(piece.digest, piece.total_length, dtype)
+        if self._pieces.get(piece.digest) is None:
+            await self._writer.submit(PiecesRequest([piece]))
+            suffix.setflags(write=False)
+            self._pieces.put(
+                arr.DecodedPiece(piece.digest, piece.parent, dtype, piece.total_length, suffix)
+            )
+        return ref
+
+    async def _insert_pieces(
+        self,
+        conn: AsyncConnection,
+        requests: list[tuple[int, PiecesRequest]],
+        plan: _GroupPlan,
+    ) -> None:
+        by_digest = {p.digest: p for _, r in requests for p in r.pieces}
+        parents = {p.parent for p in by_digest.values() if p.parent is not None}
+        present = await self._present_digests(conn, [d for d in parents if d not in by_digest])
+        for i, request in requests:
+            for p in request.pieces:
+                if p.parent is not None and p.parent not in by_digest and p.parent not in present:
+                    plan.errors[i] = ArrayNotFound(
+                        f"put_array(extends=...) names array {p.parent.hex()}, which this "
+                        "database does not hold; extend a ref returned by this store"
+                    )
+        rows = [
+            {
+                "digest": p.digest,
+                "parent": p.parent,
+                "dtype": p.dtype,
+                "total_length": p.total_length,
+                "codec": p.codec,
+                "data": p.data,
+            }
+            for i, r in requests
+            if i not in plan.errors
+            for p in r.pieces
+        ]
+        if rows:
+            stmt = (
+                type(self).dialect_insert(arrays).on_conflict_do_nothing(index_elements=["digest"])
+            )
+            await conn.execute(stmt, rows)
+
+    async def _present_digests(self, conn: AsyncConnection, digests: list[bytes]) -> set[bytes]:
+        present: set[bytes] = set()
+        for chunk in _chunks(digests):
+            stmt = sa.select(arrays.c.digest).where(arrays.c.digest.in_(chunk))
+            present.update(bytes(d) for d in await conn.scalars(stmt))
+        return present
+
+    async def get_array(self, ref: ArrayRef) -> np.ndarray:
+        return (await self.get_arrays([ref]))[0]
+
+    async def get_arrays(self, refs: Sequence[ArrayRef]) -> list[np.ndarray]:
+        """Fetch every missing piece round by round (one IN query per chain depth)."""
+        local: dict[bytes, arr.DecodedPiece] = {}
+        frontier = {r.digest for r in refs}
+        async with self.read_engine.connect() as conn:
+            while frontier:
+                wanted = []
+                for d in frontier:
+                    cached = self._pieces.get(d)
+                    if cached is not None:
+                        local[d] = cached
+                    else:
+                        wanted.append(d)
+                for piece in await self._fetch_pieces(conn, wanted):
+                    local[piece.digest] = piece
+                    self._pieces.put(piece)
+                frontier = {
+                    p.parent
+                    for d in frontier
+                    if (p := local[d]).parent is not None and p.parent not in local
+                }
+        return [arr.assemble(ref, _chain(local, ref.digest)) for ref in refs]
+
+    async def _fetch_pieces(
+        self, conn: AsyncConnection, digests: list[bytes]
+    ) -> list[arr.DecodedPiece]:
+        out: list[arr.DecodedPiece] = []
+        for chunk in _chunks(digests):
+            stmt = sa.select(
+                arrays.c.digest,
+                arrays.c.parent,
+                arrays.c.dtype,
+                arrays.c.total_length,
+                arrays.c.codec,
+                arrays.c.data,
+            ).where(arrays.c.digest.in_(chunk))
+            for digest, parent, dtype, total, codec, data in await conn.execute(stmt):
+                piece = arr.Piece(
+                    bytes(digest),
+                    None if parent is None else bytes(parent),
+                    dtype,
+                    total,
+                    codec,
+                    bytes(data),
+                )
+                out.append(arr.decode_piece(piece))
+        missing = set(digests) - {p.digest for p in out}
+        if missing:
+            raise arr.missing_piece(min(missing))
+        return out
+
+    # -- projections --------------------------------------------------------
+
+    async def save_projection(self, name: str, rows: Sequence[tuple[str, int, str, bytes]]) -> None:
+        insert = type(self).dialect_insert
+        async with self.write_engine.begin() as conn:
+            await conn.execute(
+                insert(projection_names).on_conflict_do_nothing(index_elements=["name"]),
+                [{"name": name}],
+            )
+            if rows:
+                stmt = insert(projections)
+                stmt = stmt.on_conflict_do_update(
+                    index_elements=["name", "session_id"],
+                    set_={
+                        "covers_position": stmt.excluded.covers_position,
+                        "digest": stmt.excluded.digest,
+                        "payload": stmt.excluded.payload,
+                    },
+                )
+                await conn.execute(
+                    stmt,
+                    [
+                        {
+                            "name": name,
+                            "session_id": s,
+                            "covers_position": c,
+                            "digest": d,
+                            "payload": p,
+                        }
+                        for s, c, d, p in rows
+                    ],
+                )
+
+    async def load_projection(self, name: str) -> dict[str, tuple[int, str, bytes]]:
+        stmt = sa.select(
+            projections.c.session_id,
+            projections.c.covers_position,
+            projections.c.digest,
+            projections.c.payload,
+        ).where(projections.c.name == name)
+        async with self.read_engine.connect() as conn:
+            return {s: (c, d, bytes(p)) for s, c, d, p in await conn.execute(stmt)}
+
+    async def projection_names(self) -> list[str]:
+        stmt = sa.select(projection_names.c.name).order_by(projection_names.c.ordinal)
+        async with self.read_engine.connect() as conn:
+            return list(await conn.scalars(stmt))
+
+    # -- lifecycle ----------------------------------------------------------
+
+    async def close(self) -> None:
+        await self._writer.close()
+        await self.write_engine.dispose()
+        if self.read_engine is not self.write_engine:
+            await self.read_engine.dispose()
+
+
+def _encode(ne: NewEvent) -> bytes:
+    from recorder.events import encode_event
+
+    return encode_event(ne.event)
+
+
+def _resend_outcome(
+    request: AppendRequest, known: list[tuple[str, EventRow] | None]
+) -> list[EventRow] | StoreError:
+    """A batch naming stored ids: all identical -> the stored rows; else an error."""
+    if any(k is None for k in known):
+        return IdempotencyConflict(
+            f"session {request.session_id!r}: the batch mixes already-stored event ids with "
+            "new ones; re-send the original batch unchanged, or use fresh ids for new events"
+        )
+    out: list[EventRow] = []
+    for row, k in zip(request.rows, known, strict=True):
+        assert k is not None
+        session_id, stored = k
+        if (session_id, stored.type, stored.version, bytes(stored.payload)) != (
+            request.session_id,
+            row.type,
+            row.version,
+            row.payload,
+        ):
+            return IdempotencyConflict(
+                f"event {row.event_id} is already stored with different content (session "
+                f"{session_id!r}, type {stored.type!r}); an event id may only be re-sent with "
+                "the identical event"
+            )
+        out.append(stored)
+    return out
+
+
+def _chain(local: dict[bytes, arr.DecodedPiece], digest: bytes) -> list[arr.DecodedPiece]:
+    chain = []
+    d: bytes | None = digest
+    while d is not None:
+        piece = local[d]
+        chain.append(piece)
+        d = piece.parent
+    chain.reverse()
+    return chain

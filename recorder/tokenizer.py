@@ -1,0 +1,360 @@
+"""Tokenizer + chat template, loaded once per server, used on every turn.
+
+The hot path (encode / decode / render) runs on the raw `tokenizers` Rust
+tokenizer and a jinja2 sandbox of our own, so the recorder never needs torch
+and never pays for transformers' Python wrappers per turn. transformers is
+only used to convert a `.gguf` tokenizer once into a cached Hugging Face
+directory (that conversion imports torch).
+
+Templates are rendered like transformers does (trim_blocks, lstrip_blocks,
+`tojson` without HTML escaping, `raise_exception`, `strftime_now`), so a
+model's own `chat_template` renders the same text here as there.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _RawTokenizer
+
+from recorder.events import TokenizerIdentity
+
+TEMPLATES_DIR = Path(__file__).parent / "templates"
+CACHE_ENV = "TR_TOKENIZER_CACHE"
+
+
+class TokenizerLoadError(RuntimeError):
+    """The tokenizer or its chat template could not be loaded."""
+
+
+class TemplateNotIncremental(ValueError):
+    """Rendering more messages changed the text of the earlier ones."""
+
+
+class Tokenizer:
+    """A fast tokenizer with a chat template and a stable identity."""
+
+    def __init__(
+        self,
+        raw: _RawTokenizer,
+        *,
+        name_or_path: str,
+        chat_template: str,
+        eos_token_ids: Sequence[int],
+        pad_token_id: int,
+        special_tokens: dict[str, str] | None = None,
+    ) -> None:
+        self._raw = raw
+        self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
+        self.pad_token_id: int = pad_token_id
+        self.chat_template: str = chat_template
+        self.special_tokens: dict[str, str] = dict(special_tokens or {})
+        self._template = _compile_template(chat_template)
+        self.vocab_size: int = raw.get_vocab_size(with_added_tokens=True)
+        self.identity = TokenizerIdentity(
+            name_or_path=name_or_path,
+            vocab_size=self.vocab_size,
+            vocab_digest=_vocab_digest(raw),
+            chat_template_digest=hashlib.sha256(chat_template.encode()).hexdigest(),
+            eos_token_ids=self.eos_token_ids,
+            pad_token_id=pad_token_id,
+        )
+
+    # -- ids <-> text -------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Ids for `text`; special-token strings in it map to their ids, nothing is added."""
+        return self._raw.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._raw.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._raw.decode(list(ids), skip_special_tokens=False)
+
+    def decode_tokens(self, ids: Sequence[int]) -> list[str]:
+        """One string per id (a lone byte of a multi-byte character shows as U+FFFD)."""
+        return [self._raw.decode([i], skip_special_tokens=False) for i in ids]
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._raw.token_to_id(token)
+
+    # -- chat template ------------------------------------------------------
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        """The chat template's text for `messages` (not tokenized)."""
+        context: dict[str, Any] = dict(self.special_tokens)
+        context.update(template_kwargs)
+        try:
+            return self._template.render(
+                messages=messages,
+                tools=tools or None,
+                add_generation_prompt=add_generation_prompt,
+                **context,
+            )
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"chat template failed to render these messages: {exc}") from exc
+
+    def render_suffix(
+        self,
+        messages: list[dict[str, Any]],
+        start: int,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        """Text that `messages[start:]` (plus the generation prompt) adds after `messages[:start]`.
+
+        Raises TemplateNotIncremental when the template renders the first
+        `start` messages differently once more follow (such a template cannot
+        extend a token chain).
+        """
+        head = self.render(messages[:start], tools, False, **template_kwargs) if start else ""
+        full = self.render(messages, tools, add_generation_prompt, **template_kwargs)
+        if not full.startswith(head):
+            at = next((i for i, (a, b) in enumerate(zip(head, full, strict=False)) if a != b), 0)
+            raise TemplateNotIncremental(
+                f"the chat template re-renders earlier messages differently (first change at "
+                f"character {at}: {head[at : at + 40]!r} -> {full[at : at + 40]!r}); use a "
+                "template whose messages render independently (e.g. --chat-template "
+                f"{TEMPLATES_DIR / 'chatml-tools.jinja'})"
+            )
+        return full[len(head) :]
+
+
+# --------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------
+
+
+def load_tokenizer(path: str, chat_template: str | None = None) -> Tokenizer:
+    """Load a Hugging Face tokenizer directory or a `.gguf` file.
+
+    `chat_template` is a path to a jinja file (or a bare name of one of
+    ours, e.g. "chatml-tools") overriding the tokenizer's own template.
+    """
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        directory = _gguf_cache_dir(p)
+        if not (directory / "tokenizer.json").exists():
+            convert_gguf_tokenizer(p, directory)
+    elif p.is_dir():
+        directory = p
+    else:
+        raise TokenizerLoadError(
+            f"tokenizer path {path!r} is neither a directory with tokenizer.json nor a .gguf file"
+        )
+    return _load_dir(directory, name_or_path=str(path), chat_template=chat_template)
+
+
+def convert_gguf_tokenizer(gguf_path: Path, out_dir: Path) -> Path:
+    """Convert a GGUF file's tokenizer into a Hugging Face directory (imports torch)."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as exc:  # pragma: no cover - transformers is a hard dependency
+        raise TokenizerLoadError("loading a .gguf tokenizer needs transformers") from exc
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as exc:
+        raise TokenizerLoadError(
+            f"transformers could not read the tokenizer from {gguf_path}: {exc} "
+            "(GGUF loading needs the 'tiny' extra: torch, gguf)"
+        ) from exc
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    tok.save_pretrained(str(tmp))
+    _drop_volatile_config_keys(tmp / "tokenizer_config.json")
+    if out_dir.exists():  # another process converted it meanwhile
+        _rmtree(tmp)
+    else:
+        os.replace(tmp, out_dir)
+    return out_dir
+
+
+def tokenizer_cache_root() -> Path:
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "trajectory-recorder"
+
+
+def bundled_template(name: str) -> Path:
+    """Path of one of our templates, by bare name ("chatml-tools") or file name."""
+    file = name if name.endswith(".jinja") else f"{name}.jinja"
+    return TEMPLATES_DIR / file
+
+
+def _load_dir(directory: Path, *, name_or_path: str, chat_template: str | None) -> Tokenizer:
+    tok_file = directory / "tokenizer.json"
+    if not tok_file.exists():
+        raise TokenizerLoadError(
+            f"{directory} has no tokenizer.json (slow tokenizers are not supported; "
+            "save it with a fast tokenizer: AutoTokenizer.from_pretrained(...).save_pretrained(dir))"
+        )
+    raw = _RawTokenizer.from_file(str(tok_file))
+    config = _read_json(directory / "tokenizer_config.json")
+    special = {
+        key: _token_content(config.get(key))
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+        if _token_content(config.get(key))
+    }
+    eos_ids = _eos_ids(raw, directory, special.get("eos_token"))
+    pad = special.get("pad_token")
+    pad_id = raw.token_to_id(pad) if pad else None
+    if pad_id is None:
+        pad_id = eos_ids[0] if eos_ids else 0
+    template = _template_text(directory, config, chat_template)
+    return Tokenizer(
+        raw,
+        name_or_path=name_or_path,
+        chat_template=template,
+        eos_token_ids=eos_ids,
+        pad_token_id=pad_id,
+        special_tokens=special,
+    )
+
+
+def _template_text(directory: Path, config: dict[str, Any], override: str | None) -> str:
+    if override:
+        candidate = Path(override)
+        if not candidate.exists() and bundled_template(override).exists():
+            candidate = bundled_template(override)
+        try:
+            return candidate.read_text()
+        except OSError as exc:
+            raise TokenizerLoadError(f"cannot read chat template {override!r}: {exc}") from exc
+    jinja_file = directory / "chat_template.jinja"
+    if jinja_file.exists():
+        return jinja_file.read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: take "default"
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if isinstance(template, str) and template:
+        return template
+    raise TokenizerLoadError(
+        f"{directory} has no chat template; pass one with --chat-template FILE "
+        f"(e.g. {bundled_template('chatml-tools')})"
+    )
+
+
+def _eos_ids(raw: _RawTokenizer, directory: Path, eos_token: str | None) -> tuple[int, ...]:
+    ids: list[int] = []
+    if eos_token and raw.token_to_id(eos_token) is not None:
+        ids.append(raw.token_to_id(eos_token))  # type: ignore[arg-type]
+    gen = _read_json(directory / "generation_config.json").get("eos_token_id")
+    for i in gen if isinstance(gen, list) else [gen] if isinstance(gen, int) else []:
+        if i not in ids:
+            ids.append(i)
+    return tuple(ids)
+
+
+def _token_content(value: Any) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise TokenizerLoadError(f"cannot read {path}: {exc}") from exc
+
+
+def _vocab_digest(raw: _RawTokenizer) -> str:
+    vocab = raw.get_vocab(with_added_tokens=True)
+    blob = json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    digest = hashlib.sha256()
+    with gguf.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return tokenizer_cache_root() / "gguf-tokenizers" / digest.hexdigest()[:32]
+
+
+def _drop_volatile_config_keys(config_file: Path) -> None:
+    """Keep the saved config independent of where it was converted."""
+    config = _read_json(config_file)
+    for key in ("is_local", "local_files_only"):
+        config.pop(key, None)
+    config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
+def _rmtree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------
+# Jinja environment (transformers-compatible)
+# --------------------------------------------------------------------------
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (assistant-mask markers): render the body as is."""
+
+    tags = {"generation"}  # noqa: RUF012 - jinja's API
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return _dt.datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=32)
+def _compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise TokenizerLoadError(f"chat template has a syntax error: {exc}") from exc

@@ -1,0 +1,550 @@
+"""Anthropic Messages request -> chat-template request.
+
+Claude Code sends a 40-80 KB body every turn, so the body is decoded once by
+msgspec straight into typed Structs (unknown fields such as
+`context_management` are ignored, which also drops every `cache_control`).
+Anything the chat template cannot represent is refused with `InvalidRequest`
+whose message starts with the path of the offending field
+(`messages.3.content.1.type: ...`), so the server can answer 400.
+
+Besides the chat messages, a `ChatRequest` carries digests of a normalized
+form of every message. The token-chain layer compares them to decide whether a
+request extends an earlier one: the normalized form ignores what a client may
+legitimately change when it echoes our answer back (surrounding whitespace,
+cache_control, signatures, block splitting) and keeps what the model saw.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable, Sequence
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+BILLING_HEADER_PREFIX = "x-anthropic-billing-header"
+DISPATCH_TOOL_NAMES = frozenset({"Agent", "Task"})
+
+_PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+_NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+_UnitFloat = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+_Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
+
+
+class InvalidRequest(ValueError):
+    """The request body cannot be served; the message names the offending field."""
+
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+
+
+# --------------------------------------------------------------------------
+# The Anthropic request, as msgspec Structs (wire format)
+# --------------------------------------------------------------------------
+
+
+class _Base(msgspec.Struct, kw_only=True):
+    pass
+
+
+class TextBlock(_Base, tag="text"):
+    text: str
+
+
+class ToolUseBlock(_Base, tag="tool_use"):
+    id: Annotated[str, msgspec.Meta(min_length=1)]
+    name: Annotated[str, msgspec.Meta(min_length=1)]
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Base, tag="tool_result"):
+    tool_use_id: Annotated[str, msgspec.Meta(min_length=1)]
+    content: str | list[TextBlock] | None = None
+    is_error: bool = False
+
+
+class ThinkingBlock(_Base, tag="thinking"):
+    thinking: str
+    signature: str = ""
+
+
+class RedactedThinkingBlock(_Base, tag="redacted_thinking"):
+    data: str = ""
+
+
+ContentBlock = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+
+
+class Message(_Base):
+    role: Literal["user", "assistant", "system"]
+    content: str | list[ContentBlock]
+
+
+class Tool(_Base):
+    name: Annotated[str, msgspec.Meta(min_length=1)]
+    input_schema: dict[str, Any]
+    description: str = ""
+    type: str | None = None
+
+
+class ToolChoiceAuto(_Base, tag="auto"):
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceAny(_Base, tag="any"):
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceTool(_Base, tag="tool"):
+    name: Annotated[str, msgspec.Meta(min_length=1)]
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceNone(_Base, tag="none"):
+    pass
+
+
+ToolChoice = ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone
+
+
+class ThinkingEnabled(_Base, tag="enabled"):
+    budget_tokens: _NonNegativeInt
+
+
+class ThinkingDisabled(_Base, tag="disabled"):
+    pass
+
+
+class ThinkingAdaptive(_Base, tag="adaptive"):
+    pass
+
+
+ThinkingConfig = ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive
+
+
+class AnthropicRequest(_Base):
+    """POST /v1/messages (and /count_tokens, where max_tokens may be absent)."""
+
+    messages: list[Message]
+    model: str = ""
+    max_tokens: _PositiveInt | None = None
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    stop_sequences: list[str] | None = None
+    temperature: _Temperature | None = None
+    top_p: _UnitFloat | None = None
+    top_k: _PositiveInt | None = None
+    thinking: ThinkingConfig | None = None
+    stream: bool = False
+    metadata: dict[str, Any] | None = None
+
+
+_request_decoder = msgspec.json.Decoder(AnthropicRequest)
+_block_decoder = msgspec.json.Decoder(list[ContentBlock])
+
+
+# --------------------------------------------------------------------------
+# The translated request
+# --------------------------------------------------------------------------
+
+
+class ChatRequest(msgspec.Struct, kw_only=True):
+    """What the token layer and the engine need from one Messages request.
+
+    `messages` are chat-template dicts (role, content, reasoning_content,
+    tool_calls, tool_call_id); the system prompt, if any, is `messages[0]`.
+    `message_digests[i]` is the digest of the normalized `messages[i]`.
+    `render_digest` covers what besides the messages changes how they render
+    (the tool schemas): a chain only extends under the same one. Template
+    kwargs (`enable_thinking`) may only change the generation prompt.
+    """
+
+    model: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    message_digests: tuple[str, ...]
+    system: str
+    system_digest: str
+    render_digest: str
+    tool_result_ids: tuple[str, ...]
+    n_input_messages: int
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop_sequences: tuple[str, ...] = ()
+    tool_choice: Literal["auto", "any", "tool", "none"] = "auto"
+    tool_choice_name: str | None = None
+    disable_parallel_tool_use: bool = False
+    thinking: Literal["enabled", "disabled", "adaptive"] | None = None
+    thinking_budget: int | None = None
+    stream: bool = False
+    metadata: dict[str, Any] = {}
+    template_kwargs: dict[str, Any] = {}
+
+
+# --------------------------------------------------------------------------
+# Parsing
+# --------------------------------------------------------------------------
+
+
+def parse_request(body: bytes, *, count_tokens: bool = False) -> ChatRequest:
+    """Decode and translate a Messages request body; raise InvalidRequest if it can't be served.
+
+    `count_tokens=True` accepts a /v1/messages/count_tokens body (no max_tokens).
+    """
+    try:
+        req = _request_decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise _from_validation_error(exc) from None
+    except UnicodeDecodeError:
+        raise InvalidRequest(_utf8_error(body), "body") from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(_describe_decode_error(body, exc), "body") from None
+    if req.max_tokens is None and not count_tokens:
+        raise InvalidRequest("field required", "max_tokens")
+    return translate(req)
+
+
+def translate(req: AnthropicRequest) -> ChatRequest:
+    """Translate a decoded request (see `parse_request`)."""
+    if not req.messages:
+        raise InvalidRequest("at least one message is required", "messages")
+    _check_tools(req.tools or [])
+    system = system_text(req.system)
+    messages: list[dict[str, Any]] = []
+    if system:
+        messages.append({"role": "system", "content": system})
+    seen_tool_uses: set[str] = set()
+    last_assistant = -1
+    for i, message in enumerate(req.messages):
+        path = f"messages.{i}"
+        blocks = _blocks_of(message.content)
+        if message.role == "assistant":
+            _append_assistant(messages, blocks, path, seen_tool_uses)
+            last_assistant = i
+        elif message.role == "user":
+            messages.extend(_user_messages(blocks, path, seen_tool_uses))
+        else:
+            messages.append({"role": "system", "content": _text_only(blocks, path)})
+    last = req.messages[-1]
+    if last.role == "assistant":
+        raise InvalidRequest(
+            "the last message must be from the user (assistant prefill is not supported)",
+            f"messages.{len(req.messages) - 1}.role",
+        )
+    tools = [_tool_schema(t) for t in req.tools or []]
+    thinking = req.thinking
+    template_kwargs: dict[str, Any] = {}
+    if thinking is not None:
+        template_kwargs["enable_thinking"] = not isinstance(thinking, ThinkingDisabled)
+    choice = req.tool_choice
+    return ChatRequest(
+        model=req.model,
+        messages=messages,
+        tools=tools,
+        message_digests=tuple(message_digest(m) for m in messages),
+        system=system,
+        system_digest=_digest_text(system),
+        render_digest=_digest_obj(tools),
+        tool_result_ids=tuple(_trailing_tool_result_ids(req.messages[last_assistant + 1 :])),
+        n_input_messages=len(req.messages),
+        max_tokens=req.max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        stop_sequences=tuple(req.stop_sequences or ()),
+        tool_choice=_choice_name(choice),
+        tool_choice_name=choice.name if isinstance(choice, ToolChoiceTool) else None,
+        disable_parallel_tool_use=bool(getattr(choice, "disable_parallel_tool_use", False)),
+        thinking=None if thinking is None else thinking.__struct_config__.tag,  # type: ignore[arg-type]
+        thinking_budget=thinking.budget_tokens if isinstance(thinking, ThinkingEnabled) else None,
+        stream=req.stream,
+        metadata=dict(req.metadata or {}),
+        template_kwargs=template_kwargs,
+    )
+
+
+def system_text(system: str | list[TextBlock] | None) -> str:
+    """The system prompt without Claude Code's per-turn billing header (it would break the prefix)."""
+    if system is None:
+        return ""
+    if isinstance(system, str):
+        lines = system.split("\n")
+        while lines and lines[0].startswith(BILLING_HEADER_PREFIX):
+            lines.pop(0)
+        return "\n".join(lines).strip()
+    parts = [b.text for b in system if not b.text.lstrip().startswith(BILLING_HEADER_PREFIX)]
+    return "\n\n".join(p for p in parts if p)
+
+
+# --------------------------------------------------------------------------
+# Message translation
+# --------------------------------------------------------------------------
+
+
+def _blocks_of(content: str | list[ContentBlock]) -> list[ContentBlock]:
+    return [TextBlock(text=content)] if isinstance(content, str) else content
+
+
+def _append_assistant(
+    out: list[dict[str, Any]], blocks: list[ContentBlock], path: str, seen: set[str]
+) -> None:
+    """Consecutive assistant messages merge (the API treats them as one turn)."""
+    if not blocks:
+        raise InvalidRequest("must not be empty", f"{path}.content")
+    for j, block in enumerate(blocks):
+        if isinstance(block, ToolResultBlock):
+            raise InvalidRequest(
+                "tool_result blocks belong in user messages", f"{path}.content.{j}.type"
+            )
+        if isinstance(block, ToolUseBlock):
+            seen.add(block.id)
+    message = assistant_message(blocks)
+    if out and out[-1]["role"] == "assistant":
+        out[-1] = _merge_assistant(out[-1], message)
+    else:
+        out.append(message)
+
+
+def assistant_message(blocks: Sequence[ContentBlock]) -> dict[str, Any]:
+    """The chat message for an assistant turn (the same for our response and its echo)."""
+    reasoning = [b.thinking for b in blocks if isinstance(b, ThinkingBlock)]
+    text = [b.text for b in blocks if isinstance(b, TextBlock)]
+    calls = [
+        {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
+        for b in blocks
+        if isinstance(b, ToolUseBlock)
+    ]
+    message: dict[str, Any] = {"role": "assistant", "content": "\n\n".join(t for t in text if t)}
+    if any(reasoning):
+        message["reasoning_content"] = "\n\n".join(r for r in reasoning if r)
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _merge_assistant(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    merged: dict[str, Any] = {
+        "role": "assistant",
+        "content": "\n\n".join(t for t in (a["content"], b["content"]) if t),
+    }
+    reasoning = [r for r in (a.get("reasoning_content"), b.get("reasoning_content")) if r]
+    if reasoning:
+        merged["reasoning_content"] = "\n\n".join(reasoning)
+    calls = [*a.get("tool_calls", ()), *b.get("tool_calls", ())]
+    if calls:
+        merged["tool_calls"] = calls
+    return merged
+
+
+def _user_messages(
+    blocks: list[ContentBlock], path: str, seen: set[str]
+) -> Iterable[dict[str, Any]]:
+    """Tool results become `tool` messages; runs of text become one user message."""
+    if not blocks:
+        raise InvalidRequest("must not be empty", f"{path}.content")
+    text: list[str] = []
+    for j, block in enumerate(blocks):
+        where = f"{path}.content.{j}"
+        if isinstance(block, TextBlock):
+            text.append(block.text)
+        elif isinstance(block, ToolResultBlock):
+            if block.tool_use_id not in seen:
+                raise InvalidRequest(
+                    f"no tool_use with id {block.tool_use_id!r} earlier in the conversation",
+                    f"{where}.tool_use_id",
+                )
+            if text:
+                yield {"role": "user", "content": "\n\n".join(text)}
+                text = []
+            yield _tool_message(block)
+        else:
+            raise InvalidRequest(
+                f"{block.__struct_config__.tag} blocks are only allowed in assistant messages",
+                f"{where}.type",
+            )
+    if text:
+        yield {"role": "user", "content": "\n\n".join(text)}
+
+
+def _tool_message(block: ToolResultBlock) -> dict[str, Any]:
+    content = block.content
+    if content is None:
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    else:
+        text = "\n\n".join(b.text for b in content)
+    message: dict[str, Any] = {"role": "tool", "tool_call_id": block.tool_use_id, "content": text}
+    if block.is_error:
+        message["is_error"] = True
+    return message
+
+
+def _text_only(blocks: list[ContentBlock], path: str) -> str:
+    for j, block in enumerate(blocks):
+        if not isinstance(block, TextBlock):
+            raise InvalidRequest(
+                "system messages may only contain text blocks", f"{path}.content.{j}.type"
+            )
+    return "\n\n".join(b.text for b in blocks)  # type: ignore[union-attr]
+
+
+def _trailing_tool_result_ids(messages: Sequence[Message]) -> Iterable[str]:
+    for message in messages:
+        if isinstance(message.content, list):
+            for block in message.content:
+                if isinstance(block, ToolResultBlock):
+                    yield block.tool_use_id
+
+
+# --------------------------------------------------------------------------
+# Tools
+# --------------------------------------------------------------------------
+
+
+def _check_tools(tools: list[Tool]) -> None:
+    names: set[str] = set()
+    for i, tool in enumerate(tools):
+        if tool.type not in (None, "custom"):
+            raise InvalidRequest(
+                f"unsupported tool type {tool.type!r} (only custom tools with an input_schema)",
+                f"tools.{i}.type",
+            )
+        if tool.name in names:
+            raise InvalidRequest(f"duplicate tool name {tool.name!r}", f"tools.{i}.name")
+        names.add(tool.name)
+
+
+def _tool_schema(tool: Tool) -> dict[str, Any]:
+    """OpenAI-style function schema, the form chat templates expect."""
+    return {
+        "type": "function",
+        "function": {
+            "name": tool.name,
+            "description": tool.description,
+            "parameters": tool.input_schema,
+        },
+    }
+
+
+def _choice_name(choice: ToolChoice | None) -> Literal["auto", "any", "tool", "none"]:
+    if choice is None:
+        return "auto"
+    return choice.__struct_config__.tag  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------
+# Digests of a normalized form
+# --------------------------------------------------------------------------
+
+_encoder = msgspec.json.Encoder(order="sorted")
+
+
+def _digest_obj(obj: Any) -> str:
+    return hashlib.blake2b(_encoder.encode(obj), digest_size=16).hexdigest()
+
+
+def _digest_text(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def message_digest(message: dict[str, Any]) -> str:
+    """Digest of what the model sees of a chat message, ignoring surrounding whitespace."""
+    calls = message.get("tool_calls")
+    normalized = (
+        message["role"],
+        message.get("content", "").strip(),
+        (message.get("reasoning_content") or "").strip(),
+        [
+            (c["id"], c["function"]["name"], c["function"]["arguments"])
+            for c in calls  # type: ignore[union-attr]
+        ]
+        if calls
+        else None,
+        message.get("tool_call_id"),
+        message.get("is_error", False),
+    )
+    return _digest_obj(normalized)
+
+
+def response_message_digest(content: Sequence[dict[str, Any]]) -> str:
+    """Digest of the assistant message a client will echo for our response `content` blocks.
+
+    Blocks other than text / thinking / tool_use are ignored.
+    """
+    kept = [b for b in content if b.get("type") in ("text", "thinking", "tool_use")]
+    try:
+        blocks = msgspec.convert(kept, list[ContentBlock])
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"response content is not valid Anthropic blocks: {exc}") from exc
+    return message_digest(assistant_message(blocks))
+
+
+def find_dispatches(content: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(tool_use id, prompt) of every Agent/Task subagent dispatch in response `content`."""
+    found = []
+    for block in content:
+        if block.get("type") == "tool_use" and block.get("name") in DISPATCH_TOOL_NAMES:
+            prompt = (block.get("input") or {}).get("prompt")
+            found.append((str(block["id"]), prompt if isinstance(prompt, str) else ""))
+    return found
+
+
+# --------------------------------------------------------------------------
+# Error messages
+# --------------------------------------------------------------------------
+
+_PATH_RE = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_INDEX_RE = re.compile(r"\[(\d+)\]")
+_TAG_RE = re.compile(r"^Invalid value '(?P<tag>[^']*)'$")
+
+
+def _from_validation_error(exc: msgspec.ValidationError) -> InvalidRequest:
+    """msgspec's "Expected `int`, got `str` - at `$.messages[0].content[1]`" -> field path first."""
+    match = _PATH_RE.match(str(exc))
+    assert match is not None
+    message, raw_path = match["msg"], match["path"] or ""
+    path = _INDEX_RE.sub(r".\1", raw_path).lstrip(".")
+    tag = _TAG_RE.match(message)
+    if tag and path.endswith(".type"):
+        message = f"unsupported {_kind_of(path)} type {tag['tag']!r}"
+    elif message.startswith("Object missing required field"):
+        field = message.split("`")[1]
+        path = f"{path}.{field}" if path else field
+        message = "field required"
+    return InvalidRequest(message, path or "body")
+
+
+_KIND_BY_FIELD = {
+    "content": "block",
+    "system": "block",
+    "tool_choice": "tool_choice",
+    "thinking": "thinking",
+}
+
+
+def _kind_of(path: str) -> str:
+    """What a `type` tag at `path` selects: `messages.0.content.1.type` -> "block"."""
+    names = [p for p in path.split(".")[:-1] if not p.isdigit()]
+    return _KIND_BY_FIELD.get(names[-1] if names else "", "value")
+
+
+def _utf8_error(body: bytes) -> str:
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return f"not valid UTF-8 (byte {err.start}); send the JSON body encoded as UTF-8"
+    return "not valid UTF-8; send the JSON body encoded as UTF-8"
+
+
+def _describe_decode_error(body: bytes, exc: msgspec.DecodeError) -> str:
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError:
+        return _utf8_error(body)
+    return f"not valid JSON: {exc}"

@@ -1,0 +1,162 @@
+"""Reading sessions out of an `EventStore` for the reducer (the only I/O of replay).
+
+`load_session` reads one session; `iter_session_logs` streams every session
+of a log with keyset pages and bounded memory: events are buffered per
+session only until that session is complete (closed) or the end of the log
+is reached, then its arrays are fetched, it is yielded and its buffer freed.
+
+Both paths hand the reducer the same events (all of the session's events)
+and the same arrays, so live and offline reductions agree byte for byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from recorder.events import (
+    ArrayRef,
+    GenerateResult,
+    RecordedEvent,
+    RenderedInput,
+    SessionClosed,
+    SessionOpened,
+)
+from recorder.store.base import EventStore, StoreError
+
+
+@dataclass(slots=True)
+class SessionLog:
+    """One session's events (seq order) and the arrays the reducer needs."""
+
+    session_id: str
+    events: list[RecordedEvent]
+    arrays: dict[bytes, np.ndarray]
+    missing_arrays: list[str] = field(default_factory=list)
+
+    @property
+    def last_position(self) -> int:
+        return max((e.position for e in self.events), default=0)
+
+
+def needed_refs(events: Iterable[RecordedEvent], *, routed_experts: bool) -> list[ArrayRef]:
+    """The arrays a reduction reads, each once, in first-use order."""
+    refs: dict[bytes, ArrayRef] = {}
+
+    def want(ref: ArrayRef | None) -> None:
+        if ref is not None and ref.digest not in refs:
+            refs[ref.digest] = ref
+
+    for rec in events:
+        ev = rec.event
+        if isinstance(ev, RenderedInput):
+            want(ev.input_ids)
+        elif isinstance(ev, GenerateResult):
+            want(ev.output_ids)
+            want(ev.logprobs)
+            if routed_experts:
+                want(ev.routed_experts)
+    return list(refs.values())
+
+
+async def load_arrays(
+    store: EventStore, refs: Sequence[ArrayRef]
+) -> tuple[dict[bytes, np.ndarray], list[str]]:
+    """Fetch arrays in one batch; on a store error, one by one, skipping bad ones.
+
+    A missing or corrupt array makes its turn unusable in the reducer; it
+    never stops the replay. Returns (arrays, "digest: error" for the skipped).
+    """
+    if not refs:
+        return {}, []
+    try:
+        got = await store.get_arrays(refs)
+        return {r.digest: a for r, a in zip(refs, got, strict=True)}, []
+    except StoreError:
+        pass
+    arrays: dict[bytes, np.ndarray] = {}
+    problems: list[str] = []
+    for ref in refs:
+        try:
+            arrays[ref.digest] = await store.get_array(ref)
+        except StoreError as exc:
+            problems.append(f"{ref.digest.hex()[:16]}: {type(exc).__name__}: {exc}")
+    return arrays, problems
+
+
+async def _session_log(
+    store: EventStore, session_id: str, events: list[RecordedEvent], routed_experts: bool
+) -> SessionLog:
+    events.sort(key=lambda e: (e.seq, e.position))
+    arrays, problems = await load_arrays(store, needed_refs(events, routed_experts=routed_experts))
+    return SessionLog(session_id, events, arrays, problems)
+
+
+async def load_session(
+    store: EventStore, session_id: str, *, routed_experts: bool = False
+) -> SessionLog:
+    """All of one session's events and the arrays its reduction needs."""
+    events = await store.read_session(session_id)
+    return await _session_log(store, session_id, list(events), routed_experts)
+
+
+async def iter_session_logs(
+    store: EventStore,
+    *,
+    page_size: int = 1000,
+    until: int | None = None,
+    session_ids: Iterable[str] | None = None,
+    routed_experts: bool = False,
+) -> AsyncIterator[SessionLog]:
+    """Every session of the log up to position `until` (default: the end now).
+
+    A session is yielded when its `SessionClosed` arrives, or at the end of
+    the log if it never closed. A session that gets events after it was
+    yielded (a late reward, a retry re-opening it) is yielded again, later,
+    in full: the later yield supersedes the earlier one.
+    """
+    if page_size < 1:
+        raise ValueError("page_size must be >= 1")
+    if until is None:
+        until = await store.last_position()
+    wanted = set(session_ids) if session_ids is not None else None
+    buffers: dict[str, list[RecordedEvent]] = {}
+    yielded: set[str] = set()
+    dirty: dict[str, None] = {}
+    after = 0
+    while after < until:
+        page = await store.read_all(after=after, limit=page_size)
+        if not page:
+            break
+        for rec in page:
+            if rec.position > until:
+                break
+            sid = rec.session_id
+            if wanted is not None and sid not in wanted:
+                continue
+            if sid in yielded:
+                if isinstance(rec.event, SessionOpened) and sid not in dirty:
+                    yielded.discard(sid)  # a clean restart: buffer it afresh
+                else:
+                    dirty[sid] = None
+                    continue
+            buf = buffers.setdefault(sid, [])
+            buf.append(rec)
+            if isinstance(rec.event, SessionClosed):
+                del buffers[sid]
+                yielded.add(sid)
+                yield await _session_log(store, sid, buf, routed_experts)
+        after = page[-1].position
+        if page[-1].position > until or len(page) < page_size:
+            break
+    for sid, buf in list(buffers.items()):
+        del buffers[sid]
+        if sid in dirty:
+            continue
+        yielded.add(sid)
+        yield await _session_log(store, sid, buf, routed_experts)
+    for sid in dirty:
+        events = [e for e in await store.read_session(sid) if e.position <= until]
+        yield await _session_log(store, sid, events, routed_experts)

@@ -1,0 +1,188 @@
+"""`replay stats`: what a log holds (sessions, turns, tokens, TITO, aborts, segments)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import msgspec
+from rich.table import Table
+
+from recorder.events import (
+    ClientDisconnected,
+    EngineError,
+    GenerateResult,
+    RenderedInput,
+    RequestRejected,
+    SessionClosed,
+    TitoVerdict,
+    TurnAborted,
+    TurnFailed,
+)
+from recorder.store.base import EventStore
+from replay.load import SessionLog, iter_session_logs
+from replay.reducer import reduce_session
+from replay.rules import Rules
+from replay.samples import SessionResult
+
+
+class SessionStats(msgspec.Struct, kw_only=True):
+    turns: int = 0
+    input_tokens: int = 0
+    new_input_tokens: int = 0
+    output_tokens: int = 0
+    tito_checked: int = 0
+    tito_failed: int = 0
+    aborts: int = 0
+    turn_failures: int = 0
+    engine_errors: int = 0
+    disconnects: int = 0
+    rejected: int = 0
+    close_status: str = "open"
+    segment_kinds: list[str] = []
+    sample_statuses: list[str] = []
+    trainable_tokens: int = 0
+    placeholder: bool = False
+
+
+class LogStats(msgspec.Struct, kw_only=True):
+    rules_version: str
+    sessions: int = 0
+    turns: int = 0
+    input_tokens: int = 0
+    new_input_tokens: int = 0
+    output_tokens: int = 0
+    tito_checked: int = 0
+    tito_failed: int = 0
+    aborts: int = 0
+    turn_failures: int = 0
+    engine_errors: int = 0
+    disconnects: int = 0
+    rejected: int = 0
+    close_status: dict[str, int] = {}
+    segment_kinds: dict[str, int] = {}
+    sample_statuses: dict[str, int] = {}
+    samples: int = 0
+    trainable_tokens: int = 0
+    placeholders: int = 0
+
+    @property
+    def tito_failure_rate(self) -> float | None:
+        return self.tito_failed / self.tito_checked if self.tito_checked else None
+
+
+def session_stats(log: SessionLog, result: SessionResult) -> SessionStats:
+    st = SessionStats()
+    turns: set[tuple[int, str]] = set()
+    for rec in log.events:
+        ev = rec.event
+        match ev:
+            case RenderedInput():
+                turns.add((ev.turn, ev.request_id))
+                st.input_tokens += ev.input_ids.length
+                st.new_input_tokens += ev.input_ids.length - ev.prefix_len
+            case GenerateResult():
+                st.output_tokens += ev.output_ids.length
+            case TitoVerdict():
+                st.tito_checked += 1
+                st.tito_failed += int(not ev.ok)
+            case TurnAborted():
+                st.aborts += 1
+            case TurnFailed():
+                st.turn_failures += 1
+            case EngineError():
+                st.engine_errors += 1
+            case ClientDisconnected():
+                st.disconnects += 1
+            case RequestRejected():
+                st.rejected += 1
+            case SessionClosed():
+                st.close_status = ev.status
+    st.turns = len(turns)
+    st.segment_kinds = [s.kind for s in result.segments if s.dropped is None]
+    st.sample_statuses = [s.status for s in result.samples]
+    st.trainable_tokens = sum(sum(s.loss_mask) for s in result.samples)
+    st.placeholder = result.placeholder
+    return st
+
+
+def combine(per_session: dict[str, SessionStats], rules: Rules) -> LogStats:
+    out = LogStats(rules_version=rules.version, sessions=len(per_session))
+    close: Counter[str] = Counter()
+    kinds: Counter[str] = Counter()
+    statuses: Counter[str] = Counter()
+    for st in per_session.values():
+        for name in (
+            "turns",
+            "input_tokens",
+            "new_input_tokens",
+            "output_tokens",
+            "tito_checked",
+            "tito_failed",
+            "aborts",
+            "turn_failures",
+            "engine_errors",
+            "disconnects",
+            "rejected",
+            "trainable_tokens",
+        ):
+            setattr(out, name, getattr(out, name) + getattr(st, name))
+        close[st.close_status] += 1
+        kinds.update(st.segment_kinds)
+        statuses.update(st.sample_statuses)
+        out.samples += len(st.sample_statuses)
+        out.placeholders += int(st.placeholder)
+    out.close_status = dict(sorted(close.items()))
+    out.segment_kinds = dict(sorted(kinds.items()))
+    out.sample_statuses = dict(sorted(statuses.items()))
+    return out
+
+
+async def log_stats(
+    store: EventStore,
+    rules: Rules,
+    *,
+    page_size: int = 1000,
+    on_session: Callable[[SessionResult], None] | None = None,
+) -> LogStats:
+    per_session: dict[str, SessionStats] = {}
+    async for log in iter_session_logs(store, page_size=page_size):
+        result = reduce_session(log.events, log.arrays, rules)
+        per_session[log.session_id] = session_stats(log, result)  # later yields supersede
+        if on_session is not None:
+            on_session(result)
+    return combine(per_session, rules)
+
+
+def stats_table(st: LogStats) -> Table:
+    table = Table(title=f"log statistics (segments under rules {st.rules_version})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rate = st.tito_failure_rate
+    rows = [
+        ("sessions", st.sessions),
+        ("sessions by close status", _fmt(st.close_status)),
+        ("turns", st.turns),
+        ("input tokens (sum over turns)", st.input_tokens),
+        ("new input tokens (not reused)", st.new_input_tokens),
+        ("output tokens", st.output_tokens),
+        ("TITO checked / failed", f"{st.tito_checked} / {st.tito_failed}"),
+        ("TITO failure rate", "n/a" if rate is None else f"{rate:.2%}"),
+        ("aborted attempts", st.aborts),
+        ("failed turns", st.turn_failures),
+        ("engine errors", st.engine_errors),
+        ("client disconnects", st.disconnects),
+        ("rejected requests", st.rejected),
+        ("segments by kind", _fmt(st.segment_kinds)),
+        ("samples", st.samples),
+        ("samples by status", _fmt(st.sample_statuses)),
+        ("placeholder sessions", st.placeholders),
+        ("trainable tokens", st.trainable_tokens),
+    ]
+    for name, value in rows:
+        table.add_row(name, str(value))
+    return table
+
+
+def _fmt(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in counts.items()) or "—"

@@ -1,0 +1,208 @@
+"""A real recorder server over a real store, in front of the scripted engine.
+
+Tests talk to it with the official `anthropic` SDK (or raw aiohttp for
+malformed requests) exactly as an agent would.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import anthropic
+import numpy as np
+import pytest
+
+from recorder.engine import EngineClient
+from recorder.events import AnyEvent, ArrayRef, RecordedEvent
+from recorder.parsers import OutputParser, make_parser
+from recorder.server import RecorderServer, ServerConfig, ServerContext
+from recorder.store import open_store
+from recorder.store.base import EventStore
+from recorder.tokenizer import Tokenizer, load_tokenizer
+from replay.rules import load_rules
+from tools.test_engine.scripted import ScriptedEngine
+
+FIXTURE_TOKENIZER = Path(__file__).resolve().parent.parent / "data" / "smollm2-tokenizer"
+CONTEXT_LENGTH = 8192
+
+BASH = {
+    "name": "Bash",
+    "description": "Run a shell command.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"command": {"type": "string"}},
+        "required": ["command"],
+    },
+    "cache_control": {"type": "ephemeral"},
+}
+AGENT = {
+    "name": "Agent",
+    "description": "Dispatch a subagent.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"description": {"type": "string"}, "prompt": {"type": "string"}},
+    },
+}
+TOOLS = [BASH, AGENT]
+SYSTEM = [
+    {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1; cch=abc123;"},
+    {"type": "text", "text": "You are a careful coding agent.", "cache_control": {"type": "ephemeral"}},
+]
+
+
+def tool_call_text(name: str, arguments: dict[str, Any], preface: str = "") -> str:
+    call = json.dumps({"name": name, "arguments": arguments})
+    return f"{preface}<tool_call>\n{call}\n</tool_call>"
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Tokenizer:
+    return load_tokenizer(str(FIXTURE_TOKENIZER), chat_template="chatml-tools")
+
+
+@dataclass
+class Harness:
+    """One recorder server + scripted engine + store, and helpers to drive them."""
+
+    tokenizer: Tokenizer
+    engine: ScriptedEngine
+    store: EventStore
+    config: ServerConfig
+    parser: OutputParser
+    engine_urls: list[str]
+    server: RecorderServer | None = None
+    http: aiohttp.ClientSession | None = None
+    clients: list[anthropic.AsyncAnthropic] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return self.server.url
+
+    @property
+    def ctx(self) -> ServerContext:
+        assert self.server is not None
+        return self.server.ctx
+
+    async def start_server(self) -> None:
+        client = EngineClient(self.engine_urls, timeout_s=60, connect_timeout_s=2)
+        await client.start()
+        ctx = ServerContext(
+            config=self.config,
+            store=self.store,
+            engine=client,
+            tokenizer=self.tokenizer,
+            parser=self.parser,
+            rules=load_rules(None),
+        )
+        self.server = RecorderServer(ctx)
+        await self.server.start()
+
+    async def stop_server(self, grace_s: float | None = None) -> None:
+        if self.server is not None:
+            await self.server.stop(grace_s)
+            self.server = None
+
+    async def restart(self, *, reopen_store: bool = True) -> None:
+        """A new server process, as far as the log is concerned: nothing kept in memory."""
+        await self.stop_server()
+        if reopen_store:
+            url = self.store.url
+            await self.store.close()
+            self.store = await open_store(url)
+        await self.start_server()
+
+    def admin_headers(self) -> dict[str, str]:
+        token = self.config.admin_token
+        return {"Authorization": f"Bearer {token}"} if token else {}
+
+    async def open_session(self, **fields: Any) -> str:
+        assert self.http is not None
+        async with self.http.post(
+            self.url + "/sessions", json=fields, headers=self.admin_headers()
+        ) as resp:
+            data = await resp.json()
+            assert resp.status == 201, data
+            return str(data["session_id"])
+
+    async def admin(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        assert self.http is not None
+        async with self.http.request(
+            method, self.url + path, json=body, headers=self.admin_headers()
+        ) as resp:
+            return resp.status, await resp.json()
+
+    def client(self, session_id: str, **kwargs: Any) -> anthropic.AsyncAnthropic:
+        kwargs.setdefault("max_retries", 0)
+        kwargs.setdefault("timeout", 60)
+        client = anthropic.AsyncAnthropic(base_url=self.url, auth_token=session_id, **kwargs)
+        self.clients.append(client)
+        return client
+
+    async def events(self, session_id: str) -> list[RecordedEvent]:
+        return await self.store.read_session(session_id)
+
+    async def payloads(self, session_id: str, type_: type | None = None) -> list[AnyEvent]:
+        return [
+            r.event
+            for r in await self.events(session_id)
+            if type_ is None or isinstance(r.event, type_)
+        ]
+
+    async def types(self, session_id: str) -> list[str]:
+        return [r.type for r in await self.events(session_id)]
+
+    async def array(self, ref: ArrayRef) -> list[int] | list[float]:
+        arr: np.ndarray = await self.store.get_array(ref)
+        return arr.tolist()
+
+    async def close(self) -> None:
+        for client in self.clients:
+            await client.close()
+        await self.stop_server(grace_s=1)
+        if self.http is not None:
+            await self.http.close()
+        await self.store.close()
+        await self.engine.stop()
+
+
+async def make_harness(
+    tokenizer: Tokenizer,
+    db_url: str,
+    *,
+    engine_kwargs: dict[str, Any] | None = None,
+    engine_urls: list[str] | None = None,
+    parser: OutputParser | None = None,
+    **config: Any,
+) -> Harness:
+    engine = ScriptedEngine(tokenizer, context_length=CONTEXT_LENGTH, **(engine_kwargs or {}))
+    url = await engine.start()
+    store = await open_store(db_url, create=True)
+    config.setdefault("context_length", CONTEXT_LENGTH)
+    config.setdefault("ping_interval_s", 0.2)
+    config.setdefault("first_byte_after_s", 0.1)
+    harness = Harness(
+        tokenizer=tokenizer,
+        engine=engine,
+        store=store,
+        config=ServerConfig(**config),
+        parser=parser or make_parser("qwen25", "qwen3", "builtin"),
+        engine_urls=engine_urls or [url],
+    )
+    await harness.start_server()
+    harness.http = aiohttp.ClientSession()
+    return harness
+
+
+@pytest.fixture
+async def harness(tokenizer: Tokenizer, sqlite_url: str) -> AsyncIterator[Harness]:
+    h = await make_harness(tokenizer, sqlite_url)
+    try:
+        yield h
+    finally:
+        await h.close()

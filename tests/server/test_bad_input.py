@@ -1,0 +1,178 @@
+"""Malformed HTTP requests: each gets a 4xx in Anthropic's shape, nothing half-recorded."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from recorder import events as ev
+from tests.server.conftest import Harness, make_harness
+from tools.test_engine.scripted import Reply
+
+OK_MESSAGE = {"role": "user", "content": "hello"}
+
+
+def body(**fields: Any) -> bytes:
+    base: dict[str, Any] = {"model": "m", "max_tokens": 64, "messages": [OK_MESSAGE]}
+    for key, value in fields.items():
+        if value is _DROP:
+            base.pop(key)
+        else:
+            base[key] = value
+    return json.dumps(base).encode()
+
+
+_DROP = object()
+TOOL_USE = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Bash", "input": {}}]}
+BASH = {"name": "Bash", "input_schema": {"type": "object"}}
+
+# (case id, raw body, expected status, expected error type, substring of the message)
+BODY_CASES: list[tuple[str, bytes, int, str, str]] = [
+    ("bad_json", b'{"model": "m", "max_tokens": 1,', 400, "invalid_request_error", "JSON"),
+    ("not_an_object", b"[1, 2, 3]", 400, "invalid_request_error", ""),
+    ("empty_body", b"", 400, "invalid_request_error", ""),
+    ("invalid_utf8", b'{"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, "invalid_request_error", "UTF-8"),
+    ("missing_messages", body(messages=_DROP), 400, "invalid_request_error", "messages"),
+    ("messages_not_list", body(messages={"role": "user"}), 400, "invalid_request_error", "messages"),
+    ("empty_messages", body(messages=[]), 400, "invalid_request_error", "messages"),
+    ("missing_max_tokens", body(max_tokens=_DROP), 400, "invalid_request_error", "max_tokens"),
+    ("max_tokens_string", body(max_tokens="many"), 400, "invalid_request_error", "max_tokens"),
+    ("max_tokens_negative", body(max_tokens=-5), 400, "invalid_request_error", "max_tokens"),
+    ("max_tokens_zero", body(max_tokens=0), 400, "invalid_request_error", "max_tokens"),
+    ("bad_role", body(messages=[{"role": "tool", "content": "x"}]), 400, "invalid_request_error", "messages.0.role"),
+    ("missing_content", body(messages=[{"role": "user"}]), 400, "invalid_request_error", "content"),
+    ("content_int", body(messages=[{"role": "user", "content": 7}]), 400, "invalid_request_error", "messages.0.content"),
+    ("image_block", body(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]), 400, "invalid_request_error", "image"),
+    ("document_block", body(messages=[{"role": "user", "content": [{"type": "document", "source": {}}]}]), 400, "invalid_request_error", "document"),
+    ("block_without_type", body(messages=[{"role": "user", "content": [{"text": "x"}]}]), 400, "invalid_request_error", "messages.0.content.0"),
+    ("text_not_string", body(messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]), 400, "invalid_request_error", "messages.0.content.0.text"),
+    ("empty_content_list", body(messages=[{"role": "user", "content": []}]), 400, "invalid_request_error", "messages.0.content"),
+    ("tool_use_without_id", body(messages=[OK_MESSAGE, {"role": "assistant", "content": [{"type": "tool_use", "name": "Bash", "input": {}}]}, OK_MESSAGE]), 400, "invalid_request_error", "id"),
+    ("tool_input_not_object", body(messages=[OK_MESSAGE, {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "Bash", "input": "ls"}]}, OK_MESSAGE]), 400, "invalid_request_error", "input"),
+    ("unknown_tool_result_id", body(messages=[{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "nope", "content": "x"}]}]), 400, "invalid_request_error", "nope"),
+    ("tool_result_in_assistant", body(messages=[OK_MESSAGE, {"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "x"}]}, OK_MESSAGE]), 400, "invalid_request_error", "tool_result"),
+    ("assistant_last", body(messages=[OK_MESSAGE, TOOL_USE]), 400, "invalid_request_error", "last message"),
+    ("system_int", body(system=42), 400, "invalid_request_error", "system"),
+    ("system_image_block", body(system=[{"type": "image", "source": {}}]), 400, "invalid_request_error", "system"),
+    ("tools_not_list", body(tools={"name": "Bash"}), 400, "invalid_request_error", "tools"),
+    ("tool_missing_name", body(tools=[{"input_schema": {"type": "object"}}]), 400, "invalid_request_error", "name"),
+    ("tool_missing_schema", body(tools=[{"name": "Bash"}]), 400, "invalid_request_error", "input_schema"),
+    ("duplicate_tool_names", body(tools=[BASH, BASH]), 400, "invalid_request_error", "duplicate"),
+    ("tool_choice_unknown", body(tools=[BASH], tool_choice={"type": "sometimes"}), 400, "invalid_request_error", "tool_choice"),
+    ("temperature_too_high", body(temperature=3.5), 400, "invalid_request_error", "temperature"),
+    ("top_p_string", body(top_p="high"), 400, "invalid_request_error", "top_p"),
+    ("stop_sequences_not_list", body(stop_sequences="STOP"), 400, "invalid_request_error", "stop_sequences"),
+    ("thinking_unknown_type", body(thinking={"type": "maybe"}), 400, "invalid_request_error", "thinking"),
+    ("stream_not_bool", body(stream="yes"), 400, "invalid_request_error", "stream"),
+    ("prompt_too_long", body(messages=[{"role": "user", "content": "word " * 9000}]), 400, "invalid_request_error", "prompt is too long"),
+]
+
+
+@pytest.fixture
+async def small_harness(tokenizer: Any, sqlite_url: str) -> AsyncIterator[Harness]:
+    h = await make_harness(tokenizer, sqlite_url, max_body_bytes=256 * 1024)
+    try:
+        yield h
+    finally:
+        await h.close()
+
+
+def assert_error_shape(data: Any, error_type: str, needle: str) -> None:
+    assert data["type"] == "error", data
+    assert data["error"]["type"] == error_type, data
+    assert isinstance(data["error"]["message"], str) and data["error"]["message"]
+    assert needle.lower() in data["error"]["message"].lower(), data
+
+
+async def post(h: Harness, raw: bytes, headers: dict[str, str], path: str = "/v1/messages") -> tuple[int, Any]:
+    assert h.http is not None
+    async with h.http.post(
+        h.url + path, data=raw, headers={"Content-Type": "application/json", **headers}
+    ) as resp:
+        return resp.status, json.loads(await resp.read())
+
+
+async def test_malformed_bodies(small_harness: Harness) -> None:
+    h = small_harness
+    sid = await h.open_session()
+    auth = {"Authorization": f"Bearer {sid}"}
+    failures = []
+    for case, raw, status, error_type, needle in BODY_CASES:
+        got_status, data = await post(h, raw, auth)
+        try:
+            assert got_status == status, (got_status, data)
+            assert_error_shape(data, error_type, needle)
+        except AssertionError as exc:
+            failures.append(f"{case}: {exc}")
+    assert not failures, "\n".join(failures)
+    # Every refusal is recorded as exactly one RequestRejected, nothing else.
+    recorded = await h.payloads(sid)
+    assert [type(e).__name__ for e in recorded] == ["SessionOpened"] + ["RequestRejected"] * len(
+        BODY_CASES
+    )
+    rejected = [e for e in recorded if isinstance(e, ev.RequestRejected)]
+    assert all(e.status == 400 and e.error_type == "invalid_request_error" for e in rejected)
+    assert not h.engine.requests  # the engine never saw any of them
+    # The server keeps serving the same session.
+    h.engine.push("still fine")
+    status, data = await post(h, body(), auth)
+    assert status == 200 and data["content"][0]["text"] == "still fine"
+
+
+async def test_malformed_streaming_request_is_a_plain_400(small_harness: Harness) -> None:
+    h = small_harness
+    sid = await h.open_session()
+    status, data = await post(h, body(stream=True, max_tokens=-1), {"x-api-key": sid})
+    assert status == 400
+    assert_error_shape(data, "invalid_request_error", "max_tokens")
+
+
+async def test_http_level_errors(small_harness: Harness) -> None:
+    h = small_harness
+    sid = await h.open_session()
+    auth = {"Authorization": f"Bearer {sid}"}
+    assert h.http is not None
+    cases: list[tuple[str, int, str, str]] = []
+
+    status, data = await post(h, body(messages=[{"role": "user", "content": "x" * 300_000}]), auth)
+    cases.append(("oversized_body", status, data, "request_too_large"))
+    status, data = await post(h, body(), {})
+    cases.append(("missing_auth", status, data, "authentication_error"))
+    status, data = await post(h, body(), {"Authorization": "Bearer sess_does_not_exist"})
+    cases.append(("unknown_session", status, data, "authentication_error"))
+    status, data = await post(h, body(), {"Authorization": "Basic dXNlcjpwYXNz"})
+    cases.append(("wrong_auth_scheme", status, data, "authentication_error"))
+    status, data = await post(h, body(), {"x-api-key": "../../etc/passwd"})
+    cases.append(("garbage_session_id", status, data, "authentication_error"))
+    status, data = await post(h, body(), auth, path="/v1/nothing")
+    cases.append(("unknown_path", status, data, "not_found_error"))
+    async with h.http.get(h.url + "/v1/messages", headers=auth) as resp:
+        cases.append(("wrong_method", resp.status, await resp.json(), "invalid_request_error"))
+    status, data = await post(h, b"{", auth, path="/v1/messages/count_tokens")
+    cases.append(("count_tokens_bad_json", status, data, "invalid_request_error"))
+
+    expected_status = {
+        "oversized_body": 413,
+        "missing_auth": 401,
+        "unknown_session": 401,
+        "wrong_auth_scheme": 401,
+        "garbage_session_id": 401,
+        "unknown_path": 404,
+        "wrong_method": 405,
+        "count_tokens_bad_json": 400,
+    }
+    for case, got, data, error_type in cases:
+        assert got == expected_status[case], (case, got, data)
+        assert_error_shape(data, error_type, "")
+    # None of these reached the session's log.
+    assert [type(e).__name__ for e in await h.payloads(sid)] == ["SessionOpened"]
+    h.engine.push(Reply(text="alive"))
+    status, data = await post(h, body(), auth)
+    assert status == 200 and data["content"][0]["text"] == "alive"
+
+
+def test_at_least_thirty_cases() -> None:
+    assert len(BODY_CASES) + 8 >= 30

@@ -1,0 +1,558 @@
+"""End to end through the official SDK: what the agent sees and what the log holds."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import anthropic
+import pytest
+
+from recorder import events as ev
+from tests.server.conftest import SYSTEM, TOOLS, Harness, make_harness, tool_call_text
+from tools.test_engine import Fault
+from tools.test_engine.scripted import Reply, hashed_logprob
+
+
+async def ask(
+    client: anthropic.AsyncAnthropic, messages: list[dict[str, Any]], *, stream: bool, **kw: Any
+) -> Any:
+    kw.setdefault("system", SYSTEM)
+    kw.setdefault("tools", TOOLS)
+    kw.setdefault("max_tokens", 256)
+    if stream:
+        async with client.messages.stream(model="test-model", messages=messages, **kw) as s:
+            return await s.get_final_message()
+    return await client.messages.create(model="test-model", messages=messages, **kw)
+
+
+def echo(message: Any) -> dict[str, Any]:
+    """The assistant message a client sends back for a response."""
+    return {
+        "role": "assistant",
+        "content": [b.model_dump(exclude_none=True, exclude={"citations", "caller", "toolset_name", "parsed_output"}) for b in message.content],
+    }
+
+
+def tool_result(tool_use_id: str, text: str) -> dict[str, Any]:
+    return {
+        "role": "user",
+        "content": [{"type": "tool_result", "tool_use_id": tool_use_id, "content": text}],
+    }
+
+
+async def turn_tokens(h: Harness, session_id: str) -> list[tuple[list[int], list[int]]]:
+    """(engine input, engine output) per answered turn, from the log."""
+    inputs: dict[int, list[int]] = {}
+    outputs: dict[int, list[int]] = {}
+    for e in await h.payloads(session_id):
+        if isinstance(e, ev.RenderedInput):
+            inputs[e.turn] = await h.array(e.input_ids)  # type: ignore[assignment]
+        elif isinstance(e, ev.GenerateResult):
+            outputs.setdefault(e.turn, []).extend(await h.array(e.output_ids))  # type: ignore[arg-type]
+    return [(inputs[t], outputs.get(t, [])) for t in sorted(inputs)]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_multi_turn_tool_use(harness: Harness, stream: bool) -> None:
+    h = harness
+    sid = await h.open_session(instance_id="repo-1", sample_index=0, group_index=3)
+    client = h.client(sid)
+    h.engine.push(
+        tool_call_text("Bash", {"command": "ls"}, preface="Let me look around.\n"),
+        Reply(text="<think>\nThe listing shows a.txt.\n</think>\n\n" + tool_call_text("Bash", {"command": "cat a.txt"})),
+        "The file says hello. Done.",
+    )
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "What is in this repo?"}]
+    first = await ask(client, messages, stream=stream)
+    assert first.stop_reason == "tool_use"
+    assert [b.type for b in first.content] == ["text", "tool_use"]
+    assert first.content[0].text.strip() == "Let me look around."
+    assert first.content[1].name == "Bash" and first.content[1].input == {"command": "ls"}
+    assert first.content[1].id.startswith("toolu_")
+
+    messages += [echo(first), tool_result(first.content[1].id, "a.txt")]
+    second = await ask(client, messages, stream=stream)
+    assert second.stop_reason == "tool_use"
+    assert second.content[0].type == "thinking"
+    assert second.content[0].thinking.strip() == "The listing shows a.txt."
+    assert second.content[0].signature
+
+    messages += [echo(second), tool_result(second.content[-1].id, "hello")]
+    third = await ask(client, messages, stream=stream)
+    assert third.stop_reason == "end_turn"
+    assert third.content[0].text == "The file says hello. Done."
+    assert third.usage.output_tokens > 0
+    assert third.usage.cache_read_input_tokens > 0
+    assert third.usage.input_tokens < 100  # only the new tokens are uncached
+
+    # The log: every turn extends one chain, token for token.
+    decisions = await h.payloads(sid, ev.ChainDecision)
+    assert [(d.action, d.reason) for d in decisions] == [
+        ("new", "first"),
+        ("extend", "extends"),
+        ("extend", "extends"),
+    ]
+    tokens = await turn_tokens(h, sid)
+    for (prev_in, prev_out), (cur_in, _) in zip(tokens, tokens[1:], strict=False):
+        assert cur_in[: len(prev_in) + len(prev_out)] == prev_in + prev_out
+    # ... and exactly what the engine received.
+    assert [r.input_ids for r in h.engine.requests] == [t[0] for t in tokens]
+    rendered = await h.payloads(sid, ev.RenderedInput)
+    assert rendered[1].prefix_len == len(tokens[0][0]) + len(tokens[0][1])
+    requests = await h.payloads(sid, ev.MessagesRequest)
+    assert [r.turn for r in requests] == [0, 1, 2]
+    assert all(r.stream is stream for r in requests)
+    assert requests[1].tool_result_ids == (first.content[1].id,)
+    sent = await h.payloads(sid, ev.ResponseSent)
+    assert [s.stop_reason for s in sent] == ["tool_use", "tool_use", "end_turn"]
+    assert sent[0].content[1]["id"] == first.content[1].id
+    verdicts = await h.payloads(sid, ev.TitoVerdict)
+    assert len(verdicts) == 3
+    body = bytes(await h.array(requests[0].body))  # type: ignore[arg-type]
+    assert b"What is in this repo?" in body
+
+
+async def test_turn_event_order(harness: Harness) -> None:
+    h = harness
+    sid = await h.open_session()
+    await ask(h.client(sid), [{"role": "user", "content": "hi"}], stream=False)
+    assert await h.types(sid) == [
+        "session_opened",
+        "messages_request",
+        "chain_decision",
+        "rendered_input",
+        "generate_attempt",
+        "generate_result",
+        "tito_verdict",
+        "response_sent",
+    ]
+    result = (await h.payloads(sid, ev.GenerateResult))[0]
+    ids = await h.array(result.output_ids)
+    assert result.logprobs is not None
+    logprobs = await h.array(result.logprobs)
+    assert len(ids) == len(logprobs) > 0
+    assert ids[-1] in h.tokenizer.eos_token_ids
+    assert result.finish_reason == "stop"
+
+
+async def test_stop_reasons(harness: Harness) -> None:
+    h = harness
+    sid = await h.open_session()
+    client = h.client(sid)
+    h.engine.push("one two three four five six seven eight nine ten eleven twelve")
+    capped = await ask(client, [{"role": "user", "content": "count"}], stream=True, max_tokens=4)
+    assert capped.stop_reason == "max_tokens"
+    assert capped.usage.output_tokens == 4
+    h.engine.push("alpha beta STOP gamma")
+    stopped = await ask(
+        client, [{"role": "user", "content": "go"}], stream=False, stop_sequences=["STOP"]
+    )
+    assert stopped.stop_reason == "stop_sequence"
+    assert stopped.stop_sequence == "STOP"
+    assert stopped.content[0].text == "alpha beta "
+    clamp = await h.payloads(sid, ev.ClampApplied)
+    assert clamp == []  # 4 and 256 both fit the context
+
+
+async def test_max_tokens_clamped_to_context(harness: Harness) -> None:
+    h = harness
+    sid = await h.open_session()
+    await ask(h.client(sid), [{"role": "user", "content": "hi"}], stream=False, max_tokens=100_000)
+    (clamp,) = await h.payloads(sid, ev.ClampApplied)
+    (rendered,) = await h.payloads(sid, ev.RenderedInput)
+    assert clamp.requested == 100_000
+    assert clamp.clamped_to == h.config.context_length - rendered.input_ids.length
+    assert h.engine.requests[0].max_new_tokens == clamp.clamped_to
+
+
+async def test_compaction_starts_a_new_chain(harness: Harness) -> None:
+    h = harness
+    sid = await h.open_session()
+    client = h.client(sid)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Fix the bug in parser.py"}]
+    first = await ask(client, messages, stream=True)
+    messages += [echo(first), {"role": "user", "content": "Summarize the conversation so far."}]
+    await ask(client, messages, stream=True)
+    # Claude Code's next request starts over from a summary: same system, new prefix.
+    compacted = [
+        {"role": "user", "content": "This session continues from a summary: we fixed parser.py."}
+    ]
+    await ask(client, compacted, stream=True)
+    decisions = await h.payloads(sid, ev.ChainDecision)
+    assert [(d.action, d.reason) for d in decisions] == [
+        ("new", "first"),
+        ("extend", "extends"),
+        ("new", "compaction"),
+    ]
+    assert decisions[2].chain_id != decisions[0].chain_id
+    rendered = await h.payloads(sid, ev.RenderedInput)
+    assert rendered[2].prefix_len == 0
+
+
+async def test_concurrent_subagents_and_main_line(harness: Harness) -> None:
+    h = harness
+    sid = await h.open_session()
+    client = h.client(sid)
+    h.engine.push(
+        tool_call_text("Agent", {"description": "A", "prompt": "Investigate module alpha"})
+        + "\n"
+        + tool_call_text("Agent", {"description": "B", "prompt": "Investigate module beta"}),
+    )
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Investigate both modules"}]
+    dispatch = await ask(client, messages, stream=True)
+    assert [b.name for b in dispatch.content if b.type == "tool_use"] == ["Agent", "Agent"]
+    ids = [b.id for b in dispatch.content if b.type == "tool_use"]
+
+    sub_system = "You are a subagent. Report findings briefly."
+
+    async def subagent(prompt: str, reply: str) -> str:
+        h.engine.push(Reply(text=reply, match=prompt))
+        msgs: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
+        out = await ask(client, msgs, stream=True, system=sub_system, tools=[TOOLS[0]])
+        return str(out.content[0].text)
+
+    found = await asyncio.gather(
+        subagent("Investigate module alpha", "alpha is fine"),
+        subagent("Investigate module beta", "beta has a bug"),
+    )
+    assert found == ["alpha is fine", "beta has a bug"]
+    messages += [
+        echo(dispatch),
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": ids[0], "content": found[0]},
+                {"type": "tool_result", "tool_use_id": ids[1], "content": found[1]},
+            ],
+        },
+    ]
+    final = await ask(client, messages, stream=True)
+    assert final.stop_reason == "end_turn"
+    decisions = await h.payloads(sid, ev.ChainDecision)
+    by_turn = {d.turn: d for d in decisions}
+    assert by_turn[0].reason == "first"
+    subs = [by_turn[1], by_turn[2]]
+    assert {d.reason for d in subs} == {"subagent"}
+    assert {d.dispatch_tool_use_id for d in subs} == set(ids)
+    assert (by_turn[3].action, by_turn[3].chain_id) == ("extend", by_turn[0].chain_id)
+    requests = await h.payloads(sid, ev.MessagesRequest)
+    assert requests[1].system_digest != requests[0].system_digest
+    assert set(requests[3].tool_result_ids) == set(ids)
+
+
+async def test_abort_then_resume_across_weight_versions(harness: Harness) -> None:
+    h = harness
+    sid = await h.open_session()
+    text = "The quick brown fox jumps over the lazy dog and keeps running far away."
+    h.engine.push(text)
+    h.engine.inject(Fault(pause_after=5, pause_s=0.05, new_weight_version="7"))
+    answer = await ask(h.client(sid), [{"role": "user", "content": "tell me"}], stream=True)
+    assert answer.content[0].text == text
+    types = await h.types(sid)
+    assert types[4:] == [
+        "generate_attempt",
+        "generate_result",
+        "turn_aborted",
+        "turn_resumed",
+        "generate_attempt",
+        "generate_result",
+        "tito_verdict",
+        "response_sent",
+    ]
+    results = await h.payloads(sid, ev.GenerateResult)
+    assert [r.finish_reason for r in results] == ["abort", "stop"]
+    assert [r.weight_version for r in results] == ["0", "7"]
+    first_ids = await h.array(results[0].output_ids)
+    rest_ids = await h.array(results[1].output_ids)
+    assert len(first_ids) == 5
+    expected = h.tokenizer.encode(text) + [h.tokenizer.eos_token_ids[0]]
+    assert first_ids + rest_ids == expected
+    # Logprobs stitched: each token keeps the logprob of its absolute position.
+    (rendered,) = await h.payloads(sid, ev.RenderedInput)
+    start = rendered.input_ids.length
+    logprobs = await h.array(results[0].logprobs) + await h.array(results[1].logprobs)  # type: ignore[arg-type,operator]
+    assert logprobs == pytest.approx(
+        [hashed_logprob(start + i, t) for i, t in enumerate(expected)], abs=1e-6
+    )
+    (aborted,) = await h.payloads(sid, ev.TurnAborted)
+    (resumed,) = await h.payloads(sid, ev.TurnResumed)
+    assert aborted.partial_tokens == 5 and resumed.resumed_tokens == 5
+    attempts = await h.payloads(sid, ev.GenerateAttempt)
+    assert attempts[1].resumed_tokens == 5
+    assert h.engine.requests[1].input_ids == h.engine.requests[0].input_ids + first_ids
+
+
+async def test_client_disconnect_mid_stream_aborts_the_engine(
+    tokenizer: Any, sqlite_url: str
+) -> None:
+    h = await make_harness(tokenizer, sqlite_url, engine_kwargs={"token_delay_s": 0.05})
+    try:
+        sid = await h.open_session()
+        h.engine.push(" ".join(["word"] * 200))
+        body = {
+            "model": "m",
+            "max_tokens": 400,
+            "stream": True,
+            "messages": [{"role": "user", "content": "talk a lot"}],
+        }
+        assert h.http is not None
+        resp = await h.http.post(
+            h.url + "/v1/messages", json=body, headers={"Authorization": f"Bearer {sid}"}
+        )
+        assert resp.status == 200
+        first = await resp.content.readuntil(b"\n\n")
+        assert first.startswith(b"event: message_start")
+        while not h.engine.core.running:
+            await asyncio.sleep(0.01)
+        resp.close()  # the client goes away mid-generation
+        for _ in range(200):
+            if any(isinstance(e, ev.ClientDisconnected) for e in await h.payloads(sid)):
+                break
+            await asyncio.sleep(0.05)
+        (gone,) = await h.payloads(sid, ev.ClientDisconnected)
+        (attempt,) = await h.payloads(sid, ev.GenerateAttempt)
+        assert gone.rid == attempt.rid
+        assert attempt.rid in h.engine.aborts
+        assert not any(isinstance(e, ev.ResponseSent) for e in await h.payloads(sid))
+        # The session goes on.
+        h.engine.push("still here")
+        again = await ask(h.client(sid), [{"role": "user", "content": "hello?"}], stream=False)
+        assert again.content[0].text == "still here"
+    finally:
+        await h.close()
+
+
+async def test_missing_logprobs_fails_the_turn(harness: Harness) -> None:
+    h = harness
+    sid = await h.open_session()
+    h.engine.inject(Fault(logprobs="missing"))
+    client = h.client(sid)
+    with pytest.raises(anthropic.InternalServerError) as info:
+        await ask(client, [{"role": "user", "content": "hi"}], stream=False)
+    assert info.value.status_code == 500
+    assert info.value.body["error"]["type"] == "api_error"  # type: ignore[index]
+    assert "logprobs" in info.value.body["error"]["message"]  # type: ignore[index]
+    (failed,) = await h.payloads(sid, ev.TurnFailed)
+    assert failed.reason.startswith("missing_logprobs")
+    (result,) = await h.payloads(sid, ev.GenerateResult)
+    assert result.logprobs is None
+    assert not any(isinstance(e, (ev.ResponseSent, ev.TitoVerdict)) for e in await h.payloads(sid))
+    ok = await ask(client, [{"role": "user", "content": "hi"}], stream=True)
+    assert ok.stop_reason == "end_turn"
+
+
+async def test_missing_logprobs_mid_stream_is_an_error_event(harness: Harness) -> None:
+    h = harness
+    sid = await h.open_session()
+    h.engine.inject(Fault(logprobs="missing", delay_s=0.3))
+    with pytest.raises(anthropic.APIStatusError) as info:
+        await ask(h.client(sid), [{"role": "user", "content": "hi"}], stream=True)
+    assert info.value.body["error"]["type"] == "api_error"  # type: ignore[index]
+
+
+async def test_engine_5xx_is_overloaded_and_recorded(harness: Harness) -> None:
+    h = harness
+    sid = await h.open_session()
+    h.engine.inject(Fault(status=503, message="scheduler busy"))
+    client = h.client(sid)
+    with pytest.raises(anthropic.APIStatusError) as info:
+        await ask(client, [{"role": "user", "content": "hi"}], stream=False)
+    assert info.value.status_code == 529
+    assert info.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
+    (err,) = await h.payloads(sid, ev.EngineError)
+    assert (err.kind, err.status) == ("http", 503)
+    assert "scheduler busy" in err.message
+    ok = await ask(client, [{"role": "user", "content": "hi"}], stream=False)
+    assert ok.stop_reason == "end_turn"
+
+
+async def test_engine_down(tokenizer: Any, sqlite_url: str) -> None:
+    from recorder.server import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    h = await make_harness(tokenizer, sqlite_url, engine_urls=[dead])
+    try:
+        sid = await h.open_session()
+        for stream in (False, True):
+            with pytest.raises(anthropic.APIStatusError) as info:
+                await ask(h.client(sid), [{"role": "user", "content": "hi"}], stream=stream)
+            assert info.value.status_code == 529
+        errors = await h.payloads(sid, ev.EngineError)
+        assert [e.kind for e in errors] == ["unreachable", "unreachable"]
+        status, state = await h.admin("GET", f"/sessions/{sid}")
+        assert status == 200 and state["status"] == "open"
+    finally:
+        await h.close()
+
+
+async def test_same_session_requests_are_serialized(tokenizer: Any, sqlite_url: str) -> None:
+    h = await make_harness(tokenizer, sqlite_url, engine_kwargs={"token_delay_s": 0.01})
+    try:
+        sid = await h.open_session()
+        client = h.client(sid)
+        results = await asyncio.gather(
+            *(
+                ask(client, [{"role": "user", "content": f"question {i}"}], stream=i % 2 == 0)
+                for i in range(6)
+            )
+        )
+        assert all(r.stop_reason == "end_turn" for r in results)
+        turns = [getattr(e, "turn", None) for e in await h.payloads(sid)][1:]
+        # Each turn's events are contiguous: no interleaving.
+        assert turns == sorted(turns)
+        assert sorted(set(turns)) == list(range(6))
+    finally:
+        await h.close()
+
+
+async def test_pings_while_the_engine_is_slow(tokenizer: Any, sqlite_url: str) -> None:
+    h = await make_harness(tokenizer, sqlite_url)
+    try:
+        sid = await h.open_session()
+        h.engine.inject(Fault(delay_s=1.0))
+        body = {
+            "model": "m",
+            "max_tokens": 50,
+            "stream": True,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+        assert h.http is not None
+        async with h.http.post(
+            h.url + "/v1/messages", json=body, headers={"x-api-key": sid}
+        ) as resp:
+            raw = (await resp.read()).decode()
+        names = [line[7:] for line in raw.splitlines() if line.startswith("event: ")]
+        assert names[0] == "message_start"
+        assert names.count("ping") >= 3
+        assert names[-2:] == ["message_delta", "message_stop"]
+        assert "content_block_start" in names and "content_block_delta" in names
+    finally:
+        await h.close()
+
+
+async def test_streaming_event_shapes(harness: Harness) -> None:
+    h = harness
+    sid = await h.open_session()
+    h.engine.push(
+        Reply(text="<think>\nplan\n</think>\n\nRunning it.\n" + tool_call_text("Bash", {"command": "make"}))
+    )
+    body = {
+        "model": "m",
+        "max_tokens": 200,
+        "stream": True,
+        "tools": TOOLS,
+        "messages": [{"role": "user", "content": "build"}],
+    }
+    assert h.http is not None
+    async with h.http.post(
+        h.url + "/v1/messages?beta=true", json=body, headers={"Authorization": f"Bearer {sid}"}
+    ) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        raw = (await resp.read()).decode()
+    import json
+
+    frames = [f for f in raw.split("\n\n") if f.strip()]
+    parsed = []
+    for frame in frames:
+        event_line, data_line = frame.split("\n")
+        parsed.append((event_line[7:], json.loads(data_line[6:])))
+    parsed = [p for p in parsed if p[0] != "ping"]
+    kinds = [(name, data.get("delta", data.get("content_block", {})).get("type")) for name, data in parsed]
+    assert kinds == [
+        ("message_start", None),
+        ("content_block_start", "thinking"),
+        ("content_block_delta", "thinking_delta"),
+        ("content_block_delta", "signature_delta"),
+        ("content_block_stop", None),
+        ("content_block_start", "text"),
+        ("content_block_delta", "text_delta"),
+        ("content_block_stop", None),
+        ("content_block_start", "tool_use"),
+        ("content_block_delta", "input_json_delta"),
+        ("content_block_stop", None),
+        ("message_delta", None),
+        ("message_stop", None),
+    ]
+    delta = parsed[-2][1]
+    assert delta["delta"]["stop_reason"] == "tool_use"
+    assert delta["usage"]["output_tokens"] > 0
+    assert json.loads(parsed[9][1]["delta"]["partial_json"]) == {"command": "make"}
+
+
+async def test_unexpected_error_is_contained_to_its_session(harness: Harness) -> None:
+    h = harness
+
+    class Exploding:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        async def parse(self, text: str, tools: list[dict[str, Any]]) -> Any:
+            if "BOOM" in text:
+                raise RuntimeError("parser bug triggered by BOOM")
+            return await self.inner.parse(text, tools)
+
+    h.ctx.parser = Exploding(h.ctx.parser)  # type: ignore[assignment]
+    bad, good = await h.open_session(), await h.open_session()
+    h.engine.push(Reply(text="BOOM", match="explode"))
+    with pytest.raises(anthropic.InternalServerError) as info:
+        await ask(h.client(bad), [{"role": "user", "content": "explode"}], stream=False)
+    assert "RuntimeError" in info.value.body["error"]["message"]  # type: ignore[index]
+    (failed,) = await h.payloads(bad, ev.SessionFailed)
+    assert failed.error_type == "RuntimeError"
+    assert "parser bug" in failed.traceback
+    ok = await ask(h.client(good), [{"role": "user", "content": "fine"}], stream=True)
+    assert ok.stop_reason == "end_turn"
+    # The failed session's state is rebuilt from the log and it keeps serving.
+    again = await ask(h.client(bad), [{"role": "user", "content": "fine now"}], stream=False)
+    assert again.stop_reason == "end_turn"
+
+
+async def test_head_root_health_models(harness: Harness) -> None:
+    h = harness
+    assert h.http is not None
+    async with h.http.head(h.url + "/") as resp:
+        assert resp.status == 200
+    async with h.http.get(h.url + "/health") as resp:
+        assert resp.status == 200
+        assert (await resp.json())["status"] == "ok"
+    sid = await h.open_session()
+    models = await h.client(sid).models.list()
+    assert models.data[0].id
+
+
+async def test_count_tokens_is_the_real_count(harness: Harness) -> None:
+    h = harness
+    sid = await h.open_session()
+    messages = [{"role": "user", "content": "How many tokens is this?"}]
+    counted = await h.client(sid).messages.count_tokens(
+        model="m", messages=messages, system=SYSTEM, tools=TOOLS  # type: ignore[arg-type]
+    )
+    await ask(h.client(sid), messages, stream=False)
+    (rendered,) = await h.payloads(sid, ev.RenderedInput)
+    assert counted.input_tokens == rendered.input_ids.length
+    assert not any(isinstance(e, ev.RequestRejected) for e in await h.payloads(sid))
+
+
+async def test_disconnect_recorded_even_when_the_engine_is_paused(
+    tokenizer: Any, sqlite_url: str
+) -> None:
+    h = await make_harness(tokenizer, sqlite_url)
+    try:
+        sid = await h.open_session()
+        h.engine.pause()
+        body = {"model": "m", "max_tokens": 20, "stream": True, "messages": [{"role": "user", "content": "x"}]}
+        assert h.http is not None
+        resp = await h.http.post(
+            h.url + "/v1/messages", json=body, headers={"Authorization": f"Bearer {sid}"}
+        )
+        await resp.content.readuntil(b"\n\n")
+        resp.close()
+        for _ in range(100):
+            if await h.payloads(sid, ev.ClientDisconnected):
+                break
+            await asyncio.sleep(0.05)
+        assert await h.payloads(sid, ev.ClientDisconnected)
+        h.engine.resume()
+    finally:
+        await h.close()

@@ -1,0 +1,63 @@
+"""Fixtures for the store suite: an opened store per backend, event factories."""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from recorder.events import NewEvent, SandboxEvent
+from recorder.store import EventStore, open_store
+
+
+@pytest.fixture
+async def store(store_url: str) -> AsyncIterator[EventStore]:
+    s = await open_store(store_url, create=True)
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+MakeEvents = Callable[..., list[NewEvent]]
+
+
+@pytest.fixture
+def make_events() -> MakeEvents:
+    """make_events(n, tag="x") -> n distinct small events (fresh ids)."""
+
+    def make(n: int, tag: str = "e") -> list[NewEvent]:
+        return [NewEvent(event=SandboxEvent(kind=f"{tag}-{i}", detail={"i": i})) for i in range(n)]
+
+    return make
+
+
+RawExecute = Callable[..., Awaitable[list[tuple[object, ...]]]]
+
+
+@pytest.fixture
+def raw_execute() -> RawExecute:
+    """raw_execute(url, sql, *params): run SQL through a plain driver connection.
+
+    Write placeholders as $1, $2 (asyncpg style); they become ? for sqlite3.
+    """
+
+    async def run(url: str, sql: str, *params: object) -> list[tuple[object, ...]]:
+        if url.startswith("sqlite"):
+            path = url.split(":///", 1)[1]
+            conn = sqlite3.connect(path, isolation_level=None)
+            try:
+                return conn.execute(re.sub(r"\$\d+", "?", sql), params).fetchall()
+            finally:
+                conn.close()
+        import asyncpg
+
+        pg = await asyncpg.connect(url.replace("postgresql+asyncpg", "postgresql"))
+        try:
+            return [tuple(r) for r in await pg.fetch(sql, *params)]
+        finally:
+            await pg.close()
+
+    return run

@@ -1,0 +1,39 @@
+"""Events stored at an old schema version read back upcast to the current one."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable, Callable
+
+import msgspec
+
+from recorder.events import RewardAssigned
+from recorder.store import EventStore
+
+RawExecute = Callable[..., Awaitable[list[tuple[object, ...]]]]
+
+
+async def test_reward_v1_row_reads_as_v2(
+    store: EventStore, store_url: str, raw_execute: RawExecute
+) -> None:
+    assert RewardAssigned.VERSION == 2
+    v1 = msgspec.msgpack.encode({"type": "reward_assigned", "value": 0.25})
+    event_id = uuid.uuid4()
+    key = event_id.bytes if store_url.startswith("sqlite") else event_id
+    await raw_execute(
+        store_url,
+        "INSERT INTO events (session_id, seq, event_id, type, version, ts, payload) "
+        "VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        "old",
+        0,
+        key,
+        "reward_assigned",
+        1,
+        12.5,
+        v1,
+    )
+    (got,) = await store.read_session("old")
+    assert got.event == RewardAssigned(reward=0.25, detail={})
+    assert got.version == 1 and got.event_id == event_id and got.ts == 12.5
+    (page,) = await store.read_all()
+    assert page == got

@@ -1,0 +1,613 @@
+"""The HTTP side of the test engines: SGLang's `/generate` subset and controls.
+
+A backend (scripted or tiny model) only produces the next token; this module
+does everything else the way SGLang does: request validation (400 on unknown
+sampling keys or a prompt that does not fit the context), max_new_tokens,
+EOS / stop_token_ids / stop strings, abort by rid prefix (a running request
+answers with its partial output), pause/continue with weight-version bumps,
+cached-prefix accounting, and per-request fault injection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import msgspec
+import numpy as np
+from aiohttp import web
+
+from recorder.parsers import BuiltinParser
+from recorder.tokenizer import Tokenizer
+
+# Sampling keys SGLang accepts; any other key is a 400 (as in SGLang 0.5.23).
+KNOWN_SAMPLING_KEYS = frozenset(
+    {
+        "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
+        "stop", "stop_token_ids", "stop_regex", "ignore_eos", "skip_special_tokens",
+        "spaces_between_special_tokens", "no_stop_trim", "repetition_penalty",
+        "frequency_penalty", "presence_penalty", "n", "json_schema", "regex", "ebnf",
+        "structural_tag", "custom_params", "stream_interval", "logit_bias", "sampling_seed",
+    }
+)  # fmt: skip
+
+
+class Fault(msgspec.Struct, kw_only=True):
+    """A fault for the next matching `/generate` request.
+
+    `match`: a substring of the decoded prompt (None: the next request).
+    `times`: how many requests it applies to.
+    """
+
+    match: str | None = None
+    times: int = 1
+    status: int | None = None  # answer this HTTP status, generate nothing
+    message: str = "injected fault"
+    delay_s: float = 0.0  # wait before the first token (abortable)
+    abort_after: int | None = None  # abort after this many output tokens
+    logprobs: str = "ok"  # "ok" | "missing" (no output_token_logprobs) | "short" (one fewer)
+    pause_after: int | None = None  # pause_generation(abort) after this many tokens...
+    pause_s: float = 0.05  # ...then continue_generation after this long
+    new_weight_version: str | None = None  # version set on that continue (None: +1)
+    disconnect: bool = False  # close the connection without answering
+
+
+class GenRequest(msgspec.Struct, kw_only=True):
+    rid: str
+    input_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    return_logprob: bool = False
+    return_routed_experts: bool = False
+
+
+class TokenSource(Protocol):
+    """One request's token producer."""
+
+    token_delay_s: float
+
+    async def next_token(self) -> tuple[int, float] | None:
+        """The next (token id, logprob), or None when the source has nothing more."""
+        ...
+
+    def finished(self, output_ids: list[int], finish_type: str) -> None:
+        """Called once when the request ends (the scripted backend keeps aborted plans)."""
+        ...
+
+
+class Backend(Protocol):
+    model_path: str
+
+    def open(self, req: GenRequest, prompt_text: str | None) -> TokenSource: ...
+
+    def needs_prompt_text(self) -> bool: ...
+
+
+class BadRequest(Exception):
+    pass
+
+
+class _Running:
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.abort = asyncio.Event()
+        self.message = ""
+
+    def cancel(self, message: str) -> None:
+        if not self.abort.is_set():
+            self.message = message
+            self.abort.set()
+
+
+class _PrefixTrie:
+    """Longest previously seen token prefix (the engine's prefix cache, roughly)."""
+
+    def __init__(self, max_nodes: int = 2_000_000) -> None:
+        self._root: dict[int, Any] = {}
+        self._nodes = 0
+        self._max = max_nodes
+
+    def longest(self, ids: Sequence[int]) -> int:
+        node, n = self._root, 0
+        for t in ids:
+            node = node.get(t)
+            if node is None:
+                break
+            n += 1
+        return n
+
+    def insert(self, ids: Sequence[int]) -> None:
+        if self._nodes + len(ids) > self._max:
+            self._root, self._nodes = {}, 0
+        node = self._root
+        for t in ids:
+            nxt = node.get(t)
+            if nxt is None:
+                nxt = node[t] = {}
+                self._nodes += 1
+            node = nxt
+
+
+class EngineCore:
+    """Shared `/generate` semantics and control endpoints over a Backend."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        tokenizer: Tokenizer,
+        *,
+        context_length: int = 32768,
+        weight_version: str = "0",
+        tool_call_parser: str = "qwen25",
+        reasoning_parser: str = "qwen3",
+        routed_experts_shape: tuple[int, int] = (2, 2),
+    ) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self.weight_version = weight_version
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
+        self.routed_experts_shape = routed_experts_shape
+        self.healthy = True
+        # What the engine saw, for assertions in tests.
+        self.requests: list[GenRequest] = []
+        self.aborts: list[str] = []
+        self.faults: list[Fault] = []
+        self._running: dict[str, _Running] = {}
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
+        self._pause_mode = ""
+        self._cache = _PrefixTrie()
+        self._background: set[asyncio.Task[None]] = set()
+
+    # -- controls (also callable in-process) --------------------------------
+
+    def inject(self, *faults: Fault) -> None:
+        self.faults.extend(faults)
+
+    @property
+    def running(self) -> list[str]:
+        return list(self._running)
+
+    @property
+    def paused(self) -> bool:
+        return not self._unpaused.is_set()
+
+    def abort(self, rid: str = "", *, abort_all: bool = False, message: str = "aborted") -> int:
+        """`/abort_request`: abort running (and paused-queued) requests whose rid
+        starts with `rid` (recorded in `aborts`, "*" for abort_all)."""
+        self.aborts.append("*" if abort_all else rid)
+        return self.cancel(rid, abort_all=abort_all, message=message)
+
+    def cancel(self, rid: str = "", *, abort_all: bool = False, message: str) -> int:
+        hit = 0
+        for running in list(self._running.values()):
+            if abort_all or (rid and running.rid.startswith(rid)):
+                running.cancel(message)
+                hit += 1
+        return hit
+
+    def pause(self, mode: str = "abort") -> None:
+        self._unpaused.clear()
+        self._pause_mode = mode
+        if mode == "abort":
+            self.cancel(abort_all=True, message="pause_generation (abort)")
+
+    def resume(self, new_weight_version: str | None = None) -> None:
+        if new_weight_version is not None:
+            self.weight_version = new_weight_version
+        self._pause_mode = ""
+        self._unpaused.set()
+
+    def bump_weight_version(self) -> str:
+        try:
+            self.weight_version = str(int(self.weight_version) + 1)
+        except ValueError:
+            self.weight_version = self.weight_version + "+1"
+        return self.weight_version
+
+    # -- /generate ----------------------------------------------------------
+
+    def parse_request(self, body: Any) -> GenRequest:
+        if isinstance(body, dict) and "text" in body and "input_ids" not in body:
+            raise BadRequest("the test engine takes input_ids, not text")
+        if not isinstance(body, dict) or not isinstance(body.get("input_ids"), list):
+            raise BadRequest("body must be a JSON object with input_ids")
+        if body.get("stream"):
+            raise BadRequest("the test engine does not stream; send stream=false")
+        sp = body.get("sampling_params") or {}
+        if not isinstance(sp, dict):
+            raise BadRequest("sampling_params must be an object")
+        unknown = sorted(set(sp) - KNOWN_SAMPLING_KEYS)
+        if unknown:
+            raise BadRequest(f"unknown sampling_params: {', '.join(unknown)}")
+        stop = sp.get("stop") or ()
+        try:
+            return msgspec.convert(
+                {
+                    "rid": str(body.get("rid") or uuid.uuid4().hex),
+                    "input_ids": body["input_ids"],
+                    "max_new_tokens": sp.get("max_new_tokens", 128),
+                    "temperature": sp.get("temperature", 1.0),
+                    "top_p": sp.get("top_p", 1.0),
+                    "top_k": sp.get("top_k", -1),
+                    "stop": [stop] if isinstance(stop, str) else list(stop),
+                    "stop_token_ids": list(sp.get("stop_token_ids") or ()),
+                    "ignore_eos": bool(sp.get("ignore_eos", False)),
+                    "return_logprob": bool(body.get("return_logprob", False)),
+                    "return_routed_experts": bool(body.get("return_routed_experts", False)),
+                },
+                GenRequest,
+                strict=False,
+            )
+        except msgspec.ValidationError as exc:
+            raise BadRequest(f"invalid request: {exc}") from exc
+
+    def check_context(self, req: GenRequest) -> None:
+        n = len(req.input_ids)
+        if n >= self.context_length:
+            raise BadRequest(
+                f"The input ({n} tokens) is longer than the model's context length "
+                f"({self.context_length} tokens)."
+            )
+        if n + req.max_new_tokens > self.context_length:
+            raise BadRequest(
+                f"Requested token count exceeds the model's maximum context length of "
+                f"{self.context_length} tokens. You requested a total of "
+                f"{n + req.max_new_tokens} tokens: {n} tokens from the input messages and "
+                f"{req.max_new_tokens} tokens for the completion. Please reduce the number "
+                "of tokens in the input messages or the completion to fit within the limit."
+            )
+
+    def _take_fault(self, prompt_text: str | None) -> Fault | None:
+        for i, fault in enumerate(self.faults):
+            if fault.match is None or (prompt_text is not None and fault.match in prompt_text):
+                fault.times -= 1
+                if fault.times <= 0:
+                    del self.faults[i]
+                return fault
+        return None
+
+    def _needs_prompt_text(self) -> bool:
+        return self.backend.needs_prompt_text() or any(f.match for f in self.faults)
+
+    async def generate(self, req: GenRequest) -> tuple[int, dict[str, Any], Fault | None]:
+        """(HTTP status, JSON body, fault applied) for one request."""
+        self.requests.append(req)
+        self.check_context(req)
+        prompt_text = self.tokenizer.decode(req.input_ids) if self._needs_prompt_text() else None
+        fault = self._take_fault(prompt_text)
+        if fault and fault.status:
+            return fault.status, {"error": {"message": fault.message}}, fault
+        if fault and fault.disconnect:
+            return 0, {}, fault
+        started = time.monotonic()
+        running = _Running(req.rid)
+        self._running[req.rid] = running
+        source: TokenSource | None = None
+        try:
+            await self._wait_unpaused(running)
+            if fault and fault.delay_s and not running.abort.is_set():
+                await _sleep_unless(running.abort, fault.delay_s)
+            cached = self._cache.longest(req.input_ids)
+            source = self.backend.open(req, prompt_text)
+            out, logprobs, finish = await self._decode(req, source, running, fault)
+        except BaseException:
+            if source is not None:  # the HTTP request was cancelled: free the backend
+                source.finished([], "cancelled")
+            raise
+        finally:
+            self._running.pop(req.rid, None)
+        source.finished(out, finish["type"])
+        self._cache.insert([*req.input_ids, *out])
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(out),
+            "cached_tokens": cached,
+            "finish_reason": finish,
+            "weight_version": self.weight_version,
+            "e2e_latency": time.monotonic() - started,
+        }
+        if req.return_logprob and (fault is None or fault.logprobs != "missing"):
+            triples = [[lp, t, None] for t, lp in zip(out, logprobs, strict=True)]
+            if fault is not None and fault.logprobs == "short" and triples:
+                triples = triples[:-1]
+            meta["output_token_logprobs"] = triples
+        if req.return_routed_experts:
+            meta["routed_experts"] = self._routed_experts(req.input_ids, out)
+        return (
+            200,
+            {"text": self.tokenizer.decode(out), "output_ids": out, "meta_info": meta},
+            fault,
+        )
+
+    async def _wait_unpaused(self, running: _Running) -> None:
+        while not self._unpaused.is_set() and not running.abort.is_set():
+            waiter = asyncio.ensure_future(self._unpaused.wait())
+            aborted = asyncio.ensure_future(running.abort.wait())
+            try:
+                await asyncio.wait({waiter, aborted}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiter.cancel()
+                aborted.cancel()
+
+    async def _decode(
+        self, req: GenRequest, source: TokenSource, running: _Running, fault: Fault | None
+    ) -> tuple[list[int], list[float], dict[str, Any]]:
+        out: list[int] = []
+        logprobs: list[float] = []
+        stops = set(req.stop_token_ids)
+        if not req.ignore_eos:
+            stops.update(self.tokenizer.eos_token_ids)
+        max_stop = max((len(s) for s in req.stop), default=0)
+        while True:
+            if running.abort.is_set():
+                return out, logprobs, {"type": "abort", "message": running.message}
+            if len(out) >= req.max_new_tokens:
+                return out, logprobs, {"type": "length", "length": len(out)}
+            if self._pause_mode and self._pause_mode != "abort":
+                await self._wait_unpaused(running)
+                continue
+            if source.token_delay_s > 0:
+                await _sleep_unless(running.abort, source.token_delay_s)
+                if running.abort.is_set():
+                    continue
+            produced = await source.next_token()
+            if produced is None:
+                return out, logprobs, {"type": "stop", "matched": None}
+            token, logprob = produced
+            out.append(token)
+            logprobs.append(logprob)
+            if token in stops:
+                return out, logprobs, {"type": "stop", "matched": token}
+            if max_stop:
+                tail = self.tokenizer.decode(out[-(max_stop + 2) :])
+                hit = next((s for s in req.stop if s in tail), None)
+                if hit is not None:
+                    return out, logprobs, {"type": "stop", "matched": hit}
+            if fault is not None:
+                self._fault_after_token(fault, len(out), running)
+
+    def _fault_after_token(self, fault: Fault, produced: int, running: _Running) -> None:
+        if fault.abort_after is not None and produced >= fault.abort_after:
+            running.cancel(fault.message)
+        if fault.pause_after is not None and produced == fault.pause_after:
+            self.pause("abort")
+            self._spawn(self._continue_later(fault))
+
+    async def _continue_later(self, fault: Fault) -> None:
+        await asyncio.sleep(fault.pause_s)
+        self.resume(fault.new_weight_version or self.bump_weight_version())
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _routed_experts(self, prompt: list[int], out: list[int]) -> str:
+        """Deterministic fake routing: (tokens, layers, top-k) int32, base64."""
+        layers, topk = self.routed_experts_shape
+        ids = np.asarray([*prompt, *out], dtype=np.int64)
+        grid = (ids[:, None, None] + np.arange(layers)[None, :, None] * 7 + np.arange(topk)) % 64
+        return base64.b64encode(grid.astype(np.int32).tobytes()).decode()
+
+    # -- info ---------------------------------------------------------------
+
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.backend.model_path,
+            "tokenizer_path": self.tokenizer.identity.name_or_path,
+            "is_generation": True,
+            "weight_version": self.weight_version,
+            "tool_call_parser": self.tool_call_parser,
+            "reasoning_parser": self.reasoning_parser,
+            "context_length": self.context_length,
+        }
+
+    def models(self) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.backend.model_path,
+                    "object": "model",
+                    "owned_by": "sglang",
+                    "root": self.backend.model_path,
+                    "max_model_len": self.context_length,
+                }
+            ],
+        }
+
+
+async def _sleep_unless(event: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(event.wait(), seconds)
+
+
+# --------------------------------------------------------------------------
+# aiohttp application
+# --------------------------------------------------------------------------
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+async def _json_body(request: web.Request) -> Any:
+    try:
+        return await request.json(loads=json.loads)
+    except ValueError as exc:
+        raise BadRequest(f"body is not JSON: {exc}") from exc
+
+
+def build_app(core: EngineCore) -> web.Application:
+    routes = web.RouteTableDef()
+
+    @routes.post("/generate")
+    async def generate(request: web.Request) -> web.StreamResponse:
+        try:
+            req = core.parse_request(await _json_body(request))
+            status, body, fault = await core.generate(req)
+        except BadRequest as exc:
+            return _error(400, str(exc))
+        if fault is not None and fault.disconnect:
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response(status=500)
+        return web.json_response(body, status=status)
+
+    @routes.post("/abort_request")
+    async def abort_request(request: web.Request) -> web.Response:
+        try:
+            body = await _json_body(request)
+        except BadRequest as exc:
+            return _error(400, str(exc))
+        core.abort(str(body.get("rid") or ""), abort_all=bool(body.get("abort_all")))
+        return web.Response(status=200)
+
+    @routes.post("/pause_generation")
+    async def pause_generation(request: web.Request) -> web.Response:
+        body = await _json_body(request) if request.can_read_body else {}
+        mode = str(body.get("mode") or "abort")
+        if mode not in ("abort", "in_place", "retract"):
+            return _error(400, f"unknown pause mode {mode!r}")
+        core.pause(mode)
+        return web.json_response({"success": True})
+
+    @routes.post("/continue_generation")
+    async def continue_generation(request: web.Request) -> web.Response:
+        core.resume()
+        return web.json_response({"success": True})
+
+    @routes.post("/update_weight_version")
+    async def update_weight_version(request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        if body.get("abort_all_requests"):
+            core.cancel(abort_all=True, message="weight version update")
+        core.weight_version = str(body.get("new_version") or core.bump_weight_version())
+        return web.json_response({"success": True, "weight_version": core.weight_version})
+
+    @routes.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: web.Request) -> web.Response:
+        body = await _json_body(request) if request.can_read_body else {}
+        version = body.get("weight_version")
+        core.weight_version = str(version) if version else core.bump_weight_version()
+        return web.json_response(
+            {"success": True, "message": "weights updated", "weight_version": core.weight_version}
+        )
+
+    @routes.get("/get_weight_version")
+    async def get_weight_version(request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": core.weight_version})
+
+    @routes.get("/model_info")
+    @routes.get("/get_model_info")
+    async def model_info(request: web.Request) -> web.Response:
+        return web.json_response(core.model_info())
+
+    @routes.get("/v1/models")
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response(core.models())
+
+    @routes.get("/health")
+    @routes.get("/health_generate")
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(status=200 if core.healthy else 503)
+
+    @routes.post("/parse_function_call")
+    async def parse_function_call(request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        tools = body.get("tools") or []
+        parser = BuiltinParser(body.get("tool_call_parser") or core.tool_call_parser, None)
+        parsed = parser.parse_sync(str(body.get("text") or ""), tools)
+        index = {name: i for i, name in enumerate(_tool_name_list(tools))}
+        calls = [
+            {
+                "tool_index": index.get(c.name, -1),
+                "name": c.name,
+                "parameters": json.dumps(c.arguments, ensure_ascii=False),
+            }
+            for c in parsed.tool_calls
+        ]
+        return web.json_response({"normal_text": parsed.text, "calls": calls})
+
+    @routes.post("/separate_reasoning")
+    async def separate_reasoning(request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        parser = BuiltinParser(None, body.get("reasoning_parser") or core.reasoning_parser)
+        parsed = parser.parse_sync(str(body.get("text") or ""), None)
+        return web.json_response({"reasoning_text": parsed.reasoning or "", "text": parsed.text})
+
+    app = web.Application(client_max_size=1 << 30)
+    app.add_routes(routes)
+    app.middlewares.append(_bad_request_middleware)
+    return app
+
+
+def _tool_name_list(tools: list[Any]) -> list[str]:
+    names = []
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        fn = fn if isinstance(fn, dict) else tool if isinstance(tool, dict) else {}
+        names.append(str(fn.get("name", "")))
+    return names
+
+
+@web.middleware
+async def _bad_request_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except BadRequest as exc:
+        return _error(400, str(exc))
+    except ValueError as exc:  # e.g. an unknown parser name
+        return _error(400, str(exc))
+
+
+class EngineServer:
+    """Runs an EngineCore's app on 127.0.0.1 in the current event loop."""
+
+    def __init__(self, core: EngineCore, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.core = core
+        self.host = host
+        self.port = port
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> str:
+        self._runner = web.AppRunner(build_app(self.core), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        server = site._server
+        assert server is not None
+        self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            self.core.cancel(abort_all=True, message="engine shutting down")
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> EngineServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
