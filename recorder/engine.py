@@ -201,6 +201,12 @@ def _routed_experts(raw: Any, url: str) -> bytes | None:
         raise EngineError("protocol", f"routed_experts is not base64: {exc}", url=url) from exc
 
 
+def _int_list(ids: Sequence[int]) -> list[int]:
+    """Plain ints for the JSON body (numpy arrays and their scalars included)."""
+    tolist = getattr(ids, "tolist", None)
+    return tolist() if callable(tolist) else [int(i) for i in ids]
+
+
 def _error_message(body: Any) -> str:
     if isinstance(body, dict):
         err = body.get("error", body)
@@ -275,7 +281,7 @@ class EngineClient:
         """One `/generate` attempt. Raises EngineError; an abort is a normal result."""
         body: dict[str, Any] = {
             "rid": rid,
-            "input_ids": list(input_ids),
+            "input_ids": _int_list(input_ids),
             "stream": False,
             "return_logprob": True,
             "logprob_start_len": -1,
@@ -429,7 +435,7 @@ async def generate_with_resume(
     `on_result` saw the offending output), EngineError, or CancelledError
     (after asking the engine to abort the in-flight rid).
     """
-    prompt = list(input_ids)
+    prompt = _int_list(input_ids)
     ids: list[int] = []
     logprobs: list[float] = []
     versions: list[str] = []

@@ -90,6 +90,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._raw.token_to_id(token)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The raw vocabulary entry (e.g. byte-level "Ġhello"), for debugging views."""
+        return self._raw.id_to_token(token_id)
+
     # -- chat template ------------------------------------------------------
 
     def render(
@@ -286,12 +290,23 @@ def _vocab_digest(raw: _RawTokenizer) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _gguf_cache_dir(gguf: Path) -> Path:
+@lru_cache(maxsize=64)
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
     digest = hashlib.sha256()
-    with gguf.open("rb") as f:
+    with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
-    return tokenizer_cache_root() / "gguf-tokenizers" / digest.hexdigest()[:32]
+    return digest.hexdigest()
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file (memoised per path, size and mtime)."""
+    st = path.stat()
+    return _file_digest(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    return tokenizer_cache_root() / "gguf-tokenizers" / file_digest(gguf)[:32]
 
 
 def _drop_volatile_config_keys(config_file: Path) -> None:

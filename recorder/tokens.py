@@ -27,7 +27,7 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
-from recorder.translate import ChatRequest
+from recorder.translate import ChatRequest, same_message
 
 DEFAULT_MAX_CHAINS = 32
 MAX_PENDING_DISPATCHES = 64
@@ -45,6 +45,7 @@ _PREFIX_MESSAGES: tuple[dict[str, Any], ...] = (
 )
 
 
+_MISSING = object()
 _PIECES: weakref.WeakKeyDictionary[Any, dict[str, tuple[str, str] | None]] = (
     weakref.WeakKeyDictionary()
 )
@@ -254,10 +255,11 @@ def _best_match(chains: SessionChains, req: ChatRequest) -> _Match | None:
     return best
 
 
-def _common_prefix(a: Sequence[str], b: Sequence[str]) -> int:
-    n = min(len(a), len(b))
+def _common_prefix(ours: Sequence[str], echoed: Sequence[str]) -> int:
+    """How many leading messages of a request match the chain's (see `same_message`)."""
+    n = min(len(ours), len(echoed))
     for i in range(n):
-        if a[i] != b[i]:
+        if ours[i] != echoed[i] and not same_message(ours[i], echoed[i]):
             return i
     return n
 
@@ -321,8 +323,9 @@ def _template_pieces(tok: Tokenizer, req: ChatRequest) -> tuple[str, str] | None
     except TypeError:  # a tokenizer that cannot be weakly referenced
         cache = {}
     key = req.render_digest + repr(sorted(req.template_kwargs.items()))
-    if key in cache:
-        return cache[key]
+    cached = cache.get(key, _MISSING)  # one lookup: safe when sessions plan in threads
+    if cached is not _MISSING:
+        return cached  # type: ignore[return-value]
     head = tok.render(list(_PREFIX_MESSAGES), req.tools or None, False, **req.template_kwargs)
     at = head.rfind(_SENTINEL)
     pieces = None if at < 0 else (head[at + len(_SENTINEL) :], head)
@@ -530,8 +533,11 @@ def tito_check(tok: Tokenizer, output_ids: Sequence[int]) -> TitoResult:
     reencoded = tok.encode(tok.decode(ids))
     if reencoded == ids:
         return TitoResult(ok=True, first_divergence=None, reencoded_ids=reencoded)
+    first = next((i for i, (a, b) in enumerate(zip(ids, reencoded, strict=False)) if a != b), None)
     return TitoResult(
-        ok=False, first_divergence=_common_prefix(ids, reencoded), reencoded_ids=reencoded
+        ok=False,
+        first_divergence=min(len(ids), len(reencoded)) if first is None else first,
+        reencoded_ids=reencoded,
     )
 
 

@@ -454,12 +454,16 @@ def _digest_text(text: str) -> str:
 
 
 def message_digest(message: dict[str, Any]) -> str:
-    """Digest of what the model sees of a chat message, ignoring surrounding whitespace."""
+    """Digest of what the model sees of a chat message, ignoring surrounding whitespace.
+
+    An assistant message with reasoning gets `<digest>+<reasoning digest>`, so
+    that `same_message` can also match an echo from which the client dropped
+    the thinking (clients may strip thinking from earlier turns).
+    """
     calls = message.get("tool_calls")
     normalized = (
         message["role"],
         message.get("content", "").strip(),
-        (message.get("reasoning_content") or "").strip(),
         [
             (c["id"], c["function"]["name"], c["function"]["arguments"])
             for c in calls  # type: ignore[union-attr]
@@ -469,7 +473,14 @@ def message_digest(message: dict[str, Any]) -> str:
         message.get("tool_call_id"),
         message.get("is_error", False),
     )
-    return _digest_obj(normalized)
+    digest = _digest_obj(normalized)
+    reasoning = (message.get("reasoning_content") or "").strip()
+    return f"{digest}+{_digest_text(reasoning)}" if reasoning else digest
+
+
+def same_message(ours: str, echoed: str) -> bool:
+    """Does the client's `echoed` message digest match `ours` (thinking may have been dropped)?"""
+    return ours == echoed or (ours.partition("+")[0] == echoed and "+" not in echoed)
 
 
 def response_message_digest(content: Sequence[dict[str, Any]]) -> str:

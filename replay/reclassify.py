@@ -67,11 +67,17 @@ def summarize(result: SessionResult, digest: str) -> SessionSummary:
         digest=digest,
         status=result.status,
         segmentation=[(s.kind, s.turns, s.dropped) for s in result.segments],
-        sample_kinds=[str(s.metadata.get("segment_kind", "placeholder")) for s in result.samples],
+        sample_kinds=[_kind(s.metadata) for s in result.samples],
         sample_statuses=[s.status for s in result.samples],
         trainable_tokens=sum(sum(s.loss_mask) for s in result.samples),
         placeholder=result.placeholder,
     )
+
+
+def _kind(metadata: dict[str, object]) -> str:
+    if "placeholder" in metadata:
+        return "placeholder"
+    return str(metadata.get("segment_kind", "unknown"))
 
 
 def projection_names_for(rules: Rules, covers_position: int) -> tuple[str, str]:

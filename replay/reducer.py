@@ -112,21 +112,16 @@ class _Session:
 
 
 def _window(events: Sequence[RecordedEvent]) -> tuple[list[RecordedEvent], list[str]]:
-    """Events in seq order from the last SessionOpened on."""
-    diags: list[str] = []
+    """Events in seq order from the last SessionOpened on.
+
+    Nothing before it may influence the result, not even a diagnostic: a
+    stream that starts at the re-open must reduce to the same bytes.
+    """
     ordered = sorted(events, key=lambda e: (e.seq, e.position))
-    start = 0
     opened_at = [i for i, e in enumerate(ordered) if isinstance(e.event, SessionOpened)]
-    if opened_at:
-        start = opened_at[-1]
-        if len(opened_at) > 1:
-            diags.append(
-                f"session re-opened {len(opened_at) - 1} time(s): only the last attempt "
-                f"(from seq {ordered[start].seq}) is reduced"
-            )
-    else:
-        diags.append("no SessionOpened event: reducing the whole stream")
-    return ordered[start:], diags
+    if not opened_at:
+        return ordered, ["no SessionOpened event: reducing the whole stream"]
+    return ordered[opened_at[-1] :], []
 
 
 def _collect(events: Sequence[RecordedEvent]) -> _Session:

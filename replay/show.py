@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rich.table import Table
+from rich.text import Text
 
 from recorder.events import (
     ChainDecision,
@@ -122,7 +123,7 @@ def timeline_table(events: Sequence[RecordedEvent], session_id: str) -> Table:
             str(rec.seq),
             "" if turn is None else str(turn),
             rec.type,
-            describe(rec.event),
+            Text(describe(rec.event)),
             style=_STYLES.get(rec.type, ""),
         )
     return table
@@ -145,6 +146,6 @@ def segments_table(result: SessionResult) -> Table:
             str(sum(s.loss_mask)),
             s.status,
             f"{s.reward:g}",
-            str(note or ""),
+            Text(str(note or "")),
         )
     return table

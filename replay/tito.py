@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
+from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
@@ -172,7 +173,7 @@ def side_by_side(
     *,
     context: int = 8,
     limit: int = 400,
-) -> Table:
+) -> Group:
     """Aligned ids (and decoded pieces) with the first divergence marked.
 
     Long sequences are windowed around the divergence (`context` rows before).
@@ -184,7 +185,8 @@ def side_by_side(
     lp = tok.decode_tokens(list(left[start:stop])) if tok else None
     rp = tok.decode_tokens(list(right[start:stop])) if tok else None
     status = "identical" if div is None else f"first divergence at index {div}"
-    table = Table(title=f"{title}: {len(left)} vs {len(right)} ids, {status}")
+    heading = Text(f"{title}: {len(left)} vs {len(right)} ids, {status}", style="bold")
+    table = Table()
     table.add_column("#", justify="right")
     table.add_column(left_name, justify="right")
     if tok:
@@ -209,7 +211,7 @@ def side_by_side(
         table.add_row(*row, style="red" if differs else "")
     if stop < n:
         table.caption = f"{n - stop} more rows not shown"
-    return table
+    return Group(heading, table)
 
 
 def failures_table(failures: Sequence[TitoFailure], verdicts: int) -> Table:

@@ -167,14 +167,17 @@ def _build(tok: Tokenizer, context: int) -> tuple[Session, SessionChains]:
         session.add_tool_result(n_words=min(600, max(20, context // 40)))
 
 
-def _median_ms(fn: Callable[[], object], repeat: int) -> float:
-    fn()  # warm caches the same way for both sides
-    times = []
+def _median_ms(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
+    """Median wall time of each function, interleaved so machine load hits all alike."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()  # warm caches the same way for every side
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) * 1000 for name, t in times.items()}
 
 
 def measure(tok: Tokenizer, context: int, new_words: int, repeat: int) -> dict[str, float]:
@@ -185,17 +188,16 @@ def measure(tok: Tokenizer, context: int, new_words: int, repeat: int) -> dict[s
     plan = plan_turn(chains, req, tok)
     assert plan.action == "extend", plan
     assert plan.input_ids == full_input_ids(req, tok), "chain and full render disagree"
-    parse_ms = _median_ms(lambda: parse_request(body), repeat)
-    chain_ms = _median_ms(lambda: plan_turn(chains, parse_request(body), tok), repeat)
-    base_ms = _median_ms(lambda: full_input_ids(parse_request(body), tok), repeat)
-    return {
-        "context": plan.prefix_len,
-        "new": plan.new_tokens,
-        "body_kb": len(body) / 1024,
-        "parse": parse_ms,
-        "chain": chain_ms,
-        "base": base_ms,
-    }
+    ms = _median_ms(
+        {
+            "parse": lambda: parse_request(body),
+            "plan": lambda: plan_turn(chains, req, tok),
+            "chain": lambda: plan_turn(chains, parse_request(body), tok),
+            "base": lambda: full_input_ids(parse_request(body), tok),
+        },
+        repeat,
+    )
+    return {"context": plan.prefix_len, "new": plan.new_tokens, "body_kb": len(body) / 1024, **ms}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -205,16 +207,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new-words", default="150,1500", help="words of new tool output per turn")
     args = ap.parse_args(argv)
     tok = load_tokenizer(str(TOKENIZER), chat_template=str(TEMPLATE))
-    table = Table(title="middleware time per turn (median ms; no engine)")
-    for col in (
-        "context tok",
-        "new tok",
-        "body KB",
-        "parse",
-        "chain (parse+plan)",
-        "baseline (parse+full render+encode)",
-        "baseline / chain",
-    ):
+    table = Table(
+        title="middleware time per turn, median ms, no engine\n"
+        "chain = parse + plan (plan_turn); baseline = parse + full render + full encode"
+    )
+    cols = ("context tok", "new tok", "body KB", "parse", "plan", "chain", "baseline", "ratio")
+    for col in cols:
         table.add_column(col, justify="right")
     for context in (int(c) for c in args.contexts.split(",")):
         for new_words in (int(w) for w in args.new_words.split(",")):
@@ -224,6 +222,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{r['new']:,}",
                 f"{r['body_kb']:.0f}",
                 f"{r['parse']:.2f}",
+                f"{r['plan']:.2f}",
                 f"{r['chain']:.2f}",
                 f"{r['base']:.2f}",
                 f"{r['base'] / r['chain']:.1f}x",

@@ -5,13 +5,20 @@ lock already serialises writers inside this process, so a conflict means
 someone else wrote to the stream and the in-memory state can no longer be
 trusted. Events of one pipeline step are buffered and appended together; the
 store's group commit then makes durability cheap across sessions.
+
+Steps that need stored arrays first (a turn's request body and engine input,
+each attempt's output) run as ordered background steps (`then`), so their
+store round trips overlap the engine call instead of preceding it; `flush`
+and `write` wait for every queued step, so the log order never changes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
-from collections.abc import Awaitable, Sequence
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from recorder.events import AnyEvent, NewEvent
@@ -46,28 +53,71 @@ async def finish_even_if_cancelled(awaitable: Awaitable[T]) -> T:
     return result
 
 
+def new_event_id() -> uuid.UUID:
+    """A random (version 4) event id without a syscall per event (uuid4 reads os.urandom)."""
+    return uuid.UUID(int=random.getrandbits(128), version=4)
+
+
 class Journal:
-    """A buffer of events for one session plus the seq the next one gets."""
+    """A buffer of events for one session, the seq the next one gets, and queued steps."""
 
     def __init__(self, store: EventStore, session_id: str, next_seq: int) -> None:
         self._store = store
         self.session_id = session_id
         self.next_seq = next_seq
         self._pending: list[NewEvent] = []
+        self._tail: asyncio.Task[None] | None = None
 
     @property
     def pending(self) -> Sequence[NewEvent]:
         return self._pending
 
     def add(self, *events: AnyEvent) -> None:
+        """Buffer events (call with no step queued, or from inside a step)."""
         now = time.time()
-        self._pending.extend(NewEvent(event=e, ts=now) for e in events)
+        self._pending.extend(NewEvent(event=e, ts=now, event_id=new_event_id()) for e in events)
 
-    def discard(self) -> None:
+    def then(self, step: Callable[[], Awaitable[None]]) -> None:
+        """Run `step` in the background after every step queued before it.
+
+        A failing step fails every later one; `drain` re-raises the failure.
+        """
+        previous = self._tail
+
+        async def run() -> None:
+            if previous is not None:
+                await previous
+            await step()
+
+        self._tail = asyncio.get_running_loop().create_task(run())
+
+    async def drain(self) -> None:
+        """Wait for the queued steps (not cancelled with the caller); re-raise a failure."""
+        tail = self._tail
+        if tail is None:
+            return
+        try:
+            await asyncio.shield(tail)
+        finally:
+            if tail.done() and self._tail is tail:
+                self._tail = None
+
+    async def settle(self) -> None:
+        """End of a turn: let queued steps finish (ignoring their errors), drop the buffer."""
+        tail, self._tail = self._tail, None
+        if tail is not None:
+            await asyncio.wait([tail])
+            if not tail.cancelled():
+                tail.exception()  # retrieved: the turn already reported it
         self._pending.clear()
 
     async def flush(self) -> None:
-        """Append the buffered events as one batch; return once they are durable."""
+        """After the queued steps, append the buffer as one batch; return once durable."""
+        await self.drain()
+        await self.flush_buffer()
+
+    async def flush_buffer(self) -> None:
+        """Append the buffer now (from inside a step: `flush` would wait for that step)."""
         if not self._pending:
             return
         batch, self._pending = self._pending, []
@@ -86,5 +136,7 @@ class Journal:
         self.next_seq += n
 
     async def write(self, *events: AnyEvent) -> None:
+        """After the queued steps, append `events` (and anything buffered) durably."""
+        await self.drain()
         self.add(*events)
         await self.flush()

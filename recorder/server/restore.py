@@ -131,10 +131,7 @@ async def _rebuild_chains(
         dispatches = find_dispatches(content)
         if dispatches:
             note_dispatch(state.chains, [d[0] for d in dispatches], [d[1] for d in dispatches])
-        full_ref = await ctx.store.put_array(
-            np.asarray(output_ids, dtype=np.int32), extends=turn.rendered.input_ids
-        )
-        remember_refs(state, plan, chain.chain_id, turn.rendered.input_ids, full_ref)
+        remember_refs(state, plan, chain.chain_id, turn.rendered.input_ids)
         state.turns_completed += 1
     state.chains.next_chain_id = max(state.chains.next_chain_id, _max_chain_id(events) + 1)
 

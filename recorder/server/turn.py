@@ -95,7 +95,6 @@ async def run_turn(
 ) -> web.StreamResponse:
     """Serve one request of an open session whose lock the caller holds."""
     record = TurnRecord(state.session_id, state.next_turn, new_message_id())
-    journal = state.journal
     try:
         return await _run(ctx, state, chat, body, path, responder, record)
     except asyncio.CancelledError:
@@ -107,8 +106,15 @@ async def run_turn(
         record.outcome = "session_failed"
         return await _session_failed(state, record, exc, responder)
     finally:
-        journal.discard()
+        await finish_even_if_cancelled(state.journal.settle())
         _log_turn(record)
+
+
+# Requests bigger than this are planned on a worker thread (a fresh render of a
+# long conversation takes tens of ms); smaller ones inline, cheaper than a hop.
+_THREAD_PLAN_BYTES = 256 * 1024
+# Outputs longer than this get their TITO check (decode + encode) on a thread.
+_THREAD_TITO_TOKENS = 4096
 
 
 async def _run(
@@ -122,63 +128,28 @@ async def _run(
 ) -> web.StreamResponse:
     tok, store, journal = ctx.tokenizer, ctx.store, state.journal
     try:
-        plan = await asyncio.to_thread(plan_turn, state.chains, chat, tok)
+        if len(body) > _THREAD_PLAN_BYTES:
+            plan = await asyncio.to_thread(plan_turn, state.chains, chat, tok)
+        else:
+            plan = plan_turn(state.chains, chat, tok)
         max_new = clamp_max_new_tokens(
             chat.max_tokens, len(plan.input_ids), ctx.config.context_length
         )
     except (ContextOverflow, ValueError) as exc:
         return await reject(state, record.request_id, responder, "invalid_request_error", str(exc))
     record.plan = plan
-    body_ref, input_ref = await asyncio.gather(
-        store.put_array(np.frombuffer(body, dtype=np.uint8)),
-        _put_input(ctx, state, plan),
-    )
     turn = record.turn
     state.next_turn += 1
-    journal.add(
-        ev.MessagesRequest(
-            request_id=record.request_id,
-            turn=turn,
-            body=body_ref,
-            path=path,
-            stream=chat.stream,
-            system_digest=chat.system_digest,
-            n_messages=chat.n_input_messages,
-            tool_result_ids=chat.tool_result_ids,
-            model=chat.model,
-        ),
-        ev.ChainDecision(
-            rules_version=LIVE_RULES_VERSION,
-            request_id=record.request_id,
-            turn=turn,
-            chain_id=plan.chain_id,
-            action=plan.action,
-            reason=plan.reason,
-            parent_chain_id=plan.parent_chain_id,
-            dispatch_tool_use_id=plan.dispatch_tool_use_id,
-        ),
-    )
-    if chat.max_tokens is not None and max_new < chat.max_tokens:
-        journal.add(
-            ev.ClampApplied(
-                rules_version=LIVE_RULES_VERSION,
-                request_id=record.request_id,
-                turn=turn,
-                requested=chat.max_tokens,
-                clamped_to=max_new,
-                context_length=ctx.config.context_length,
-            )
-        )
-    journal.add(
-        ev.RenderedInput(
-            request_id=record.request_id,
-            turn=turn,
-            chain_id=plan.chain_id,
-            input_ids=input_ref,
-            prefix_len=plan.prefix_len,
-            new_messages=plan.new_messages,
-        )
-    )
+    # The engine does not need the stored arrays: store them and record the
+    # request while the engine works (ordered before every later event).
+    body_task = asyncio.ensure_future(store.put_array(np.frombuffer(body, dtype=np.uint8)))
+    input_task = asyncio.ensure_future(_put_input(ctx, state, plan))
+
+    async def record_request() -> None:
+        body_ref, input_ref = await asyncio.gather(body_task, input_task)
+        journal.add(*_request_events(ctx, chat, plan, record, path, max_new, body_ref, input_ref))
+
+    journal.then(record_request)
     model = chat.model or ctx.config.model_name
     await responder.started(record.request_id, model, usage_for(len(plan.input_ids), 0, 0))
 
@@ -194,6 +165,7 @@ async def _run(
             ev.TurnFailed(request_id=record.request_id, turn=turn, reason=f"parser: {exc}"),
         )
         raise ApiError("overloaded_error", f"output parser unavailable: {exc}") from exc
+    await journal.drain()
     if tito_event is not None:
         journal.add(tito_event)
     journal.add(
@@ -205,13 +177,69 @@ async def _run(
             usage=answer.usage,
         )
     )
-    _, full_ref = await asyncio.gather(
-        journal.flush(),
-        store.put_array(np.asarray(output.output_ids, dtype=np.int32), extends=input_ref),
-    )
-    _commit(state, plan, output.output_ids, answer.content, input_ref, full_ref)
+    await journal.flush()
+    _commit(state, plan, output.output_ids, answer.content, input_task.result())
     record.outcome = "ok"
     return await responder.answer(answer)
+
+
+def _request_events(
+    ctx: ServerContext,
+    chat: ChatRequest,
+    plan: TurnPlan,
+    record: TurnRecord,
+    path: str,
+    max_new: int,
+    body_ref: ArrayRef,
+    input_ref: ArrayRef,
+) -> list[Any]:
+    """MessagesRequest, ChainDecision, [ClampApplied], RenderedInput."""
+    turn, request_id = record.turn, record.request_id
+    events: list[Any] = [
+        ev.MessagesRequest(
+            request_id=request_id,
+            turn=turn,
+            body=body_ref,
+            path=path,
+            stream=chat.stream,
+            system_digest=chat.system_digest,
+            n_messages=chat.n_input_messages,
+            tool_result_ids=chat.tool_result_ids,
+            model=chat.model,
+        ),
+        ev.ChainDecision(
+            rules_version=LIVE_RULES_VERSION,
+            request_id=request_id,
+            turn=turn,
+            chain_id=plan.chain_id,
+            action=plan.action,
+            reason=plan.reason,
+            parent_chain_id=plan.parent_chain_id,
+            dispatch_tool_use_id=plan.dispatch_tool_use_id,
+        ),
+    ]
+    if chat.max_tokens is not None and max_new < chat.max_tokens:
+        events.append(
+            ev.ClampApplied(
+                rules_version=LIVE_RULES_VERSION,
+                request_id=request_id,
+                turn=turn,
+                requested=chat.max_tokens,
+                clamped_to=max_new,
+                context_length=ctx.config.context_length,
+            )
+        )
+    events.append(
+        ev.RenderedInput(
+            request_id=request_id,
+            turn=turn,
+            chain_id=plan.chain_id,
+            input_ids=input_ref,
+            prefix_len=plan.prefix_len,
+            new_messages=plan.new_messages,
+        )
+    )
+    return events
 
 
 # --------------------------------------------------------------------------
@@ -220,16 +248,18 @@ async def _run(
 
 
 async def _put_input(ctx: ServerContext, state: SessionState, plan: TurnPlan) -> ArrayRef:
-    """Store the engine input as a delta against the chain prefix it reuses."""
+    """Store the engine input as a delta after the longest stored prefix of its chain."""
     ids = plan.input_ids
-    base = None
+    base: ArrayRef | None = None
     if plan.prefix_len:
         source = plan.chain_id if plan.action == "extend" else plan.parent_chain_id
-        base = state.chain_refs.get(source, {}).get(plan.prefix_len) if source is not None else None
+        known = state.chain_refs.get(source, {}) if source is not None else {}
+        usable = [n for n in known if n <= plan.prefix_len]
+        base = known[max(usable)] if usable else None
     if base is not None:
-        suffix = np.asarray(ids[plan.prefix_len :], dtype=np.int32)
-        return await ctx.store.put_array(suffix, extends=base)
-    return await ctx.store.put_array(np.asarray(ids, dtype=np.int32))
+        suffix = np.asarray(ids[base.length :], dtype=np.int32)
+        return await ctx.store.put_array(suffix, extends=base)  # type: ignore[no-any-return]
+    return await ctx.store.put_array(np.asarray(ids, dtype=np.int32))  # type: ignore[no-any-return]
 
 
 def _sampling_params(ctx: ServerContext, chat: ChatRequest, max_new: int) -> SamplingParams:
@@ -260,11 +290,10 @@ async def _generate(
     url = _engine_url(ctx, state)
     sampling = params.to_sglang()
 
-    async def on_attempt(attempt: Attempt) -> None:
-        record.attempts += 1
-        record.current_rid = attempt.rid
+    def on_attempt_events(attempt: Attempt) -> list[Any]:
+        events: list[Any] = []
         if attempt.attempt > 0:
-            journal.add(
+            events.append(
                 ev.TurnResumed(
                     request_id=record.request_id,
                     turn=turn,
@@ -273,7 +302,7 @@ async def _generate(
                     remaining_new_tokens=attempt.max_new_tokens,
                 )
             )
-        journal.add(
+        events.append(
             ev.GenerateAttempt(
                 request_id=record.request_id,
                 turn=turn,
@@ -285,22 +314,39 @@ async def _generate(
                 sampling_params={**sampling, "max_new_tokens": attempt.max_new_tokens},
             )
         )
-        await journal.flush()
+        return events
+
+    async def on_attempt(attempt: Attempt) -> None:
+        """Recorded in the background: the engine call does not wait for the store."""
+        record.attempts += 1
+        record.current_rid = attempt.rid
+        events = on_attempt_events(attempt)
+
+        async def step() -> None:
+            journal.add(*events)
+            await journal.flush_buffer()
+
+        journal.then(step)
 
     async def on_result(attempt: Attempt, out: GenerateOutput) -> None:
         record.engine_s += out.latency_s
-        journal.add(await _result_event(store, record, attempt, out))
-        if out.finish_reason == "abort":
-            journal.add(
-                ev.TurnAborted(
-                    request_id=record.request_id,
-                    turn=turn,
-                    attempt=attempt.attempt,
-                    rid=attempt.rid,
-                    partial_tokens=len(out.output_ids),
-                    message=out.finish_detail,
+        arrays = asyncio.ensure_future(_result_arrays(store, out))
+
+        async def step() -> None:
+            journal.add(_result_event(record, attempt, out, *await arrays))
+            if out.finish_reason == "abort":
+                journal.add(
+                    ev.TurnAborted(
+                        request_id=record.request_id,
+                        turn=turn,
+                        attempt=attempt.attempt,
+                        rid=attempt.rid,
+                        partial_tokens=len(out.output_ids),
+                        message=out.finish_detail,
+                    )
                 )
-            )
+
+        journal.then(step)
 
     try:
         output = await generate_with_resume(
@@ -361,18 +407,29 @@ async def _generate(
     return output
 
 
-async def _result_event(
-    store: Any, record: TurnRecord, attempt: Attempt, out: GenerateOutput
-) -> ev.GenerateResult:
+async def _result_arrays(
+    store: Any, out: GenerateOutput
+) -> tuple[ArrayRef, ArrayRef | None, ArrayRef | None]:
+    """(output ids, logprobs, routed experts) refs of one attempt."""
     arrays = [store.put_array(np.asarray(out.output_ids, dtype=np.int32))]
     if out.logprobs is not None:
         arrays.append(store.put_array(np.asarray(out.logprobs, dtype=np.float32)))
     if out.routed_experts is not None:
         arrays.append(store.put_array(np.frombuffer(out.routed_experts, dtype="<i4")))
     refs = await asyncio.gather(*arrays)
-    ids_ref = refs[0]
     logprobs_ref = refs[1] if out.logprobs is not None else None
     experts_ref = refs[-1] if out.routed_experts is not None else None
+    return refs[0], logprobs_ref, experts_ref
+
+
+def _result_event(
+    record: TurnRecord,
+    attempt: Attempt,
+    out: GenerateOutput,
+    ids_ref: ArrayRef,
+    logprobs_ref: ArrayRef | None,
+    experts_ref: ArrayRef | None,
+) -> ev.GenerateResult:
     return ev.GenerateResult(
         request_id=record.request_id,
         turn=record.turn,
@@ -391,8 +448,7 @@ async def _result_event(
 
 
 async def _fail_turn(journal: Any, record: TurnRecord, event: Any) -> None:
-    journal.add(event)
-    await finish_even_if_cancelled(journal.flush())
+    await finish_even_if_cancelled(journal.write(event))
 
 
 def _engine_error_answer(exc: EngineError) -> ApiError:
@@ -419,7 +475,10 @@ async def _compose(
     tok, ids = ctx.tokenizer, output.output_ids
     tito_event = None
     if ids:
-        result = await asyncio.to_thread(tito_check, tok, ids)
+        if len(ids) > _THREAD_TITO_TOKENS:
+            result = await asyncio.to_thread(tito_check, tok, ids)
+        else:
+            result = tito_check(tok, ids)
         record.tito = "ok" if result.ok else f"fail@{result.first_divergence}"
         reencoded_ref = None
         if not result.ok:
@@ -464,21 +523,23 @@ def _commit(
     output_ids: Sequence[int],
     content: list[dict[str, Any]],
     input_ref: ArrayRef,
-    full_ref: ArrayRef,
 ) -> None:
     """Advance the session's chains now that the answer is durable."""
     chain = commit_turn(state.chains, plan, output_ids, response_message_digest(content))
     dispatches = find_dispatches(content)
     if dispatches:
         note_dispatch(state.chains, [d[0] for d in dispatches], [d[1] for d in dispatches])
-    remember_refs(state, plan, chain.chain_id, input_ref, full_ref)
+    remember_refs(state, plan, chain.chain_id, input_ref)
     state.turns_completed += 1
 
 
-def remember_refs(
-    state: SessionState, plan: TurnPlan, chain_id: int, input_ref: ArrayRef, full_ref: ArrayRef
-) -> None:
-    """Per chain: token-sequence length -> ref, so a later input is stored as a delta."""
+def remember_refs(state: SessionState, plan: TurnPlan, chain_id: int, input_ref: ArrayRef) -> None:
+    """Per chain: stored prefixes of its tokens (length -> ref), to store later inputs as deltas.
+
+    Every input a chain was fed is a prefix of the chain's tokens, so the next
+    input is stored as its suffix after the longest such ref (the previous
+    output travels in that suffix: no extra array write per turn).
+    """
     refs = state.chain_refs.get(chain_id)
     if refs is None:
         refs = {}
@@ -489,7 +550,6 @@ def remember_refs(
             )
         state.chain_refs[chain_id] = refs
     refs[input_ref.length] = input_ref
-    refs[full_ref.length] = full_ref
     live = set(state.chains.chains)
     for stale in [c for c in state.chain_refs if c not in live]:
         del state.chain_refs[stale]
@@ -510,7 +570,6 @@ async def reject(
 ) -> web.StreamResponse:
     """Record a request refused before its turn started, then answer the error."""
     err = ApiError(error_type, message, status)  # type: ignore[arg-type]
-    state.journal.discard()
     await finish_even_if_cancelled(
         state.journal.write(
             ev.RequestRejected(
@@ -528,8 +587,7 @@ async def _record_cancel(ctx: ServerContext, state: SessionState, record: TurnRe
     """The handler was cancelled: the client left, or shutdown's grace period ran out."""
     journal = state.journal
     if record.plan is None or state.next_turn == record.turn:
-        journal.discard()  # the turn never started: nothing to say
-        return
+        return  # the turn never started: nothing to say
     if ctx.stopping:
         record.outcome = "shutdown"
         event: Any = ev.TurnFailed(
@@ -542,9 +600,8 @@ async def _record_cancel(ctx: ServerContext, state: SessionState, record: TurnRe
         event = ev.ClientDisconnected(
             request_id=record.request_id, turn=record.turn, rid=record.current_rid
         )
-    journal.add(event)
     try:
-        await finish_even_if_cancelled(journal.flush())
+        await finish_even_if_cancelled(journal.write(event))
     except asyncio.CancelledError:
         raise
     except Exception:

@@ -15,6 +15,7 @@ of token ids and float exponents as long runs.
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from typing import Final
 
 import msgspec
@@ -171,3 +172,28 @@ def assemble(ref: ArrayRef, chain: list[DecodedPiece]) -> np.ndarray:
     if len(chain) == 1:
         return last.suffix.copy()
     return np.concatenate([p.suffix for p in chain])
+
+
+class PieceCache:
+    """LRU of verified pieces, bounded by decoded bytes."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self._items: OrderedDict[bytes, DecodedPiece] = OrderedDict()
+        self._bytes = 0
+        self._max = max_bytes
+
+    def get(self, digest: bytes) -> DecodedPiece | None:
+        p = self._items.get(digest)
+        if p is not None:
+            self._items.move_to_end(digest)
+        return p
+
+    def put(self, piece: DecodedPiece) -> None:
+        if piece.digest in self._items:
+            self._items.move_to_end(piece.digest)
+            return
+        self._items[piece.digest] = piece
+        self._bytes += piece.suffix.nbytes
+        while self._bytes > self._max and len(self._items) > 1:
+            _, old = self._items.popitem(last=False)
+            self._bytes -= old.suffix.nbytes

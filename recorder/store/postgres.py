@@ -16,8 +16,9 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from recorder.store.sql import SqlEventStore
+from recorder.store.sql import NewRow, SqlEventStore
 
+_EVENT_COLUMNS = ["position", "session_id", "seq", "event_id", "type", "version", "ts", "payload"]
 # Arbitrary but fixed: int64 key of the writers' advisory lock.
 WRITER_LOCK_KEY = 0x7472_6576_656E_7473  # "trevents"
 
@@ -45,6 +46,19 @@ class PostgresEventStore(SqlEventStore):
             {"n": n},
         )
         return int(last) - n + 1
+
+    async def _insert_events(self, conn: AsyncConnection, rows: list[NewRow]) -> None:
+        # COPY on the raw asyncpg connection, inside the transaction that holds
+        # the writer lock: the fastest bulk path PostgreSQL has.
+        raw = await conn.get_raw_connection()
+        await raw.driver_connection.copy_records_to_table(  # type: ignore[union-attr]
+            "events",
+            columns=_EVENT_COLUMNS,
+            records=[
+                (r.position, sid, seq, r.event_id, r.type, r.version, r.ts, r.payload)
+                for sid, seq, r in rows
+            ],
+        )
 
     async def _after_bulk_copy(self, conn: AsyncConnection) -> None:
         for table, column in (("events", "position"), ("projection_names", "ordinal")):

@@ -10,9 +10,16 @@ lock, (2) inserts array pieces (ON CONFLICT DO NOTHING), (3) checks each
 append's idempotency and expected seq against the database *inside* the
 locked transaction, (4) allocates one contiguous run of positions for the
 accepted events, in queue order, and inserts them. A request that fails its
-check fails alone; the rest of the group commits. If the transaction itself
-fails, each request is retried in its own transaction so one bad request
-cannot sink its neighbours.
+check fails alone; the rest of the group commits.
+
+Idempotency has a fast path: the group is first written without looking its
+event ids up, relying on the unique index on event_id. When that insert
+fails (typically a batch re-sent after a lost acknowledgement), the group is
+redone with every id looked up, and re-sent batches get their original
+positions. If even that fails, each request gets its own transaction so one
+bad request cannot sink its neighbours.
+
+`NewEvent.ts == 0.0` means "unset": the store stamps the append time.
 """
 
 from __future__ import annotations
@@ -20,7 +27,6 @@ from __future__ import annotations
 import abc
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -29,7 +35,14 @@ import numpy as np
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from recorder.events import ArrayRef, NewEvent, RecordedEvent, decode_event, type_name
+from recorder.events import (
+    ArrayRef,
+    NewEvent,
+    RecordedEvent,
+    decode_event,
+    encode_event,
+    type_name,
+)
 from recorder.store import arrays as arr
 from recorder.store.base import (
     ArrayNotFound,
@@ -91,39 +104,18 @@ class PiecesRequest(WriteRequest):
         self.pieces = pieces
 
 
+# (session_id, seq, row) of an event the group will insert.
+NewRow = tuple[str, int, EventRow]
+
+
 @dataclass(slots=True)
 class _GroupPlan:
     """What one group transaction will write, and each request's outcome."""
 
-    new_rows: list[dict[str, Any]] = field(default_factory=list)
+    new_rows: list[NewRow] = field(default_factory=list)
     # request -> rows whose positions it returns (new or previously stored)
     answers: dict[int, list[EventRow]] = field(default_factory=dict)
     errors: dict[int, StoreError] = field(default_factory=dict)
-
-
-class _PieceCache:
-    """LRU of verified pieces, bounded by decoded bytes."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self._items: OrderedDict[bytes, arr.DecodedPiece] = OrderedDict()
-        self._bytes = 0
-        self._max = max_bytes
-
-    def get(self, digest: bytes) -> arr.DecodedPiece | None:
-        p = self._items.get(digest)
-        if p is not None:
-            self._items.move_to_end(digest)
-        return p
-
-    def put(self, piece: arr.DecodedPiece) -> None:
-        if piece.digest in self._items:
-            self._items.move_to_end(piece.digest)
-            return
-        self._items[piece.digest] = piece
-        self._bytes += piece.suffix.nbytes
-        while self._bytes > self._max and len(self._items) > 1:
-            _, old = self._items.popitem(last=False)
-            self._bytes -= old.suffix.nbytes
 
 
 def _chunks(items: Sequence[Any], n: int = IN_CHUNK) -> Iterable[Sequence[Any]]:
@@ -156,9 +148,18 @@ class SqlEventStore(EventStore):
         self._writer: GroupCommitter[AppendRequest | PiecesRequest] = GroupCommitter(
             self._commit_group, max_weight=MAX_GROUP_WEIGHT
         )
-        self._pieces = _PieceCache(PIECE_CACHE_BYTES)
+        self._pieces = arr.PieceCache(PIECE_CACHE_BYTES)
         # Test hook: awaited inside each write transaction just before COMMIT.
         self.before_commit: Callable[[], Awaitable[None]] | None = None
+
+    @property
+    def max_group_weight(self) -> int:
+        """Events + array pieces one group transaction may carry (1 = no grouping)."""
+        return self._writer.max_weight
+
+    @max_group_weight.setter
+    def max_group_weight(self, value: int) -> None:
+        self._writer.max_weight = max(1, value)
 
     # -- backend hooks ------------------------------------------------------
 
@@ -191,7 +192,7 @@ class SqlEventStore(EventStore):
                 type=type_name(ne.event),
                 version=type(ne.event).VERSION,
                 ts=ne.ts or now,
-                payload=_encode(ne),
+                payload=encode_event(ne.event),
             )
             for ne in events
         ]
@@ -201,15 +202,22 @@ class SqlEventStore(EventStore):
         return result
 
     async def _commit_group(self, group: list[AppendRequest | PiecesRequest]) -> None:
+        # Fast path: let the unique index on event_id catch re-sent ids. Only
+        # if the insert fails (a retry after a lost ack, usually) do we redo the
+        # group looking every id up first; if even that fails, each request
+        # gets its own transaction so the culprit fails alone.
         try:
-            plan = await self._write_group(group)
-        except Exception as e:
-            if len(group) == 1:
-                group[0].fail(e)
+            plan = await self._write_group(group, look_up_ids=False)
+        except Exception:
+            try:
+                plan = await self._write_group(group, look_up_ids=True)
+            except Exception as e:
+                if len(group) == 1:
+                    group[0].fail(e)
+                    return
+                for request in group:
+                    await self._commit_group([request])
                 return
-            for request in group:
-                await self._commit_group([request])
-            return
         for i, request in enumerate(group):
             if i in plan.errors:
                 request.fail(plan.errors[i])
@@ -218,7 +226,9 @@ class SqlEventStore(EventStore):
             else:
                 request.resolve(None)
 
-    async def _write_group(self, group: list[AppendRequest | PiecesRequest]) -> _GroupPlan:
+    async def _write_group(
+        self, group: list[AppendRequest | PiecesRequest], *, look_up_ids: bool
+    ) -> _GroupPlan:
         async with self.write_engine.begin() as conn:
             await self._lock_writers(conn)
             plan = _GroupPlan()
@@ -227,56 +237,74 @@ class SqlEventStore(EventStore):
                 await self._insert_pieces(conn, piece_requests, plan)
             appends = [(i, r) for i, r in enumerate(group) if isinstance(r, AppendRequest)]
             if appends:
-                await self._plan_appends(conn, appends, plan)
+                await self._plan_appends(conn, appends, plan, look_up_ids=look_up_ids)
             if plan.new_rows:
                 first = await self._allocate_positions(conn, len(plan.new_rows))
-                for offset, row in enumerate(plan.new_rows):
-                    row["position"] = row["_row"].position = first + offset
-                await conn.execute(
-                    events.insert(),
-                    [{k: v for k, v in r.items() if k != "_row"} for r in plan.new_rows],
-                )
+                for offset, (_, _, row) in enumerate(plan.new_rows):
+                    row.position = first + offset
+                await self._insert_events(conn, plan.new_rows)
             if self.before_commit is not None:
                 await self.before_commit()
         return plan
+
+    async def _insert_events(self, conn: AsyncConnection, rows: list[NewRow]) -> None:
+        """Insert planned rows (positions assigned). Backends override with raw driver calls."""
+        await conn.execute(
+            events.insert(),
+            [
+                {
+                    "position": r.position,
+                    "session_id": session_id,
+                    "seq": seq,
+                    "event_id": r.event_id,
+                    "type": r.type,
+                    "version": r.version,
+                    "ts": r.ts,
+                    "payload": r.payload,
+                }
+                for session_id, seq, r in rows
+            ],
+        )
 
     async def _plan_appends(
         self,
         conn: AsyncConnection,
         appends: list[tuple[int, AppendRequest]],
         plan: _GroupPlan,
+        *,
+        look_up_ids: bool,
     ) -> None:
-        stored = await self._stored_by_id(
-            conn, [row.event_id for _, r in appends for row in r.rows]
+        stored = (
+            await self._stored_by_id(conn, [row.event_id for _, r in appends for row in r.rows])
+            if look_up_ids
+            else {}
         )
         next_seq = await self._next_seqs(conn, {r.session_id for _, r in appends})
         pending: dict[uuid.UUID, tuple[str, EventRow]] = {}
         for i, request in appends:
-            known = [stored.get(row.event_id) or pending.get(row.event_id) for row in request.rows]
+            known = (
+                [stored.get(row.event_id) or pending.get(row.event_id) for row in request.rows]
+                if stored or pending
+                else []
+            )
             if any(k is not None for k in known):
-                outcome = _resend_outcome(request, known)
-                if isinstance(outcome, StoreError):
-                    plan.errors[i] = outcome
-                else:
-                    plan.answers[i] = outcome
+                _record_outcome(plan, i, _resend_outcome(request, known))
                 continue
             seq = next_seq.get(request.session_id, 0)
             if request.expected_seq is not None and request.expected_seq != seq:
-                plan.errors[i] = ConcurrencyConflict(request.session_id, request.expected_seq, seq)
+                outcome: list[EventRow] | StoreError = ConcurrencyConflict(
+                    request.session_id, request.expected_seq, seq
+                )
+                if not look_up_ids:  # a retry after a lost ack also arrives at a stale seq
+                    found = await self._stored_by_id(conn, [r.event_id for r in request.rows])
+                    if found:
+                        outcome = _resend_outcome(
+                            request, [found.get(r.event_id) for r in request.rows]
+                        )
+                _record_outcome(plan, i, outcome)
                 continue
             for row in request.rows:
-                plan.new_rows.append(
-                    {
-                        "_row": row,
-                        "session_id": request.session_id,
-                        "seq": seq,
-                        "event_id": row.event_id,
-                        "type": row.type,
-                        "version": row.version,
-                        "ts": row.ts,
-                        "payload": row.payload,
-                    }
-                )
+                plan.new_rows.append((request.session_id, seq, row))
                 pending[row.event_id] = (request.session_id, row)
                 seq += 1
             next_seq[request.session_id] = seq
@@ -409,26 +437,32 @@ class SqlEventStore(EventStore):
         return (await self.get_arrays([ref]))[0]
 
     async def get_arrays(self, refs: Sequence[ArrayRef]) -> list[np.ndarray]:
-        """Fetch every missing piece round by round (one IN query per chain depth)."""
+        """Fetch every missing piece round by round (one IN query per chain depth).
+
+        Cached pieces cost no query, so reading a session's turns in order
+        fetches only each turn's new suffix.
+        """
         local: dict[bytes, arr.DecodedPiece] = {}
         frontier = {r.digest for r in refs}
-        async with self.read_engine.connect() as conn:
-            while frontier:
-                wanted = []
-                for d in frontier:
-                    cached = self._pieces.get(d)
-                    if cached is not None:
-                        local[d] = cached
-                    else:
-                        wanted.append(d)
-                for piece in await self._fetch_pieces(conn, wanted):
+        while frontier:
+            wanted = []
+            for d in frontier:
+                cached = self._pieces.get(d)
+                if cached is not None:
+                    local[d] = cached
+                else:
+                    wanted.append(d)
+            if wanted:
+                async with self.read_engine.connect() as conn:
+                    fetched = await self._fetch_pieces(conn, wanted)
+                for piece in fetched:
                     local[piece.digest] = piece
                     self._pieces.put(piece)
-                frontier = {
-                    p.parent
-                    for d in frontier
-                    if (p := local[d]).parent is not None and p.parent not in local
-                }
+            frontier = {
+                p.parent
+                for d in frontier
+                if (p := local[d]).parent is not None and p.parent not in local
+            }
         return [arr.assemble(ref, _chain(local, ref.digest)) for ref in refs]
 
     async def _fetch_pieces(
@@ -516,10 +550,11 @@ class SqlEventStore(EventStore):
             await self.read_engine.dispose()
 
 
-def _encode(ne: NewEvent) -> bytes:
-    from recorder.events import encode_event
-
-    return encode_event(ne.event)
+def _record_outcome(plan: _GroupPlan, i: int, outcome: list[EventRow] | StoreError) -> None:
+    if isinstance(outcome, StoreError):
+        plan.errors[i] = outcome
+    else:
+        plan.answers[i] = outcome
 
 
 def _resend_outcome(

@@ -277,8 +277,9 @@ async def test_abort_at_token_limit_finishes_as_length(engine, client, prompt) -
 
 
 async def test_routed_experts_and_info(engine, client, prompt) -> None:
+    ids = np.asarray(prompt, dtype=np.int64)  # numpy input is sent as plain ints
     out = await client.generate(
-        engine.url, prompt, SamplingParams(max_new_tokens=4), new_rid(), return_routed_experts=True
+        engine.url, ids, SamplingParams(max_new_tokens=4), new_rid(), return_routed_experts=True
     )
     experts = np.frombuffer(out.routed_experts or b"", dtype=np.int32)
     assert experts.size == (len(prompt) + len(out.output_ids)) * 2 * 2

@@ -113,3 +113,53 @@ def test_gguf_load_converts_once_into_cache(tmp_path: Path, monkeypatch) -> None
     mtime = (cached[0] / "tokenizer.json").stat().st_mtime_ns
     load_tokenizer(str(gguf))
     assert (cached[0] / "tokenizer.json").stat().st_mtime_ns == mtime
+
+
+def test_jinja_environment_matches_transformers(tmp_path: Path) -> None:
+    """Our sandbox renders templates as transformers' apply_chat_template does."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(FIXTURE_TOKENIZER))
+    msgs = [
+        {"role": "system", "content": "sys <b>&"},
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": "ok",
+            "reasoning_content": "think",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "f", "arguments": {"x": "é"}}}
+            ],
+        },
+        {"role": "tool", "content": "result"},
+    ]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for name in ("chatml-tools", "chatml-tools-think"):
+        ours = load_tokenizer(str(FIXTURE_TOKENIZER), chat_template=name)
+        theirs = hf.apply_chat_template(
+            msgs, tools=tools, chat_template=ours.chat_template, tokenize=False,
+            add_generation_prompt=True,
+        )  # fmt: skip
+        assert ours.render(msgs, tools) == theirs
+    own = load_tokenizer(str(FIXTURE_TOKENIZER))
+    plain = msgs[1:2]
+    assert own.render(plain) == hf.apply_chat_template(
+        plain, tokenize=False, add_generation_prompt=True
+    )
+
+
+def test_generation_tag_loop_controls_and_raw_tokens(tmp_path: Path) -> None:
+    template = tmp_path / "gen.jinja"
+    template.write_text(
+        "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+        "{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% if loop.index > 1 %}"
+        "{% break %}{% endif %}{% endfor %}{{ {'a': '<b>'} | tojson }}"
+    )
+    tok = load_tokenizer(str(FIXTURE_TOKENIZER), chat_template=str(template))
+    msgs = [
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "A"},
+        {"role": "user", "content": "never"},
+    ]
+    assert tok.render(msgs) == 'uA{"a": "<b>"}'
+    assert tok.id_to_token(tok.encode(" hello")[0]) == "Ġhello"

@@ -180,12 +180,15 @@ class Log:
         decision: tuple[str, str] | None = None,
         chain_id: int = 0,
         prefix_len: int = 0,
+        body: bytes | None = None,
+        reencoded: Sequence[int] | None = None,
     ) -> TurnRef:
         """One engine call. `tool_uses` = (id, name) blocks in the response."""
         turn = self._turn
         self._turn += 1
         rid = f"req-{self.session_id}-{turn}"
-        body = json.dumps({"system": system, "turn": turn}).encode()
+        if body is None:
+            body = json.dumps({"system": system, "turn": turn}).encode()
         self.emit(
             MessagesRequest(
                 request_id=rid,
@@ -275,6 +278,7 @@ class Log:
                     turn=turn,
                     ok=tito_ok,
                     first_divergence=None if tito_ok else 0,
+                    reencoded_ids=None if reencoded is None else self.array(reencoded),
                 )
             )
         if respond:
@@ -314,3 +318,40 @@ async def write_to(store: Any, log: Log, *, batch: int = 64) -> None:
     ]
     for i in range(0, len(events), batch):
         await store.append(log.session_id, events[i : i + batch])
+
+
+def small_logs() -> list[Log]:
+    """Four sessions covering a linear run, a compaction, a subagent and a failure."""
+    sub = "sys-sub"
+    logs = []
+    a = Log("a-linear").open(instance_id="i-a", group_index=0, sample_index=0)
+    t = a.turn([1, 2, 3], [10, 11, 2], tool_uses=[("tu1", "Bash")])
+    t = a.turn(t.then([4, 5]), [12, 2], tool_results=["tu1"], tito_ok=False)
+    a.reward(1.0).close()
+    logs.append(a)
+
+    b = Log("b-compact").open(instance_id="i-b", group_index=0, sample_index=1)
+    t = b.turn([1, 2, 3], [20, 21])
+    b.turn(t.then([6]), [22, 23])
+    t = b.turn([1, 2, 77], [24])
+    b.turn(t.then([7]), [25, 2])
+    b.reward(0.5).close()
+    logs.append(b)
+
+    c = Log("c-subagent").open(instance_id="i-c", group_index=1, sample_index=0)
+    m = c.turn([1, 2, 3], [30], tool_uses=[("ag", "Agent")])
+    s = c.turn([50, 51], [60, 61], system=sub)
+    c.turn(s.then([52]), [62, 2], system=sub)
+    c.turn(
+        m.then([8]),
+        attempts=[Attempt([31, 32], version="1", finish="abort"), Attempt([33, 2], version="2")],
+        tool_results=["ag"],
+    )
+    c.reward(0.0).close()
+    logs.append(c)
+
+    d = Log("d-failed").open(instance_id="i-d", group_index=1, sample_index=1)
+    d.turn([1, 2], [40, 41])
+    d.fail("sandbox crashed").close("failed", reason="sandbox crashed")
+    logs.append(d)
+    return logs

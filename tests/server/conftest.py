@@ -51,7 +51,11 @@ AGENT = {
 TOOLS = [BASH, AGENT]
 SYSTEM = [
     {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1; cch=abc123;"},
-    {"type": "text", "text": "You are a careful coding agent.", "cache_control": {"type": "ephemeral"}},
+    {
+        "type": "text",
+        "text": "You are a careful coding agent.",
+        "cache_control": {"type": "ephemeral"},
+    },
 ]
 
 

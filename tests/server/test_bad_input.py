@@ -26,7 +26,10 @@ def body(**fields: Any) -> bytes:
 
 
 _DROP = object()
-TOOL_USE = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Bash", "input": {}}]}
+TOOL_USE = {
+    "role": "assistant",
+    "content": [{"type": "tool_use", "id": "t1", "name": "Bash", "input": {}}],
+}
 BASH = {"name": "Bash", "input_schema": {"type": "object"}}
 
 # (case id, raw body, expected status, expected error type, substring of the message)
@@ -34,40 +37,200 @@ BODY_CASES: list[tuple[str, bytes, int, str, str]] = [
     ("bad_json", b'{"model": "m", "max_tokens": 1,', 400, "invalid_request_error", "JSON"),
     ("not_an_object", b"[1, 2, 3]", 400, "invalid_request_error", ""),
     ("empty_body", b"", 400, "invalid_request_error", ""),
-    ("invalid_utf8", b'{"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, "invalid_request_error", "UTF-8"),
+    (
+        "invalid_utf8",
+        b'{"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "\xff\xfe"}]}',
+        400,
+        "invalid_request_error",
+        "UTF-8",
+    ),
     ("missing_messages", body(messages=_DROP), 400, "invalid_request_error", "messages"),
-    ("messages_not_list", body(messages={"role": "user"}), 400, "invalid_request_error", "messages"),
+    (
+        "messages_not_list",
+        body(messages={"role": "user"}),
+        400,
+        "invalid_request_error",
+        "messages",
+    ),
     ("empty_messages", body(messages=[]), 400, "invalid_request_error", "messages"),
     ("missing_max_tokens", body(max_tokens=_DROP), 400, "invalid_request_error", "max_tokens"),
     ("max_tokens_string", body(max_tokens="many"), 400, "invalid_request_error", "max_tokens"),
     ("max_tokens_negative", body(max_tokens=-5), 400, "invalid_request_error", "max_tokens"),
     ("max_tokens_zero", body(max_tokens=0), 400, "invalid_request_error", "max_tokens"),
-    ("bad_role", body(messages=[{"role": "tool", "content": "x"}]), 400, "invalid_request_error", "messages.0.role"),
+    (
+        "bad_role",
+        body(messages=[{"role": "tool", "content": "x"}]),
+        400,
+        "invalid_request_error",
+        "messages.0.role",
+    ),
     ("missing_content", body(messages=[{"role": "user"}]), 400, "invalid_request_error", "content"),
-    ("content_int", body(messages=[{"role": "user", "content": 7}]), 400, "invalid_request_error", "messages.0.content"),
-    ("image_block", body(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]), 400, "invalid_request_error", "image"),
-    ("document_block", body(messages=[{"role": "user", "content": [{"type": "document", "source": {}}]}]), 400, "invalid_request_error", "document"),
-    ("block_without_type", body(messages=[{"role": "user", "content": [{"text": "x"}]}]), 400, "invalid_request_error", "messages.0.content.0"),
-    ("text_not_string", body(messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]), 400, "invalid_request_error", "messages.0.content.0.text"),
-    ("empty_content_list", body(messages=[{"role": "user", "content": []}]), 400, "invalid_request_error", "messages.0.content"),
-    ("tool_use_without_id", body(messages=[OK_MESSAGE, {"role": "assistant", "content": [{"type": "tool_use", "name": "Bash", "input": {}}]}, OK_MESSAGE]), 400, "invalid_request_error", "id"),
-    ("tool_input_not_object", body(messages=[OK_MESSAGE, {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "Bash", "input": "ls"}]}, OK_MESSAGE]), 400, "invalid_request_error", "input"),
-    ("unknown_tool_result_id", body(messages=[{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "nope", "content": "x"}]}]), 400, "invalid_request_error", "nope"),
-    ("tool_result_in_assistant", body(messages=[OK_MESSAGE, {"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "x"}]}, OK_MESSAGE]), 400, "invalid_request_error", "tool_result"),
-    ("assistant_last", body(messages=[OK_MESSAGE, TOOL_USE]), 400, "invalid_request_error", "last message"),
+    (
+        "content_int",
+        body(messages=[{"role": "user", "content": 7}]),
+        400,
+        "invalid_request_error",
+        "messages.0.content",
+    ),
+    (
+        "image_block",
+        body(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]),
+        400,
+        "invalid_request_error",
+        "image",
+    ),
+    (
+        "document_block",
+        body(messages=[{"role": "user", "content": [{"type": "document", "source": {}}]}]),
+        400,
+        "invalid_request_error",
+        "document",
+    ),
+    (
+        "block_without_type",
+        body(messages=[{"role": "user", "content": [{"text": "x"}]}]),
+        400,
+        "invalid_request_error",
+        "messages.0.content.0",
+    ),
+    (
+        "text_not_string",
+        body(messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]),
+        400,
+        "invalid_request_error",
+        "messages.0.content.0.text",
+    ),
+    (
+        "empty_content_list",
+        body(messages=[{"role": "user", "content": []}]),
+        400,
+        "invalid_request_error",
+        "messages.0.content",
+    ),
+    (
+        "tool_use_without_id",
+        body(
+            messages=[
+                OK_MESSAGE,
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "name": "Bash", "input": {}}],
+                },
+                OK_MESSAGE,
+            ]
+        ),
+        400,
+        "invalid_request_error",
+        "id",
+    ),
+    (
+        "tool_input_not_object",
+        body(
+            messages=[
+                OK_MESSAGE,
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "t", "name": "Bash", "input": "ls"}],
+                },
+                OK_MESSAGE,
+            ]
+        ),
+        400,
+        "invalid_request_error",
+        "input",
+    ),
+    (
+        "unknown_tool_result_id",
+        body(
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": "nope", "content": "x"}],
+                }
+            ]
+        ),
+        400,
+        "invalid_request_error",
+        "nope",
+    ),
+    (
+        "tool_result_in_assistant",
+        body(
+            messages=[
+                OK_MESSAGE,
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "x"}],
+                },
+                OK_MESSAGE,
+            ]
+        ),
+        400,
+        "invalid_request_error",
+        "tool_result",
+    ),
+    (
+        "assistant_last",
+        body(messages=[OK_MESSAGE, TOOL_USE]),
+        400,
+        "invalid_request_error",
+        "last message",
+    ),
     ("system_int", body(system=42), 400, "invalid_request_error", "system"),
-    ("system_image_block", body(system=[{"type": "image", "source": {}}]), 400, "invalid_request_error", "system"),
+    (
+        "system_image_block",
+        body(system=[{"type": "image", "source": {}}]),
+        400,
+        "invalid_request_error",
+        "system",
+    ),
     ("tools_not_list", body(tools={"name": "Bash"}), 400, "invalid_request_error", "tools"),
-    ("tool_missing_name", body(tools=[{"input_schema": {"type": "object"}}]), 400, "invalid_request_error", "name"),
-    ("tool_missing_schema", body(tools=[{"name": "Bash"}]), 400, "invalid_request_error", "input_schema"),
+    (
+        "tool_missing_name",
+        body(tools=[{"input_schema": {"type": "object"}}]),
+        400,
+        "invalid_request_error",
+        "name",
+    ),
+    (
+        "tool_missing_schema",
+        body(tools=[{"name": "Bash"}]),
+        400,
+        "invalid_request_error",
+        "input_schema",
+    ),
     ("duplicate_tool_names", body(tools=[BASH, BASH]), 400, "invalid_request_error", "duplicate"),
-    ("tool_choice_unknown", body(tools=[BASH], tool_choice={"type": "sometimes"}), 400, "invalid_request_error", "tool_choice"),
+    (
+        "tool_choice_unknown",
+        body(tools=[BASH], tool_choice={"type": "sometimes"}),
+        400,
+        "invalid_request_error",
+        "tool_choice",
+    ),
     ("temperature_too_high", body(temperature=3.5), 400, "invalid_request_error", "temperature"),
     ("top_p_string", body(top_p="high"), 400, "invalid_request_error", "top_p"),
-    ("stop_sequences_not_list", body(stop_sequences="STOP"), 400, "invalid_request_error", "stop_sequences"),
-    ("thinking_unknown_type", body(thinking={"type": "maybe"}), 400, "invalid_request_error", "thinking"),
+    (
+        "stop_sequences_not_list",
+        body(stop_sequences="STOP"),
+        400,
+        "invalid_request_error",
+        "stop_sequences",
+    ),
+    (
+        "thinking_unknown_type",
+        body(thinking={"type": "maybe"}),
+        400,
+        "invalid_request_error",
+        "thinking",
+    ),
     ("stream_not_bool", body(stream="yes"), 400, "invalid_request_error", "stream"),
-    ("prompt_too_long", body(messages=[{"role": "user", "content": "word " * 9000}]), 400, "invalid_request_error", "prompt is too long"),
+    (
+        "prompt_too_long",
+        body(messages=[{"role": "user", "content": "word " * 9000}]),
+        400,
+        "invalid_request_error",
+        "prompt is too long",
+    ),
 ]
 
 
@@ -87,7 +250,9 @@ def assert_error_shape(data: Any, error_type: str, needle: str) -> None:
     assert needle.lower() in data["error"]["message"].lower(), data
 
 
-async def post(h: Harness, raw: bytes, headers: dict[str, str], path: str = "/v1/messages") -> tuple[int, Any]:
+async def post(
+    h: Harness, raw: bytes, headers: dict[str, str], path: str = "/v1/messages"
+) -> tuple[int, Any]:
     assert h.http is not None
     async with h.http.post(
         h.url + path, data=raw, headers={"Content-Type": "application/json", **headers}
@@ -172,7 +337,3 @@ async def test_http_level_errors(small_harness: Harness) -> None:
     h.engine.push(Reply(text="alive"))
     status, data = await post(h, body(), auth)
     assert status == 200 and data["content"][0]["text"] == "alive"
-
-
-def test_at_least_thirty_cases() -> None:
-    assert len(BODY_CASES) + 8 >= 30

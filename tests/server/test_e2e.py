@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any
 
 import anthropic
@@ -30,7 +31,12 @@ def echo(message: Any) -> dict[str, Any]:
     """The assistant message a client sends back for a response."""
     return {
         "role": "assistant",
-        "content": [b.model_dump(exclude_none=True, exclude={"citations", "caller", "toolset_name", "parsed_output"}) for b in message.content],
+        "content": [
+            b.model_dump(
+                exclude_none=True, exclude={"citations", "caller", "toolset_name", "parsed_output"}
+            )
+            for b in message.content
+        ],
     }
 
 
@@ -60,7 +66,10 @@ async def test_multi_turn_tool_use(harness: Harness, stream: bool) -> None:
     client = h.client(sid)
     h.engine.push(
         tool_call_text("Bash", {"command": "ls"}, preface="Let me look around.\n"),
-        Reply(text="<think>\nThe listing shows a.txt.\n</think>\n\n" + tool_call_text("Bash", {"command": "cat a.txt"})),
+        Reply(
+            text="<think>\nThe listing shows a.txt.\n</think>\n\n"
+            + tool_call_text("Bash", {"command": "cat a.txt"})
+        ),
         "The file says hello. Done.",
     )
     messages: list[dict[str, Any]] = [{"role": "user", "content": "What is in this repo?"}]
@@ -94,7 +103,7 @@ async def test_multi_turn_tool_use(harness: Harness, stream: bool) -> None:
         ("extend", "extends"),
     ]
     tokens = await turn_tokens(h, sid)
-    for (prev_in, prev_out), (cur_in, _) in zip(tokens, tokens[1:], strict=False):
+    for (prev_in, prev_out), (cur_in, _) in itertools.pairwise(tokens):
         assert cur_in[: len(prev_in) + len(prev_out)] == prev_in + prev_out
     # ... and exactly what the engine received.
     assert [r.input_ids for r in h.engine.requests] == [t[0] for t in tokens]
@@ -266,7 +275,7 @@ async def test_abort_then_resume_across_weight_versions(harness: Harness) -> Non
     first_ids = await h.array(results[0].output_ids)
     rest_ids = await h.array(results[1].output_ids)
     assert len(first_ids) == 5
-    expected = h.tokenizer.encode(text) + [h.tokenizer.eos_token_ids[0]]
+    expected = [*h.tokenizer.encode(text), h.tokenizer.eos_token_ids[0]]
     assert first_ids + rest_ids == expected
     # Logprobs stitched: each token keeps the logprob of its absolute position.
     (rendered,) = await h.payloads(sid, ev.RenderedInput)
@@ -435,7 +444,10 @@ async def test_streaming_event_shapes(harness: Harness) -> None:
     h = harness
     sid = await h.open_session()
     h.engine.push(
-        Reply(text="<think>\nplan\n</think>\n\nRunning it.\n" + tool_call_text("Bash", {"command": "make"}))
+        Reply(
+            text="<think>\nplan\n</think>\n\nRunning it.\n"
+            + tool_call_text("Bash", {"command": "make"})
+        )
     )
     body = {
         "model": "m",
@@ -458,7 +470,10 @@ async def test_streaming_event_shapes(harness: Harness) -> None:
         event_line, data_line = frame.split("\n")
         parsed.append((event_line[7:], json.loads(data_line[6:])))
     parsed = [p for p in parsed if p[0] != "ping"]
-    kinds = [(name, data.get("delta", data.get("content_block", {})).get("type")) for name, data in parsed]
+    kinds = [
+        (name, data.get("delta", data.get("content_block", {})).get("type"))
+        for name, data in parsed
+    ]
     assert kinds == [
         ("message_start", None),
         ("content_block_start", "thinking"),
@@ -526,7 +541,10 @@ async def test_count_tokens_is_the_real_count(harness: Harness) -> None:
     sid = await h.open_session()
     messages = [{"role": "user", "content": "How many tokens is this?"}]
     counted = await h.client(sid).messages.count_tokens(
-        model="m", messages=messages, system=SYSTEM, tools=TOOLS  # type: ignore[arg-type]
+        model="m",
+        messages=messages,
+        system=SYSTEM,
+        tools=TOOLS,  # type: ignore[arg-type]
     )
     await ask(h.client(sid), messages, stream=False)
     (rendered,) = await h.payloads(sid, ev.RenderedInput)
@@ -541,7 +559,12 @@ async def test_disconnect_recorded_even_when_the_engine_is_paused(
     try:
         sid = await h.open_session()
         h.engine.pause()
-        body = {"model": "m", "max_tokens": 20, "stream": True, "messages": [{"role": "user", "content": "x"}]}
+        body = {
+            "model": "m",
+            "max_tokens": 20,
+            "stream": True,
+            "messages": [{"role": "user", "content": "x"}],
+        }
         assert h.http is not None
         resp = await h.http.post(
             h.url + "/v1/messages", json=body, headers={"Authorization": f"Bearer {sid}"}

@@ -12,6 +12,7 @@ import zstandard
 from recorder.events import ArrayRef
 from recorder.store import ArrayNotFound, CorruptArray, EventStore, open_store
 from recorder.store import arrays as codec
+from recorder.store.sql import SqlEventStore
 
 RawExecute = Callable[..., Awaitable[list[tuple[object, ...]]]]
 
@@ -145,3 +146,43 @@ def test_shuffled_tokens_compress_near_entropy() -> None:
     # log2(49152) = 15.6 bits: ~1.95 bytes/token is the floor for uniform ids.
     assert len(piece.data) / len(tokens) < 2.2
     assert _same_bits(codec.decode_piece(piece).suffix, tokens)
+
+
+async def test_reading_turns_in_order_fetches_one_piece_per_turn(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    turns = [_tokens(500, 10 + t) for t in range(8)]
+    async with await open_store(store_url, create=True) as w:
+        refs: list[ArrayRef] = []
+        prev: ArrayRef | None = None
+        for new in turns:
+            prev = await w.put_array(new, extends=prev)
+            refs.append(prev)
+    async with await open_store(store_url) as r:
+        assert isinstance(r, SqlEventStore)
+        fetched: list[int] = []
+        real = r._fetch_pieces
+
+        async def counting(conn: object, digests: list[bytes]) -> list[codec.DecodedPiece]:
+            fetched.append(len(digests))
+            return await real(conn, digests)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(r, "_fetch_pieces", counting)
+        for t, ref in enumerate(refs):
+            got = await r.get_array(ref)
+            assert _same_bits(got, np.concatenate(turns[: t + 1]))
+        assert fetched == [1] * len(turns)
+    # A cold store resolves chains round by round, one IN query per level.
+    async with await open_store(store_url) as cold:
+        assert isinstance(cold, SqlEventStore)
+        rounds: list[int] = []
+        real_cold = cold._fetch_pieces
+
+        async def counting_cold(conn: object, digests: list[bytes]) -> list[codec.DecodedPiece]:
+            rounds.append(len(digests))
+            return await real_cold(conn, digests)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(cold, "_fetch_pieces", counting_cold)
+        await cold.get_arrays([refs[-1], refs[3]])
+        # Both chains walk down together; the shorter one's pieces end the walk.
+        assert rounds == [2, 2, 2, 2]

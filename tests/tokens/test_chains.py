@@ -375,3 +375,28 @@ def test_pending_dispatches_are_bounded() -> None:
     note_dispatch(chains, ["toolu_0"])  # already forgotten: noted again at the end
     assert len(chains.pending_dispatches) == MAX_PENDING_DISPATCHES
     assert chains.pending_dispatches[-1].tool_use_id == "toolu_0"
+
+
+def test_echo_without_thinking_still_extends(tok: Tokenizer) -> None:
+    """Clients may strip thinking from earlier turns; the chain keeps what the model emitted."""
+    conv, chains = Conversation(), SessionChains()
+    conv.user("Hi.")
+    answer = Answer(text="Hello.", thinking="Greet back.")
+    first, out = conv.turn(chains, tok, answer)
+    conv.messages[-1]["content"] = [b for b in answer.content() if b["type"] != "thinking"]
+    conv.user("Bye.")
+    plan = plan_turn(chains, conv.request(), tok)
+    assert plan.action == "extend"
+    assert plan.input_ids[len(first.input_ids) : plan.prefix_len] == out
+    assert "Greet back." in tok.decode(out)
+
+
+def test_echo_with_different_thinking_does_not_extend(tok: Tokenizer) -> None:
+    conv, chains = Conversation(), SessionChains()
+    conv.user("Hi.")
+    answer = Answer(text="Hello.", thinking="Greet back.")
+    conv.turn(chains, tok, answer)
+    conv.messages[-1]["content"][0]["thinking"] = "Something else."
+    conv.user("Bye.")
+    plan = plan_turn(chains, conv.request(), tok)
+    assert plan.action == "new"

@@ -13,6 +13,7 @@ from recorder.translate import (
     message_digest,
     parse_request,
     response_message_digest,
+    same_message,
 )
 
 
@@ -529,3 +530,18 @@ def test_find_dispatches() -> None:
         {"type": "tool_use", "id": "toolu_c", "name": "Task", "input": {}},
     ]
     assert find_dispatches(content) == [("toolu_a", "find the bug"), ("toolu_c", "")]
+
+
+def test_same_message_tolerates_only_dropped_thinking() -> None:
+    with_thinking = response_message_digest(
+        [{"type": "thinking", "thinking": "t"}, {"type": "text", "text": "a"}]
+    )
+    without = response_message_digest([{"type": "text", "text": "a"}])
+    other = response_message_digest(
+        [{"type": "thinking", "thinking": "u"}, {"type": "text", "text": "a"}]
+    )
+    assert same_message(with_thinking, without)
+    assert same_message(with_thinking, with_thinking)
+    assert not same_message(with_thinking, other)
+    assert not same_message(without, with_thinking)
+    assert not same_message(with_thinking, response_message_digest([{"type": "text", "text": "b"}]))

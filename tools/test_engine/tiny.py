@@ -10,7 +10,11 @@ forward pass runs in a worker thread so the event loop keeps answering
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
+import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +34,53 @@ def smollm2_gguf() -> Path:
     if not files:
         raise FileNotFoundError(f"no .gguf file in {folder}")
     return files[0]
+
+
+def load_model(gguf: Path) -> Any:
+    """The GGUF's model, dequantized to float32.
+
+    Dequantizing takes ~25 s, so the result is cached once as safetensors
+    (~0.5 GB, keyed by the file's digest, beside the tokenizer cache) and
+    later loads take well under a second.
+    """
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.utils.logging.disable_progress_bar()
+    cache = _model_cache_dir(gguf)
+    if (cache / "model.safetensors").exists():
+        return AutoModelForCausalLM.from_pretrained(str(cache), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    with contextlib.suppress(OSError):
+        _save_dequantized(model, cache)
+    return model
+
+
+def _model_cache_dir(gguf: Path) -> Path:
+    from recorder.tokenizer import file_digest, tokenizer_cache_root
+
+    return tokenizer_cache_root() / "gguf-models" / file_digest(gguf)[:32]
+
+
+def _save_dequantized(model: Any, cache: Path) -> None:
+    from safetensors.torch import save_file
+
+    tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    if cache.exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.replace(tmp, cache)
 
 
 class _TinySource:
@@ -64,14 +115,11 @@ class TinyBackend:
 
     def __init__(self, gguf: Path, tokenizer: Tokenizer, *, seed: int | None = None) -> None:
         import torch
-        from transformers import AutoModelForCausalLM
 
         self._torch = torch
         self.model_path = str(gguf)
         self.tokenizer = tokenizer
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-        )
+        self.model = load_model(gguf)
         self.model.eval()
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 8192))
         self.generator = torch.Generator()

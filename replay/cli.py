@@ -1,0 +1,319 @@
+"""The `replay` command: reclassify, tito, show, export, stats over an event log."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+from recorder.store.base import EventStore, StoreError
+from replay.rules import PRESETS, Rules, RulesError, load_rules
+
+T = TypeVar("T")
+
+console = Console()
+
+db_option = click.option(
+    "--db", "db", required=True, metavar="URL", help="Event log: a SQLite path or database URL."
+)
+rules_option = click.option(
+    "--rules",
+    "rules_spec",
+    default=None,
+    metavar="FILE|NAME",
+    help=f"Rules file (.toml/.json) or preset ({', '.join(PRESETS)}). Default: default.",
+)
+page_option = click.option(
+    "--page-size", default=1000, show_default=True, help="Events per keyset page when streaming."
+)
+
+
+def _rules(spec: str | None) -> Rules:
+    try:
+        return load_rules(spec)
+    except RulesError as exc:
+        raise click.BadParameter(str(exc), param_hint="--rules") from None
+
+
+async def _with_store(url: str, fn: Callable[[EventStore], Awaitable[T]]) -> T:
+    from recorder.store import open_store
+
+    try:
+        store = await open_store(url)
+    except (StoreError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
+        return await fn(store)
+    finally:
+        await store.close()
+
+
+def _run(url: str, fn: Callable[[EventStore], Awaitable[T]]) -> T:
+    return asyncio.run(_with_store(url, fn))
+
+
+@contextmanager
+def _progress(description: str, total: int | None) -> Any:
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
+    with progress:
+        task = progress.add_task(description, total=total)
+        yield lambda *_: progress.advance(task)
+
+
+@click.group()
+def main() -> None:
+    """Rebuild training samples from a trajectory-recorder event log."""
+    global console
+    console = Console()  # per invocation: picks up the current stdout and COLUMNS
+
+
+# -------------------------------------------------------------- reclassify
+
+
+@main.command()
+@db_option
+@rules_option
+@click.option("--session", "sessions", multiple=True, metavar="ID", help="Only these sessions.")
+@click.option("--dry-run", is_flag=True, help="Report changes without writing the projection.")
+@page_option
+def reclassify(
+    db: str, rules_spec: str | None, sessions: tuple[str, ...], dry_run: bool, page_size: int
+) -> None:
+    """Re-derive every session's samples and store them as a projection."""
+    from replay.reclassify import reclassify as run
+
+    rules = _rules(rules_spec)
+
+    async def go(store: EventStore) -> Any:
+        total = len(sessions) if sessions else len(await store.session_ids())
+        with _progress("reclassifying", total) as advance:
+            return await run(
+                store,
+                rules,
+                session_ids=sessions or None,
+                page_size=page_size,
+                dry_run=dry_run,
+                on_session=advance,
+            )
+
+    report = _run(db, go)
+    verb = "would write" if dry_run else "wrote"
+    console.print(
+        f"rules [bold]{escape(rules.name)}[/] {rules.version}: {verb} [bold]{report.projection}[/] "
+        f"({report.sessions} sessions, log position {report.covers_position})"
+    )
+    if report.previous is None:
+        console.print("no earlier projection to compare with")
+    else:
+        console.print(f"compared with [bold]{escape(report.previous)}[/]")
+    table = Table(title="before → after")
+    table.add_column("")
+    table.add_column("before", justify="right")
+    table.add_column("after", justify="right")
+    for key in sorted(set(report.kinds_before) | set(report.kinds_after)):
+        table.add_row(
+            f"samples: {key}",
+            str(report.kinds_before.get(key, 0)),
+            str(report.kinds_after.get(key, 0)),
+        )
+    for key in sorted(set(report.status_before) | set(report.status_after)):
+        table.add_row(
+            f"status: {key}",
+            str(report.status_before.get(key, 0)),
+            str(report.status_after.get(key, 0)),
+        )
+    table.add_row("trainable tokens", str(report.trainable_before), str(report.trainable_after))
+    console.print(table)
+    console.print(
+        f"{len(report.changed_segmentation)} sessions changed segmentation, "
+        f"{len(report.changed_samples)} changed samples, {report.new_sessions} new"
+    )
+    for sid in report.changed_segmentation[:20]:
+        console.print(f"  segmentation changed: {escape(sid)}")
+    if len(report.changed_segmentation) > 20:
+        console.print(f"  … and {len(report.changed_segmentation) - 20} more")
+
+
+# -------------------------------------------------------------- tito
+
+
+@main.command()
+@db_option
+@click.option("--session", "session_id", default=None, metavar="ID")
+@click.option("--turn", type=int, default=None, help="Show one turn token by token.")
+@click.option(
+    "--tokenizer",
+    "tokenizer_path",
+    default=None,
+    metavar="PATH",
+    help="HF tokenizer directory or GGUF file, to decode pieces and re-render templates.",
+)
+@click.option("--context", default=8, show_default=True, help="Rows shown before a divergence.")
+def tito(
+    db: str, session_id: str | None, turn: int | None, tokenizer_path: str | None, context: int
+) -> None:
+    """List TITO-failed turns, or show one turn's emitted vs re-encoded ids."""
+    from replay import tito as t
+
+    if turn is None:
+        failures, verdicts = _run(db, lambda store: t.list_failures(store, session_id))
+        console.print(t.failures_table(failures, verdicts))
+        return
+    if session_id is None:
+        raise click.UsageError("--turn needs --session")
+    try:
+        tok = t.load_tokenizer(tokenizer_path) if tokenizer_path else None
+    except Exception as exc:
+        raise click.ClickException(f"cannot load tokenizer {tokenizer_path}: {exc}") from None
+
+    async def fetch(store: EventStore) -> t.TurnTokens:
+        try:
+            return await t.turn_tokens(store, session_id, turn)
+        except LookupError as exc:
+            raise click.ClickException(str(exc)) from None
+
+    tt = _run(db, fetch)
+    verdict = tt.verdict
+    state = "no verdict" if verdict is None else ("ok" if verdict.ok else "FAILED")
+    console.print(f"session {escape(tt.session_id)} turn {tt.turn}: TITO {state}")
+    reencoded = tt.reencoded
+    source = "recorded"
+    if reencoded is None and tok is not None:
+        reencoded, source = t.reencode(tok, tt.emitted), "re-encoded now"
+    if reencoded is None:
+        console.print("no re-encoded ids recorded: pass --tokenizer PATH to re-encode")
+    else:
+        console.print(
+            t.side_by_side(
+                f"decode→re-encode ({source})",
+                "emitted",
+                tt.emitted,
+                "re-encoded",
+                reencoded,
+                tok,
+                context=context,
+            )
+        )
+    if tok is None or tt.body is None or tt.input_ids is None:
+        if tok is None:
+            console.print("template re-render: needs --tokenizer PATH")
+        return
+    try:
+        fresh = t.rerender(tok, tt.body)
+    except Exception as exc:
+        console.print(escape(f"template re-render failed: {type(exc).__name__}: {exc}"))
+        return
+    if t.first_divergence(tt.input_ids, fresh) is None:
+        console.print("template re-render: identical to the engine input")
+        return
+    console.print(
+        t.side_by_side(
+            "engine input vs template re-render",
+            "sent",
+            tt.input_ids,
+            "re-rendered",
+            fresh,
+            tok,
+            context=context,
+        )
+    )
+
+
+# -------------------------------------------------------------- show
+
+
+@main.command()
+@db_option
+@click.option("--session", "session_id", required=True, metavar="ID")
+@rules_option
+def show(db: str, session_id: str, rules_spec: str | None) -> None:
+    """A session's timeline, then the samples it reduces to."""
+    from replay import close_session_samples
+    from replay.show import segments_table, timeline_table
+
+    rules = _rules(rules_spec)
+
+    async def go(store: EventStore) -> Any:
+        events = await store.read_session(session_id)
+        if not events:
+            raise click.ClickException(f"no session {session_id!r} in {db}")
+        return events, await close_session_samples(store, session_id, rules)
+
+    events, result = _run(db, go)
+    console.print(timeline_table(events, session_id))
+    console.print(segments_table(result))
+    for d in result.diagnostics:
+        console.print(Text(f"· {d}", style="dim"))
+
+
+# -------------------------------------------------------------- export
+
+
+@main.command()
+@db_option
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "parquet"]), default="jsonl")
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@rules_option
+@page_option
+def export(db: str, fmt: str, out: Path, rules_spec: str | None, page_size: int) -> None:
+    """Write samples for a trainer (see replay.export for the slime / verl mapping)."""
+    from replay.export import export_samples
+
+    rules = _rules(rules_spec)
+
+    async def go(store: EventStore) -> Any:
+        with _progress("exporting", len(await store.session_ids())) as advance:
+            return await export_samples(
+                store,
+                out,
+                fmt,
+                rules,
+                page_size=page_size,
+                on_session=advance,  # type: ignore[arg-type]
+            )
+
+    counts = _run(db, go)
+    console.print(
+        f"wrote {counts.samples} samples from {counts.sessions} sessions to {escape(str(out))} "
+        f"({counts.placeholders} placeholders, {counts.trainable_tokens} trainable tokens)"
+    )
+
+
+# -------------------------------------------------------------- stats
+
+
+@main.command()
+@db_option
+@rules_option
+@page_option
+def stats(db: str, rules_spec: str | None, page_size: int) -> None:
+    """Sessions, turns, tokens, TITO failure rate, aborts, segment kinds."""
+    from replay.stats import log_stats, stats_table
+
+    rules = _rules(rules_spec)
+
+    async def go(store: EventStore) -> Any:
+        with _progress("reading", len(await store.session_ids())) as advance:
+            return await log_stats(store, rules, page_size=page_size, on_session=advance)
+
+    console.print(stats_table(_run(db, go)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""Loading sessions from a real store: one session, and the bounded-memory stream."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+from builders import Log, small_logs, write_to
+
+from recorder.events import ArrayRef, RecordedEvent, SandboxEvent
+from recorder.store import CorruptArray, EventStore
+from replay import close_session_samples
+from replay.load import iter_session_logs, load_arrays, load_session
+from replay.reducer import reduce_session
+from replay.rules import Rules
+from replay.samples import encode_result
+
+
+async def test_store_path_equals_in_memory_reduction(store: EventStore) -> None:
+    logs = small_logs()
+    for log in logs:
+        await write_to(store, log)
+    for log in logs:
+        live = await close_session_samples(store, log.session_id, Rules())
+        in_memory = reduce_session(log.events, log.arrays, Rules())
+        assert encode_result(live) == encode_result(in_memory), log.session_id
+
+
+async def test_load_session_reads_only_needed_arrays(sqlite_store: EventStore) -> None:
+    log = small_logs()[0]
+    await write_to(sqlite_store, log)
+    loaded = await load_session(sqlite_store, log.session_id)
+    assert [e.seq for e in loaded.events] == list(range(len(log.events)))
+    # Inputs, outputs and logprobs: not the raw request bodies.
+    assert all(a.dtype != np.uint8 for a in loaded.arrays.values())
+    assert loaded.missing_arrays == []
+
+
+async def interleaved(store: EventStore) -> list[Log]:
+    """Sessions whose events interleave in the log, appended turn by turn."""
+    logs = small_logs()
+    mappings = []
+    for log in logs:
+        mappings.append({d: await store.put_array(a) for d, a in log.arrays.items()})
+    from builders import _rewrite_refs
+
+    from recorder.events import NewEvent
+
+    cursors = [0] * len(logs)
+    while any(c < len(log.events) for c, log in zip(cursors, logs, strict=True)):
+        for i, log in enumerate(logs):
+            chunk = log.events[cursors[i] : cursors[i] + 3]
+            cursors[i] += 3
+            if chunk:
+                await store.append(
+                    log.session_id,
+                    [
+                        NewEvent(
+                            event=_rewrite_refs(r.event, mappings[i]), event_id=r.event_id, ts=r.ts
+                        )
+                        for r in chunk
+                    ],
+                )
+    return logs
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 1000])
+async def test_stream_yields_every_session_once_whatever_the_page_size(
+    sqlite_store: EventStore, page_size: int
+) -> None:
+    logs = await interleaved(sqlite_store)
+    got = {}
+    async for log in iter_session_logs(sqlite_store, page_size=page_size):
+        assert log.session_id not in got
+        got[log.session_id] = encode_result(reduce_session(log.events, log.arrays, Rules()))
+    assert set(got) == {log.session_id for log in logs}
+    for log in logs:
+        assert got[log.session_id] == encode_result(reduce_session(log.events, log.arrays, Rules()))
+
+
+class CountingStore:
+    """Wraps a store and records the highest position read so far."""
+
+    def __init__(self, inner: EventStore) -> None:
+        self.inner = inner
+        self.read_up_to = 0
+
+    async def read_all(self, *, after: int = 0, limit: int = 1000) -> list[RecordedEvent]:
+        page = await self.inner.read_all(after=after, limit=limit)
+        if page:
+            self.read_up_to = max(self.read_up_to, page[-1].position)
+        return page
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+async def test_stream_yields_a_session_as_soon_as_it_closes(sqlite_store: EventStore) -> None:
+    logs = [Log(f"seq-{i}").open() for i in range(6)]
+    for log in logs:
+        log.turn([1, 2], [3, 2])
+        log.close()
+        await write_to(sqlite_store, log)
+    counting = CountingStore(sqlite_store)
+    per_session = len(logs[0].events)
+    order = []
+    async for log in iter_session_logs(counting, page_size=2):  # type: ignore[arg-type]
+        order.append(log.session_id)
+        # Never more than one page past this session's close: nothing else is buffered.
+        assert counting.read_up_to <= log.last_position + 2
+        assert counting.read_up_to < log.last_position + per_session
+    assert order == [log.session_id for log in logs]
+
+
+async def test_unclosed_sessions_are_yielded_at_the_end(sqlite_store: EventStore) -> None:
+    open_log = Log("still-open").open()
+    open_log.turn([1], [2])
+    closed = Log("closed").open()
+    closed.turn([1], [3])
+    closed.close()
+    await write_to(sqlite_store, open_log)
+    await write_to(sqlite_store, closed)
+    order = [log.session_id async for log in iter_session_logs(sqlite_store)]
+    assert order == ["closed", "still-open"]
+
+
+async def test_late_event_after_close_re_yields_the_whole_session(sqlite_store: EventStore) -> None:
+    log = Log("late").open()
+    log.turn([1, 2], [3, 2])
+    log.close()
+    await write_to(sqlite_store, log)
+    other = Log("other").open()
+    other.close()
+    await write_to(sqlite_store, other)
+    from recorder.events import NewEvent, RewardAssigned
+
+    await sqlite_store.append("late", [NewEvent(event=RewardAssigned(reward=0.5))])
+    yields = [
+        (s.session_id, len(s.events), reduce_session(s.events, s.arrays, Rules()).reward)
+        async for s in iter_session_logs(sqlite_store)
+    ]
+    n = len(log.events)
+    assert yields == [("late", n, 0.0), ("other", 2, 0.0), ("late", n + 1, 0.5)]
+
+
+async def test_reopened_session_is_buffered_afresh(sqlite_store: EventStore) -> None:
+    log = Log("again").open()
+    log.turn([1, 2], [3, 4])
+    log.close("aborted")
+    log.open(attempt=1)
+    log._turn = 0
+    t = log.turn([1, 2], [5, 2])
+    log.reward(1.0).close()
+    await write_to(sqlite_store, log)
+    got = [s async for s in iter_session_logs(sqlite_store, page_size=3)]
+    assert [s.session_id for s in got] == ["again", "again"]
+    last = reduce_session(got[-1].events, got[-1].arrays, Rules())
+    assert last.samples[0].tokens == t.full and last.reward == 1.0
+    full = await close_session_samples(sqlite_store, "again")
+    assert encode_result(full) == encode_result(last)
+
+
+async def test_stream_stops_at_until_and_filters_sessions(sqlite_store: EventStore) -> None:
+    for log in small_logs():
+        await write_to(sqlite_store, log)
+    first = small_logs()[0]
+    got = [s async for s in iter_session_logs(sqlite_store, until=len(first.events))]
+    assert [s.session_id for s in got] == [first.session_id]
+    only = [s.session_id async for s in iter_session_logs(sqlite_store, session_ids=["c-subagent"])]
+    assert only == ["c-subagent"]
+    with pytest.raises(ValueError, match="page_size"):
+        [s async for s in iter_session_logs(sqlite_store, page_size=0)]
+
+
+class FlakyArrays:
+    """get_arrays fails as a batch; get_array fails for one ref."""
+
+    def __init__(self, inner: EventStore, bad: bytes) -> None:
+        self.inner = inner
+        self.bad = bad
+
+    async def get_arrays(self, refs: Sequence[ArrayRef]) -> list[np.ndarray]:
+        raise CorruptArray("batch failed")
+
+    async def get_array(self, ref: ArrayRef) -> np.ndarray:
+        if ref.digest == self.bad:
+            raise CorruptArray(f"array {ref.digest.hex()} is corrupt")
+        return await self.inner.get_array(ref)
+
+
+async def test_a_corrupt_array_only_loses_its_turn(sqlite_store: EventStore) -> None:
+    good = await sqlite_store.put_array(np.array([1, 2, 3], dtype=np.int32))
+    bad = await sqlite_store.put_array(np.array([4], dtype=np.int32))
+    arrays, problems = await load_arrays(FlakyArrays(sqlite_store, bad.digest), [good, bad])  # type: ignore[arg-type]
+    assert list(arrays) == [good.digest]
+    assert len(problems) == 1 and "corrupt" in problems[0]
+
+
+async def test_events_of_other_kinds_do_not_disturb_the_stream(sqlite_store: EventStore) -> None:
+    from recorder.events import NewEvent
+
+    await sqlite_store.append("sandbox-only", [NewEvent(event=SandboxEvent(kind="boot"))])
+    log = small_logs()[0]
+    await write_to(sqlite_store, log)
+    ids = [s.session_id async for s in iter_session_logs(sqlite_store)]
+    assert ids == [log.session_id, "sandbox-only"]

@@ -1,0 +1,156 @@
+"""reclassify: projections, idempotence, change reports, determinism across stores."""
+
+from __future__ import annotations
+
+import uuid
+
+import msgspec
+from builders import Log, small_logs, write_to
+
+from recorder.events import NewEvent, SessionClosed, SessionOpened
+from recorder.store import EventStore, open_store
+from recorder.store.copy import copy_store
+from recorder.store.tables import events as events_table
+from replay import close_session_samples, encode_result
+from replay.reclassify import SAMPLES_PREFIX, SUMMARY_PREFIX, reclassify
+from replay.rules import PRESETS, Rules
+from replay.samples import decode_result, digest_bytes
+
+
+async def fill(store: EventStore) -> list[Log]:
+    logs = small_logs()
+    for log in logs:
+        await write_to(store, log)
+    return logs
+
+
+async def digests(store: EventStore, name: str) -> dict[str, str]:
+    return {sid: d for sid, (_p, d, _b) in (await store.load_projection(name)).items()}
+
+
+async def test_reclassify_writes_projection_and_is_idempotent(store: EventStore) -> None:
+    logs = await fill(store)
+    first = await reclassify(store, Rules())
+    assert first.previous is None and first.new_sessions == len(logs)
+    assert first.projection.startswith(SAMPLES_PREFIX)
+    assert first.projection.endswith(f"@{await store.last_position()}")
+    assert first.kinds_after == {"final": 3, "placeholder": 1, "subagent": 1, "wipe": 1}
+    assert first.status_after == {"aborted": 1, "completed": 5}
+    rows = await store.load_projection(first.projection)
+    assert set(rows) == {log.session_id for log in logs}
+    for sid, (_pos, digest, payload) in rows.items():
+        assert digest_bytes(payload) == digest
+        assert decode_result(payload).session_id == sid
+
+    again = await reclassify(store, Rules())
+    assert again.projection == first.projection and again.previous == again.summary_projection
+    assert again.changed_samples == [] and again.changed_segmentation == []
+    assert again.new_sessions == 0
+    assert again.kinds_before == again.kinds_after
+    assert again.trainable_before == again.trainable_after == first.trainable_after
+    assert await store.load_projection(first.projection) == rows
+    names = await store.projection_names()
+    assert names == [first.projection, first.summary_projection]
+
+
+async def test_changed_rules_report_what_changed(sqlite_store: EventStore) -> None:
+    await fill(sqlite_store)
+    base = await reclassify(sqlite_store, Rules())
+    masked = await reclassify(sqlite_store, Rules(mask_tito_failed=False))
+    assert masked.previous == base.summary_projection
+    assert masked.changed_segmentation == []
+    assert masked.trainable_after == base.trainable_after + 2  # a-linear's TITO-failed turn
+    collapsed = await reclassify(sqlite_store, PRESETS["collapse-final"])
+    assert collapsed.previous == masked.summary_projection  # the latest other run
+    assert collapsed.projection != base.projection
+    assert sorted(collapsed.changed_segmentation) == ["b-compact", "c-subagent"]
+    # Every session's bytes changed: the rules version is stamped into each sample.
+    assert len(collapsed.changed_samples) == 4
+    assert collapsed.kinds_before == {"final": 3, "placeholder": 1, "subagent": 1, "wipe": 1}
+    assert collapsed.kinds_after == {"final": 3, "placeholder": 1}
+
+
+async def test_dry_run_writes_nothing_and_session_filter(sqlite_store: EventStore) -> None:
+    await fill(sqlite_store)
+    dry = await reclassify(sqlite_store, Rules(), dry_run=True)
+    assert dry.sessions == 4 and await sqlite_store.projection_names() == []
+    one = await reclassify(sqlite_store, Rules(), session_ids=["c-subagent"])
+    assert one.sessions == 1
+    assert list(await sqlite_store.load_projection(one.projection)) == ["c-subagent"]
+
+
+async def test_live_close_path_equals_reclassify(store: EventStore) -> None:
+    logs = await fill(store)
+    report = await reclassify(store, Rules(routed_experts=(2, 2)))
+    rows = await store.load_projection(report.projection)
+    for log in logs:
+        live = await close_session_samples(store, log.session_id, Rules(routed_experts=(2, 2)))
+        assert encode_result(live) == rows[log.session_id][2]
+
+
+async def test_same_samples_for_any_page_size_and_from_a_postgres_copy(
+    sqlite_url: str, postgres_url: str
+) -> None:
+    src = await open_store(sqlite_url, create=True)
+    dst = await open_store(postgres_url, create=True)
+    try:
+        await fill(src)
+        small = await reclassify(src, Rules(), page_size=1, dry_run=True)
+        big = await reclassify(src, Rules(), page_size=1000)
+        want = await digests(src, big.projection)
+        assert small.changed_samples == []  # compared with nothing yet, nothing changed
+        await copy_store(src, dst)  # type: ignore[arg-type]
+        copied = await reclassify(dst, Rules(), page_size=3)
+        assert copied.changed_samples == []  # compared against the copied projection
+        got = await digests(dst, copied.projection)
+        assert got == want
+        paged = await reclassify(src, Rules(), page_size=2)
+        assert await digests(src, paged.projection) == want
+    finally:
+        await src.close()
+        await dst.close()
+
+
+async def test_old_version_reward_event_reclassifies(store: EventStore) -> None:
+    log = Log("old-reward").open()
+    log.turn([1, 2], [3, 2])
+    await write_to(store, log)
+    # A RewardAssigned stored at schema v1 ({"value": x}), written raw.
+    payload = msgspec.msgpack.encode({"type": "reward_assigned", "value": 0.75})
+    engine = store.write_engine  # type: ignore[attr-defined]
+    async with engine.begin() as conn:
+        await conn.execute(
+            events_table.insert().values(
+                session_id="old-reward",
+                seq=len(log.events),
+                event_id=uuid.uuid4(),
+                type="reward_assigned",
+                version=1,
+                ts=0.0,
+                payload=payload,
+            )
+        )
+    await store.append("old-reward", [NewEvent(event=SessionClosed())])
+    (row,) = (await store.read_session("old-reward", from_seq=len(log.events)))[:1]
+    assert row.version == 1
+    report = await reclassify(store, Rules())
+    (_pos, _d, payload_out) = (await store.load_projection(report.projection))["old-reward"]
+    result = decode_result(payload_out)
+    assert result.reward == 0.75 and result.samples[0].reward == 0.75
+
+
+async def test_summary_projection_is_small(sqlite_store: EventStore) -> None:
+    await fill(sqlite_store)
+    report = await reclassify(sqlite_store, Rules())
+    assert report.summary_projection.startswith(SUMMARY_PREFIX)
+    samples = await sqlite_store.load_projection(report.projection)
+    summary = await sqlite_store.load_projection(report.summary_projection)
+    for sid in samples:
+        assert len(summary[sid][2]) < len(samples[sid][2])
+        assert summary[sid][1] == samples[sid][1]
+
+
+async def test_session_opened_only_is_a_placeholder(sqlite_store: EventStore) -> None:
+    await sqlite_store.append("empty", [NewEvent(event=SessionOpened(session_id="empty"))])
+    report = await reclassify(sqlite_store, Rules())
+    assert report.kinds_after == {"placeholder": 1}

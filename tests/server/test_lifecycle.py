@@ -1,0 +1,163 @@
+"""Restart safety and shutdown: sessions and chains survive; SIGTERM exits cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import pytest
+
+from recorder import events as ev
+from tests.server.conftest import FIXTURE_TOKENIZER, make_harness, tool_call_text
+from tests.server.test_e2e import ask, echo, tool_result
+from tools.test_engine import Fault
+from tools.test_engine.scripted import ScriptedEngine
+
+
+async def test_chains_survive_a_restart(tokenizer: Any, store_url: str) -> None:
+    h = await make_harness(tokenizer, store_url)
+    try:
+        sid = await h.open_session(instance_id="r")
+        closed = await h.open_session()
+        await h.admin("POST", f"/sessions/{closed}/close", {})
+        h.engine.push(
+            tool_call_text("Bash", {"command": "ls"}),
+            tool_call_text("Agent", {"prompt": "look at the tests"}),
+        )
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "start"}]
+        first = await ask(h.client(sid), messages, stream=True)
+        messages += [echo(first), tool_result(first.content[-1].id, "a.py b.py")]
+        second = await ask(h.client(sid), messages, stream=False)
+
+        await h.restart()  # nothing of the session is in memory now
+
+        # The dispatch noted before the restart still classifies the subagent after it.
+        h.engine.push("the tests look fine")
+        await ask(
+            h.client(sid),
+            [{"role": "user", "content": "look at the tests"}],
+            stream=False,
+            system="You are a subagent.",
+        )
+        messages += [echo(second), tool_result(second.content[-1].id, "the tests look fine")]
+        third = await ask(h.client(sid), messages, stream=True)
+        assert third.stop_reason == "end_turn"
+        decisions = await h.payloads(sid, ev.ChainDecision)
+        assert [(d.action, d.reason, d.chain_id) for d in decisions] == [
+            ("new", "first", 0),
+            ("extend", "extends", 0),
+            ("new", "subagent", 1),
+            ("extend", "extends", 0),
+        ]
+        assert decisions[2].dispatch_tool_use_id == second.content[-1].id
+        rendered = await h.payloads(sid, ev.RenderedInput)
+        results = await h.payloads(sid, ev.GenerateResult)
+        assert rendered[3].prefix_len == rendered[1].input_ids.length + results[1].output_ids.length
+        assert [r.turn for r in await h.payloads(sid, ev.MessagesRequest)] == [0, 1, 2, 3]
+        # Closed stays closed.
+        with pytest.raises(anthropic.APIStatusError) as info:
+            await ask(h.client(closed), [{"role": "user", "content": "x"}], stream=False)
+        assert info.value.status_code == 409
+        _status, state = await h.admin("GET", f"/sessions/{sid}")
+        assert state["turns"] == 4 and state["metadata"] == {"instance_id": "r"}
+    finally:
+        await h.close()
+
+
+async def test_shutdown_lets_in_flight_turns_finish(tokenizer: Any, sqlite_url: str) -> None:
+    h = await make_harness(tokenizer, sqlite_url, engine_kwargs={"token_delay_s": 0.02})
+    try:
+        sid = await h.open_session()
+        client = h.client(sid)
+        turn = asyncio.create_task(ask(client, [{"role": "user", "content": "hi"}], stream=True))
+        while not h.engine.core.running:
+            await asyncio.sleep(0.01)
+        await h.stop_server(grace_s=10)
+        answer = await turn
+        assert answer.stop_reason == "end_turn"
+        assert (await h.types(sid))[-1] == "response_sent"
+    finally:
+        await h.close()
+
+
+async def test_shutdown_aborts_turns_after_the_grace_period(
+    tokenizer: Any, sqlite_url: str
+) -> None:
+    h = await make_harness(tokenizer, sqlite_url)
+    try:
+        sid = await h.open_session()
+        h.engine.inject(Fault(delay_s=30))
+        turn = asyncio.create_task(
+            ask(h.client(sid), [{"role": "user", "content": "hi"}], stream=False)
+        )
+        while not h.engine.core.running:
+            await asyncio.sleep(0.01)
+        await h.stop_server(grace_s=0.2)
+        with pytest.raises(anthropic.APIConnectionError):
+            await turn
+        (failed,) = await h.payloads(sid, ev.TurnFailed)
+        assert "shutting down" in failed.reason
+        (attempt,) = await h.payloads(sid, ev.GenerateAttempt)
+        assert attempt.rid in h.engine.aborts
+    finally:
+        await h.close()
+
+
+async def test_serve_command_exits_cleanly_on_sigterm(tokenizer: Any, tmp_path: Path) -> None:
+    from recorder.server import free_port
+    from recorder.store import open_store
+
+    async with ScriptedEngine(tokenizer, context_length=4096) as engine:
+        port = free_port()
+        db = tmp_path / "runs.db"
+        env = {**os.environ, "TR_ADMIN_TOKEN": "tok"}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "recorder.cli", "serve",
+            "--db", str(db), "--engine", engine.url, "--tokenizer", str(FIXTURE_TOKENIZER),
+            "--chat-template", "chatml-tools", "--port", str(port), "--tool-parser", "qwen25",
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+        try:
+            base = f"http://127.0.0.1:{port}"
+            import aiohttp
+
+            async with aiohttp.ClientSession() as http:
+                for _ in range(300):
+                    try:
+                        async with http.get(base + "/health") as resp:
+                            if resp.status == 200:
+                                break
+                    except aiohttp.ClientError:
+                        await asyncio.sleep(0.05)
+                async with http.post(
+                    base + "/sessions", json={}, headers={"Authorization": "Bearer tok"}
+                ) as resp:
+                    sid = (await resp.json())["session_id"]
+            client = anthropic.AsyncAnthropic(base_url=base, api_key=sid, max_retries=0)
+            answer = await client.messages.create(
+                model="m", max_tokens=50, messages=[{"role": "user", "content": "hi"}]
+            )
+            await client.close()
+            assert answer.stop_reason == "end_turn"
+            proc.send_signal(signal.SIGTERM)
+            output, _ = await asyncio.wait_for(proc.communicate(), timeout=30)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        log = output.decode()
+        assert proc.returncode == 0, log
+        assert "turn session=" in log and "stopped; the log is flushed" in log
+        assert engine.url in log  # context length was read from the engine
+    store = await open_store(str(db))
+    try:
+        types = [r.type for r in await store.read_session(sid)]
+    finally:
+        await store.close()
+    assert types[-1] == "response_sent"

@@ -1,0 +1,267 @@
+"""Throughput and overhead of the live recorder under many concurrent sessions.
+
+Runs the scripted engine (zero latency) and `recorder serve` as subprocesses,
+then drives N concurrent sessions x T turns of a growing conversation through
+the real HTTP server from this process (raw aiohttp, no SDK overhead). The
+baseline, measured in the same run at the same concurrency, is the same
+number of `/generate` calls sent straight to the engine with the same token
+counts. Middleware overhead per turn = client-observed latency minus the
+engine time the recorder measured for that turn (GenerateResult.latency_s).
+
+    python tools/bench_server.py [--sessions 128] [--turns 8] [--db PATH|URL]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import click
+import numpy as np
+import psutil
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from recorder import events as ev  # noqa: E402
+from recorder.store import open_store  # noqa: E402
+from tools.test_engine.launch import free_port, start_subprocess  # noqa: E402
+
+TOKENIZER = REPO_ROOT / "tests" / "data" / "smollm2-tokenizer"
+
+
+@dataclass
+class Run:
+    latencies: list[float] = field(default_factory=list)
+    ids: list[str] = field(default_factory=list)
+    errors: int = 0
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+
+
+def start_recorder(engine_url: str, db: str) -> tuple[subprocess.Popen[bytes], str, Path]:
+    port = free_port()
+    log_file = Path(tempfile.mkstemp(prefix="bench_server_", suffix=".log")[1])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    profile = os.environ.get("BENCH_PROFILE")  # cProfile output file for the server
+    prefix = ["-m", "cProfile", "-o", profile] if profile else []
+    proc = subprocess.Popen(
+        [
+            sys.executable, *prefix, "-m", "recorder.cli", "serve", "--db", db, "--engine", engine_url,
+            "--tokenizer", str(TOKENIZER), "--chat-template", "chatml-tools",
+            "--tool-parser", "qwen25", "--port", str(port), "--admin-token", "bench",
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=log_file.open("wb"),
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    return proc, f"http://127.0.0.1:{port}", log_file
+
+
+async def wait_healthy(
+    http: aiohttp.ClientSession, url: str, proc: subprocess.Popen[bytes]
+) -> None:
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise RuntimeError(f"recorder exited with code {proc.returncode}")
+        try:
+            async with http.get(url + "/health") as resp:
+                if resp.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.1)
+    raise RuntimeError("recorder did not become healthy")
+
+
+async def recorder_session(
+    http: aiohttp.ClientSession, url: str, index: int, turns: int, run: Run
+) -> list[int]:
+    async with http.post(
+        url + "/sessions", json={"index": index}, headers={"Authorization": "Bearer bench"}
+    ) as resp:
+        sid = (await resp.json())["session_id"]
+    headers = {"Authorization": f"Bearer {sid}"}
+    messages: list[dict[str, Any]] = []
+    input_lengths: list[int] = []
+    for k in range(turns):
+        messages.append(
+            {"role": "user", "content": f"Session {index}, step {k}: please continue the task."}
+        )
+        body = {"model": "bench", "max_tokens": 64, "messages": messages, "stream": k % 2 == 1}
+        started = time.perf_counter()
+        async with http.post(url + "/v1/messages", json=body, headers=headers) as resp:
+            raw = await resp.read()
+            ok = resp.status == 200
+        run.latencies.append(time.perf_counter() - started)
+        if not ok or b"event: error" in raw:
+            run.errors += 1
+            messages.pop()
+            continue
+        if body["stream"]:
+            text, msg_id, usage = _from_sse(raw)
+        else:
+            import json
+
+            data = json.loads(raw)
+            text, msg_id, usage = data["content"][0]["text"], data["id"], data["usage"]
+        run.ids.append(msg_id)
+        input_lengths.append(usage["input_tokens"] + usage["cache_read_input_tokens"])
+        messages.append({"role": "assistant", "content": text})
+    return input_lengths
+
+
+def _from_sse(raw: bytes) -> tuple[str, str, dict[str, int]]:
+    import json
+
+    text, msg_id, usage = "", "", {}
+    for frame in raw.decode().split("\n\n"):
+        lines = frame.strip().split("\n")
+        if len(lines) != 2:
+            continue
+        data = json.loads(lines[1][6:])
+        if data["type"] == "message_start":
+            msg_id = data["message"]["id"]
+        elif data["type"] == "content_block_delta" and data["delta"]["type"] == "text_delta":
+            text += data["delta"]["text"]
+        elif data["type"] == "message_delta":
+            usage = data["usage"]
+    return text, msg_id, usage
+
+
+async def engine_session(
+    http: aiohttp.ClientSession, url: str, lengths: list[int], run: Run
+) -> None:
+    """The same turns straight to the engine: inputs of the recorded lengths."""
+    rng = np.random.default_rng(len(lengths))
+    for n in lengths:
+        body = {
+            "rid": os.urandom(16).hex(),
+            "input_ids": rng.integers(100, 40000, size=n).tolist(),
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 64, "temperature": 1.0},
+        }
+        started = time.perf_counter()
+        async with http.post(url + "/generate", json=body) as resp:
+            await resp.read()
+            ok = resp.status == 200
+        run.latencies.append(time.perf_counter() - started)
+        run.errors += not ok
+
+
+async def engine_latency_by_request(db: str) -> dict[str, float]:
+    store = await open_store(db)
+    try:
+        out: dict[str, float] = {}
+        after = 0
+        while True:
+            page = await store.read_all(after=after, limit=5000)
+            if not page:
+                return out
+            for r in page:
+                if isinstance(r.event, ev.GenerateResult):
+                    out[r.event.request_id] = out.get(r.event.request_id, 0.0) + r.event.latency_s
+            after = page[-1].position
+    finally:
+        await store.close()
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values) * 1000, q)) if values else float("nan")
+
+
+async def bench(sessions: int, turns: int, db: str) -> None:
+    engine_proc, engine_url = start_subprocess(
+        ["--backend", "scripted", "--context-length", "32768"]
+    )
+    recorder_proc, url, log_file = start_recorder(engine_url, db)
+    try:
+        connector = aiohttp.TCPConnector(limit=0)
+        timeout = aiohttp.ClientTimeout(total=600)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+            await wait_healthy(http, url, recorder_proc)
+            await recorder_session(http, url, -1, 2, Run())  # warm-up
+
+            server_cpu = psutil.Process(recorder_proc.pid)
+            cpu_before = sum(server_cpu.cpu_times()[:2])
+            rec = Run()
+            started = time.perf_counter()
+            lengths = await asyncio.gather(
+                *(recorder_session(http, url, i, turns, rec) for i in range(sessions))
+            )
+            rec.wall_s = time.perf_counter() - started
+            rec.cpu_s = sum(server_cpu.cpu_times()[:2]) - cpu_before
+
+            base = Run()
+            started = time.perf_counter()
+            await asyncio.gather(*(engine_session(http, engine_url, ls, base) for ls in lengths))
+            base.wall_s = time.perf_counter() - started
+    finally:
+        recorder_proc.terminate()
+        recorder_proc.wait(timeout=60)
+        engine_proc.terminate()
+        engine_proc.wait(timeout=30)
+
+    engine_s = await engine_latency_by_request(db)
+    overhead = [
+        lat - engine_s[rid]
+        for lat, rid in zip(rec.latencies, rec.ids, strict=False)
+        if rid in engine_s
+    ]
+    # latencies and ids line up only where no error happened; recompute pairs safely
+    turn_lines = sum(1 for line in log_file.read_text().splitlines() if "turn session=" in line)
+    n_rec, n_base = len(rec.latencies), len(base.latencies)
+    print()
+    print(f"{sessions} concurrent sessions x {turns} turns, zero-latency scripted engine, db {db}")
+    print(
+        f"{'path':<28}{'turns':>7}{'errors':>8}{'wall s':>9}{'turns/s':>10}{'p50 ms':>9}{'p99 ms':>9}"
+    )
+    for name, run, n in (
+        ("engine /generate (baseline)", base, n_base),
+        ("recorder /v1/messages", rec, n_rec),
+    ):
+        print(
+            f"{name:<28}{n:>7}{run.errors:>8}{run.wall_s:>9.2f}{n / run.wall_s:>10.1f}"
+            f"{pct(run.latencies, 50):>9.1f}{pct(run.latencies, 99):>9.1f}"
+        )
+    print(
+        f"{'middleware overhead':<28}{len(overhead):>7}{'':>8}{'':>9}{'':>10}"
+        f"{pct(overhead, 50):>9.1f}{pct(overhead, 99):>9.1f}"
+    )
+    print(
+        f"ratios recorder/baseline: throughput {n_rec / rec.wall_s / (n_base / base.wall_s):.2f}x, "
+        f"p50 latency {pct(rec.latencies, 50) / pct(base.latencies, 50):.1f}x; "
+        f"turn log lines {turn_lines}/{n_rec + 2}"
+    )
+    print(
+        f"recorder process CPU: {rec.cpu_s:.2f}s = {rec.cpu_s / max(1, n_rec) * 1000:.2f} ms per turn "
+        f"({rec.cpu_s / rec.wall_s * 100:.0f}% of one core during the run; {os.cpu_count()} cores shared "
+        "with the engine and the clients)"
+    )
+    if rec.errors or base.errors:
+        raise SystemExit(f"errors: recorder {rec.errors}, baseline {base.errors}")
+
+
+@click.command()
+@click.option("--sessions", type=int, default=128, show_default=True)
+@click.option("--turns", type=int, default=8, show_default=True)
+@click.option(
+    "--db", default=None, help="SQLite path or Postgres URL (default: a temp SQLite file)"
+)
+def main(sessions: int, turns: int, db: str | None) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        asyncio.run(bench(sessions, turns, db or str(Path(tmp) / "bench.db")))
+
+
+if __name__ == "__main__":
+    main()
