@@ -73,7 +73,15 @@ def _progress(description: str, total: int | None) -> Any:
     )
     with progress:
         task = progress.add_task(description, total=total)
-        yield lambda *_: progress.advance(task)
+
+        def update(done: object = None) -> None:
+            """Advance by one (a result), or set the count (an int)."""
+            if isinstance(done, int):
+                progress.update(task, completed=done)
+            else:
+                progress.advance(task)
+
+        yield update
 
 
 @click.group()
@@ -91,9 +99,17 @@ def main() -> None:
 @rules_option
 @click.option("--session", "sessions", multiple=True, metavar="ID", help="Only these sessions.")
 @click.option("--dry-run", is_flag=True, help="Report changes without writing the projection.")
+@click.option(
+    "--workers", default=1, show_default=True, help="Reduce in this many processes (by session)."
+)
 @page_option
 def reclassify(
-    db: str, rules_spec: str | None, sessions: tuple[str, ...], dry_run: bool, page_size: int
+    db: str,
+    rules_spec: str | None,
+    sessions: tuple[str, ...],
+    dry_run: bool,
+    workers: int,
+    page_size: int,
 ) -> None:
     """Re-derive every session's samples and store them as a projection."""
     from replay.reclassify import reclassify as run
@@ -109,7 +125,8 @@ def reclassify(
                 session_ids=sessions or None,
                 page_size=page_size,
                 dry_run=dry_run,
-                on_session=advance,
+                workers=workers,
+                on_progress=advance,
             )
 
     report = _run(db, go)

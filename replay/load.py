@@ -11,6 +11,7 @@ and the same arrays, so live and offline reductions agree byte for byte.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -102,12 +103,19 @@ async def load_session(
     return await _session_log(store, session_id, list(events), routed_experts)
 
 
+def session_bucket(session_id: str, n: int) -> int:
+    """A stable bucket in [0, n) for a session id (same on every machine and run)."""
+    digest = hashlib.blake2b(session_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % n
+
+
 async def iter_session_logs(
     store: EventStore,
     *,
     page_size: int = 1000,
     until: int | None = None,
     session_ids: Iterable[str] | None = None,
+    partition: tuple[int, int] | None = None,
     routed_experts: bool = False,
 ) -> AsyncIterator[SessionLog]:
     """Every session of the log up to position `until` (default: the end now).
@@ -135,6 +143,8 @@ async def iter_session_logs(
                 break
             sid = rec.session_id
             if wanted is not None and sid not in wanted:
+                continue
+            if partition is not None and session_bucket(sid, partition[1]) != partition[0]:
                 continue
             if sid in yielded:
                 if isinstance(rec.event, SessionOpened) and sid not in dirty:

@@ -12,8 +12,12 @@ rules rewrites identical rows: idempotent):
 
 from __future__ import annotations
 
+import asyncio
+import multiprocessing
 from collections import Counter
 from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
 
 import msgspec
 
@@ -93,6 +97,141 @@ async def previous_summary_name(store: EventStore, current: str) -> str | None:
     return names[-1] if names else None
 
 
+async def reduce_partition(
+    store: EventStore,
+    rules: Rules,
+    *,
+    covers: int,
+    names: tuple[str, str] | None,
+    session_ids: Iterable[str] | None = None,
+    partition: tuple[int, int] | None = None,
+    page_size: int = 1000,
+    batch: int = 256,
+    on_session: Callable[[SessionResult], None] | None = None,
+) -> dict[str, SessionSummary]:
+    """Reduce (a partition of) the log up to `covers`; write projection rows
+    unless `names` is None (dry run). Returns each session's summary."""
+    seen: dict[str, SessionSummary] = {}
+    # Keyed by session: a session yielded twice in one batch is written once.
+    rows: dict[str, tuple[str, int, str, bytes]] = {}
+    summary_rows: dict[str, tuple[str, int, str, bytes]] = {}
+
+    async def flush() -> None:
+        if names is not None and rows:
+            await store.save_projection(names[0], list(rows.values()))
+            await store.save_projection(names[1], list(summary_rows.values()))
+        rows.clear()
+        summary_rows.clear()
+
+    async for log in iter_session_logs(
+        store,
+        page_size=page_size,
+        until=covers,
+        session_ids=session_ids,
+        partition=partition,
+        routed_experts=rules.routed_experts is not None,
+    ):
+        result = reduce_session(log.events, log.arrays, rules)
+        payload = encode_result(result)
+        digest = digest_bytes(payload)
+        summary = summarize(result, digest)
+        sid = log.session_id
+        seen[sid] = summary  # a later yield of a session supersedes
+        rows[sid] = (sid, log.last_position, digest, payload)
+        summary_rows[sid] = (sid, log.last_position, digest, _summary_encoder.encode(summary))
+        if on_session is not None:
+            on_session(result)
+        if len(rows) >= batch:
+            await flush()
+    await flush()
+    return seen
+
+
+# Set in worker processes: a shared counter of reduced sessions, for progress.
+_worker_counter: Any = None
+
+
+def _init_worker(counter: Any) -> None:
+    global _worker_counter
+    _worker_counter = counter
+
+
+def _count_one(_result: SessionResult) -> None:
+    with _worker_counter.get_lock():
+        _worker_counter.value += 1
+
+
+def _worker(
+    url: str,
+    rules: Rules,
+    covers: int,
+    names: tuple[str, str] | None,
+    session_ids: list[str] | None,
+    partition: tuple[int, int],
+    page_size: int,
+    batch: int,
+) -> bytes:
+    async def run() -> dict[str, SessionSummary]:
+        from recorder.store import open_store
+
+        store = await open_store(url)
+        try:
+            return await reduce_partition(
+                store,
+                rules,
+                covers=covers,
+                names=names,
+                session_ids=session_ids,
+                partition=partition,
+                page_size=page_size,
+                batch=batch,
+                on_session=_count_one if _worker_counter is not None else None,
+            )
+        finally:
+            await store.close()
+
+    return _summary_encoder.encode(asyncio.run(run()))
+
+
+async def _reduce_in_workers(
+    store: EventStore,
+    rules: Rules,
+    workers: int,
+    *,
+    covers: int,
+    names: tuple[str, str] | None,
+    session_ids: Iterable[str] | None,
+    page_size: int,
+    batch: int,
+    on_progress: Callable[[int], None] | None,
+) -> dict[str, SessionSummary]:
+    """Sessions split by a stable hash over `workers` processes (each reads the
+    event pages, decodes and reduces only its own sessions' arrays)."""
+    ctx = multiprocessing.get_context("spawn")
+    counter = ctx.Value("q", 0)
+    ids = list(session_ids) if session_ids is not None else None
+    loop = asyncio.get_running_loop()
+    with ProcessPoolExecutor(
+        workers, mp_context=ctx, initializer=_init_worker, initargs=(counter,)
+    ) as pool:
+        futures = [
+            loop.run_in_executor(
+                pool, _worker, store.url, rules, covers, names, ids, (k, workers), page_size, batch
+            )
+            for k in range(workers)
+        ]
+        done = asyncio.gather(*futures)
+        while not done.done():
+            await asyncio.wait([done], timeout=0.2)
+            if on_progress is not None:
+                on_progress(counter.value)
+        parts = await done
+    seen: dict[str, SessionSummary] = {}
+    for part in parts:
+        seen.update(msgspec.msgpack.decode(part, type=dict[str, SessionSummary]))
+    return seen
+
+
 async def reclassify(
     store: EventStore,
     rules: Rules,
@@ -101,15 +240,71 @@ async def reclassify(
     page_size: int = 1000,
     dry_run: bool = False,
     batch: int = 256,
+    workers: int = 1,
     on_session: Callable[[SessionResult], None] | None = None,
+    on_progress: Callable[[int], None] | None = None,
 ) -> ReclassifyReport:
+    """Reduce every session (or `session_ids`) and store the projection.
+
+    `workers` > 1 reduces in that many processes (the store must be reachable
+    by URL: a file or a server). `on_session` gets each result (in-process
+    only); `on_progress` gets the running count of reduced sessions.
+    """
+    if workers < 1:
+        raise ValueError("workers must be >= 1")
     covers = await store.last_position()
     name, summary_name = projection_names_for(rules, covers)
+    names = None if dry_run else (name, summary_name)
     previous_name = await previous_summary_name(store, summary_name)
+    if workers == 1:
+        count = 0
+
+        def progress(result: SessionResult) -> None:
+            nonlocal count
+            count += 1
+            if on_session is not None:
+                on_session(result)
+            if on_progress is not None:
+                on_progress(count)
+
+        seen = await reduce_partition(
+            store,
+            rules,
+            covers=covers,
+            names=names,
+            session_ids=session_ids,
+            page_size=page_size,
+            batch=batch,
+            on_session=progress,
+        )
+    else:
+        seen = await _reduce_in_workers(
+            store,
+            rules,
+            workers,
+            covers=covers,
+            names=names,
+            session_ids=session_ids,
+            page_size=page_size,
+            batch=batch,
+            on_progress=on_progress,
+        )
     previous: dict[str, SessionSummary] = {}
     if previous_name is not None:
         for sid, (_pos, _digest, payload) in (await store.load_projection(previous_name)).items():
             previous[sid] = _summary_decoder.decode(payload)
+    return _report(seen, previous, name, summary_name, previous_name, covers, dry_run)
+
+
+def _report(
+    seen: dict[str, SessionSummary],
+    previous: dict[str, SessionSummary],
+    name: str,
+    summary_name: str,
+    previous_name: str | None,
+    covers: int,
+    dry_run: bool,
+) -> ReclassifyReport:
     report = ReclassifyReport(
         projection=name,
         summary_projection=summary_name,
@@ -119,40 +314,8 @@ async def reclassify(
     )
     kinds_after: Counter[str] = Counter()
     status_after: Counter[str] = Counter()
-    seen: dict[str, SessionSummary] = {}
-    # Keyed by session: a session yielded twice in one batch is written once.
-    rows: dict[str, tuple[str, int, str, bytes]] = {}
-    summary_rows: dict[str, tuple[str, int, str, bytes]] = {}
-
-    async def flush() -> None:
-        if not dry_run and rows:
-            await store.save_projection(name, list(rows.values()))
-            await store.save_projection(summary_name, list(summary_rows.values()))
-        rows.clear()
-        summary_rows.clear()
-
-    async for log in iter_session_logs(
-        store,
-        page_size=page_size,
-        until=covers,
-        session_ids=session_ids,
-        routed_experts=rules.routed_experts is not None,
-    ):
-        result = reduce_session(log.events, log.arrays, rules)
-        payload = encode_result(result)
-        digest = digest_bytes(payload)
-        summary = summarize(result, digest)
-        seen[log.session_id] = summary  # a later yield of a session supersedes
-        sid = log.session_id
-        rows[sid] = (sid, log.last_position, digest, payload)
-        summary_rows[sid] = (sid, log.last_position, digest, _summary_encoder.encode(summary))
-        if on_session is not None:
-            on_session(result)
-        if len(rows) >= batch:
-            await flush()
-    await flush()
-
-    for sid, summary in seen.items():
+    for sid in sorted(seen):
+        summary = seen[sid]
         kinds_after.update(summary.sample_kinds)
         status_after.update(summary.sample_statuses)
         report.trainable_after += summary.trainable_tokens

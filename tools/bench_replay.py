@@ -198,7 +198,15 @@ async def reclassify_run(db: str, page_size: int) -> dict[str, float]:
     return {"events": events, "sessions": report.sessions, "samples": report.samples}
 
 
-def measure(mode: str, db: str, page_size: int) -> None:
+def measure(mode: str, db: str, page_size: int, piece_cache_mb: int | None) -> None:
+    if piece_cache_mb is not None:
+        # Shrink the store's caches (decoded pieces, SQLite page caches) so that
+        # what is left of the RSS is replay's own working set.
+        import recorder.store.sql as sql
+        import recorder.store.sqlite as sqlite
+
+        sql.PIECE_CACHE_BYTES = piece_cache_mb * 2**20
+        sqlite.WRITER_CACHE_KIB = sqlite.READER_CACHE_KIB = 2048
     t0 = time.perf_counter()
     fn = scan if mode == "scan" else reclassify_run
     out = asyncio.run(fn(db, page_size))
@@ -207,12 +215,23 @@ def measure(mode: str, db: str, page_size: int) -> None:
     print(json.dumps(out))
 
 
-def run_measure(mode: str, db: Path, page_size: int) -> dict[str, float]:
+def run_measure(
+    mode: str, db: Path, page_size: int, piece_cache_mb: int | None = None
+) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="bench-replay-") as tmp:
         copy = Path(tmp) / "runs.db"
         shutil.copyfile(db, copy)
         proc = subprocess.run(
-            [sys.executable, __file__, "--measure", mode, str(copy), "--page-size", str(page_size)],
+            [
+                sys.executable,
+                __file__,
+                "--measure",
+                mode,
+                str(copy),
+                "--page-size",
+                str(page_size),
+                *(["--piece-cache-mb", str(piece_cache_mb)] if piece_cache_mb is not None else []),
+            ],
             check=True,
             capture_output=True,
             text=True,
@@ -230,17 +249,24 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--page-size", type=int, default=1000)
     p.add_argument("--cache-dir", default="/tmp/tr-bench-replay")
+    p.add_argument(
+        "--piece-cache-mb",
+        type=int,
+        default=None,
+        help="shrink the store's caches: decoded-piece LRU to this size, SQLite page caches "
+        "to 2 MiB (default: the store's own sizes)",
+    )
     p.add_argument("--measure", nargs=2, metavar=("MODE", "DB"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.measure:
-        measure(args.measure[0], args.measure[1], args.page_size)
+        measure(args.measure[0], args.measure[1], args.page_size, args.piece_cache_mb)
         return
 
     rows = []
     for n in sorted({args.small, args.sessions}):
         db = cached_log(n, args)
-        base = run_measure("scan", db, args.page_size)
-        red = run_measure("reclassify", db, args.page_size)
+        base = run_measure("scan", db, args.page_size, args.piece_cache_mb)
+        red = run_measure("reclassify", db, args.page_size, args.piece_cache_mb)
         rows.append((n, db.stat().st_size, base, red))
 
     print()

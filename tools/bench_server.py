@@ -106,6 +106,7 @@ async def recorder_session(
         run.latencies.append(time.perf_counter() - started)
         if not ok or b"event: error" in raw:
             run.errors += 1
+            run.latencies.pop()  # keep latencies aligned with answered ids
             messages.pop()
             continue
         if body["stream"]:
@@ -180,32 +181,41 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values) * 1000, q)) if values else float("nan")
 
 
+async def measure(
+    http: aiohttp.ClientSession, url: str, engine_url: str, sessions: int, turns: int, pid: int
+) -> tuple[Run, Run]:
+    """(recorder run, engine-direct baseline run) at the same concurrency and token counts."""
+    server = psutil.Process(pid)
+    cpu_before = sum(server.cpu_times()[:2])
+    rec = Run()
+    started = time.perf_counter()
+    lengths = await asyncio.gather(
+        *(recorder_session(http, url, i, turns, rec) for i in range(sessions))
+    )
+    rec.wall_s = time.perf_counter() - started
+    rec.cpu_s = sum(server.cpu_times()[:2]) - cpu_before
+    base = Run()
+    started = time.perf_counter()
+    await asyncio.gather(*(engine_session(http, engine_url, ls, base) for ls in lengths))
+    base.wall_s = time.perf_counter() - started
+    return rec, base
+
+
 async def bench(sessions: int, turns: int, db: str) -> None:
     engine_proc, engine_url = start_subprocess(
         ["--backend", "scripted", "--context-length", "32768"]
     )
     recorder_proc, url, log_file = start_recorder(engine_url, db)
+    phases: list[tuple[str, Run, Run]] = []
     try:
         connector = aiohttp.TCPConnector(limit=0)
         timeout = aiohttp.ClientTimeout(total=600)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
             await wait_healthy(http, url, recorder_proc)
             await recorder_session(http, url, -1, 2, Run())  # warm-up
-
-            server_cpu = psutil.Process(recorder_proc.pid)
-            cpu_before = sum(server_cpu.cpu_times()[:2])
-            rec = Run()
-            started = time.perf_counter()
-            lengths = await asyncio.gather(
-                *(recorder_session(http, url, i, turns, rec) for i in range(sessions))
-            )
-            rec.wall_s = time.perf_counter() - started
-            rec.cpu_s = sum(server_cpu.cpu_times()[:2]) - cpu_before
-
-            base = Run()
-            started = time.perf_counter()
-            await asyncio.gather(*(engine_session(http, engine_url, ls, base) for ls in lengths))
-            base.wall_s = time.perf_counter() - started
+            for n, t in ((1, 3 * turns), (sessions, turns)):
+                rec, base = await measure(http, url, engine_url, n, t, recorder_proc.pid)
+                phases.append((f"{n} x {t}", rec, base))
     finally:
         recorder_proc.terminate()
         recorder_proc.wait(timeout=60)
@@ -213,43 +223,43 @@ async def bench(sessions: int, turns: int, db: str) -> None:
         engine_proc.wait(timeout=30)
 
     engine_s = await engine_latency_by_request(db)
-    overhead = [
-        lat - engine_s[rid]
-        for lat, rid in zip(rec.latencies, rec.ids, strict=False)
-        if rid in engine_s
-    ]
-    # latencies and ids line up only where no error happened; recompute pairs safely
     turn_lines = sum(1 for line in log_file.read_text().splitlines() if "turn session=" in line)
-    n_rec, n_base = len(rec.latencies), len(base.latencies)
     print()
-    print(f"{sessions} concurrent sessions x {turns} turns, zero-latency scripted engine, db {db}")
     print(
-        f"{'path':<28}{'turns':>7}{'errors':>8}{'wall s':>9}{'turns/s':>10}{'p50 ms':>9}{'p99 ms':>9}"
+        f"zero-latency scripted engine, db {db}, {os.cpu_count()} cores shared by engine, recorder, clients"
     )
-    for name, run, n in (
-        ("engine /generate (baseline)", base, n_base),
-        ("recorder /v1/messages", rec, n_rec),
-    ):
+    print(
+        f"{'sessions x turns':<17}{'path':<22}{'turns':>6}{'err':>5}{'turns/s':>9}"
+        f"{'p50 ms':>8}{'p99 ms':>8}{'ovh p50':>9}{'ovh p99':>9}{'cpu ms/turn':>12}"
+    )
+    total, errors = 0, 0
+    for name, rec, base in phases:
+        overhead = [
+            lat - engine_s[rid]
+            for lat, rid in zip(rec.latencies, rec.ids, strict=True)
+            if rid in engine_s
+        ]
+        for path, run, ovh in (
+            ("engine /generate", base, None),
+            ("recorder /v1/messages", rec, overhead),
+        ):
+            n = len(run.latencies)
+            cpu = f"{run.cpu_s / n * 1000:>12.2f}" if run is rec else f"{'':>12}"
+            o50 = f"{pct(ovh, 50):>9.1f}" if ovh is not None else f"{'':>9}"
+            o99 = f"{pct(ovh, 99):>9.1f}" if ovh is not None else f"{'':>9}"
+            print(
+                f"{name:<17}{path:<22}{n:>6}{run.errors:>5}{n / run.wall_s:>9.1f}"
+                f"{pct(run.latencies, 50):>8.1f}{pct(run.latencies, 99):>8.1f}{o50}{o99}{cpu}"
+            )
         print(
-            f"{name:<28}{n:>7}{run.errors:>8}{run.wall_s:>9.2f}{n / run.wall_s:>10.1f}"
-            f"{pct(run.latencies, 50):>9.1f}{pct(run.latencies, 99):>9.1f}"
+            f"{'':<17}ratio recorder/engine: throughput {len(rec.latencies) / rec.wall_s / (len(base.latencies) / base.wall_s):.2f}x, "
+            f"p50 latency {pct(rec.latencies, 50) / pct(base.latencies, 50):.1f}x"
         )
-    print(
-        f"{'middleware overhead':<28}{len(overhead):>7}{'':>8}{'':>9}{'':>10}"
-        f"{pct(overhead, 50):>9.1f}{pct(overhead, 99):>9.1f}"
-    )
-    print(
-        f"ratios recorder/baseline: throughput {n_rec / rec.wall_s / (n_base / base.wall_s):.2f}x, "
-        f"p50 latency {pct(rec.latencies, 50) / pct(base.latencies, 50):.1f}x; "
-        f"turn log lines {turn_lines}/{n_rec + 2}"
-    )
-    print(
-        f"recorder process CPU: {rec.cpu_s:.2f}s = {rec.cpu_s / max(1, n_rec) * 1000:.2f} ms per turn "
-        f"({rec.cpu_s / rec.wall_s * 100:.0f}% of one core during the run; {os.cpu_count()} cores shared "
-        "with the engine and the clients)"
-    )
-    if rec.errors or base.errors:
-        raise SystemExit(f"errors: recorder {rec.errors}, baseline {base.errors}")
+        total += len(rec.latencies)
+        errors += rec.errors + base.errors
+    print(f"turn log lines {turn_lines} for {total + 2} turns")
+    if errors:
+        raise SystemExit(f"{errors} errors")
 
 
 @click.command()

@@ -231,13 +231,17 @@ def compressed_bytes(db: Path) -> int:
 
 
 async def token_storage_pg(url: str) -> tuple[float, float, float]:
+    """Like the SQLite figure: table + TOAST + indexes, minus the empty table's size."""
     import asyncpg
 
-    await store_turns(url)
+    await (await open_store(url, create=True)).close()
     conn = await asyncpg.connect(url.replace("postgresql+asyncpg", "postgresql"))
     try:
         await conn.execute("VACUUM FULL arrays")
-        used = await conn.fetchval("SELECT pg_total_relation_size('arrays')")
+        empty = await conn.fetchval("SELECT pg_total_relation_size('arrays')")
+        await store_turns(url)
+        await conn.execute("VACUUM FULL arrays")
+        used = await conn.fetchval("SELECT pg_total_relation_size('arrays')") - empty
         data = await conn.fetchval("SELECT SUM(LENGTH(data)) FROM arrays")
         await conn.execute("CREATE TABLE naive_prompts (turn INT PRIMARY KEY, ids BYTEA)")
         await conn.execute("ALTER TABLE naive_prompts ALTER COLUMN ids SET STORAGE EXTERNAL")

@@ -129,8 +129,12 @@ async def _open(
         )
         state.next_turn = existing.next_turn
         state.lock = existing.lock
-        await finish_even_if_cancelled(state.journal.write(_opened_event(ctx, state, config)))
-        ctx.registry.put(state)
+
+        async def reopen_() -> None:
+            await state.journal.write(_opened_event(ctx, state, config))
+            ctx.registry.put(state)
+
+        await finish_even_if_cancelled(reopen_())
         return state
     finally:
         existing.lock.release()
@@ -141,16 +145,20 @@ async def _open_new(
 ) -> SessionState:
     journal = Journal(ctx.store, session_id, next_seq=0)
     state = _fresh_state(ctx, session_id, journal, metadata, attempt=0)
+
+    async def open_() -> None:
+        await journal.write(_opened_event(ctx, state, config))
+        if ctx.registry.cached(session_id) is None:
+            ctx.registry.put(state)
+
     try:
-        await finish_even_if_cancelled(journal.write(_opened_event(ctx, state, config)))
+        await finish_even_if_cancelled(open_())
     except ConcurrencyConflict:
         raise ApiError(
             "invalid_request_error",
             f"session {session_id!r} was opened concurrently by another request",
             status=409,
         ) from None
-    if ctx.registry.cached(session_id) is None:
-        ctx.registry.put(state)
     return state
 
 
@@ -265,11 +273,15 @@ async def close_session(request: web.Request) -> web.Response:
         if reward is not None:
             events.append(RewardAssigned(reward=float(reward), detail=detail))
         events.append(SessionClosed(status=status, reason=reason))  # type: ignore[arg-type]
-        await finish_even_if_cancelled(state.journal.write(*events))
-        state.status = "closed"
-        state.close_status = status
-        state.chains = None
-        state.chain_refs.clear()
+
+        async def close() -> None:
+            await state.journal.write(*events)
+            state.status = "closed"
+            state.close_status = status
+            state.chains = None
+            state.chain_refs.clear()
+
+        await finish_even_if_cancelled(close())
     finally:
         state.lock.release()
     return await _samples_response(ctx, session_id)

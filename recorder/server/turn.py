@@ -177,8 +177,13 @@ async def _run(
             usage=answer.usage,
         )
     )
-    await journal.flush()
-    _commit(state, plan, output.output_ids, answer.content, input_task.result())
+
+    async def finish() -> None:
+        await journal.flush()
+        _commit(state, plan, output.output_ids, answer.content, input_task.result())
+
+    # Durable answer and advanced chains go together, even if the client leaves now.
+    await finish_even_if_cancelled(finish())
     record.outcome = "ok"
     return await responder.answer(answer)
 

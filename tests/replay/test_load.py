@@ -205,3 +205,19 @@ async def test_events_of_other_kinds_do_not_disturb_the_stream(sqlite_store: Eve
     await write_to(sqlite_store, log)
     ids = [s.session_id async for s in iter_session_logs(sqlite_store)]
     assert ids == [log.session_id, "sandbox-only"]
+
+
+async def test_partitions_cover_every_session_once(sqlite_store: EventStore) -> None:
+    from replay.load import session_bucket
+
+    for log in small_logs():
+        await write_to(sqlite_store, log)
+    parts = [
+        [s.session_id async for s in iter_session_logs(sqlite_store, partition=(k, 3))]
+        for k in range(3)
+    ]
+    flat = [sid for part in parts for sid in part]
+    assert sorted(flat) == sorted(log.session_id for log in small_logs())
+    for k, part in enumerate(parts):
+        assert all(session_bucket(sid, 3) == k for sid in part)
+    assert session_bucket("a-linear", 3) == session_bucket("a-linear", 3)

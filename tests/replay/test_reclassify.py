@@ -154,3 +154,20 @@ async def test_session_opened_only_is_a_placeholder(sqlite_store: EventStore) ->
     await sqlite_store.append("empty", [NewEvent(event=SessionOpened(session_id="empty"))])
     report = await reclassify(sqlite_store, Rules())
     assert report.kinds_after == {"placeholder": 1}
+
+
+async def test_workers_give_the_same_projection(store: EventStore) -> None:
+    await fill(store)
+    one = await reclassify(store, Rules(), dry_run=True)
+    seen: list[int] = []
+    two = await reclassify(store, Rules(), workers=2, on_progress=seen.append)
+    assert two.sessions == one.sessions == 4
+    assert seen and seen[-1] <= 4
+    assert (two.kinds_after, two.status_after, two.trainable_after) == (
+        one.kinds_after,
+        one.status_after,
+        one.trainable_after,
+    )
+    rows = await store.load_projection(two.projection)
+    for sid, (_pos, _digest, payload) in rows.items():
+        assert payload == encode_result(await close_session_samples(store, sid, Rules()))

@@ -579,3 +579,57 @@ async def test_disconnect_recorded_even_when_the_engine_is_paused(
         h.engine.resume()
     finally:
         await h.close()
+
+
+async def test_inputs_are_stored_as_deltas(harness: Harness, sqlite_url: str) -> None:
+    """A turn's input is stored as a suffix after the previous input: only new tokens cost."""
+    import sqlite3
+
+    h = harness
+    sid = await h.open_session()
+    client = h.client(sid)
+    messages: list[dict[str, Any]] = []
+    for k in range(4):
+        messages.append({"role": "user", "content": f"step {k}: " + "more context " * 50})
+        answer = await ask(client, messages, stream=k % 2 == 0)
+        messages.append(echo(answer))
+    rendered = await h.payloads(sid, ev.RenderedInput)
+    db = sqlite3.connect(sqlite_url.split("///", 1)[1])
+    try:
+        rows = {
+            bytes(d): (bytes(p) if p is not None else None, n)
+            for d, p, n in db.execute("SELECT digest, parent, total_length FROM arrays")
+        }
+    finally:
+        db.close()
+    assert rows[rendered[0].input_ids.digest][0] is None
+    for prev, cur in itertools.pairwise(rendered):
+        parent, total = rows[cur.input_ids.digest]
+        assert parent == prev.input_ids.digest  # stored as the delta after the previous input
+        assert total == cur.input_ids.length
+        assert cur.prefix_len > prev.input_ids.length
+
+
+async def test_sessions_spread_across_engines(tokenizer: Any, sqlite_url: str) -> None:
+    from tools.test_engine.scripted import ScriptedEngine
+
+    async with ScriptedEngine(tokenizer, context_length=8192) as second:
+        h = await make_harness(tokenizer, sqlite_url)
+        try:
+            first_url = h.engine.url
+            await h.stop_server()
+            h.engine_urls = [first_url, second.url]
+            await h.start_server()
+            sids = [await h.open_session() for _ in range(16)]
+            for sid in sids:
+                await ask(h.client(sid), [{"role": "user", "content": "hi"}], stream=False)
+            used = set()
+            for sid in sids:
+                (opened,) = await h.payloads(sid, ev.SessionOpened)
+                (attempt,) = await h.payloads(sid, ev.GenerateAttempt)
+                assert attempt.engine_url == opened.engine_url
+                used.add(opened.engine_url)
+            assert used == {first_url, second.url}
+            assert h.engine.requests and second.requests
+        finally:
+            await h.close()

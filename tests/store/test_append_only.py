@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from recorder.events import NewEvent, SandboxEvent
-from recorder.store import EventStore
+from recorder.store import EventStore, open_store
 
 RawExecute = Callable[..., Awaitable[list[tuple[object, ...]]]]
 
@@ -32,12 +32,10 @@ async def test_update_and_delete_rejected(
     assert rows == [(0, "sandbox_event")]
 
 
-async def test_truncate_rejected_on_postgres(
-    store: EventStore, store_url: str, raw_execute: RawExecute
-) -> None:
-    if not store_url.startswith("postgresql"):
-        pytest.skip("SQLite has no TRUNCATE")
-    await store.append("s", [NewEvent(event=SandboxEvent(kind="k"))])
-    with pytest.raises(Exception, match="append-only"):
-        await raw_execute(store_url, "TRUNCATE events")
-    assert len(await store.read_all()) == 1
+@pytest.mark.postgres
+async def test_truncate_rejected_on_postgres(postgres_url: str, raw_execute: RawExecute) -> None:
+    async with await open_store(postgres_url, create=True) as store:
+        await store.append("s", [NewEvent(event=SandboxEvent(kind="k"))])
+        with pytest.raises(Exception, match="append-only"):
+            await raw_execute(postgres_url, "TRUNCATE events")
+        assert len(await store.read_all()) == 1
