@@ -183,7 +183,7 @@ async def export_samples(
     keep = [n == yields[sid] for sid, n in rows]
     if not all(keep):
         _drop_rows(out, fmt, keep)
-    return await _count(out, fmt, counts, len(yields))
+    return _count(out, fmt, counts, len(yields))
 
 
 def _drop_rows(out: Path, fmt: Format, keep: list[bool]) -> None:
@@ -202,7 +202,7 @@ def _drop_rows(out: Path, fmt: Format, keep: list[bool]) -> None:
     tmp.replace(out)
 
 
-async def _count(out: Path, fmt: Format, counts: ExportCounts, sessions: int) -> ExportCounts:
+def _count(out: Path, fmt: Format, counts: ExportCounts, sessions: int) -> ExportCounts:
     counts.sessions = sessions
     for s in read_samples(out, fmt):
         counts.samples += 1

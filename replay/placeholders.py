@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from replay.samples import Sample, Tensor
 
 
@@ -106,8 +104,3 @@ def placeholders_for(
         ]
     except Exception:
         return [minimal_sample(0, reason="placeholder build failed")]
-
-
-def routed_zeros_array(length: int, routed_experts: tuple[int, int]) -> np.ndarray:
-    layers, top_k = routed_experts
-    return np.zeros((length, layers, top_k), dtype=np.int32)

@@ -199,38 +199,12 @@ def _as_ids(arr: Any) -> np.ndarray:
 
 def _prepare_turn(t: _Turn, arrays: Mapping[bytes, np.ndarray], rules: Rules) -> None:
     """Resolve a turn's arrays and masks, or set `t.unusable` to why not."""
-    if t.failed is not None:
-        t.unusable = f"failed: {t.failed}"
+    t.unusable = _missing_facts(t)
+    if t.unusable is not None:
         return
-    if t.rendered is None:
-        t.unusable = "no RenderedInput"
-        return
-    if not t.results:
-        t.unusable = "no GenerateResult"
-        return
-    if t.interrupted is not None and t.response is None:
-        t.unusable = f"{t.interrupted} before a response was sent"
-        return
+    attempts = [t.results[k] for k in sorted(t.results)]
     try:
-        inp = _as_ids(_array(arrays, t.rendered.input_ids.digest, "input_ids"))
-        if inp.size == 0:
-            raise ValueError("empty input")
-        outs: list[np.ndarray] = []
-        lps: list[np.ndarray] = []
-        attempts = [t.results[k] for k in sorted(t.results)]
-        for r in attempts:
-            out = _as_ids(_array(arrays, r.output_ids.digest, "output_ids"))
-            if r.logprobs is None:
-                raise ValueError(f"attempt {r.attempt}: logprobs missing")
-            lp = np.asarray(_array(arrays, r.logprobs.digest, "logprobs"), dtype=np.float64)
-            if lp.shape != out.shape:
-                raise ValueError(
-                    f"attempt {r.attempt}: {lp.size} logprobs for {out.size} output tokens"
-                )
-            if lp.size and (not np.all(np.isfinite(lp)) or float(lp.max()) > 0.0):
-                raise ValueError(f"attempt {r.attempt}: logprobs not finite or positive")
-            outs.append(out)
-            lps.append(lp)
+        inp, outs, lps = _read_turn(t, attempts, arrays)
     except (KeyError, ValueError, TypeError) as exc:
         t.unusable = str(exc).strip("'\"")
         return
@@ -241,10 +215,59 @@ def _prepare_turn(t: _Turn, arrays: Mapping[bytes, np.ndarray], rules: Rules) ->
     t.input = inp
     t.output = np.concatenate(outs) if len(outs) > 1 else outs[0]
     t.logprobs = np.concatenate(lps) if len(lps) > 1 else lps[0]
+    t.mask = _turn_mask(t, attempts, outs, arrays, rules)
+
+
+def _missing_facts(t: _Turn) -> str | None:
+    if t.failed is not None:
+        return f"failed: {t.failed}"
+    if t.rendered is None:
+        return "no RenderedInput"
+    if not t.results:
+        return "no GenerateResult"
+    if t.interrupted is not None and t.response is None:
+        return f"{t.interrupted} before a response was sent"
+    return None
+
+
+def _read_turn(
+    t: _Turn, attempts: list[GenerateResult], arrays: Mapping[bytes, np.ndarray]
+) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+    """The turn's input and each attempt's ids and logprobs, checked."""
+    assert t.rendered is not None
+    inp = _as_ids(_array(arrays, t.rendered.input_ids.digest, "input_ids"))
+    if inp.size == 0:
+        raise ValueError("empty input")
+    outs: list[np.ndarray] = []
+    lps: list[np.ndarray] = []
+    for r in attempts:
+        out = _as_ids(_array(arrays, r.output_ids.digest, "output_ids"))
+        if r.logprobs is None:
+            raise ValueError(f"attempt {r.attempt}: logprobs missing")
+        lp = np.asarray(_array(arrays, r.logprobs.digest, "logprobs"), dtype=np.float64)
+        if lp.shape != out.shape:
+            raise ValueError(
+                f"attempt {r.attempt}: {lp.size} logprobs for {out.size} output tokens"
+            )
+        if lp.size and (not np.all(np.isfinite(lp)) or float(lp.max()) > 0.0):
+            raise ValueError(f"attempt {r.attempt}: logprobs not finite or positive")
+        outs.append(out)
+        lps.append(lp)
+    return inp, outs, lps
+
+
+def _turn_mask(
+    t: _Turn,
+    attempts: list[GenerateResult],
+    outs: list[np.ndarray],
+    arrays: Mapping[bytes, np.ndarray],
+    rules: Rules,
+) -> np.ndarray:
+    """Loss mask of the turn's output; records weight versions and routing per attempt."""
+    assert t.input is not None and t.output is not None
     mask = np.ones(t.output.size, dtype=np.int8)
     final_version = attempts[-1].weight_version
     pos = 0
-    done = inp.size
     for r, out in zip(attempts, outs, strict=True):
         n = out.size
         t.versions.append((pos, pos + n, r.weight_version or "unknown"))
@@ -254,13 +277,13 @@ def _prepare_turn(t: _Turn, arrays: Mapping[bytes, np.ndarray], rules: Rules) ->
         if r.routed_experts is not None and rules.routed_experts is not None:
             routed = arrays.get(r.routed_experts.digest)
             if routed is not None:
-                t.routed.append((done, n, np.asarray(routed)))
+                # (tokens before this attempt's output, its output length, routing)
+                t.routed.append((t.input.size + pos, n, np.asarray(routed)))
         pos += n
-        done += n
     if t.tito is not None and not t.tito.ok and rules.mask_tito_failed:
         mask[:] = 0
         t.tito_masked = True
-    t.mask = mask
+    return mask
 
 
 def _array(arrays: Mapping[bytes, np.ndarray], digest: bytes, what: str) -> np.ndarray:
@@ -657,14 +680,61 @@ def _reduce(
     events: Sequence[RecordedEvent], arrays: Mapping[bytes, np.ndarray], rules: Rules
 ) -> SessionResult:
     s = _collect(events)
-    diags = s.diagnostics
-    builder = _ChainBuilder(rules, diags)
+    builder = _ChainBuilder(rules, s.diagnostics)
     for t in s.turns:
         _prepare_turn(t, arrays, rules)
         if t.unusable is not None:
-            diags.append(f"turn {t.turn}: unusable: {t.unusable}")
+            s.diagnostics.append(f"turn {t.turn}: unusable: {t.unusable}")
         builder.add(t)
+    built, dropped = _build_segments(s, builder, rules)
+    built = _select(built, rules, s.diagnostics)
+    samples = _samples(s, built, rules)
+    placeholder_reason = _placeholder_reason(s, rules, samples)
+    reward = float(s.reward or 0.0)
+    status: SampleStatus
+    if placeholder_reason is not None:
+        s.diagnostics.append(f"placeholders: {placeholder_reason}")
+        samples = placeholders_for(
+            samples,
+            pad_token_id=_pad_id(s.opened, rules),
+            session_id=s.session_id,
+            rollout_id=_rollout_id(s.session_id, s.opened),
+            reason=placeholder_reason,
+            routed_experts=rules.routed_experts,
+            metadata={"rules_version": rules.version, "session": _session_meta(s)},
+        )
+        status = "failed" if s.closed is not None and s.closed.status == "failed" else "aborted"
+        reward = 0.0
+    else:
+        status = "truncated" if any(x.status == "truncated" for x in samples) else "completed"
+    return SessionResult(
+        session_id=s.session_id,
+        rules_version=rules.version,
+        status=status,
+        reward=reward,
+        segments=[_segment_record(b) for b in sorted(built + dropped, key=_completion_order)],
+        samples=samples,
+        placeholder=placeholder_reason is not None,
+        turns_total=len(s.turns),
+        turns_used=sum(len(b.chain.turns) for b in built),
+        tito_failed_turns=sum(1 for t in s.turns if t.tito is not None and not t.tito.ok),
+        aborts=sum(t.aborts for t in s.turns),
+        diagnostics=s.diagnostics,
+    )
 
+
+def _completion_order(b: _Built) -> tuple[bool, int, int]:
+    return (b.kind == "final", b.chain.last_seq, b.chain.chain_id)
+
+
+def _session_meta(s: _Session) -> dict[str, Any]:
+    return dict(s.opened.metadata) if s.opened is not None else {}
+
+
+def _build_segments(
+    s: _Session, builder: _ChainBuilder, rules: Rules
+) -> tuple[list[_Built], list[_Built]]:
+    """Every classified chain as a segment, capped; (kept, dropped)."""
     budget = rules.context_length or (s.opened.context_length if s.opened else None)
     built: list[_Built] = []
     dropped: list[_Built] = []
@@ -681,8 +751,12 @@ def _reduce(
             _trim(b, budget, "context budget")
         (dropped if b.dropped else built).append(b)
     for b in dropped:
-        diags.append(f"{b.kind} segment (chain {b.chain.chain_id}) dropped: {b.dropped}")
+        s.diagnostics.append(f"{b.kind} segment (chain {b.chain.chain_id}) dropped: {b.dropped}")
+    return built, dropped
 
+
+def _select(built: list[_Built], rules: Rules, diags: list[str]) -> list[_Built]:
+    """Collapse to final or fan out, then the segment-count cap (head + final)."""
     if rules.sample_mode == "collapse_to_final" and built:
         finals = [b for b in built if b.kind == "final"]
         if not finals:
@@ -691,76 +765,36 @@ def _reduce(
     built, n_capped = _cap_count(built, rules.max_segments)
     if n_capped:
         diags.append(f"max_segments={rules.max_segments}: {n_capped} middle segment(s) left out")
+    return built
 
-    reward = s.reward
-    if reward is None:
-        diags.append("no RewardAssigned: reward 0")
-    reward_value = float(reward or 0.0)
+
+def _samples(s: _Session, built: list[_Built], rules: Rules) -> list[Sample]:
+    if s.reward is None:
+        s.diagnostics.append("no RewardAssigned: reward 0")
     kinds = [b.kind for b in built]
     if rules.reward_mode == "final_only" and "final" not in kinds and built:
-        diags.append("final_only reward: no final segment, no sample gets the reward")
-    rewards = _allocate(kinds, reward_value, rules)
-
-    closed_status = s.closed.status if s.closed is not None else None
-    session_meta = dict(s.opened.metadata) if s.opened is not None else {}
-    rollout_id = _rollout_id(s.session_id, s.opened)
-    samples: list[Sample] = []
-    for i, (b, rw) in enumerate(zip(built, rewards, strict=True)):
-        last_finish = b.chain.turns[-1].finish_reason
-        truncated = bool(b.truncated) or last_finish == "length" or closed_status == "truncated"
-        samples.append(
+        s.diagnostics.append("final_only reward: no final segment, no sample gets the reward")
+    rewards = _allocate(kinds, float(s.reward or 0.0), rules)
+    closed_truncated = s.closed is not None and s.closed.status == "truncated"
+    out: list[Sample] = []
+    for i, (b, reward) in enumerate(zip(built, rewards, strict=True)):
+        truncated = (
+            bool(b.truncated) or b.chain.turns[-1].finish_reason == "length" or closed_truncated
+        )
+        out.append(
             _to_sample(
                 b,
                 index=i,
                 count=len(built),
-                reward=rw,
+                reward=reward,
                 status="truncated" if truncated else "completed",
                 session_id=s.session_id,
-                rollout_id=rollout_id,
+                rollout_id=_rollout_id(s.session_id, s.opened),
                 rules=rules,
-                session_meta=session_meta,
+                session_meta=_session_meta(s),
             )
         )
-
-    placeholder_reason = _placeholder_reason(s, rules, samples)
-    status: SampleStatus
-    if placeholder_reason is not None:
-        diags.append(f"placeholders: {placeholder_reason}")
-        samples = placeholders_for(
-            samples,
-            pad_token_id=_pad_id(s.opened, rules),
-            session_id=s.session_id,
-            rollout_id=rollout_id,
-            reason=placeholder_reason,
-            routed_experts=rules.routed_experts,
-            metadata={"rules_version": rules.version, "session": session_meta},
-        )
-        status = "failed" if closed_status == "failed" else "aborted"
-        reward_value = 0.0
-    else:
-        status = "truncated" if any(x.status == "truncated" for x in samples) else "completed"
-
-    segs = [
-        _segment_record(b)
-        for b in sorted(
-            built + dropped, key=lambda b: (b.kind == "final", b.chain.last_seq, b.chain.chain_id)
-        )
-    ]
-    used = sum(len(b.chain.turns) for b in built)
-    return SessionResult(
-        session_id=s.session_id,
-        rules_version=rules.version,
-        status=status,
-        reward=reward_value,
-        segments=segs,
-        samples=samples,
-        placeholder=placeholder_reason is not None,
-        turns_total=len(s.turns),
-        turns_used=used,
-        tito_failed_turns=sum(1 for t in s.turns if t.tito is not None and not t.tito.ok),
-        aborts=sum(t.aborts for t in s.turns),
-        diagnostics=diags,
-    )
+    return out
 
 
 def _placeholder_reason(s: _Session, rules: Rules, samples: list[Sample]) -> str | None:

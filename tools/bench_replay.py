@@ -185,13 +185,13 @@ async def scan(db: str, page_size: int) -> dict[str, float]:
     return {"events": n_events, "sessions": n_sessions}
 
 
-async def reclassify_run(db: str, page_size: int) -> dict[str, float]:
+async def reclassify_run(db: str, page_size: int, workers: int = 1) -> dict[str, float]:
     from replay.reclassify import reclassify
     from replay.rules import Rules
 
     store = await open_store(db)
     try:
-        report = await reclassify(store, Rules(), page_size=page_size)
+        report = await reclassify(store, Rules(), page_size=page_size, workers=workers)
         events = await store.last_position()
     finally:
         await store.close()
@@ -208,10 +208,19 @@ def measure(mode: str, db: str, page_size: int, piece_cache_mb: int | None) -> N
         sql.PIECE_CACHE_BYTES = piece_cache_mb * 2**20
         sqlite.WRITER_CACHE_KIB = sqlite.READER_CACHE_KIB = 2048
     t0 = time.perf_counter()
-    fn = scan if mode == "scan" else reclassify_run
-    out = asyncio.run(fn(db, page_size))
+    if mode == "scan":
+        out = asyncio.run(scan(db, page_size))
+    else:
+        out = asyncio.run(
+            reclassify_run(db, page_size, workers=int(mode.removeprefix("reclassify")))
+        )
     out["seconds"] = time.perf_counter() - t0
-    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # Largest of this process and any worker process (each its own peak).
+    peak = max(
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
+    )
+    out["peak_rss_mb"] = peak / 1024
     print(json.dumps(out))
 
 
@@ -248,6 +257,7 @@ def main() -> None:
     p.add_argument("--out-tokens", type=int, default=100, help="model tokens per turn")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--page-size", type=int, default=1000)
+    p.add_argument("--workers", type=int, default=2, help="processes for the parallel run")
     p.add_argument("--cache-dir", default="/tmp/tr-bench-replay")
     p.add_argument(
         "--piece-cache-mb",
@@ -266,29 +276,33 @@ def main() -> None:
     for n in sorted({args.small, args.sessions}):
         db = cached_log(n, args)
         base = run_measure("scan", db, args.page_size, args.piece_cache_mb)
-        red = run_measure("reclassify", db, args.page_size, args.piece_cache_mb)
-        rows.append((n, db.stat().st_size, base, red))
+        red = run_measure("reclassify1", db, args.page_size, args.piece_cache_mb)
+        par = run_measure(f"reclassify{args.workers}", db, args.page_size, args.piece_cache_mb)
+        rows.append((n, db.stat().st_size, base, red, par))
 
     print()
     print(
         f"replay reclassify: {args.turns} turns/session, {args.new_tokens} inserted + "
         f"{args.out_tokens} model tokens per turn, page size {args.page_size}"
     )
+    w = args.workers
     header = (
-        f"{'sessions':>9} {'events':>9} {'db MB':>7} {'scan s':>8} {'reclass s':>10} "
-        f"{'events/s':>10} {'vs scan':>8} {'scan RSS MB':>12} {'reclass RSS MB':>15}"
+        f"{'sessions':>9} {'events':>9} {'db MB':>6} {'scan s':>7} {'reclass s':>10} "
+        f"{'events/s':>9} {'vs scan':>8} {f'{w} workers s':>12} {'events/s':>9} "
+        f"{'scan RSS MB':>12} {'reclass RSS MB':>15} {f'{w}w RSS MB':>10}"
     )
     print(header)
     print("-" * len(header))
-    for n, size, base, red in rows:
+    for n, size, base, red, par in rows:
         print(
-            f"{n:>9} {int(red['events']):>9} {size / 2**20:>7.0f} {base['seconds']:>8.1f} "
-            f"{red['seconds']:>10.1f} {red['events'] / red['seconds']:>10,.0f} "
-            f"{red['seconds'] / base['seconds']:>7.2f}x {base['peak_rss_mb']:>12.0f} "
-            f"{red['peak_rss_mb']:>15.0f}"
+            f"{n:>9} {int(red['events']):>9} {size / 2**20:>6.0f} {base['seconds']:>7.1f} "
+            f"{red['seconds']:>10.1f} {red['events'] / red['seconds']:>9,.0f} "
+            f"{red['seconds'] / base['seconds']:>7.2f}x {par['seconds']:>12.1f} "
+            f"{par['events'] / par['seconds']:>9,.0f} {base['peak_rss_mb']:>12.0f} "
+            f"{red['peak_rss_mb']:>15.0f} {par['peak_rss_mb']:>10.0f}"
         )
     if len(rows) == 2:
-        (n0, _, _, r0), (n1, _, _, r1) = rows
+        (n0, _, _, r0, _), (n1, _, _, r1, _) = rows
         print(
             f"\npeak RSS {n1} vs {n0} sessions: {r1['peak_rss_mb'] / r0['peak_rss_mb']:.2f}x "
             f"(sessions {n1 / n0:.0f}x); reclassify of {n1} sessions: {r1['seconds']:.1f} s "

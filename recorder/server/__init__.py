@@ -1,7 +1,20 @@
-"""The live middleware: Anthropic Messages API in front of SGLang, recording every turn.
+"""The live middleware: the Anthropic Messages API in front of SGLang, recording every turn.
 
-`ServerContext` + `create_app` / `RecorderServer` for embedding and tests;
-`recorder serve` (in `commands`) for production.
+Endpoints (errors always `{"type": "error", "error": {"type", "message"}}`):
+  agent   POST /v1/messages[?beta=true]   JSON or SSE; session id as Bearer / x-api-key
+          POST /v1/messages/count_tokens  the chat template's real token count
+          GET /v1/models, GET /health, HEAD /
+  admin   POST /sessions                  open (metadata, optional id, reopen)
+  (token) GET /sessions/{id}              inspect
+          POST /sessions/{id}/close       reward + close -> samples (replay reducer)
+          GET /sessions/{id}/samples      samples of a closed session again
+
+Modules: `context` (config + shared objects), `app` (aiohttp app, start/stop),
+`api` / `admin` (routes), `turn` (the per-request pipeline), `sessions`
+(registry + per-session lock), `journal` (ordered, batched appends),
+`restore` (state from the log), `answer` / `responders` / `sse` (the
+Anthropic answer as JSON or events), `errors`, `auth`, `commands`
+(`recorder serve`).
 """
 
 from recorder.server.app import RecorderServer, create_app, free_port

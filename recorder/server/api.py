@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
+from recorder.server.answer import new_message_id
 from recorder.server.auth import session_id_of
 from recorder.server.context import CTX, ServerContext
 from recorder.server.errors import ApiError
@@ -16,6 +18,8 @@ from recorder.server.responders import JsonResponder, Responder, SseResponder
 from recorder.server.turn import reject, run_turn
 from recorder.tokens import full_input_ids
 from recorder.translate import ChatRequest, InvalidRequest, parse_request
+
+log = logging.getLogger("recorder.server")
 
 _STARTED = int(time.time())
 
@@ -55,12 +59,18 @@ async def messages(request: web.Request) -> web.StreamResponse:
         chat = parse_request(body)
     except InvalidRequest as exc:
         invalid = exc
-    responder = _responder(ctx, request, streaming=chat is not None and chat.stream)
+    message_id = new_message_id()
+    model = (chat.model if chat is not None else "") or ctx.config.model_name
+    responder = _responder(
+        ctx, request, streaming=chat is not None and chat.stream, message_id=message_id, model=model
+    )
     task = asyncio.current_task()
     assert task is not None
     ctx.inflight.add(task)
     try:
-        return await _serve(ctx, session_id, chat, invalid, body, request.path, responder)
+        return await _serve(
+            ctx, session_id, chat, invalid, body, request.path, responder, message_id
+        )
     finally:
         ctx.inflight.discard(task)
         await responder.close()
@@ -74,6 +84,7 @@ async def _serve(
     body: bytes,
     path: str,
     responder: Responder,
+    message_id: str,
 ) -> web.StreamResponse:
     state = await ctx.registry.acquire(session_id)
     if state is None:
@@ -84,21 +95,30 @@ async def _serve(
                 ApiError("invalid_request_error", _closed_session(session_id), status=409)
             )
         if invalid is not None or chat is None:
-            from recorder.server.answer import new_message_id
-
-            return await reject(
-                state, new_message_id(), responder, "invalid_request_error", str(invalid)
-            )
-        return await run_turn(ctx, state, chat, body, path, responder)
+            try:
+                return await reject(
+                    state, message_id, responder, "invalid_request_error", str(invalid)
+                )
+            except Exception:
+                log.exception("session %s: could not record a rejected request", session_id)
+                state.suspect = True
+                return await responder.fail(
+                    ApiError("api_error", "the recorder could not record this request")
+                )
+        return await run_turn(ctx, state, chat, body, path, responder, message_id)
     finally:
         state.lock.release()
 
 
-def _responder(ctx: ServerContext, request: web.Request, *, streaming: bool) -> Responder:
+def _responder(
+    ctx: ServerContext, request: web.Request, *, streaming: bool, message_id: str, model: str
+) -> Responder:
     if not streaming:
         return JsonResponder()
     responder = SseResponder(
         request,
+        message_id=message_id,
+        model=model,
         ping_interval=ctx.config.ping_interval_s,
         first_byte_after=ctx.config.first_byte_after_s,
     )

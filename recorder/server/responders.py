@@ -54,6 +54,8 @@ class SseResponder:
         self,
         request: web.Request,
         *,
+        message_id: str,
+        model: str,
         ping_interval: float,
         first_byte_after: float,
         headers: dict[str, str] | None = None,
@@ -65,7 +67,10 @@ class SseResponder:
             headers=headers,
         )
         self._headers = headers or {}
-        self._started = False
+        # If the stream must open before the turn is planned (a long wait for
+        # the session lock), it still opens with message_start; usage is then
+        # provisional and message_delta carries the real numbers.
+        self._stream.set_greeting(*message_start_event(message_id, model, _NO_USAGE))
 
     @property
     def stream(self) -> SseStream:
@@ -75,13 +80,10 @@ class SseResponder:
         self._stream.start_keepalive()
 
     async def started(self, message_id: str, model: str, usage: dict[str, int]) -> None:
-        """`message_start`: out at once if the stream is open, else first thing when it opens."""
-        if not self._started:
-            self._started = True
-            await self._stream.greet(*message_start_event(message_id, model, usage))
+        """`message_start` with the real input size, unless the stream already opened."""
+        self._stream.set_greeting(*message_start_event(message_id, model, usage))
 
     async def answer(self, answer: Answer) -> web.StreamResponse:
-        await self.started(answer.message_id, answer.model, answer.usage)
         await self._stream.stop_keepalive()
         await self._stream.send_many(content_events(answer))
         return await self._stream.finish()
@@ -100,3 +102,10 @@ class SseResponder:
 
 
 Responder = JsonResponder | SseResponder
+
+_NO_USAGE = {
+    "input_tokens": 0,
+    "cache_creation_input_tokens": 0,
+    "cache_read_input_tokens": 0,
+    "output_tokens": 0,
+}

@@ -69,14 +69,12 @@ class SseStream:
             raise RuntimeError("the SSE stream was never opened")
         return self._response
 
-    async def greet(self, event: str, data: Any) -> None:
-        """The stream's first event: sent now if the stream is open, else when it opens."""
-        frame = encode_sse(event, data)
-        async with self._lock:
-            if self._response is None:
-                self._greeting = frame
-            else:
-                await self._write_locked(frame)
+    def set_greeting(self, event: str, data: Any) -> bool:
+        """The stream's first event, sent when it opens; False if it already opened."""
+        if self._response is not None:
+            return False
+        self._greeting = encode_sse(event, data)
+        return True
 
     def start_keepalive(self) -> None:
         if self._keepalive is None:

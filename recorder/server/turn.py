@@ -2,7 +2,9 @@
 
 Runs under the session lock. Every step is an event; each step's events are
 appended as one batch, and the answer goes out only after its events are
-durable. Order of a turn in the log:
+durable. The request's own records (body, engine input, attempts) are written
+by ordered background steps while the engine works, so a slow store and a
+slow engine overlap instead of adding up. Order of a turn in the log:
 
   MessagesRequest, ChainDecision, [ClampApplied], RenderedInput, GenerateAttempt
   GenerateResult, [TurnAborted, TurnResumed, GenerateAttempt, GenerateResult]...
@@ -42,7 +44,6 @@ from recorder.server.answer import (
     Answer,
     ToolCallOut,
     build_content,
-    new_message_id,
     new_tool_use_id,
     split_stop_sequence,
     stop_reason_for,
@@ -92,9 +93,13 @@ async def run_turn(
     body: bytes,
     path: str,
     responder: Responder,
+    request_id: str,
 ) -> web.StreamResponse:
-    """Serve one request of an open session whose lock the caller holds."""
-    record = TurnRecord(state.session_id, state.next_turn, new_message_id())
+    """Serve one request of an open session whose lock the caller holds.
+
+    `request_id` is also the answer's message id (`msg_...`).
+    """
+    record = TurnRecord(state.session_id, state.next_turn, request_id)
     try:
         return await _run(ctx, state, chat, body, path, responder, record)
     except asyncio.CancelledError:
@@ -111,8 +116,9 @@ async def run_turn(
 
 
 # Requests bigger than this are planned on a worker thread (a fresh render of a
-# long conversation takes tens of ms); smaller ones inline, cheaper than a hop.
-_THREAD_PLAN_BYTES = 256 * 1024
+# Claude Code request, ~80 KB and 20k tokens, takes ~50 ms of tokenizing that
+# would stall every other session); smaller ones inline, cheaper than a hop.
+_THREAD_PLAN_BYTES = 32 * 1024
 # Outputs longer than this get their TITO check (decode + encode) on a thread.
 _THREAD_TITO_TOKENS = 4096
 

@@ -56,7 +56,10 @@ arrays = sa.Table(
     sa.Column("dtype", sa.String(8), nullable=False),
     sa.Column("total_length", sa.BigInteger, nullable=False),
     sa.Column("codec", sa.SmallInteger, nullable=False),
+    # A piece's compressed bytes are `data || data_tail` (revision 0002): see
+    # `SqlEventStore.array_chunk_bytes` for why a backend splits them.
     sa.Column("data", sa.LargeBinary, nullable=False),
+    sa.Column("data_tail", sa.LargeBinary, nullable=True),
 )
 
 projection_names = sa.Table(

@@ -184,7 +184,8 @@ async def make_harness(
     parser: OutputParser | None = None,
     **config: Any,
 ) -> Harness:
-    engine = ScriptedEngine(tokenizer, context_length=CONTEXT_LENGTH, **(engine_kwargs or {}))
+    engine_kwargs = {"context_length": CONTEXT_LENGTH, **(engine_kwargs or {})}
+    engine = ScriptedEngine(tokenizer, **engine_kwargs)
     url = await engine.start()
     store = await open_store(db_url, create=True)
     config.setdefault("context_length", CONTEXT_LENGTH)

@@ -1,0 +1,149 @@
+"""Session registry and journal, without a server: load-once, locking, ordered steps."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import pytest
+
+from recorder.events import NewEvent, SandboxEvent
+from recorder.server.journal import Journal, finish_even_if_cancelled
+from recorder.server.sessions import SessionRegistry, SessionState
+from recorder.store.base import ConcurrencyConflict
+
+
+class FakeStore:
+    """Just enough of EventStore.append: expected-seq checks and a slow commit."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.rows: list[tuple[str, int, str]] = []
+        self.delay = delay
+
+    async def append(
+        self, session_id: str, events: Sequence[NewEvent], *, expected_seq: int | None = None
+    ) -> list[int]:
+        await asyncio.sleep(self.delay)
+        seq = sum(1 for r in self.rows if r[0] == session_id)
+        if expected_seq is not None and expected_seq != seq:
+            raise ConcurrencyConflict(session_id, expected_seq, seq)
+        for i, e in enumerate(events):
+            self.rows.append((session_id, seq + i, e.event.kind))  # type: ignore[union-attr]
+        return list(range(seq, seq + len(events)))
+
+
+def mark(name: str) -> SandboxEvent:
+    return SandboxEvent(kind=name)
+
+
+async def test_registry_loads_a_session_once_when_raced() -> None:
+    calls = 0
+
+    async def loader(session_id: str) -> SessionState | None:
+        nonlocal calls
+        calls += 1
+        await asyncio.sleep(0.05)
+        if session_id == "missing":
+            return None
+        return SessionState(session_id=session_id, journal=Journal(FakeStore(), session_id, 0))  # type: ignore[arg-type]
+
+    registry = SessionRegistry(loader)
+    states = await asyncio.gather(*(registry.get("s1") for _ in range(10)))
+    assert calls == 1 and all(s is states[0] for s in states)
+    assert await registry.get("missing") is None
+    assert await registry.get("not a valid id!") is None
+    assert calls == 2  # an id that cannot be a session never reaches the log
+
+
+async def test_suspect_state_is_rebuilt_under_the_same_lock() -> None:
+    loads = 0
+
+    async def loader(session_id: str) -> SessionState | None:
+        nonlocal loads
+        loads += 1
+        return SessionState(session_id=session_id, journal=Journal(FakeStore(), session_id, 0))  # type: ignore[arg-type]
+
+    registry = SessionRegistry(loader)
+    first = await registry.acquire("s")
+    assert first is not None
+    waiter = asyncio.create_task(registry.acquire("s"))
+    await asyncio.sleep(0.01)
+    first.suspect = True  # the running turn failed unexpectedly
+    first.lock.release()
+    second = await waiter
+    assert second is not None and second is not first
+    assert second.lock is first.lock and second.lock.locked()
+    assert loads == 2
+    second.lock.release()
+
+
+async def test_steps_run_in_order_and_flush_waits_for_them() -> None:
+    store = FakeStore(delay=0.01)
+    journal = Journal(store, "s", 0)  # type: ignore[arg-type]
+    slow = asyncio.Event()
+
+    async def first() -> None:
+        await slow.wait()
+        journal.add(mark("a"))
+        await journal.flush_buffer()
+
+    async def second() -> None:
+        journal.add(mark("b"))
+
+    journal.then(first)
+    journal.then(second)
+    asyncio.get_running_loop().call_later(0.05, slow.set)
+    await journal.write(mark("c"))
+    assert [r[2] for r in store.rows] == ["a", "b", "c"]
+    assert journal.next_seq == 3
+
+
+async def test_a_failed_step_fails_the_rest_and_surfaces_in_flush() -> None:
+    journal = Journal(FakeStore(), "s", 0)  # type: ignore[arg-type]
+    ran: list[str] = []
+
+    async def boom() -> None:
+        raise RuntimeError("store down")
+
+    async def after() -> None:
+        ran.append("after")
+
+    journal.then(boom)
+    journal.then(after)
+    with pytest.raises(RuntimeError, match="store down"):
+        await journal.flush()
+    assert ran == []
+    await journal.settle()  # the turn ends: the failure was reported, the buffer is clean
+    journal.add(mark("x"))
+    await journal.flush()
+    assert journal.next_seq == 1
+
+
+async def test_a_cancelled_caller_does_not_cut_a_write_in_half() -> None:
+    store = FakeStore(delay=0.05)
+    journal = Journal(store, "s", 0)  # type: ignore[arg-type]
+    task = asyncio.create_task(finish_even_if_cancelled(journal.write(mark("a"))))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert [r[2] for r in store.rows] == ["a"]
+    assert journal.next_seq == 1  # the seq followed the write that did land
+
+
+async def test_conflict_keeps_the_batch_for_the_caller() -> None:
+    store = FakeStore()
+    await store.append("s", [NewEvent(event=mark("other writer"))])
+    journal = Journal(store, "s", 0)  # type: ignore[arg-type]
+    journal.add(mark("a"))
+    with pytest.raises(ConcurrencyConflict):
+        await journal.flush()
+    assert len(journal.pending) == 1 and journal.next_seq == 0
+
+
+def test_event_ids_are_unique_v4() -> None:
+    from recorder.server.journal import new_event_id
+
+    ids = {new_event_id() for _ in range(10_000)}
+    assert len(ids) == 10_000
+    assert all(i.version == 4 for i in list(ids)[:10])
