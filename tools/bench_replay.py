@@ -150,8 +150,12 @@ async def generate(path: Path, sessions: int, args: argparse.Namespace) -> None:
 
 
 def cached_log(sessions: int, args: argparse.Namespace) -> Path:
+    from recorder.store.migrations import head_revision
+
+    # The schema revision is part of the key: a log written under an older
+    # schema is regenerated rather than measured through an upgrade.
     key = json.dumps(
-        [GENERATOR_VERSION, sessions, args.turns, args.new_tokens, args.out_tokens], sort_keys=True
+        [GENERATOR_VERSION, head_revision(), sessions, args.turns, args.new_tokens, args.out_tokens]
     )
     tag = hashlib.sha256(key.encode()).hexdigest()[:12]
     folder = Path(args.cache_dir) / f"log-{sessions}x{args.turns}-{tag}"
@@ -241,10 +245,11 @@ def run_measure(
                 str(page_size),
                 *(["--piece-cache-mb", str(piece_cache_mb)] if piece_cache_mb is not None else []),
             ],
-            check=True,
             capture_output=True,
             text=True,
         )
+    if proc.returncode != 0:
+        raise SystemExit(f"measurement {mode} on {db} failed:\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -1,11 +1,15 @@
 """Benchmark the event store; prints a table of rates and ratios.
 
-    python tools/bench_store.py [--pg URL] [--events N]
+    python tools/bench_store.py [--pg URL] [--events N] [--rounds R]
 
 Every figure is compared with a baseline measured in the same run on the same
 machine, so ratios stay meaningful across hardware:
   - batched small events vs. the raw driver (sqlite3 / asyncpg executemany)
-    into an equivalent table with the same indexes and durability settings;
+    into an equivalent table with the same indexes and durability settings,
+    fed the very same events. Store and raw runs alternate for R rounds and
+    the table shows medians, so load from other processes hits both alike.
+    Ids are time-ordered (UUIDv7, `recorder.store.ids.uuid7`); a second row
+    shows random v4 ids, which scatter inserts over the event_id index;
   - 256 concurrent single-event appenders: group commit vs. one transaction
     per event (the same store with grouping disabled);
   - token storage of a 40-turn session (each prompt extends the previous one)
@@ -20,6 +24,7 @@ import argparse
 import asyncio
 import os
 import sqlite3
+import statistics
 import sys
 import tempfile
 import time
@@ -34,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from recorder.events import ArrayRef, NewEvent, SandboxEvent, encode_event
 from recorder.store import open_store
+from recorder.store.ids import uuid7
 from recorder.store.sql import SqlEventStore
 from recorder.store.sqlite import WRITER_CACHE_KIB
 
@@ -44,13 +50,19 @@ TURNS, TOKENS_PER_TURN, VOCAB = 40, 2500, 49_152
 Row = tuple[str, str, str, str, str]  # benchmark, backend, result, baseline, ratio(target)
 
 
-def small_event(i: int) -> NewEvent:
-    return NewEvent(event=SandboxEvent(kind="tool_call", detail={"i": i, "ok": True}))
+NewId = Callable[[], uuid.UUID]
+ID_KINDS: dict[str, NewId] = {"v7": uuid7, "v4": uuid.uuid4}
 
 
-def make_batches(n: int) -> list[list[NewEvent]]:
+def small_event(i: int, new_id: NewId = uuid7) -> NewEvent:
+    return NewEvent(
+        event=SandboxEvent(kind="tool_call", detail={"i": i, "ok": True}), event_id=new_id()
+    )
+
+
+def make_batches(n: int, new_id: NewId) -> list[list[NewEvent]]:
     """Events are built before the clock starts (for the store and the baselines alike)."""
-    return [[small_event(i) for i in range(b, b + BATCH)] for b in range(0, n, BATCH)]
+    return [[small_event(i, new_id) for i in range(b, b + BATCH)] for b in range(0, n, BATCH)]
 
 
 async def timed(fn: Callable[[], Awaitable[object]]) -> float:
@@ -62,9 +74,9 @@ async def timed(fn: Callable[[], Awaitable[object]]) -> float:
 # -- batched throughput -------------------------------------------------------
 
 
-async def store_batched(url: str, n: int) -> float:
+async def store_batched(url: str, batches: list[list[NewEvent]]) -> float:
     store = await open_store(url, create=True)
-    batches = make_batches(n)
+    n = sum(map(len, batches))
 
     async def run() -> None:
         for k, batch in enumerate(batches):
@@ -76,7 +88,7 @@ async def store_batched(url: str, n: int) -> float:
         await store.close()
 
 
-def raw_sqlite_batched(path: Path, n: int) -> float:
+def raw_sqlite_batched(path: Path, batches: list[list[NewEvent]]) -> float:
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=FULL")
@@ -87,7 +99,7 @@ def raw_sqlite_batched(path: Path, n: int) -> float:
         "version INTEGER NOT NULL, ts DOUBLE NOT NULL, payload BLOB NOT NULL, "
         "UNIQUE (session_id, seq))"
     )
-    batches = make_batches(n)
+    n = sum(map(len, batches))
     t0 = time.perf_counter()
     seqs: dict[str, int] = {}
     for k, batch in enumerate(batches):
@@ -111,7 +123,7 @@ def raw_sqlite_batched(path: Path, n: int) -> float:
     return rate
 
 
-async def raw_pg_batched(url: str, n: int) -> float:
+async def raw_pg_batched(url: str, batches: list[list[NewEvent]]) -> float:
     import asyncpg
 
     conn = await asyncpg.connect(url.replace("postgresql+asyncpg", "postgresql"))
@@ -121,7 +133,7 @@ async def raw_pg_batched(url: str, n: int) -> float:
         "type VARCHAR(64) NOT NULL, version INTEGER NOT NULL, ts DOUBLE PRECISION NOT NULL, "
         "payload BYTEA NOT NULL, UNIQUE (session_id, seq))"
     )
-    batches = make_batches(n)
+    n = sum(map(len, batches))
     t0 = time.perf_counter()
     seqs: dict[str, int] = {}
     for k, batch in enumerate(batches):
@@ -222,10 +234,14 @@ async def token_storage_sqlite(url: str) -> tuple[float, float, float]:
     return used / tokens, data / tokens, naive / used
 
 
+# A piece's compressed bytes are data || data_tail (see migration 0002).
+COMPRESSED_SQL = "SELECT SUM(LENGTH(data) + COALESCE(LENGTH(data_tail), 0)) FROM arrays"
+
+
 def compressed_bytes(db: Path) -> int:
     conn = sqlite3.connect(db)
     try:
-        return int(conn.execute("SELECT SUM(LENGTH(data)) FROM arrays").fetchone()[0])
+        return int(conn.execute(COMPRESSED_SQL).fetchone()[0])
     finally:
         conn.close()
 
@@ -242,7 +258,7 @@ async def token_storage_pg(url: str) -> tuple[float, float, float]:
         await store_turns(url)
         await conn.execute("VACUUM FULL arrays")
         used = await conn.fetchval("SELECT pg_total_relation_size('arrays')") - empty
-        data = await conn.fetchval("SELECT SUM(LENGTH(data)) FROM arrays")
+        data = await conn.fetchval(COMPRESSED_SQL)
         await conn.execute("CREATE TABLE naive_prompts (turn INT PRIMARY KEY, ids BYTEA)")
         await conn.execute("ALTER TABLE naive_prompts ALTER COLUMN ids SET STORAGE EXTERNAL")
         prompt = np.zeros(0, np.int32)
@@ -290,13 +306,44 @@ def fmt_rate(x: float) -> str:
 FreshUrl = Callable[[], AbstractAsyncContextManager[str]]
 
 
-async def bench_backend(backend: str, fresh: FreshUrl, events: int, per_appender: int) -> list[Row]:
-    """The three measurements on one backend, each on a fresh database."""
+async def batched_rounds(
+    fresh: FreshUrl, is_pg: bool, events: int, rounds: int, new_id: NewId
+) -> tuple[float, float, float]:
+    """Median store rate, median raw rate, median per-round ratio; runs alternate."""
+    ours, raw = [], []
+    for _ in range(rounds):
+        batches = make_batches(events, new_id)
+        async with fresh() as url:
+            ours.append(await store_batched(url, batches))
+        async with fresh() as url:
+            raw.append(
+                await raw_pg_batched(url, batches)
+                if is_pg
+                else raw_sqlite_batched(_path(url), batches)
+            )
+    ratio = statistics.median(o / r for o, r in zip(ours, raw, strict=True))
+    return statistics.median(ours), statistics.median(raw), ratio
+
+
+async def bench_backend(
+    backend: str, fresh: FreshUrl, events: int, rounds: int, per_appender: int
+) -> list[Row]:
+    """The measurements on one backend, each on a fresh database."""
     is_pg = backend == "postgres"
-    async with fresh() as url:
-        ours = await store_batched(url, events)
-    async with fresh() as url:
-        raw = await raw_pg_batched(url, events) if is_pg else raw_sqlite_batched(_path(url), events)
+    driver = "asyncpg" if is_pg else "sqlite3"
+    target = "15,000" if is_pg else "50,000"
+    rows: list[Row] = []
+    for kind, new_id in ID_KINDS.items():
+        ours, raw, ratio = await batched_rounds(fresh, is_pg, events, rounds, new_id)
+        rows.append(
+            (
+                f"batched x{BATCH}, {kind} ids (target >= {target}/s)",
+                backend,
+                fmt_rate(ours),
+                f"raw {driver} {fmt_rate(raw)}",
+                f"{ratio:.2f}x raw",
+            )
+        )
     async with fresh() as url:
         grouped = await concurrent_singles(url, per_appender, grouped=True)
     async with fresh() as url:
@@ -305,15 +352,8 @@ async def bench_backend(backend: str, fresh: FreshUrl, events: int, per_appender
         per_token, data_per_token, ratio = await (
             token_storage_pg(url) if is_pg else token_storage_sqlite(url)
         )
-    target = "15,000" if is_pg else "50,000"
     return [
-        (
-            f"batched x{BATCH} (target >= {target}/s)",
-            backend,
-            fmt_rate(ours),
-            f"raw {'asyncpg' if is_pg else 'sqlite3'} {fmt_rate(raw)}",
-            f"{ours / raw:.2f}x raw",
-        ),
+        *rows,
         (
             f"{APPENDERS} appenders, 1 event each (>= 10x)",
             backend,
@@ -335,7 +375,7 @@ def _path(url: str) -> Path:
     return Path(url.split(":///", 1)[1])
 
 
-async def bench(events: int, per_appender: int, pg_admin: str | None) -> list[Row]:
+async def bench(events: int, rounds: int, per_appender: int, pg_admin: str | None) -> list[Row]:
     with tempfile.TemporaryDirectory() as d:
         names = iter(range(1_000_000))
 
@@ -343,7 +383,7 @@ async def bench(events: int, per_appender: int, pg_admin: str | None) -> list[Ro
         async def fresh_sqlite() -> AsyncIterator[str]:
             yield f"sqlite+aiosqlite:///{Path(d) / f'bench{next(names)}.db'}"
 
-        rows = await bench_backend("sqlite", fresh_sqlite, events, per_appender)
+        rows = await bench_backend("sqlite", fresh_sqlite, events, rounds, per_appender)
     if pg_admin:
 
         @asynccontextmanager
@@ -354,7 +394,7 @@ async def bench(events: int, per_appender: int, pg_admin: str | None) -> list[Ro
             finally:
                 await drop()
 
-        rows += await bench_backend("postgres", fresh_pg, events, per_appender)
+        rows += await bench_backend("postgres", fresh_pg, events, rounds, per_appender)
     return rows
 
 
@@ -377,10 +417,11 @@ def main() -> None:
     ap.add_argument(
         "--pg", default=os.environ.get("TR_TEST_POSTGRES_URL"), help="Postgres admin URL"
     )
-    ap.add_argument("--events", type=int, default=100_000, help="events in the batched runs")
+    ap.add_argument("--events", type=int, default=50_000, help="events per batched run")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating store/raw batched runs")
     ap.add_argument("--per-appender", type=int, default=20, help="events per concurrent appender")
     args = ap.parse_args()
-    print_table(asyncio.run(bench(args.events, args.per_appender, args.pg)))
+    print_table(asyncio.run(bench(args.events, args.rounds, args.per_appender, args.pg)))
 
 
 if __name__ == "__main__":

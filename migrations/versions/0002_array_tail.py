@@ -33,9 +33,12 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    # Fold tails back into `data` first so no piece loses bytes.
-    op.execute("UPDATE arrays SET data = data || data_tail WHERE data_tail IS NOT NULL")
-    if op.get_bind().dialect.name == "postgresql":
+    # Fold tails back into `data` first so no piece loses bytes (SQLite's ||
+    # yields TEXT, hence the cast back to BLOB).
+    pg = op.get_bind().dialect.name == "postgresql"
+    joined = "data || data_tail" if pg else "CAST(data || data_tail AS BLOB)"
+    op.execute(f"UPDATE arrays SET data = {joined} WHERE data_tail IS NOT NULL")
+    if pg:
         op.execute("ALTER TABLE arrays ALTER COLUMN data SET STORAGE EXTENDED")
     with op.batch_alter_table("arrays") as batch:
         batch.drop_column("data_tail")

@@ -123,6 +123,22 @@ def encode_piece(suffix: np.ndarray, dtype: DType, parent: ArrayRef | None) -> P
     return Piece(piece_digest(parent_digest, dtype, raw), parent_digest, dtype, total, codec, data)
 
 
+def split_blob(data: bytes, chunk: int | None) -> tuple[bytes, bytes | None]:
+    """(`data` column, `data_tail` column) for a piece's compressed bytes.
+
+    The first part holds as many whole `chunk`-byte chunks as fit, the tail
+    the rest; `chunk=None` keeps everything in the first part.
+    """
+    if chunk is None:
+        return data, None
+    cut = len(data) - len(data) % chunk
+    return data[:cut], data[cut:] or None
+
+
+def join_blob(data: bytes, tail: bytes | None) -> bytes:
+    return data + tail if tail else data
+
+
 def decode_piece(piece: Piece) -> DecodedPiece:
     """Decompress and verify one stored piece; raise `CorruptArray` on any mismatch."""
     dt = NUMPY_DTYPES.get(piece.dtype)

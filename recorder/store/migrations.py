@@ -48,17 +48,20 @@ async def current_revision(engine: AsyncEngine) -> str | None:
         return await conn.run_sync(_current)
 
 
-async def upgrade(engine: AsyncEngine) -> None:
-    """Bring the database to the head revision (no-op when it is there)."""
+async def upgrade(engine: AsyncEngine, revision: str = "head") -> None:
+    """Bring the database to `revision` (no-op when it is there).
+
+    Only tests name an older revision, to build databases written by older code.
+    """
     cfg = alembic_config(engine.url.render_as_string(hide_password=False))
 
     def run(conn: sa.Connection) -> None:
         if conn.dialect.name == "postgresql":
             conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": MIGRATION_LOCK_KEY})
-        if _current(conn) == head_revision():
+        if _current(conn) == (head_revision() if revision == "head" else revision):
             return
         cfg.attributes["connection"] = conn
-        command.upgrade(cfg, "head")
+        command.upgrade(cfg, revision)
 
     async with engine.begin() as conn:
         await conn.run_sync(run)

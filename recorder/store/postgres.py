@@ -19,6 +19,10 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from recorder.store.sql import NewRow, SqlEventStore
 
 _EVENT_COLUMNS = ["position", "session_id", "seq", "event_id", "type", "version", "ts", "payload"]
+# TOAST_MAX_CHUNK_SIZE for PostgreSQL's default 8 KiB block size: four such
+# chunks fill a TOAST page. Another block size only costs packing, not
+# correctness.
+TOAST_CHUNK_BYTES = 1996
 # Arbitrary but fixed: int64 key of the writers' advisory lock.
 WRITER_LOCK_KEY = 0x7472_6576_656E_7473  # "trevents"
 
@@ -29,6 +33,7 @@ def create_engine(url: str, *, pool_size: int) -> AsyncEngine:
 
 class PostgresEventStore(SqlEventStore):
     dialect_insert = staticmethod(pg_insert)  # type: ignore[assignment]
+    array_chunk_bytes = TOAST_CHUNK_BYTES
 
     @classmethod
     def connect(cls, url: str) -> PostgresEventStore:

@@ -31,6 +31,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import msgspec
 import numpy as np
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -76,8 +77,9 @@ _EVENT_COLUMNS = (
 # -- write requests -----------------------------------------------------------
 
 
-@dataclass(slots=True)
-class EventRow:
+class EventRow(msgspec.Struct):
+    """One event as stored; built once per event in `append` (a C-level Struct: cheap)."""
+
     event_id: uuid.UUID
     type: str
     version: int
@@ -116,6 +118,8 @@ class _GroupPlan:
     # request -> rows whose positions it returns (new or previously stored)
     answers: dict[int, list[EventRow]] = field(default_factory=dict)
     errors: dict[int, StoreError] = field(default_factory=dict)
+    # First free position, when the backend learnt it while reading the heads.
+    next_position: int | None = None
 
 
 def _chunks(items: Sequence[Any], n: int = IN_CHUNK) -> Iterable[Sequence[Any]]:
@@ -140,6 +144,10 @@ class SqlEventStore(EventStore):
     """`EventStore` on two engines: one for the single writer, one for readers."""
 
     dialect_insert: ClassVar[Callable[[sa.Table], Any]]
+    # Array pieces' compressed bytes are split so `arrays.data` holds whole
+    # chunks of this size and `arrays.data_tail` the rest (None: no split).
+    # Postgres sets its TOAST chunk size so out-of-line pages pack full.
+    array_chunk_bytes: ClassVar[int | None] = None
 
     def __init__(self, url: str, write_engine: AsyncEngine, read_engine: AsyncEngine) -> None:
         self.url = url
@@ -188,15 +196,15 @@ class SqlEventStore(EventStore):
         now = time.time()
         rows = [
             EventRow(
-                event_id=ne.event_id,
-                type=type_name(ne.event),
-                version=type(ne.event).VERSION,
-                ts=ne.ts or now,
-                payload=encode_event(ne.event),
+                ne.event_id,
+                type_name(ne.event),
+                type(ne.event).VERSION,
+                ne.ts or now,
+                encode_event(ne.event),
             )
             for ne in events
         ]
-        if len({r.event_id for r in rows}) != len(rows):
+        if len({ne.event_id.int for ne in events}) != len(rows):
             raise IdempotencyConflict("a batch lists the same event_id twice; ids must be unique")
         result: list[int] = await self._writer.submit(AppendRequest(session_id, rows, expected_seq))
         return result
@@ -239,7 +247,9 @@ class SqlEventStore(EventStore):
             if appends:
                 await self._plan_appends(conn, appends, plan, look_up_ids=look_up_ids)
             if plan.new_rows:
-                first = await self._allocate_positions(conn, len(plan.new_rows))
+                first = plan.next_position
+                if first is None:
+                    first = await self._allocate_positions(conn, len(plan.new_rows))
                 for offset, (_, _, row) in enumerate(plan.new_rows):
                     row.position = first + offset
                 await self._insert_events(conn, plan.new_rows)
@@ -279,7 +289,9 @@ class SqlEventStore(EventStore):
             if look_up_ids
             else {}
         )
-        next_seq = await self._next_seqs(conn, {r.session_id for _, r in appends})
+        next_seq, plan.next_position = await self._read_heads(
+            conn, {r.session_id for _, r in appends}
+        )
         pending: dict[uuid.UUID, tuple[str, EventRow]] = {}
         for i, request in appends:
             known = (
@@ -303,11 +315,11 @@ class SqlEventStore(EventStore):
                         )
                 _record_outcome(plan, i, outcome)
                 continue
-            for row in request.rows:
-                plan.new_rows.append((request.session_id, seq, row))
-                pending[row.event_id] = (request.session_id, row)
-                seq += 1
-            next_seq[request.session_id] = seq
+            sid = request.session_id
+            plan.new_rows.extend((sid, seq + k, row) for k, row in enumerate(request.rows))
+            if look_up_ids:  # on the fast path the unique index catches in-group repeats
+                pending.update((row.event_id, (sid, row)) for row in request.rows)
+            next_seq[sid] = seq + len(request.rows)
             plan.answers[i] = request.rows
 
     async def _stored_by_id(
@@ -327,6 +339,13 @@ class SqlEventStore(EventStore):
                     EventRow(event_id, type_, version, ts, payload, position),
                 )
         return found
+
+    async def _read_heads(
+        self, conn: AsyncConnection, session_ids: set[str]
+    ) -> tuple[dict[str, int], int | None]:
+        """Next seq of each session; also the first free position if the backend
+        can read it here (under the writer lock), saving `_allocate_positions`."""
+        return await self._next_seqs(conn, session_ids), None
 
     async def _next_seqs(self, conn: AsyncConnection, session_ids: set[str]) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -408,14 +427,7 @@ class SqlEventStore(EventStore):
                         "database does not hold; extend a ref returned by this store"
                     )
         rows = [
-            {
-                "digest": p.digest,
-                "parent": p.parent,
-                "dtype": p.dtype,
-                "total_length": p.total_length,
-                "codec": p.codec,
-                "data": p.data,
-            }
+            self.array_row(p.digest, p.parent, p.dtype, p.total_length, p.codec, p.data)
             for i, r in requests
             if i not in plan.errors
             for p in r.pieces
@@ -425,6 +437,27 @@ class SqlEventStore(EventStore):
                 type(self).dialect_insert(arrays).on_conflict_do_nothing(index_elements=["digest"])
             )
             await conn.execute(stmt, rows)
+
+    def array_row(
+        self,
+        digest: bytes,
+        parent: bytes | None,
+        dtype: str,
+        total_length: int,
+        codec: int,
+        blob: bytes,
+    ) -> dict[str, Any]:
+        """An `arrays` row for this backend, `blob` split as `array_chunk_bytes` says."""
+        data, tail = arr.split_blob(blob, self.array_chunk_bytes)
+        return {
+            "digest": digest,
+            "parent": parent,
+            "dtype": dtype,
+            "total_length": total_length,
+            "codec": codec,
+            "data": data,
+            "data_tail": tail,
+        }
 
     async def _present_digests(self, conn: AsyncConnection, digests: list[bytes]) -> set[bytes]:
         present: set[bytes] = set()
@@ -477,15 +510,16 @@ class SqlEventStore(EventStore):
                 arrays.c.total_length,
                 arrays.c.codec,
                 arrays.c.data,
+                arrays.c.data_tail,
             ).where(arrays.c.digest.in_(chunk))
-            for digest, parent, dtype, total, codec, data in await conn.execute(stmt):
+            for digest, parent, dtype, total, codec, data, tail in await conn.execute(stmt):
                 piece = arr.Piece(
                     bytes(digest),
                     None if parent is None else bytes(parent),
                     dtype,
                     total,
                     codec,
-                    bytes(data),
+                    arr.join_blob(bytes(data), None if tail is None else bytes(tail)),
                 )
                 out.append(arr.decode_piece(piece))
         missing = set(digests) - {p.digest for p in out}

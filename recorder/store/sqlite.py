@@ -48,6 +48,10 @@ def create_engine(url: str, *, writer: bool) -> AsyncEngine:
         pool_size=1 if writer else 4,
         max_overflow=0 if writer else 8,
         connect_args={"timeout": BUSY_TIMEOUT_MS / 1000},
+        # Every transaction is ended by its Connection (engine.begin() commits
+        # or rolls back; Connection.close() rolls back an open one), so the
+        # pool's extra ROLLBACK on check-in would only cost a thread hop.
+        pool_reset_on_return=None if writer else "rollback",
     )
     begin = "BEGIN IMMEDIATE" if writer else "BEGIN"
     cache_kib = WRITER_CACHE_KIB if writer else READER_CACHE_KIB
@@ -91,19 +95,29 @@ class SqliteEventStore(SqlEventStore):
     # one. On a loaded machine a hop is ~0.3 ms, a sizeable share of a
     # 1000-event batch.
 
-    async def _next_seqs(self, conn: AsyncConnection, session_ids: set[str]) -> dict[str, int]:
+    async def _read_heads(
+        self, conn: AsyncConnection, session_ids: set[str]
+    ) -> tuple[dict[str, int], int | None]:
+        # One statement for the seqs and the last position: BEGIN IMMEDIATE
+        # holds the write lock, so MAX(position)+1 stays free until COMMIT.
         raw = await _driver(conn)
         ordered = sorted(session_ids)
-        out: dict[str, int] = {}
-        for i in range(0, len(ordered), IN_CHUNK):
+        next_seq: dict[str, int] = {}
+        last_position = 0
+        for i in range(0, max(len(ordered), 1), IN_CHUNK):
             chunk = ordered[i : i + IN_CHUNK]
-            rows = await raw.execute_fetchall(
+            sql = (
                 "SELECT session_id, MAX(seq) FROM events"
-                f" WHERE session_id IN ({','.join('?' * len(chunk))}) GROUP BY session_id",
-                chunk,
+                f" WHERE session_id IN ({','.join('?' * len(chunk))}) GROUP BY session_id"
             )
-            out.update((session_id, max_seq + 1) for session_id, max_seq in rows)
-        return out
+            if i == 0:  # session_id is NOT NULL, so NULL marks the position row
+                sql += " UNION ALL SELECT NULL, MAX(position) FROM events"
+            for session_id, value in await raw.execute_fetchall(sql, chunk):
+                if session_id is None:
+                    last_position = value or 0
+                else:
+                    next_seq[session_id] = value + 1
+        return next_seq, last_position + 1
 
     async def _allocate_positions(self, conn: AsyncConnection, n: int) -> int:
         # Rows are never deleted (triggers), so MAX+1 never reuses a position.

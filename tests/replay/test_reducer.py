@@ -491,6 +491,8 @@ def test_segment_count_cap_keeps_head_and_final() -> None:
     assert kinds(r) == ["wipe", "wipe", "final"]
     assert [s.reward for s in r.samples] == pytest.approx([1 / 3] * 3)
     assert any("3 middle segment(s) left out" in d for d in r.diagnostics)
+    assert [seg.dropped for seg in r.segments].count("over max_segments=3") == 3
+    assert len(r.segments) == 6
     assert [s.metadata["segment_index"] for s in r.samples] == [0, 1, 2]
 
 
@@ -498,6 +500,11 @@ def test_collapse_to_final() -> None:
     r = reduce(many_wipes(3), sample_mode="collapse_to_final")
     assert kinds(r) == ["final"] and r.samples[0].reward == 1.0
     assert r.samples[0].metadata["segment_count"] == 1
+    assert [(seg.kind, seg.dropped) for seg in r.segments] == [
+        ("wipe", "collapsed to the final segment"),
+        ("wipe", "collapsed to the final segment"),
+        ("final", None),
+    ]
 
 
 def test_segment_token_cap_drop_and_truncate() -> None:

@@ -121,7 +121,9 @@ def engine_pairs(log: Log) -> set[tuple[int, float]]:
     return pairs
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=250, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(data=st.data(), rules=rules_strategy)
 def test_arbitrary_logs_reduce_to_valid_samples(data: st.DataObject, rules: Rules) -> None:
     log = random_log(data)

@@ -161,3 +161,77 @@ async def test_batch_with_repeated_event_id_rejected(store: EventStore) -> None:
     ne = NewEvent(event=SandboxEvent(kind="x"))
     with pytest.raises(IdempotencyConflict, match="twice"):
         await store.append("s", [ne, ne])
+
+
+async def test_resent_and_changed_batches_inside_a_group(
+    store: EventStore, make_events: MakeEvents, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fast path hits the event_id index; the group is redone with id look-ups."""
+    batch = make_events(3, "a")
+    original = await store.append("s", batch)
+    changed = [NewEvent(event_id=batch[0].event_id, event=SandboxEvent(kind="changed"))]
+    attempts: list[tuple[int, bool]] = []
+    real = store._write_group  # type: ignore[attr-defined]
+
+    async def spy(group: list[object], *, look_up_ids: bool) -> object:
+        attempts.append((len(group), look_up_ids))
+        return await real(group, look_up_ids=look_up_ids)
+
+    monkeypatch.setattr(store, "_write_group", spy)
+    fresh1, resent, conflict, fresh2 = await asyncio.gather(
+        store.append("t", make_events(2, "fresh1")),
+        store.append("s", batch),  # a retry after a lost acknowledgement
+        store.append("u", changed),  # a known id with other content
+        store.append("s", make_events(2, "fresh2")),
+        return_exceptions=True,
+    )
+    assert attempts == [(4, False), (4, True)]
+    assert resent == original
+    assert isinstance(conflict, IdempotencyConflict)
+    assert isinstance(fresh1, list) and isinstance(fresh2, list)
+    # One group: the new events form one run after the earlier batch, in queue order.
+    assert fresh1[0] > original[-1]
+    assert fresh1 + fresh2 == list(range(fresh1[0], fresh1[0] + 4))
+    session = await store.read_session("s")
+    assert [e.event.kind for e in session] == ["a-0", "a-1", "a-2", "fresh2-0", "fresh2-1"]  # type: ignore[union-attr]
+    assert [e.seq for e in session] == [0, 1, 2, 3, 4]
+    assert len(await store.read_all()) == 7
+
+
+async def test_request_failing_on_every_path_fails_alone(
+    store: EventStore, make_events: MakeEvents, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If the look-up retry fails too, each request gets its own transaction."""
+    real = store._insert_events  # type: ignore[attr-defined]
+
+    async def insert(conn: object, rows: list[tuple[str, int, object]]) -> None:
+        if any(session_id == "poison" for session_id, _, _ in rows):
+            raise RuntimeError("simulated driver failure")
+        await real(conn, rows)
+
+    monkeypatch.setattr(store, "_insert_events", insert)
+    a, bad, b = await asyncio.gather(
+        store.append("a", make_events(2, "a")),
+        store.append("poison", make_events(1, "p")),
+        store.append("b", make_events(3, "b")),
+        return_exceptions=True,
+    )
+    assert isinstance(bad, RuntimeError)
+    assert isinstance(a, list) and isinstance(b, list)
+    assert len(a) == 2 and len(b) == 3
+    assert sorted(e.session_id for e in await store.read_all()) == ["a"] * 2 + ["b"] * 3
+
+
+async def test_group_spanning_many_sessions_reads_every_head(
+    store: EventStore, make_events: MakeEvents
+) -> None:
+    """More sessions in one group than one IN (...) list holds (the head query is chunked)."""
+    sessions = [f"s{i:04d}" for i in range(1200)]
+    for expected in (0, 1):
+        positions = await asyncio.gather(
+            *(store.append(s, make_events(1, s), expected_seq=expected) for s in sessions)
+        )
+        flat = [p for ps in positions for p in ps]
+        assert flat == list(range(flat[0], flat[0] + len(sessions)))
+    assert [e.seq for e in await store.read_session("s1199")] == [0, 1]
+    assert await store.last_position() == flat[-1]

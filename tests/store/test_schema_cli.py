@@ -17,6 +17,7 @@ from recorder.cli import main
 from recorder.events import NewEvent, RewardAssigned, SandboxEvent, SessionOpened
 from recorder.store import SchemaOutOfDate, open_store
 from recorder.store.migrations import head_revision
+from recorder.store.postgres import TOAST_CHUNK_BYTES
 
 RawExecute = Callable[..., Awaitable[list[tuple[object, ...]]]]
 REPO = Path(__file__).resolve().parents[2]
@@ -88,7 +89,7 @@ async def test_cli_reports_store_errors_cleanly(tmp_path: Path) -> None:
 
 @pytest.mark.postgres
 async def test_copy_sqlite_to_postgres_reads_back_identical(
-    sqlite_url: str, postgres_url: str
+    sqlite_url: str, postgres_url: str, raw_execute: RawExecute
 ) -> None:
     rng = np.random.default_rng(5)
     async with await open_store(sqlite_url, create=True) as src:
@@ -111,6 +112,10 @@ async def test_copy_sqlite_to_postgres_reads_back_identical(
     assert result.exit_code == 0, result.output
     assert "copied 24 events, 6 array pieces, 3 projection rows" in result.output
 
+    # Pieces are re-split the way the target stores them (whole TOAST chunks + tail).
+    split = await raw_execute(postgres_url, "SELECT LENGTH(data), data_tail FROM arrays")
+    assert all(n % TOAST_CHUNK_BYTES == 0 for n, _ in split)
+    assert all(tail is not None for _, tail in split)
     async with await open_store(postgres_url) as dst:
         assert await dst.read_all(limit=10_000) == want
         for a, b in zip(await dst.get_arrays(refs), want_arrays, strict=True):

@@ -1,0 +1,207 @@
+"""Chains: turns linked by exact token-prefix extension, classified by line.
+
+Part of the pure reducer (see `replay.reducer` for the rules it implements).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from replay.rules import Rules
+from replay.samples import SegmentKind
+from replay.turns import Turn
+
+Line = Literal["main", "subagent", "nested", "orphan"]
+
+
+@dataclass(slots=True, eq=False)
+class Chain:
+    chain_id: int
+    line: Line
+    system_digest: str | None
+    seq_tokens: np.ndarray
+    turns: list[Turn] = field(default_factory=list)
+    dispatch_id: str | None = None
+    owner: Chain | None = None
+    nested_dropped_turns: int = 0
+
+    @property
+    def last_seq(self) -> int:
+        return max(self.turns[-1].seqs)
+
+    def extend(self, t: Turn) -> None:
+        assert t.input is not None and t.output is not None
+        self.turns.append(t)
+        self.seq_tokens = np.concatenate([t.input, t.output])
+
+
+@dataclass(slots=True, eq=False)
+class Dispatch:
+    tool_use_id: str
+    chains: list[Chain] = field(default_factory=list)
+
+
+def _extends(inp: np.ndarray, seq: np.ndarray) -> bool:
+    n = seq.size
+    return (
+        n <= inp.size
+        and n > 0
+        and inp[0] == seq[0]
+        and inp[n - 1] == seq[n - 1]
+        and bool(np.array_equal(inp[:n], seq))
+    )
+
+
+class ChainBuilder:
+    """Walks turns in order, assigning each usable one to a chain."""
+
+    def __init__(self, rules: Rules, diags: list[str]) -> None:
+        self.rules = rules
+        self.diags = diags
+        self.chains: list[Chain] = []
+        self.main_digest: str | None = None
+        self.main_pending: dict[str, Dispatch] = {}
+        self.nested_pending: dict[str, Chain] = {}
+        self.last_main: Chain | None = None
+
+    def add(self, t: Turn) -> None:
+        if self.main_digest is None and t.system_digest is not None:
+            self.main_digest = t.system_digest
+        self._returns(t)
+        chain = self._assign(t) if t.unusable is None else None
+        self._dispatches(t, chain)
+
+    def _is_main_system(self, digest: str | None) -> bool:
+        return digest is None or self.main_digest is None or digest == self.main_digest
+
+    def _returns(self, t: Turn) -> None:
+        if t.request is None:
+            return
+        for tid in t.request.tool_result_ids:
+            if tid in self.main_pending and self._is_main_system(t.system_digest):
+                del self.main_pending[tid]
+            self.nested_pending.pop(tid, None)
+
+    def _assign(self, t: Turn) -> Chain:
+        assert t.input is not None
+        best: Chain | None = None
+        for c in self.chains:
+            if _extends(t.input, c.seq_tokens) and (
+                best is None or c.seq_tokens.size >= best.seq_tokens.size
+            ):
+                best = c
+        if best is not None:
+            best.extend(t)
+            self._note_decision(t, "extend", best)
+        else:
+            best = self._new_chain(t)
+            self._note_decision(t, "new", best)
+        if best.line == "main":
+            self.last_main = best
+        elif best.line == "nested" and best.owner is not None:
+            best.owner.nested_dropped_turns += 1
+        return best
+
+    def _new_chain(self, t: Turn) -> Chain:
+        assert t.input is not None and t.output is not None
+        line: Line
+        dispatch: str | None = None
+        owner: Chain | None = None
+        sysd = t.system_digest
+        if self._is_main_system(sysd):
+            line = "main"
+        elif self.nested_pending:
+            line = "nested"
+            # Attribute to the subagent that dispatched (the oldest pending).
+            owner = next(iter(self.nested_pending.values()))
+            while owner.owner is not None:
+                owner = owner.owner
+            dispatch = owner.dispatch_id
+            self.diags.append(
+                f"turn {t.turn}: chain started while a nested subagent dispatch is pending: "
+                "its turns are dropped (nested subagents are not segmented)"
+            )
+        else:
+            target = self._pick_dispatch(sysd)
+            if target is not None:
+                line = "subagent"
+                dispatch = target.tool_use_id
+            elif self.rules.orphan_chains == "main":
+                line = "main"
+                self.diags.append(
+                    f"turn {t.turn}: foreign system prompt with no pending dispatch: "
+                    "treated as main line"
+                )
+            else:
+                line = "orphan"
+                self.diags.append(
+                    f"turn {t.turn}: foreign system prompt with no pending dispatch: dropped"
+                )
+        chain = Chain(
+            chain_id=len(self.chains),
+            line=line,
+            system_digest=sysd,
+            seq_tokens=np.concatenate([t.input, t.output]),
+            turns=[t],
+            dispatch_id=dispatch,
+            owner=owner,
+        )
+        self.chains.append(chain)
+        if line == "subagent":
+            self.main_pending[dispatch].chains.append(chain)  # type: ignore[index]
+        return chain
+
+    def _pick_dispatch(self, sysd: str | None) -> Dispatch | None:
+        for d in self.main_pending.values():
+            if not d.chains:
+                return d
+        for d in reversed(self.main_pending.values()):
+            if any(c.system_digest == sysd for c in d.chains):
+                return d
+        return None
+
+    def _dispatches(self, t: Turn, chain: Chain | None) -> None:
+        if t.response is None:
+            return
+        ids = [
+            str(b.get("id"))
+            for b in t.response.content
+            if isinstance(b, dict)
+            and b.get("type") == "tool_use"
+            and b.get("name") in self.rules.dispatch_tool_names
+            and b.get("id")
+        ]
+        if not ids:
+            return
+        main = chain.line == "main" if chain is not None else self._is_main_system(t.system_digest)
+        for tid in ids:
+            if main:
+                self.main_pending.setdefault(tid, Dispatch(tid))
+            elif chain is not None and chain.line in ("subagent", "nested"):
+                self.nested_pending.setdefault(tid, chain)
+            else:
+                self.diags.append(f"turn {t.turn}: dispatch {tid} from an unknown line ignored")
+
+    def _note_decision(self, t: Turn, action: str, chain: Chain) -> None:
+        d = t.decision
+        if d is not None and d.action != action:
+            self.diags.append(
+                f"turn {t.turn}: live decision was {d.action!r} ({d.reason}), "
+                f"replay found {action!r} (chain {chain.chain_id})"
+            )
+
+
+def classify_chains(
+    chains: list[Chain], last_main: Chain | None
+) -> list[tuple[SegmentKind, Chain]]:
+    out: list[tuple[SegmentKind, Chain]] = []
+    for c in chains:
+        if c.line == "subagent":
+            out.append(("subagent", c))
+        elif c.line == "main":
+            out.append(("final" if c is last_main else "wipe", c))
+    out.sort(key=lambda kc: (kc[0] == "final", kc[1].last_seq, kc[1].chain_id))
+    return out

@@ -1,0 +1,258 @@
+"""Turns: a session's events grouped per engine call, with their arrays resolved.
+
+Part of the pure reducer (see `replay.reducer`): no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from recorder.events import (
+    ChainDecision,
+    ClientDisconnected,
+    EngineError,
+    GenerateResult,
+    MessagesRequest,
+    RecordedEvent,
+    RenderedInput,
+    ResponseSent,
+    RewardAssigned,
+    SessionClosed,
+    SessionFailed,
+    SessionOpened,
+    TitoVerdict,
+    TurnAborted,
+    TurnFailed,
+)
+from replay.rules import Rules
+
+
+@dataclass(slots=True, eq=False)
+class Turn:
+    turn: int
+    request_id: str
+    first_seq: int
+    seqs: list[int] = field(default_factory=list)
+    request: MessagesRequest | None = None
+    decision: ChainDecision | None = None
+    rendered: RenderedInput | None = None
+    results: dict[int, GenerateResult] = field(default_factory=dict)
+    aborts: int = 0
+    tito: TitoVerdict | None = None
+    response: ResponseSent | None = None
+    failed: str | None = None
+    interrupted: str | None = None
+    # Derived by prepare_turn when usable:
+    unusable: str | None = None
+    input: np.ndarray | None = None
+    output: np.ndarray | None = None
+    logprobs: np.ndarray | None = None
+    mask: np.ndarray | None = None
+    versions: list[tuple[int, int, str]] = field(default_factory=list)
+    routed: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
+    finish_reason: str = "unknown"
+    tito_masked: bool = False
+    stale_masked: int = 0
+
+    @property
+    def system_digest(self) -> str | None:
+        if self.request is None or not self.request.system_digest:
+            return None
+        return self.request.system_digest
+
+
+@dataclass(slots=True, eq=False)
+class SessionFacts:
+    session_id: str
+    opened: SessionOpened | None
+    closed: SessionClosed | None
+    failures: list[SessionFailed]
+    reward: float | None
+    turns: list[Turn]
+    diagnostics: list[str]
+
+
+def _window(events: Sequence[RecordedEvent]) -> tuple[list[RecordedEvent], list[str]]:
+    """Events in seq order from the last SessionOpened on.
+
+    Nothing before it may influence the result, not even a diagnostic: a
+    stream that starts at the re-open must reduce to the same bytes.
+    """
+    ordered = sorted(events, key=lambda e: (e.seq, e.position))
+    opened_at = [i for i, e in enumerate(ordered) if isinstance(e.event, SessionOpened)]
+    if not opened_at:
+        return ordered, ["no SessionOpened event: reducing the whole stream"]
+    return ordered[opened_at[-1] :], []
+
+
+def collect_session(events: Sequence[RecordedEvent]) -> SessionFacts:
+    window, diags = _window(events)
+    session_id = window[0].session_id if window else (events[0].session_id if events else "")
+    opened: SessionOpened | None = None
+    closed: SessionClosed | None = None
+    failures: list[SessionFailed] = []
+    reward: float | None = None
+    turns: dict[tuple[int, str], Turn] = {}
+    for rec in window:
+        ev = rec.event
+        if isinstance(ev, SessionOpened):
+            opened = ev
+            continue
+        if isinstance(ev, SessionClosed):
+            closed = ev
+            continue
+        if isinstance(ev, SessionFailed):
+            failures.append(ev)
+            continue
+        if isinstance(ev, RewardAssigned):
+            reward = float(ev.reward)
+            continue
+        turn_no = getattr(ev, "turn", None)
+        request_id = getattr(ev, "request_id", None)
+        if turn_no is None or request_id is None:
+            continue
+        key = (int(turn_no), str(request_id))
+        t = turns.get(key)
+        if t is None:
+            t = turns[key] = Turn(turn=key[0], request_id=key[1], first_seq=rec.seq)
+        t.seqs.append(rec.seq)
+        _absorb(t, ev, diags)
+    ordered = sorted(turns.values(), key=lambda t: (t.first_seq, t.turn, t.request_id))
+    return SessionFacts(session_id, opened, closed, failures, reward, ordered, diags)
+
+
+def _absorb(t: Turn, ev: Any, diags: list[str]) -> None:
+    if isinstance(ev, MessagesRequest):
+        t.request = t.request or ev
+    elif isinstance(ev, ChainDecision):
+        t.decision = t.decision or ev
+    elif isinstance(ev, RenderedInput):
+        if t.rendered is not None:
+            diags.append(f"turn {t.turn}: more than one RenderedInput; the first is used")
+        t.rendered = t.rendered or ev
+    elif isinstance(ev, GenerateResult):
+        if ev.attempt in t.results:
+            diags.append(f"turn {t.turn}: duplicate result for attempt {ev.attempt}; first kept")
+        else:
+            t.results[ev.attempt] = ev
+    elif isinstance(ev, TurnAborted):
+        t.aborts += 1
+    elif isinstance(ev, TitoVerdict):
+        t.tito = t.tito or ev
+    elif isinstance(ev, ResponseSent):
+        t.response = t.response or ev
+    elif isinstance(ev, TurnFailed):
+        t.failed = t.failed or ev.reason or "turn failed"
+    elif isinstance(ev, EngineError):
+        t.interrupted = t.interrupted or f"engine error ({ev.kind} {ev.status})"
+    elif isinstance(ev, ClientDisconnected):
+        t.interrupted = t.interrupted or "client disconnected"
+
+
+def _as_ids(arr: Any) -> np.ndarray:
+    a = np.asarray(arr)
+    if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"token ids must be a 1-D integer array, got {a.dtype}{list(a.shape)}")
+    if a.size and int(a.min()) < 0:
+        raise ValueError("negative token id")
+    return a.astype(np.int64, copy=False)
+
+
+def prepare_turn(t: Turn, arrays: Mapping[bytes, np.ndarray], rules: Rules) -> None:
+    """Resolve a turn's arrays and masks, or set `t.unusable` to why not."""
+    t.unusable = _missing_facts(t)
+    if t.unusable is not None:
+        return
+    attempts = [t.results[k] for k in sorted(t.results)]
+    try:
+        inp, outs, lps = _read_turn(t, attempts, arrays)
+    except (KeyError, ValueError, TypeError) as exc:
+        t.unusable = str(exc).strip("'\"")
+        return
+    t.finish_reason = attempts[-1].finish_reason
+    if t.finish_reason == "abort":
+        t.unusable = "last attempt was aborted and never resumed"
+        return
+    t.input = inp
+    t.output = np.concatenate(outs) if len(outs) > 1 else outs[0]
+    t.logprobs = np.concatenate(lps) if len(lps) > 1 else lps[0]
+    t.mask = _turn_mask(t, attempts, outs, arrays, rules)
+
+
+def _missing_facts(t: Turn) -> str | None:
+    if t.failed is not None:
+        return f"failed: {t.failed}"
+    if t.rendered is None:
+        return "no RenderedInput"
+    if not t.results:
+        return "no GenerateResult"
+    if t.interrupted is not None and t.response is None:
+        return f"{t.interrupted} before a response was sent"
+    return None
+
+
+def _read_turn(
+    t: Turn, attempts: list[GenerateResult], arrays: Mapping[bytes, np.ndarray]
+) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+    """The turn's input and each attempt's ids and logprobs, checked."""
+    assert t.rendered is not None
+    inp = _as_ids(_array(arrays, t.rendered.input_ids.digest, "input_ids"))
+    if inp.size == 0:
+        raise ValueError("empty input")
+    outs: list[np.ndarray] = []
+    lps: list[np.ndarray] = []
+    for r in attempts:
+        out = _as_ids(_array(arrays, r.output_ids.digest, "output_ids"))
+        if r.logprobs is None:
+            raise ValueError(f"attempt {r.attempt}: logprobs missing")
+        lp = np.asarray(_array(arrays, r.logprobs.digest, "logprobs"), dtype=np.float64)
+        if lp.shape != out.shape:
+            raise ValueError(
+                f"attempt {r.attempt}: {lp.size} logprobs for {out.size} output tokens"
+            )
+        if lp.size and (not np.all(np.isfinite(lp)) or float(lp.max()) > 0.0):
+            raise ValueError(f"attempt {r.attempt}: logprobs not finite or positive")
+        outs.append(out)
+        lps.append(lp)
+    return inp, outs, lps
+
+
+def _turn_mask(
+    t: Turn,
+    attempts: list[GenerateResult],
+    outs: list[np.ndarray],
+    arrays: Mapping[bytes, np.ndarray],
+    rules: Rules,
+) -> np.ndarray:
+    """Loss mask of the turn's output; records weight versions and routing per attempt."""
+    assert t.input is not None and t.output is not None
+    mask = np.ones(t.output.size, dtype=np.int8)
+    final_version = attempts[-1].weight_version
+    pos = 0
+    for r, out in zip(attempts, outs, strict=True):
+        n = out.size
+        t.versions.append((pos, pos + n, r.weight_version or "unknown"))
+        if rules.stale_weight_tokens == "mask" and r.weight_version != final_version and n:
+            mask[pos : pos + n] = 0
+            t.stale_masked += n
+        if r.routed_experts is not None and rules.routed_experts is not None:
+            routed = arrays.get(r.routed_experts.digest)
+            if routed is not None:
+                # (tokens before this attempt's output, its output length, routing)
+                t.routed.append((t.input.size + pos, n, np.asarray(routed)))
+        pos += n
+    if t.tito is not None and not t.tito.ok and rules.mask_tito_failed:
+        mask[:] = 0
+        t.tito_masked = True
+    return mask
+
+
+def _array(arrays: Mapping[bytes, np.ndarray], digest: bytes, what: str) -> np.ndarray:
+    try:
+        return arrays[digest]
+    except KeyError:
+        raise KeyError(f"{what} array {digest.hex()[:16]} missing") from None
