@@ -18,6 +18,8 @@ from typing import Any, ClassVar, Literal
 
 import msgspec
 
+from recorder.ids import uuid7
+
 # --------------------------------------------------------------------------
 # Array references (token ids, logprobs, routed experts live in the store)
 # --------------------------------------------------------------------------
@@ -309,7 +311,7 @@ class NewEvent(msgspec.Struct, frozen=True, kw_only=True):
     """An event about to be appended. `event_id` makes appends idempotent."""
 
     event: AnyEvent
-    event_id: uuid.UUID = msgspec.field(default_factory=uuid.uuid4)
+    event_id: uuid.UUID = msgspec.field(default_factory=uuid7)
     ts: float = 0.0
 
 

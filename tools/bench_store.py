@@ -8,7 +8,7 @@ machine, so ratios stay meaningful across hardware:
     into an equivalent table with the same indexes and durability settings,
     fed the very same events. Store and raw runs alternate for R rounds and
     the table shows medians, so load from other processes hits both alike.
-    Ids are time-ordered (UUIDv7, `recorder.store.ids.uuid7`); a second row
+    Ids are time-ordered (UUIDv7, `recorder.ids.uuid7`); a second row
     shows random v4 ids, which scatter inserts over the event_id index;
   - 256 concurrent single-event appenders: group commit vs. one transaction
     per event (the same store with grouping disabled);
@@ -38,8 +38,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from recorder.events import ArrayRef, NewEvent, SandboxEvent, encode_event
+from recorder.ids import uuid7
 from recorder.store import open_store
-from recorder.store.ids import uuid7
 from recorder.store.sql import SqlEventStore
 from recorder.store.sqlite import WRITER_CACHE_KIB
 

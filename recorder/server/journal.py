@@ -15,13 +15,12 @@ and `write` wait for every queued step, so the log order never changes.
 from __future__ import annotations
 
 import asyncio
-import random
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from recorder.events import AnyEvent, NewEvent
+from recorder.ids import uuid7
 
 if TYPE_CHECKING:
     from recorder.store.base import EventStore
@@ -53,11 +52,6 @@ async def finish_even_if_cancelled(awaitable: Awaitable[T]) -> T:
     return result
 
 
-def new_event_id() -> uuid.UUID:
-    """A random (version 4) event id without a syscall per event (uuid4 reads os.urandom)."""
-    return uuid.UUID(int=random.getrandbits(128), version=4)
-
-
 class Journal:
     """A buffer of events for one session, the seq the next one gets, and queued steps."""
 
@@ -75,7 +69,7 @@ class Journal:
     def add(self, *events: AnyEvent) -> None:
         """Buffer events (call with no step queued, or from inside a step)."""
         now = time.time()
-        self._pending.extend(NewEvent(event=e, ts=now, event_id=new_event_id()) for e in events)
+        self._pending.extend(NewEvent(event=e, ts=now, event_id=uuid7()) for e in events)
 
     def then(self, step: Callable[[], Awaitable[None]]) -> None:
         """Run `step` in the background after every step queued before it.

@@ -141,9 +141,10 @@ async def test_conflict_keeps_the_batch_for_the_caller() -> None:
     assert len(journal.pending) == 1 and journal.next_seq == 0
 
 
-def test_event_ids_are_unique_v4() -> None:
-    from recorder.server.journal import new_event_id
+def test_journal_event_ids_are_unique_and_time_ordered() -> None:
+    from recorder.ids import uuid7
 
-    ids = {new_event_id() for _ in range(10_000)}
-    assert len(ids) == 10_000
-    assert all(i.version == 4 for i in list(ids)[:10])
+    ids = [uuid7() for _ in range(10_000)]
+    assert len(set(ids)) == 10_000
+    assert ids == sorted(ids)
+    assert all(i.version == 7 for i in ids[:10])
