@@ -44,11 +44,12 @@ def _rules(spec: str | None) -> Rules:
         raise click.BadParameter(str(exc), param_hint="--rules") from None
 
 
-async def _with_store(url: str, fn: Callable[[EventStore], Awaitable[T]]) -> T:
-    from recorder.store import open_store
+async def _with_store(url: str, fn: Callable[[EventStore], Awaitable[T]], *, streaming: bool) -> T:
+    from recorder.store import StoreOptions, open_store
 
+    options = StoreOptions.streaming() if streaming else None
     try:
-        store = await open_store(url)
+        store = await open_store(url, options=options)
     except (StoreError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     try:
@@ -57,8 +58,11 @@ async def _with_store(url: str, fn: Callable[[EventStore], Awaitable[T]]) -> T:
         await store.close()
 
 
-def _run(url: str, fn: Callable[[EventStore], Awaitable[T]]) -> T:
-    return asyncio.run(_with_store(url, fn))
+def _run(url: str, fn: Callable[[EventStore], Awaitable[T]], *, streaming: bool = False) -> T:
+    """Run `fn` on the store at `url`. `streaming=True` for one pass over the
+    whole log (reclassify, export, stats): small caches, so memory stays flat
+    however many sessions the log holds."""
+    return asyncio.run(_with_store(url, fn, streaming=streaming))
 
 
 @contextmanager
@@ -129,7 +133,7 @@ def reclassify(
                 on_progress=advance,
             )
 
-    report = _run(db, go)
+    report = _run(db, go, streaming=True)
     verb = "would write" if dry_run else "wrote"
     console.print(
         f"rules [bold]{escape(rules.name)}[/] {rules.version}: {verb} [bold]{report.projection}[/] "
@@ -305,7 +309,7 @@ def export(db: str, fmt: str, out: Path, rules_spec: str | None, page_size: int)
                 on_session=advance,  # type: ignore[arg-type]
             )
 
-    counts = _run(db, go)
+    counts = _run(db, go, streaming=True)
     console.print(
         f"wrote {counts.samples} samples from {counts.sessions} sessions to {escape(str(out))} "
         f"({counts.placeholders} placeholders, {counts.trainable_tokens} trainable tokens)"
@@ -329,7 +333,7 @@ def stats(db: str, rules_spec: str | None, page_size: int) -> None:
         with _progress("reading", len(await store.session_ids())) as advance:
             return await log_stats(store, rules, page_size=page_size, on_session=advance)
 
-    console.print(stats_table(_run(db, go)))
+    console.print(stats_table(_run(db, go, streaming=True)))
 
 
 if __name__ == "__main__":

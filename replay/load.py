@@ -7,6 +7,11 @@ is reached, then its arrays are fetched, it is yielded and its buffer freed.
 
 Both paths hand the reducer the same events (all of the session's events)
 and the same arrays, so live and offline reductions agree byte for byte.
+
+The stream reads arrays with `cache=False`: one `get_arrays` call fetches a
+whole session (its prompt chains share pieces within that call), and no later
+session reuses them, so keeping them would only grow the store's memory with
+the length of the log.
 """
 
 from __future__ import annotations
@@ -63,17 +68,18 @@ def needed_refs(events: Iterable[RecordedEvent], *, routed_experts: bool) -> lis
 
 
 async def load_arrays(
-    store: EventStore, refs: Sequence[ArrayRef]
+    store: EventStore, refs: Sequence[ArrayRef], *, cache: bool = True
 ) -> tuple[dict[bytes, np.ndarray], list[str]]:
     """Fetch arrays in one batch; on a store error, one by one, skipping bad ones.
 
     A missing or corrupt array makes its turn unusable in the reducer; it
     never stops the replay. Returns (arrays, "digest: error" for the skipped).
+    `cache=False` leaves nothing of this read in the store's caches.
     """
     if not refs:
         return {}, []
     try:
-        got = await store.get_arrays(refs)
+        got = await store.get_arrays(refs, cache=cache)
         return {r.digest: a for r, a in zip(refs, got, strict=True)}, []
     except StoreError:
         pass
@@ -81,26 +87,36 @@ async def load_arrays(
     problems: list[str] = []
     for ref in refs:
         try:
-            arrays[ref.digest] = await store.get_array(ref)
+            (arrays[ref.digest],) = await store.get_arrays([ref], cache=cache)
         except StoreError as exc:
             problems.append(f"{ref.digest.hex()[:16]}: {type(exc).__name__}: {exc}")
     return arrays, problems
 
 
 async def _session_log(
-    store: EventStore, session_id: str, events: list[RecordedEvent], routed_experts: bool
+    store: EventStore,
+    session_id: str,
+    events: list[RecordedEvent],
+    routed_experts: bool,
+    *,
+    cache: bool,
 ) -> SessionLog:
     events.sort(key=lambda e: (e.seq, e.position))
-    arrays, problems = await load_arrays(store, needed_refs(events, routed_experts=routed_experts))
+    refs = needed_refs(events, routed_experts=routed_experts)
+    arrays, problems = await load_arrays(store, refs, cache=cache)
     return SessionLog(session_id, events, arrays, problems)
 
 
 async def load_session(
     store: EventStore, session_id: str, *, routed_experts: bool = False
 ) -> SessionLog:
-    """All of one session's events and the arrays its reduction needs."""
+    """All of one session's events and the arrays its reduction needs.
+
+    Reads through the store's piece cache: the live server reduces a session
+    right after writing it, and `replay show` may look at it again.
+    """
     events = await store.read_session(session_id)
-    return await _session_log(store, session_id, list(events), routed_experts)
+    return await _session_log(store, session_id, list(events), routed_experts, cache=True)
 
 
 def session_bucket(session_id: str, n: int) -> int:
@@ -121,7 +137,8 @@ async def iter_session_logs(
     """Every session of the log up to position `until` (default: the end now).
 
     A session is yielded when its `SessionClosed` arrives, or at the end of
-    the log if it never closed. A session that gets events after it was
+    the log if it never closed. Arrays are read without caching (see the
+    module docstring), so memory does not grow with the number of sessions. A session that gets events after it was
     yielded (a late reward, a retry re-opening it) is yielded again, later,
     in full: the later yield supersedes the earlier one.
     """
@@ -157,7 +174,7 @@ async def iter_session_logs(
             if isinstance(rec.event, SessionClosed):
                 del buffers[sid]
                 yielded.add(sid)
-                yield await _session_log(store, sid, buf, routed_experts)
+                yield await _session_log(store, sid, buf, routed_experts, cache=False)
         after = page[-1].position
         if page[-1].position > until or len(page) < page_size:
             break
@@ -166,7 +183,7 @@ async def iter_session_logs(
         if sid in dirty:
             continue
         yielded.add(sid)
-        yield await _session_log(store, sid, buf, routed_experts)
+        yield await _session_log(store, sid, buf, routed_experts, cache=False)
     for sid in dirty:
         events = [e for e in await store.read_session(sid) if e.position <= until]
-        yield await _session_log(store, sid, events, routed_experts)
+        yield await _session_log(store, sid, events, routed_experts, cache=False)

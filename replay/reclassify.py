@@ -13,6 +13,7 @@ rules rewrites identical rows: idempotent):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -28,6 +29,8 @@ from replay.rules import Rules
 from replay.samples import SessionResult, digest_bytes, encode_result
 
 SAMPLES_PREFIX = "samples/"
+# Projection payload gathered before a write (bounds memory whatever the sample sizes).
+FLUSH_BYTES = 8 * 1024 * 1024
 SUMMARY_PREFIX = "summary/"
 
 
@@ -61,6 +64,9 @@ class ReclassifyReport(msgspec.Struct, kw_only=True):
     trainable_before: int = 0
     trainable_after: int = 0
 
+
+# (session_id, covers_position, digest, payload): one projection row.
+_Row = tuple[str, int, str, bytes]
 
 _summary_encoder = msgspec.msgpack.Encoder(order="deterministic")
 _summary_decoder = msgspec.msgpack.Decoder(SessionSummary)
@@ -110,40 +116,66 @@ async def reduce_partition(
     on_session: Callable[[SessionResult], None] | None = None,
 ) -> dict[str, SessionSummary]:
     """Reduce (a partition of) the log up to `covers`; write projection rows
-    unless `names` is None (dry run). Returns each session's summary."""
+    unless `names` is None (dry run). Returns each session's summary.
+
+    Rows are written in batches of `batch` sessions or `FLUSH_BYTES` of
+    payload, whichever comes first. A batch is written in the background while
+    the next one is reduced (the database works in its own thread), one batch
+    in flight at a time, so batches land in order and at most two are held.
+    """
     seen: dict[str, SessionSummary] = {}
     # Keyed by session: a session yielded twice in one batch is written once.
-    rows: dict[str, tuple[str, int, str, bytes]] = {}
-    summary_rows: dict[str, tuple[str, int, str, bytes]] = {}
+    rows: dict[str, _Row] = {}
+    summary_rows: dict[str, _Row] = {}
+    pending_bytes = 0
+    writing: asyncio.Task[None] | None = None
 
-    async def flush() -> None:
+    async def write(samples: list[_Row], summaries: list[_Row]) -> None:
+        assert names is not None
+        await store.save_projection(names[0], samples)
+        await store.save_projection(names[1], summaries)
+
+    async def flush(*, wait: bool) -> None:
+        nonlocal writing, pending_bytes
+        if writing is not None:
+            task, writing = writing, None
+            await task
         if names is not None and rows:
-            await store.save_projection(names[0], list(rows.values()))
-            await store.save_projection(names[1], list(summary_rows.values()))
+            writing = asyncio.create_task(write(list(rows.values()), list(summary_rows.values())))
         rows.clear()
         summary_rows.clear()
+        pending_bytes = 0
+        if wait and writing is not None:
+            task, writing = writing, None
+            await task
 
-    async for log in iter_session_logs(
-        store,
-        page_size=page_size,
-        until=covers,
-        session_ids=session_ids,
-        partition=partition,
-        routed_experts=rules.routed_experts is not None,
-    ):
-        result = reduce_session(log.events, log.arrays, rules)
-        payload = encode_result(result)
-        digest = digest_bytes(payload)
-        summary = summarize(result, digest)
-        sid = log.session_id
-        seen[sid] = summary  # a later yield of a session supersedes
-        rows[sid] = (sid, log.last_position, digest, payload)
-        summary_rows[sid] = (sid, log.last_position, digest, _summary_encoder.encode(summary))
-        if on_session is not None:
-            on_session(result)
-        if len(rows) >= batch:
-            await flush()
-    await flush()
+    try:
+        async for log in iter_session_logs(
+            store,
+            page_size=page_size,
+            until=covers,
+            session_ids=session_ids,
+            partition=partition,
+            routed_experts=rules.routed_experts is not None,
+        ):
+            result = reduce_session(log.events, log.arrays, rules)
+            payload = encode_result(result)
+            digest = digest_bytes(payload)
+            summary = summarize(result, digest)
+            sid = log.session_id
+            seen[sid] = summary  # a later yield of a session supersedes
+            rows[sid] = (sid, log.last_position, digest, payload)
+            summary_rows[sid] = (sid, log.last_position, digest, _summary_encoder.encode(summary))
+            pending_bytes += len(payload)
+            if on_session is not None:
+                on_session(result)
+            if len(rows) >= batch or pending_bytes >= FLUSH_BYTES:
+                await flush(wait=False)
+        await flush(wait=True)
+    finally:
+        if writing is not None:  # an error while reducing: don't leave the write orphaned
+            with contextlib.suppress(Exception):
+                await writing
     return seen
 
 
@@ -172,9 +204,9 @@ def _worker(
     batch: int,
 ) -> bytes:
     async def run() -> dict[str, SessionSummary]:
-        from recorder.store import open_store
+        from recorder.store import StoreOptions, open_store
 
-        store = await open_store(url)
+        store = await open_store(url, options=StoreOptions.streaming())
         try:
             return await reduce_partition(
                 store,

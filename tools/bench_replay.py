@@ -1,4 +1,4 @@
-"""Benchmark `replay reclassify` on a synthetic log; prints a table.
+"""Benchmark `replay reclassify` on a synthetic log, as a user runs it; prints a table.
 
     python tools/bench_replay.py                       # 500 and 2,000 sessions x 40 turns
     python tools/bench_replay.py --sessions 200 --small 50 --turns 10   # quick
@@ -12,11 +12,16 @@ their parameters; generation runs many sessions concurrently so the store's
 group commit batches the writes.
 
 Each measurement runs in a fresh subprocess on a private copy of the cached
-log: first a plain scan (read every event page + every array the reducer
-needs, no reduction: the baseline), then `reclassify` (stream + reduce +
-write the projection). Peak RSS is the subprocess's ru_maxrss. Targets:
-reclassify of 2,000 sessions x 40 turns < 60 s, peak RSS < 1 GB and flat
-between the small and the large log.
+log, in the product's default configuration (nothing is patched):
+- scan: `iter_session_logs` over `open_store(db)` (read every event page and
+  every array the reducer needs, no reduction): the baseline;
+- CLI: `replay reclassify --db DB` (the console command, run in-process);
+- API: `reclassify(await open_store(db), Rules())` (a Python caller's path,
+  store opened with the default caches);
+- CLI Nw: `replay reclassify --db DB --workers N`.
+Peak RSS is the subprocess's ru_maxrss (for workers: the largest process).
+Targets: reclassify of 2,000 sessions x 40 turns < 60 s, peak RSS < 1 GB and
+flat between the small and the large log (ratio ~1.0, not ~sessions ratio).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import hashlib
 import json
 import resource
 import shutil
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -179,45 +185,43 @@ async def scan(db: str, page_size: int) -> dict[str, float]:
     from replay.load import iter_session_logs
 
     store = await open_store(db)
-    n_events = n_sessions = 0
+    n_sessions = 0
     try:
-        async for log in iter_session_logs(store, page_size=page_size):
+        async for _log in iter_session_logs(store, page_size=page_size):
             n_sessions += 1
-            n_events += len(log.events)
     finally:
         await store.close()
-    return {"events": n_events, "sessions": n_sessions}
+    return {"sessions": n_sessions}
 
 
-async def reclassify_run(db: str, page_size: int, workers: int = 1) -> dict[str, float]:
+async def reclassify_api(db: str, page_size: int) -> dict[str, float]:
     from replay.reclassify import reclassify
     from replay.rules import Rules
 
     store = await open_store(db)
     try:
-        report = await reclassify(store, Rules(), page_size=page_size, workers=workers)
-        events = await store.last_position()
+        report = await reclassify(store, Rules(), page_size=page_size)
     finally:
         await store.close()
-    return {"events": events, "sessions": report.sessions, "samples": report.samples}
+    return {"sessions": report.sessions}
 
 
-def measure(mode: str, db: str, page_size: int, piece_cache_mb: int | None) -> None:
-    if piece_cache_mb is not None:
-        # Shrink the store's caches (decoded pieces, SQLite page caches) so that
-        # what is left of the RSS is replay's own working set.
-        import recorder.store.sql as sql
-        import recorder.store.sqlite as sqlite
+def reclassify_cli(db: str, page_size: int, workers: int) -> dict[str, float]:
+    from replay.cli import main
 
-        sql.PIECE_CACHE_BYTES = piece_cache_mb * 2**20
-        sqlite.WRITER_CACHE_KIB = sqlite.READER_CACHE_KIB = 2048
+    args = ["reclassify", "--db", db, "--page-size", str(page_size), "--workers", str(workers)]
+    main.main(args=args, standalone_mode=False)
+    return {}
+
+
+def measure(mode: str, db: str, page_size: int) -> None:
     t0 = time.perf_counter()
     if mode == "scan":
         out = asyncio.run(scan(db, page_size))
+    elif mode == "api":
+        out = asyncio.run(reclassify_api(db, page_size))
     else:
-        out = asyncio.run(
-            reclassify_run(db, page_size, workers=int(mode.removeprefix("reclassify")))
-        )
+        out = reclassify_cli(db, page_size, workers=int(mode.removeprefix("cli")))
     out["seconds"] = time.perf_counter() - t0
     # Largest of this process and any worker process (each its own peak).
     peak = max(
@@ -225,31 +229,22 @@ def measure(mode: str, db: str, page_size: int, piece_cache_mb: int | None) -> N
         resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
     )
     out["peak_rss_mb"] = peak / 1024
-    print(json.dumps(out))
+    with sqlite3.connect(db) as conn:
+        (out["events"],) = conn.execute("SELECT COUNT(*) FROM events").fetchone()
+    print("\n" + json.dumps(out))
 
 
-def run_measure(
-    mode: str, db: Path, page_size: int, piece_cache_mb: int | None = None
-) -> dict[str, float]:
+def run_measure(mode: str, db: Path, page_size: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="bench-replay-") as tmp:
         copy = Path(tmp) / "runs.db"
         shutil.copyfile(db, copy)
         proc = subprocess.run(
-            [
-                sys.executable,
-                __file__,
-                "--measure",
-                mode,
-                str(copy),
-                "--page-size",
-                str(page_size),
-                *(["--piece-cache-mb", str(piece_cache_mb)] if piece_cache_mb is not None else []),
-            ],
+            [sys.executable, __file__, "--measure", mode, str(copy), "--page-size", str(page_size)],
             capture_output=True,
             text=True,
         )
     if proc.returncode != 0:
-        raise SystemExit(f"measurement {mode} on {db} failed:\n{proc.stderr}")
+        raise SystemExit(f"measurement {mode} on {db} failed:\n{proc.stdout}\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -264,54 +259,60 @@ def main() -> None:
     p.add_argument("--page-size", type=int, default=1000)
     p.add_argument("--workers", type=int, default=2, help="processes for the parallel run")
     p.add_argument("--cache-dir", default="/tmp/tr-bench-replay")
-    p.add_argument(
-        "--piece-cache-mb",
-        type=int,
-        default=None,
-        help="shrink the store's caches: decoded-piece LRU to this size, SQLite page caches "
-        "to 2 MiB (default: the store's own sizes)",
-    )
     p.add_argument("--measure", nargs=2, metavar=("MODE", "DB"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.measure:
-        measure(args.measure[0], args.measure[1], args.page_size, args.piece_cache_mb)
+        measure(args.measure[0], args.measure[1], args.page_size)
         return
 
+    w = args.workers
+    modes = ["scan", "cli1", "api", f"cli{w}"]
     rows = []
     for n in sorted({args.small, args.sessions}):
         db = cached_log(n, args)
-        base = run_measure("scan", db, args.page_size, args.piece_cache_mb)
-        red = run_measure("reclassify1", db, args.page_size, args.piece_cache_mb)
-        par = run_measure(f"reclassify{args.workers}", db, args.page_size, args.piece_cache_mb)
-        rows.append((n, db.stat().st_size, base, red, par))
+        runs = {m: run_measure(m, db, args.page_size) for m in modes}
+        rows.append((n, db.stat().st_size, runs))
 
     print()
     print(
         f"replay reclassify: {args.turns} turns/session, {args.new_tokens} inserted + "
-        f"{args.out_tokens} model tokens per turn, page size {args.page_size}"
+        f"{args.out_tokens} model tokens per turn, page size {args.page_size}, default caches"
     )
-    w = args.workers
     header = (
-        f"{'sessions':>9} {'events':>9} {'db MB':>6} {'scan s':>7} {'reclass s':>10} "
-        f"{'events/s':>9} {'vs scan':>8} {f'{w} workers s':>12} {'events/s':>9} "
-        f"{'scan RSS MB':>12} {'reclass RSS MB':>15} {f'{w}w RSS MB':>10}"
+        f"{'sessions':>9} {'events':>9} {'db MB':>6} {'scan s':>7} {'CLI s':>7} {'events/s':>9} "
+        f"{'vs scan':>8} {'API s':>7} {f'CLI {w}w s':>9} {'events/s':>9} "
+        f"{'scan RSS':>9} {'CLI RSS':>8} {'API RSS':>8} {f'{w}w RSS':>8}"
     )
     print(header)
     print("-" * len(header))
-    for n, size, base, red, par in rows:
+    for n, size, r in rows:
+        scan_, cli, api, par = r["scan"], r["cli1"], r["api"], r[f"cli{w}"]
         print(
-            f"{n:>9} {int(red['events']):>9} {size / 2**20:>6.0f} {base['seconds']:>7.1f} "
-            f"{red['seconds']:>10.1f} {red['events'] / red['seconds']:>9,.0f} "
-            f"{red['seconds'] / base['seconds']:>7.2f}x {par['seconds']:>12.1f} "
-            f"{par['events'] / par['seconds']:>9,.0f} {base['peak_rss_mb']:>12.0f} "
-            f"{red['peak_rss_mb']:>15.0f} {par['peak_rss_mb']:>10.0f}"
+            f"{n:>9} {int(cli['events']):>9} {size / 2**20:>6.0f} {scan_['seconds']:>7.1f} "
+            f"{cli['seconds']:>7.1f} {cli['events'] / cli['seconds']:>9,.0f} "
+            f"{cli['seconds'] / scan_['seconds']:>7.2f}x {api['seconds']:>7.1f} "
+            f"{par['seconds']:>9.1f} {par['events'] / par['seconds']:>9,.0f} "
+            f"{scan_['peak_rss_mb']:>9.0f} {cli['peak_rss_mb']:>8.0f} {api['peak_rss_mb']:>8.0f} "
+            f"{par['peak_rss_mb']:>8.0f}"
         )
+    print("(seconds are wall time; RSS is peak resident memory in MB)")
     if len(rows) == 2:
-        (n0, _, _, r0, _), (n1, _, _, r1, _) = rows
+        (n0, _, r0), (n1, _, r1) = rows
+        ratios = ", ".join(
+            f"{label} {r1[m]['peak_rss_mb'] / r0[m]['peak_rss_mb']:.2f}x"
+            for label, m in (
+                ("scan", "scan"),
+                ("CLI", "cli1"),
+                ("API", "api"),
+                (f"{w}w", f"cli{w}"),
+            )
+        )
+        big = r1["cli1"]
+        worst = max(r1[m]["peak_rss_mb"] for m in modes)
         print(
-            f"\npeak RSS {n1} vs {n0} sessions: {r1['peak_rss_mb'] / r0['peak_rss_mb']:.2f}x "
-            f"(sessions {n1 / n0:.0f}x); reclassify of {n1} sessions: {r1['seconds']:.1f} s "
-            f"(target < 60 s), peak RSS {r1['peak_rss_mb']:.0f} MB (target < 1024 MB)"
+            f"\npeak RSS {n1} vs {n0} sessions ({n1 / n0:.0f}x the sessions): {ratios}\n"
+            f"reclassify of {n1} sessions (CLI): {big['seconds']:.1f} s (target < 60 s); "
+            f"largest peak RSS {worst:.0f} MB (target < 1024 MB)"
         )
 
 

@@ -67,12 +67,20 @@ def build_content(
     return blocks
 
 
-def split_stop_sequence(text: str, stop_sequences: Sequence[str]) -> tuple[str, str | None]:
-    """(text without a trailing stop sequence, that sequence or None).
+def split_stop_sequence(
+    text: str, stop_sequences: Sequence[str], *, matched: str | None = None
+) -> tuple[str, str | None]:
+    """(text before the stop sequence that ended it, that sequence or None).
 
     The engine keeps the matched stop string in its output (no_stop_trim) so
-    the token record stays exact; the client must not see it.
+    the token record stays exact; the client must not see it. The string can
+    end inside the last token ("END" in a token "END."), so the engine's
+    `matched` string is cut where it stands, not only at the very end.
     """
+    if matched and matched in stop_sequences:
+        at = text.rfind(matched)
+        if at >= 0:
+            return text[:at], matched
     for seq in sorted(stop_sequences, key=len, reverse=True):
         if seq and text.endswith(seq):
             return text[: -len(seq)], seq

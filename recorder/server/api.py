@@ -121,6 +121,7 @@ def _responder(
         model=model,
         ping_interval=ctx.config.ping_interval_s,
         first_byte_after=ctx.config.first_byte_after_s,
+        write_timeout=ctx.config.sse_write_timeout_s,
     )
     responder.keep_alive()
     return responder

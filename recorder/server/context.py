@@ -30,6 +30,8 @@ class ServerConfig:
     max_body_bytes: int = 64 * 1024 * 1024
     ping_interval_s: float = 5.0
     first_byte_after_s: float = 1.0
+    # An SSE client that takes no data for this long is dropped (see sse.py).
+    sse_write_timeout_s: float = 60.0
     shutdown_grace_s: float = 30.0
     max_attempts: int = 8
     turn_budget_s: float = 3600.0

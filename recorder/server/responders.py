@@ -58,12 +58,14 @@ class SseResponder:
         model: str,
         ping_interval: float,
         first_byte_after: float,
+        write_timeout: float = 60.0,
         headers: dict[str, str] | None = None,
     ) -> None:
         self._stream = SseStream(
             request,
             ping_interval=ping_interval,
             first_byte_after=first_byte_after,
+            write_timeout=write_timeout,
             headers=headers,
         )
         self._headers = headers or {}

@@ -18,9 +18,9 @@ import numpy as np
 
 from recorder import events as ev
 from recorder.events import ArrayRef, RecordedEvent
+from recorder.server.deltas import remember_refs
 from recorder.server.journal import Journal
 from recorder.server.sessions import SessionState
-from recorder.server.turn import remember_refs
 from recorder.tokens import SessionChains, commit_turn, note_dispatch, plan_turn
 from recorder.translate import find_dispatches, parse_request, response_message_digest
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from recorder.events import ArrayRef
+from recorder.server.deltas import BodyPrefixes
 from recorder.server.journal import Journal
 
 SessionStatus = Literal["open", "closed"]
@@ -36,10 +37,13 @@ class SessionState:
     next_turn: int = 0
     turns_completed: int = 0
     close_status: str = ""
-    # Token chains (recorder.tokens.SessionChains) and, per chain id, the ref
-    # of its full token sequence so the next input is stored as a delta.
+    # Token chains (recorder.tokens.SessionChains) and, per chain id, the refs
+    # of stored prefixes of its tokens (length -> ref), so the next input is
+    # stored as a delta (see deltas.remember_refs).
     chains: Any = None
-    chain_refs: dict[int, ArrayRef] = field(default_factory=dict)
+    chain_refs: dict[int, dict[int, ArrayRef]] = field(default_factory=dict)
+    # The previous request body and its stored prefixes (see deltas.put_body).
+    body_prefixes: BodyPrefixes = field(default_factory=BodyPrefixes)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Set when an unexpected error left the cache possibly out of step with
     # the log: the registry rebuilds it before the next use.
@@ -78,14 +82,26 @@ class SessionRegistry:
 
     async def get(self, session_id: str) -> SessionState | None:
         """The session's state, from memory or rebuilt from the log; None if it never existed."""
-        state = self._sessions.get(session_id)
-        if state is not None and not state.suspect:
-            return state
-        if not SESSION_ID_RE.match(session_id):
-            return None
-        pending = self._loading.get(session_id)
-        if pending is not None:
-            return await asyncio.shield(pending)
+        while True:
+            state = self._sessions.get(session_id)
+            if state is not None and not state.suspect:
+                return state
+            if not SESSION_ID_RE.match(session_id):
+                return None
+            pending = self._loading.get(session_id)
+            if pending is None:
+                return await self._load(session_id, state)
+            try:
+                return await asyncio.shield(pending)
+            except asyncio.CancelledError:
+                # The request that was loading went away (its client left);
+                # this one was not cancelled, so it loads the session itself.
+                task = asyncio.current_task()
+                if not pending.cancelled() or (task is not None and task.cancelling()):
+                    raise
+
+    async def _load(self, session_id: str, state: SessionState | None) -> SessionState | None:
+        """Load (or rebuild a suspect `state`) once; racing callers wait for this load."""
         future: asyncio.Future[SessionState | None] = asyncio.get_running_loop().create_future()
         self._loading[session_id] = future
         try:

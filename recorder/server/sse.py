@@ -8,6 +8,9 @@ is more useful than a mid-stream error. The greeting (`message_start`) goes
 out first whenever the stream opens.
 Once open, a `ping` goes out every `ping_interval` seconds while the engine
 works or is paused: Claude Code gives up on a stream silent for ~20 s.
+A write the client does not take within `write_timeout` (a peer that stopped
+reading but keeps the connection open) drops the connection: the turn runs
+under its session's lock, which must never wait on a client forever.
 """
 
 from __future__ import annotations
@@ -47,11 +50,13 @@ class SseStream:
         *,
         first_byte_after: float = 1.0,
         ping_interval: float = 5.0,
+        write_timeout: float = 60.0,
         headers: dict[str, str] | None = None,
     ) -> None:
         self._request = request
         self._first_byte_after = first_byte_after
         self._ping_interval = ping_interval
+        self._write_timeout = write_timeout
         self._headers = {**SSE_HEADERS, **(headers or {})}
         self._response: web.StreamResponse | None = None
         self._lock = asyncio.Lock()
@@ -121,11 +126,20 @@ class SseStream:
         if self.client_gone:
             return
         try:
-            await self.response.write(payload)
+            async with asyncio.timeout(self._write_timeout):
+                await self.response.write(payload)
         except ConnectionError:
             # The client left; aiohttp cancels the handler (handler_cancellation)
             # which is where the disconnect is recorded.
             self.client_gone = True
+        except TimeoutError:
+            self.client_gone = True
+            log.warning(
+                "SSE client took no data for %.0fs; dropping its connection", self._write_timeout
+            )
+            transport = self._request.transport
+            if transport is not None:
+                transport.abort()
 
     async def _keep_alive(self) -> None:
         try:

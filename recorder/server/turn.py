@@ -23,7 +23,7 @@ import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 from aiohttp import web
@@ -50,8 +50,9 @@ from recorder.server.answer import (
     usage_for,
 )
 from recorder.server.context import LIVE_RULES_VERSION, ServerContext
+from recorder.server.deltas import put_body, put_input, remember_refs
 from recorder.server.errors import ApiError
-from recorder.server.journal import finish_even_if_cancelled
+from recorder.server.journal import Journal, finish_even_if_cancelled
 from recorder.server.responders import Responder
 from recorder.server.sessions import SessionState
 from recorder.tokens import (
@@ -132,66 +133,104 @@ async def _run(
     responder: Responder,
     record: TurnRecord,
 ) -> web.StreamResponse:
-    tok, store, journal = ctx.tokenizer, ctx.store, state.journal
     try:
-        if len(body) > _THREAD_PLAN_BYTES:
-            plan = await asyncio.to_thread(plan_turn, state.chains, chat, tok)
-        else:
-            plan = plan_turn(state.chains, chat, tok)
-        max_new = clamp_max_new_tokens(
-            chat.max_tokens, len(plan.input_ids), ctx.config.context_length
-        )
+        plan, max_new = await _plan(ctx, state, chat, len(body))
     except (ContextOverflow, ValueError) as exc:
         return await reject(state, record.request_id, responder, "invalid_request_error", str(exc))
     record.plan = plan
-    turn = record.turn
     state.next_turn += 1
-    # The engine does not need the stored arrays: store them and record the
-    # request while the engine works (ordered before every later event).
-    body_task = asyncio.ensure_future(store.put_array(np.frombuffer(body, dtype=np.uint8)))
-    input_task = asyncio.ensure_future(_put_input(ctx, state, plan))
-
-    async def record_request() -> None:
-        body_ref, input_ref = await asyncio.gather(body_task, input_task)
-        journal.add(*_request_events(ctx, chat, plan, record, path, max_new, body_ref, input_ref))
-
-    journal.then(record_request)
+    input_task = _record_request(ctx, state, chat, body, path, plan, record, max_new)
     model = chat.model or ctx.config.model_name
     await responder.started(record.request_id, model, usage_for(len(plan.input_ids), 0, 0))
-
-    params = _sampling_params(ctx, chat, max_new)
-    output = await _generate(ctx, state, plan, params, record)
-    try:
-        answer, tito_event = await _compose(ctx, chat, plan, output, record, model)
-    except ParserError as exc:
-        record.outcome = "parser_error"
-        await _fail_turn(
-            journal,
-            record,
-            ev.TurnFailed(request_id=record.request_id, turn=turn, reason=f"parser: {exc}"),
-        )
-        raise ApiError("overloaded_error", f"output parser unavailable: {exc}") from exc
-    await journal.drain()
-    if tito_event is not None:
-        journal.add(tito_event)
-    journal.add(
-        ev.ResponseSent(
-            request_id=record.request_id,
-            turn=turn,
-            content=answer.content,
-            stop_reason=answer.stop_reason,
-            usage=answer.usage,
-        )
-    )
+    output = await _generate(ctx, state, plan, _sampling_params(ctx, chat, max_new), record)
+    answer = await _answer(ctx, state, chat, plan, output, record, model)
 
     async def finish() -> None:
-        await journal.flush()
+        await state.journal.flush()
         _commit(state, plan, output.output_ids, answer.content, input_task.result())
 
     # Durable answer and advanced chains go together, even if the client leaves now.
     await finish_even_if_cancelled(finish())
     record.outcome = "ok"
     return await responder.answer(answer)
+
+
+async def _plan(
+    ctx: ServerContext, state: SessionState, chat: ChatRequest, body_len: int
+) -> tuple[TurnPlan, int]:
+    """(the turn's plan, its clamped max_new_tokens); raises ValueError if it cannot run."""
+    if body_len > _THREAD_PLAN_BYTES:
+        plan = await asyncio.to_thread(plan_turn, state.chains, chat, ctx.tokenizer)
+    else:
+        plan = plan_turn(state.chains, chat, ctx.tokenizer)
+    max_new = clamp_max_new_tokens(chat.max_tokens, len(plan.input_ids), ctx.config.context_length)
+    return plan, max_new
+
+
+def _record_request(
+    ctx: ServerContext,
+    state: SessionState,
+    chat: ChatRequest,
+    body: bytes,
+    path: str,
+    plan: TurnPlan,
+    record: TurnRecord,
+    max_new: int,
+) -> asyncio.Future[ArrayRef]:
+    """Store the body and engine input and record the request, in the background.
+
+    The engine does not need the stored arrays, so this overlaps the engine
+    call; the step is queued first, so its events precede every later one.
+    Returns the engine input's ref (the chains remember it at commit).
+    """
+    body_task = asyncio.ensure_future(_put_body(ctx, state, body))
+    input_task = asyncio.ensure_future(put_input(ctx.store, state, plan))
+
+    async def step() -> None:
+        body_ref, input_ref = await asyncio.gather(body_task, input_task)
+        state.journal.add(
+            *_request_events(ctx, chat, plan, record, path, max_new, body_ref, input_ref)
+        )
+
+    state.journal.then(step)
+    return input_task
+
+
+async def _answer(
+    ctx: ServerContext,
+    state: SessionState,
+    chat: ChatRequest,
+    plan: TurnPlan,
+    output: TurnOutput,
+    record: TurnRecord,
+    model: str,
+) -> Answer:
+    """Compose the answer and buffer [TitoVerdict,] ResponseSent after every queued step."""
+    journal = state.journal
+    try:
+        answer, tito_event = await _compose(ctx, chat, plan, output, record, model)
+    except ParserError as exc:
+        await _fail_turn(
+            journal,
+            record,
+            "parser_error",
+            _turn_failed(record, f"parser: {exc}"),
+            ApiError("overloaded_error", f"output parser unavailable: {exc}"),
+            cause=exc,
+        )
+    await journal.drain()
+    if tito_event is not None:
+        journal.add(tito_event)
+    journal.add(
+        ev.ResponseSent(
+            request_id=record.request_id,
+            turn=record.turn,
+            content=answer.content,
+            stop_reason=answer.stop_reason,
+            usage=answer.usage,
+        )
+    )
+    return answer
 
 
 def _request_events(
@@ -258,19 +297,9 @@ def _request_events(
 # --------------------------------------------------------------------------
 
 
-async def _put_input(ctx: ServerContext, state: SessionState, plan: TurnPlan) -> ArrayRef:
-    """Store the engine input as a delta after the longest stored prefix of its chain."""
-    ids = plan.input_ids
-    base: ArrayRef | None = None
-    if plan.prefix_len:
-        source = plan.chain_id if plan.action == "extend" else plan.parent_chain_id
-        known = state.chain_refs.get(source, {}) if source is not None else {}
-        usable = [n for n in known if n <= plan.prefix_len]
-        base = known[max(usable)] if usable else None
-    if base is not None:
-        suffix = np.asarray(ids[base.length :], dtype=np.int32)
-        return await ctx.store.put_array(suffix, extends=base)  # type: ignore[no-any-return]
-    return await ctx.store.put_array(np.asarray(ids, dtype=np.int32))  # type: ignore[no-any-return]
+async def _put_body(ctx: ServerContext, state: SessionState, body: bytes) -> ArrayRef:
+    ref, state.body_prefixes = await put_body(ctx.store, state.body_prefixes, body)
+    return ref
 
 
 def _sampling_params(ctx: ServerContext, chat: ChatRequest, max_new: int) -> SamplingParams:
@@ -286,6 +315,82 @@ def _sampling_params(ctx: ServerContext, chat: ChatRequest, max_new: int) -> Sam
     )
 
 
+class _AttemptRecorder:
+    """The engine driver's callbacks: every attempt and result becomes events.
+
+    They are recorded by ordered background steps (`Journal.then`), so the
+    engine call never waits for the store.
+    """
+
+    def __init__(
+        self, journal: Journal, store: Any, record: TurnRecord, url: str, params: SamplingParams
+    ) -> None:
+        self._journal = journal
+        self._store = store
+        self._record = record
+        self._url = url
+        self._sampling = params.to_sglang()
+
+    async def on_attempt(self, attempt: Attempt) -> None:
+        self._record.attempts += 1
+        self._record.current_rid = attempt.rid
+        events = self._attempt_events(attempt)
+
+        async def step() -> None:
+            self._journal.add(*events)
+            await self._journal.flush_buffer()  # durable while the engine works
+
+        self._journal.then(step)
+
+    async def on_result(self, attempt: Attempt, out: GenerateOutput) -> None:
+        self._record.engine_s += out.latency_s
+        arrays = asyncio.ensure_future(_result_arrays(self._store, out))
+
+        async def step() -> None:
+            self._journal.add(_result_event(self._record, attempt, out, *await arrays))
+            if out.finish_reason == "abort":
+                self._journal.add(
+                    ev.TurnAborted(
+                        request_id=self._record.request_id,
+                        turn=self._record.turn,
+                        attempt=attempt.attempt,
+                        rid=attempt.rid,
+                        partial_tokens=len(out.output_ids),
+                        message=out.finish_detail,
+                    )
+                )
+
+        self._journal.then(step)
+
+    def _attempt_events(self, attempt: Attempt) -> list[Any]:
+        """[TurnResumed,] GenerateAttempt."""
+        request_id, turn = self._record.request_id, self._record.turn
+        events: list[Any] = []
+        if attempt.attempt > 0:
+            events.append(
+                ev.TurnResumed(
+                    request_id=request_id,
+                    turn=turn,
+                    attempt=attempt.attempt,
+                    resumed_tokens=attempt.resumed_tokens,
+                    remaining_new_tokens=attempt.max_new_tokens,
+                )
+            )
+        events.append(
+            ev.GenerateAttempt(
+                request_id=request_id,
+                turn=turn,
+                attempt=attempt.attempt,
+                rid=attempt.rid,
+                engine_url=self._url,
+                resumed_tokens=attempt.resumed_tokens,
+                max_new_tokens=attempt.max_new_tokens,
+                sampling_params={**self._sampling, "max_new_tokens": attempt.max_new_tokens},
+            )
+        )
+        return events
+
+
 async def _generate(
     ctx: ServerContext,
     state: SessionState,
@@ -297,68 +402,9 @@ async def _generate(
 
     A failed turn is recorded (TurnFailed / EngineError) before its ApiError is raised.
     """
-    journal, store, turn = state.journal, ctx.store, record.turn
+    journal = state.journal
     url = _engine_url(ctx, state)
-    sampling = params.to_sglang()
-
-    def on_attempt_events(attempt: Attempt) -> list[Any]:
-        events: list[Any] = []
-        if attempt.attempt > 0:
-            events.append(
-                ev.TurnResumed(
-                    request_id=record.request_id,
-                    turn=turn,
-                    attempt=attempt.attempt,
-                    resumed_tokens=attempt.resumed_tokens,
-                    remaining_new_tokens=attempt.max_new_tokens,
-                )
-            )
-        events.append(
-            ev.GenerateAttempt(
-                request_id=record.request_id,
-                turn=turn,
-                attempt=attempt.attempt,
-                rid=attempt.rid,
-                engine_url=url,
-                resumed_tokens=attempt.resumed_tokens,
-                max_new_tokens=attempt.max_new_tokens,
-                sampling_params={**sampling, "max_new_tokens": attempt.max_new_tokens},
-            )
-        )
-        return events
-
-    async def on_attempt(attempt: Attempt) -> None:
-        """Recorded in the background: the engine call does not wait for the store."""
-        record.attempts += 1
-        record.current_rid = attempt.rid
-        events = on_attempt_events(attempt)
-
-        async def step() -> None:
-            journal.add(*events)
-            await journal.flush_buffer()
-
-        journal.then(step)
-
-    async def on_result(attempt: Attempt, out: GenerateOutput) -> None:
-        record.engine_s += out.latency_s
-        arrays = asyncio.ensure_future(_result_arrays(store, out))
-
-        async def step() -> None:
-            journal.add(_result_event(record, attempt, out, *await arrays))
-            if out.finish_reason == "abort":
-                journal.add(
-                    ev.TurnAborted(
-                        request_id=record.request_id,
-                        turn=turn,
-                        attempt=attempt.attempt,
-                        rid=attempt.rid,
-                        partial_tokens=len(out.output_ids),
-                        message=out.finish_detail,
-                    )
-                )
-
-        journal.then(step)
-
+    recorder = _AttemptRecorder(journal, ctx.store, record, url, params)
     try:
         output = await generate_with_resume(
             ctx.engine,
@@ -367,55 +413,55 @@ async def _generate(
             params,
             max_attempts=ctx.config.max_attempts,
             budget_s=ctx.config.turn_budget_s,
-            on_attempt=on_attempt,
-            on_result=on_result,
+            on_attempt=recorder.on_attempt,
+            on_result=recorder.on_result,
             return_routed_experts=ctx.config.return_routed_experts,
         )
-    except MissingLogprobs as exc:
-        record.outcome = "missing_logprobs"
-        await _fail_turn(
-            journal,
-            record,
-            ev.TurnFailed(
-                request_id=record.request_id, turn=turn, reason=f"missing_logprobs: {exc}"
-            ),
-        )
-        raise ApiError(
-            "api_error",
-            f"the engine returned no logprobs for this turn, so it cannot be recorded "
-            f"(never re-tokenized); check that SGLang honours return_logprob ({exc})",
-        ) from exc
-    except EngineError as exc:
-        record.outcome = f"engine_{exc.kind}"
-        await _fail_turn(
-            journal,
-            record,
-            ev.EngineError(
-                request_id=record.request_id,
-                turn=turn,
-                attempt=max(0, record.attempts - 1),
-                kind=exc.kind,
-                status=exc.status,
-                message=str(exc),
-            ),
-        )
-        raise _engine_error_answer(exc) from exc
+    except (MissingLogprobs, EngineError) as exc:
+        await _fail_turn(journal, record, *_engine_failure(record, exc), cause=exc)
     record.output_tokens = len(output.output_ids)
     record.finish = output.finish_reason
     if output.finish_reason == "abort":
-        record.outcome = "aborted"
         await _fail_turn(
             journal,
             record,
-            ev.TurnFailed(
-                request_id=record.request_id, turn=turn, reason=f"aborted: {output.finish_detail}"
+            "aborted",
+            _turn_failed(record, f"aborted: {output.finish_detail}"),
+            ApiError(
+                "overloaded_error",
+                f"the engine kept aborting this turn ({output.finish_detail}); retry later",
             ),
         )
-        raise ApiError(
-            "overloaded_error",
-            f"the engine kept aborting this turn ({output.finish_detail}); retry later",
-        )
     return output
+
+
+def _engine_failure(
+    record: TurnRecord, exc: MissingLogprobs | EngineError
+) -> tuple[str, Any, ApiError]:
+    """(outcome, event to record, error to answer) for a turn the engine failed."""
+    if isinstance(exc, MissingLogprobs):
+        return (
+            "missing_logprobs",
+            _turn_failed(record, f"missing_logprobs: {exc}"),
+            ApiError(
+                "api_error",
+                f"the engine returned no logprobs for this turn, so it cannot be recorded "
+                f"(never re-tokenized); check that SGLang honours return_logprob ({exc})",
+            ),
+        )
+    event = ev.EngineError(
+        request_id=record.request_id,
+        turn=record.turn,
+        attempt=max(0, record.attempts - 1),
+        kind=exc.kind,
+        status=exc.status,
+        message=str(exc),
+    )
+    if exc.kind in ("unreachable", "timeout") or exc.status >= 500 or exc.status == 429:
+        answer = ApiError("overloaded_error", f"inference engine unavailable: {exc}; retry later")
+    else:
+        answer = ApiError("api_error", f"inference engine failed: {exc}")
+    return f"engine_{exc.kind}", event, answer
 
 
 async def _result_arrays(
@@ -458,14 +504,23 @@ def _result_event(
     )
 
 
-async def _fail_turn(journal: Any, record: TurnRecord, event: Any) -> None:
+def _turn_failed(record: TurnRecord, reason: str) -> ev.TurnFailed:
+    return ev.TurnFailed(request_id=record.request_id, turn=record.turn, reason=reason)
+
+
+async def _fail_turn(
+    journal: Journal,
+    record: TurnRecord,
+    outcome: str,
+    event: Any,
+    error: ApiError,
+    *,
+    cause: BaseException | None = None,
+) -> NoReturn:
+    """Record durably why the turn failed, then raise the error the client gets."""
+    record.outcome = outcome
     await finish_even_if_cancelled(journal.write(event))
-
-
-def _engine_error_answer(exc: EngineError) -> ApiError:
-    if exc.kind in ("unreachable", "timeout") or exc.status >= 500 or exc.status == 429:
-        return ApiError("overloaded_error", f"inference engine unavailable: {exc}; retry later")
-    return ApiError("api_error", f"inference engine failed: {exc}")
+    raise error from cause
 
 
 def _engine_url(ctx: ServerContext, state: SessionState) -> str:
@@ -484,31 +539,14 @@ async def _compose(
 ) -> tuple[Answer, ev.TitoVerdict | None]:
     """TITO verdict, reasoning/tool-call parsing, content blocks, stop reason, usage."""
     tok, ids = ctx.tokenizer, output.output_ids
-    tito_event = None
-    if ids:
-        if len(ids) > _THREAD_TITO_TOKENS:
-            result = await asyncio.to_thread(tito_check, tok, ids)
-        else:
-            result = tito_check(tok, ids)
-        record.tito = "ok" if result.ok else f"fail@{result.first_divergence}"
-        reencoded_ref = None
-        if not result.ok:
-            reencoded_ref = await ctx.store.put_array(
-                np.asarray(result.reencoded_ids, dtype=np.int32)
-            )
-        tito_event = ev.TitoVerdict(
-            rules_version=LIVE_RULES_VERSION,
-            request_id=record.request_id,
-            turn=record.turn,
-            ok=result.ok,
-            first_divergence=result.first_divergence,
-            reencoded_ids=reencoded_ref,
-        )
+    tito_event = await _tito_verdict(ctx, ids, record) if ids else None
     ended_with_eos = bool(ids) and ids[-1] in tok.eos_token_ids
     text = tok.decode(ids[:-1] if ended_with_eos else ids)
     stop_sequence = None
     if output.finish_reason == "stop" and not ended_with_eos:
-        text, stop_sequence = split_stop_sequence(text, chat.stop_sequences)
+        text, stop_sequence = split_stop_sequence(
+            text, chat.stop_sequences, matched=output.finish_detail
+        )
     parsed = await ctx.parser.parse(text, chat.tools)
     calls = [ToolCallOut(name=c.name, arguments=dict(c.arguments)) for c in parsed.tool_calls]
     content = build_content(
@@ -528,6 +566,26 @@ async def _compose(
     return answer, tito_event
 
 
+async def _tito_verdict(ctx: ServerContext, ids: list[int], record: TurnRecord) -> ev.TitoVerdict:
+    """Does decode -> re-encode give back the output? The re-encoding is kept on a mismatch."""
+    if len(ids) > _THREAD_TITO_TOKENS:
+        result = await asyncio.to_thread(tito_check, ctx.tokenizer, ids)
+    else:
+        result = tito_check(ctx.tokenizer, ids)
+    record.tito = "ok" if result.ok else f"fail@{result.first_divergence}"
+    reencoded_ref = None
+    if not result.ok:
+        reencoded_ref = await ctx.store.put_array(np.asarray(result.reencoded_ids, dtype=np.int32))
+    return ev.TitoVerdict(
+        rules_version=LIVE_RULES_VERSION,
+        request_id=record.request_id,
+        turn=record.turn,
+        ok=result.ok,
+        first_divergence=result.first_divergence,
+        reencoded_ids=reencoded_ref,
+    )
+
+
 def _commit(
     state: SessionState,
     plan: TurnPlan,
@@ -542,28 +600,6 @@ def _commit(
         note_dispatch(state.chains, [d[0] for d in dispatches], [d[1] for d in dispatches])
     remember_refs(state, plan, chain.chain_id, input_ref)
     state.turns_completed += 1
-
-
-def remember_refs(state: SessionState, plan: TurnPlan, chain_id: int, input_ref: ArrayRef) -> None:
-    """Per chain: stored prefixes of its tokens (length -> ref), to store later inputs as deltas.
-
-    Every input a chain was fed is a prefix of the chain's tokens, so the next
-    input is stored as its suffix after the longest such ref (the previous
-    output travels in that suffix: no extra array write per turn).
-    """
-    refs = state.chain_refs.get(chain_id)
-    if refs is None:
-        refs = {}
-        source = plan.parent_chain_id if plan.prefix_len else None
-        if source is not None:
-            refs.update(
-                (n, r) for n, r in state.chain_refs.get(source, {}).items() if n <= plan.prefix_len
-            )
-        state.chain_refs[chain_id] = refs
-    refs[input_ref.length] = input_ref
-    live = set(state.chains.chains)
-    for stale in [c for c in state.chain_refs if c not in live]:
-        del state.chain_refs[stale]
 
 
 # --------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 store = await open_store("runs.db", create=True)       # SQLite file
 store = await open_store("postgresql://u@host/db")     # Postgres (asyncpg)
+store = await open_store("runs.db", options=StoreOptions.streaming())  # one-pass reader
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from recorder.store.base import (
     SchemaOutOfDate,
     StoreError,
 )
+from recorder.store.sql import StoreOptions
 
 __all__ = [
     "ArrayNotFound",
@@ -31,6 +33,7 @@ __all__ = [
     "ProjectionStore",
     "SchemaOutOfDate",
     "StoreError",
+    "StoreOptions",
     "normalize_url",
     "open_store",
 ]
@@ -58,11 +61,14 @@ def normalize_url(url_or_path: str) -> str:
         ) from None
 
 
-async def open_store(url_or_path: str, *, create: bool = False) -> EventStore:
+async def open_store(
+    url_or_path: str, *, create: bool = False, options: StoreOptions | None = None
+) -> EventStore:
     """Open the store at a URL or SQLite path.
 
     `create=True` creates/upgrades the schema first. Otherwise a database not
-    at the current schema revision raises `SchemaOutOfDate`.
+    at the current schema revision raises `SchemaOutOfDate`. `options` sizes
+    the store's caches (default `StoreOptions()`: sized for the live server).
     """
     url = normalize_url(url_or_path)
     backend = sa.make_url(url).get_backend_name()
@@ -75,11 +81,11 @@ async def open_store(url_or_path: str, *, create: bool = False) -> EventStore:
                 f"{path} does not exist: run `recorder db upgrade --db {url}` to create it "
                 "(or open with create=True)"
             )
-        store: EventStore = SqliteEventStore.connect(url)
+        store: EventStore = SqliteEventStore.connect(url, options)
     else:
         from recorder.store.postgres import PostgresEventStore
 
-        store = PostgresEventStore.connect(url)
+        store = PostgresEventStore.connect(url, options)
     engine = store.write_engine  # type: ignore[attr-defined]
     try:
         if create:

@@ -15,6 +15,7 @@ of token ids and float exponents as long runs.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict
 from typing import Final
 
@@ -139,13 +140,25 @@ def join_blob(data: bytes, tail: bytes | None) -> bytes:
     return data + tail if tail else data
 
 
+_local = threading.local()
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    """This thread's decompressor: building one costs ~20x a small piece's decompression,
+    and an instance must not be used by two threads at once."""
+    d: zstandard.ZstdDecompressor | None = getattr(_local, "decompressor", None)
+    if d is None:
+        d = _local.decompressor = zstandard.ZstdDecompressor()
+    return d
+
+
 def decode_piece(piece: Piece) -> DecodedPiece:
     """Decompress and verify one stored piece; raise `CorruptArray` on any mismatch."""
     dt = NUMPY_DTYPES.get(piece.dtype)
     try:
         if dt is None:
             raise ValueError(f"unknown dtype {piece.dtype!r}")
-        body = zstandard.ZstdDecompressor().decompress(piece.data)
+        body = _decompressor().decompress(piece.data)
         if piece.codec == CODEC_ZSTD_SHUFFLED:
             if len(body) % dt.itemsize:
                 raise ValueError("decompressed size is not a multiple of the item size")
@@ -191,12 +204,32 @@ def assemble(ref: ArrayRef, chain: list[DecodedPiece]) -> np.ndarray:
 
 
 class PieceCache:
-    """LRU of verified pieces, bounded by decoded bytes."""
+    """LRU of verified pieces, bounded by the memory they take (0 bytes: disabled).
+
+    Each entry is charged its suffix bytes plus `ENTRY_OVERHEAD` for its
+    Python objects (digests, numpy header, the struct, the dict slot): token
+    pieces are a few hundred bytes, so counting only the data would let the
+    real footprint reach about twice the bound.
+    """
+
+    ENTRY_OVERHEAD: Final = 320
 
     def __init__(self, max_bytes: int) -> None:
         self._items: OrderedDict[bytes, DecodedPiece] = OrderedDict()
         self._bytes = 0
         self._max = max_bytes
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def nbytes(self) -> int:
+        """Memory charged to the cached pieces (data + per-entry overhead)."""
+        return self._bytes
+
+    @property
+    def max_bytes(self) -> int:
+        return self._max
 
     def get(self, digest: bytes) -> DecodedPiece | None:
         p = self._items.get(digest)
@@ -205,11 +238,13 @@ class PieceCache:
         return p
 
     def put(self, piece: DecodedPiece) -> None:
+        if self._max <= 0:
+            return
         if piece.digest in self._items:
             self._items.move_to_end(piece.digest)
             return
         self._items[piece.digest] = piece
-        self._bytes += piece.suffix.nbytes
+        self._bytes += piece.suffix.nbytes + self.ENTRY_OVERHEAD
         while self._bytes > self._max and len(self._items) > 1:
             _, old = self._items.popitem(last=False)
-            self._bytes -= old.suffix.nbytes
+            self._bytes -= old.suffix.nbytes + self.ENTRY_OVERHEAD

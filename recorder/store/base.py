@@ -149,8 +149,12 @@ class EventStore(ProjectionStore):
     async def get_array(self, ref: ArrayRef) -> np.ndarray:
         """The whole array a ref names. Raises `CorruptArray` on a bad hash."""
 
-    async def get_arrays(self, refs: Sequence[ArrayRef]) -> list[np.ndarray]:
-        """Many arrays at once; backends batch the reads."""
+    async def get_arrays(self, refs: Sequence[ArrayRef], *, cache: bool = True) -> list[np.ndarray]:
+        """Many arrays at once; backends batch the reads.
+
+        `cache=False`: the caller reads each array once (a streaming replay),
+        so the backend keeps nothing of this read in its caches.
+        """
         return [await self.get_array(r) for r in refs]
 
     # -- lifecycle ------------------------------------------------------

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from recorder.store.sql import NewRow, SqlEventStore
+from recorder.store.sql import NewRow, SqlEventStore, StoreOptions
 
 _EVENT_COLUMNS = ["position", "session_id", "seq", "event_id", "type", "version", "ts", "payload"]
 # TOAST_MAX_CHUNK_SIZE for PostgreSQL's default 8 KiB block size: four such
@@ -36,8 +36,9 @@ class PostgresEventStore(SqlEventStore):
     array_chunk_bytes = TOAST_CHUNK_BYTES
 
     @classmethod
-    def connect(cls, url: str) -> PostgresEventStore:
-        return cls(url, create_engine(url, pool_size=2), create_engine(url, pool_size=5))
+    def connect(cls, url: str, options: StoreOptions | None = None) -> PostgresEventStore:
+        """Page caches live in the server: only `options.piece_cache_bytes` applies."""
+        return cls(url, create_engine(url, pool_size=2), create_engine(url, pool_size=5), options)
 
     async def _lock_writers(self, conn: AsyncConnection) -> None:
         await conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": WRITER_LOCK_KEY})

@@ -25,6 +25,7 @@ bad request cannot sink its neighbours.
 from __future__ import annotations
 
 import abc
+import contextlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -60,7 +61,10 @@ from recorder.store.tables import arrays, events, projection_names, projections
 MAX_GROUP_WEIGHT = 20_000
 # Bound on bind parameters in one IN (...) list.
 IN_CHUNK = 500
+# Default cache sizes (see `StoreOptions`).
 PIECE_CACHE_BYTES = 256 * 1024 * 1024
+WRITER_PAGE_CACHE_BYTES = 64 * 1024 * 1024
+READER_PAGE_CACHE_BYTES = 16 * 1024 * 1024
 
 _EVENT_COLUMNS = (
     events.c.position,
@@ -72,6 +76,42 @@ _EVENT_COLUMNS = (
     events.c.ts,
     events.c.payload,
 )
+
+
+class StoreOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """How much memory one open store may spend on caches.
+
+    The defaults suit the live server, which reads back arrays it wrote
+    moments ago (each turn's prompt extends the previous one) and writes many
+    small transactions. A one-pass reader (`replay reclassify/export/stats`)
+    reuses nothing across sessions: `StoreOptions.streaming()` keeps it lean.
+
+    - `piece_cache_bytes`: bound on the decoded-array-piece LRU, counting each
+      entry's bookkeeping too (0 disables the cache).
+    - `writer_page_cache_bytes` / `reader_page_cache_bytes`: SQLite's page
+      cache per connection (one writer connection, up to a dozen readers;
+      SQLite's own default is 2 MiB). PostgreSQL caches on the server and
+      ignores both.
+    """
+
+    piece_cache_bytes: int = PIECE_CACHE_BYTES
+    writer_page_cache_bytes: int = WRITER_PAGE_CACHE_BYTES
+    reader_page_cache_bytes: int = READER_PAGE_CACHE_BYTES
+
+    def __post_init__(self) -> None:
+        for name in self.__struct_fields__:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"StoreOptions.{name} must be an int >= 0 bytes, got {value!r}")
+
+    @classmethod
+    def streaming(cls) -> StoreOptions:
+        """Caches for a one-pass read of the whole log: no piece cache, small page caches."""
+        return cls(
+            piece_cache_bytes=0,
+            writer_page_cache_bytes=8 * 1024 * 1024,
+            reader_page_cache_bytes=4 * 1024 * 1024,
+        )
 
 
 # -- write requests -----------------------------------------------------------
@@ -149,16 +189,28 @@ class SqlEventStore(EventStore):
     # Postgres sets its TOAST chunk size so out-of-line pages pack full.
     array_chunk_bytes: ClassVar[int | None] = None
 
-    def __init__(self, url: str, write_engine: AsyncEngine, read_engine: AsyncEngine) -> None:
+    def __init__(
+        self,
+        url: str,
+        write_engine: AsyncEngine,
+        read_engine: AsyncEngine,
+        options: StoreOptions | None = None,
+    ) -> None:
         self.url = url
+        self.options = options or StoreOptions()
         self.write_engine = write_engine
         self.read_engine = read_engine
         self._writer: GroupCommitter[AppendRequest | PiecesRequest] = GroupCommitter(
             self._commit_group, max_weight=MAX_GROUP_WEIGHT
         )
-        self._pieces = arr.PieceCache(PIECE_CACHE_BYTES)
+        self._pieces = arr.PieceCache(self.options.piece_cache_bytes)
         # Test hook: awaited inside each write transaction just before COMMIT.
         self.before_commit: Callable[[], Awaitable[None]] | None = None
+
+    @property
+    def piece_cache(self) -> arr.PieceCache:
+        """The decoded-piece LRU (read it to see what this store holds in memory)."""
+        return self._pieces
 
     @property
     def max_group_weight(self) -> int:
@@ -374,7 +426,8 @@ class SqlEventStore(EventStore):
         async with self.read_engine.connect() as conn:
             return [_record(r) for r in await self._raw_events(conn, after, limit)]
 
-    async def _raw_events(self, conn: AsyncConnection, after: int, limit: int) -> list[sa.Row[Any]]:
+    async def _raw_events(self, conn: AsyncConnection, after: int, limit: int) -> Sequence[Any]:
+        """Rows of `_EVENT_COLUMNS` (event_id as a UUID) after `after`, in position order."""
         stmt = (
             sa.select(*_EVENT_COLUMNS)
             .where(events.c.position > after)
@@ -469,63 +522,66 @@ class SqlEventStore(EventStore):
     async def get_array(self, ref: ArrayRef) -> np.ndarray:
         return (await self.get_arrays([ref]))[0]
 
-    async def get_arrays(self, refs: Sequence[ArrayRef]) -> list[np.ndarray]:
+    async def get_arrays(self, refs: Sequence[ArrayRef], *, cache: bool = True) -> list[np.ndarray]:
         """Fetch every missing piece round by round (one IN query per chain depth).
 
         Cached pieces cost no query, so reading a session's turns in order
-        fetches only each turn's new suffix.
+        fetches only each turn's new suffix. `cache=False` still uses what is
+        cached but keeps nothing new: a one-pass reader leaves the cache as it
+        found it. All rounds share one connection.
         """
         local: dict[bytes, arr.DecodedPiece] = {}
         frontier = {r.digest for r in refs}
-        while frontier:
-            wanted = []
-            for d in frontier:
-                cached = self._pieces.get(d)
-                if cached is not None:
-                    local[d] = cached
-                else:
-                    wanted.append(d)
-            if wanted:
-                async with self.read_engine.connect() as conn:
+        async with contextlib.AsyncExitStack() as stack:
+            conn: AsyncConnection | None = None
+            while frontier:
+                wanted = []
+                for d in frontier:
+                    cached = self._pieces.get(d)
+                    if cached is not None:
+                        local[d] = cached
+                    else:
+                        wanted.append(d)
+                if wanted:
+                    if conn is None:
+                        conn = await stack.enter_async_context(self.read_engine.connect())
                     fetched = await self._fetch_pieces(conn, wanted)
-                for piece in fetched:
-                    local[piece.digest] = piece
-                    self._pieces.put(piece)
-            frontier = {
-                p.parent
-                for d in frontier
-                if (p := local[d]).parent is not None and p.parent not in local
-            }
+                    for piece in fetched:
+                        local[piece.digest] = piece
+                        if cache:
+                            self._pieces.put(piece)
+                frontier = {
+                    p.parent
+                    for d in frontier
+                    if (p := local[d]).parent is not None and p.parent not in local
+                }
         return [arr.assemble(ref, _chain(local, ref.digest)) for ref in refs]
 
     async def _fetch_pieces(
         self, conn: AsyncConnection, digests: list[bytes]
     ) -> list[arr.DecodedPiece]:
+        """Read and verify pieces by digest; raise `ArrayNotFound` for any missing."""
         out: list[arr.DecodedPiece] = []
         for chunk in _chunks(digests):
-            stmt = sa.select(
-                arrays.c.digest,
-                arrays.c.parent,
-                arrays.c.dtype,
-                arrays.c.total_length,
-                arrays.c.codec,
-                arrays.c.data,
-                arrays.c.data_tail,
-            ).where(arrays.c.digest.in_(chunk))
-            for digest, parent, dtype, total, codec, data, tail in await conn.execute(stmt):
-                piece = arr.Piece(
-                    bytes(digest),
-                    None if parent is None else bytes(parent),
-                    dtype,
-                    total,
-                    codec,
-                    arr.join_blob(bytes(data), None if tail is None else bytes(tail)),
-                )
-                out.append(arr.decode_piece(piece))
-        missing = set(digests) - {p.digest for p in out}
-        if missing:
-            raise arr.missing_piece(min(missing))
+            out.extend(_decode_row(row) for row in await self._piece_rows(conn, chunk))
+        if len(out) != len(digests):
+            missing = set(digests) - {p.digest for p in out}
+            if missing:
+                raise arr.missing_piece(min(missing))
         return out
+
+    async def _piece_rows(self, conn: AsyncConnection, digests: Sequence[bytes]) -> Iterable[Any]:
+        """(digest, parent, dtype, total_length, codec, data, data_tail) per stored digest."""
+        stmt = sa.select(
+            arrays.c.digest,
+            arrays.c.parent,
+            arrays.c.dtype,
+            arrays.c.total_length,
+            arrays.c.codec,
+            arrays.c.data,
+            arrays.c.data_tail,
+        ).where(arrays.c.digest.in_(digests))
+        return await conn.execute(stmt)
 
     # -- projections --------------------------------------------------------
 
@@ -617,6 +673,19 @@ def _resend_outcome(
             )
         out.append(stored)
     return out
+
+
+def _decode_row(row: Any) -> arr.DecodedPiece:
+    digest, parent, dtype, total, codec, data, tail = row
+    piece = arr.Piece(
+        bytes(digest),
+        None if parent is None else bytes(parent),
+        dtype,
+        total,
+        codec,
+        arr.join_blob(bytes(data), None if tail is None else bytes(tail)),
+    )
+    return arr.decode_piece(piece)
 
 
 def _chain(local: dict[bytes, arr.DecodedPiece], digest: bytes) -> list[arr.DecodedPiece]:

@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +26,22 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import AsyncAdaptedQueuePool
 
-from recorder.store.sql import IN_CHUNK, NewRow, SqlEventStore
+from recorder.store.sql import (
+    IN_CHUNK,
+    READER_PAGE_CACHE_BYTES,
+    WRITER_PAGE_CACHE_BYTES,
+    NewRow,
+    SqlEventStore,
+    StoreOptions,
+)
 
 BUSY_TIMEOUT_MS = 60_000
-# Page cache per connection, in KiB (SQLite's default is 2 MiB): the event_id
-# index takes random inserts, and a warm cache keeps a write group's dirty
-# pages few. Readers get less since there are several of them.
-WRITER_CACHE_KIB = 64 * 1024
-READER_CACHE_KIB = 16 * 1024
+# Default page cache per connection, in KiB (SQLite's default is 2 MiB): the
+# event_id index takes random inserts, and a warm cache keeps a write group's
+# dirty pages few. Readers get less since there are several of them.
+# `StoreOptions` sets other sizes per store.
+WRITER_CACHE_KIB = WRITER_PAGE_CACHE_BYTES // 1024
+READER_CACHE_KIB = READER_PAGE_CACHE_BYTES // 1024
 
 
 def database_path(url: str) -> Path | None:
@@ -40,8 +50,11 @@ def database_path(url: str) -> Path | None:
     return None if not db or db == ":memory:" else Path(db)
 
 
-def create_engine(url: str, *, writer: bool) -> AsyncEngine:
-    """An engine whose transactions begin IMMEDIATE (writer) or DEFERRED (reader)."""
+def create_engine(url: str, *, writer: bool, cache_kib: int | None = None) -> AsyncEngine:
+    """An engine whose transactions begin IMMEDIATE (writer) or DEFERRED (reader).
+
+    `cache_kib`: page cache per connection (default: WRITER/READER_CACHE_KIB).
+    """
     engine = create_async_engine(
         url,
         poolclass=AsyncAdaptedQueuePool,
@@ -54,7 +67,8 @@ def create_engine(url: str, *, writer: bool) -> AsyncEngine:
         pool_reset_on_return=None if writer else "rollback",
     )
     begin = "BEGIN IMMEDIATE" if writer else "BEGIN"
-    cache_kib = WRITER_CACHE_KIB if writer else READER_CACHE_KIB
+    if cache_kib is None:
+        cache_kib = WRITER_CACHE_KIB if writer else READER_CACHE_KIB
 
     @event.listens_for(engine.sync_engine, "connect")
     def _configure(dbapi_conn: Any, _record: Any) -> None:
@@ -78,13 +92,19 @@ class SqliteEventStore(SqlEventStore):
     dialect_insert = staticmethod(sqlite_insert)  # type: ignore[assignment]
 
     @classmethod
-    def connect(cls, url: str) -> SqliteEventStore:
+    def connect(cls, url: str, options: StoreOptions | None = None) -> SqliteEventStore:
         if database_path(url) is None:
             raise ValueError(
                 f"{url}: in-memory SQLite cannot be shared by the writer and readers; "
                 "give a file path"
             )
-        return cls(url, create_engine(url, writer=True), create_engine(url, writer=False))
+        options = options or StoreOptions()
+        return cls(
+            url,
+            create_engine(url, writer=True, cache_kib=_kib(options.writer_page_cache_bytes)),
+            create_engine(url, writer=False, cache_kib=_kib(options.reader_page_cache_bytes)),
+            options,
+        )
 
     async def _lock_writers(self, conn: AsyncConnection) -> None:
         """BEGIN IMMEDIATE already holds the database write lock."""
@@ -125,6 +145,24 @@ class SqliteEventStore(SqlEventStore):
         ((last,),) = await raw.execute_fetchall("SELECT MAX(position) FROM events")
         return int(last or 0) + 1
 
+    async def _raw_events(self, conn: AsyncConnection, after: int, limit: int) -> Sequence[Any]:
+        raw = await _driver(conn)
+        rows = await raw.execute_fetchall(
+            "SELECT position, session_id, seq, event_id, type, version, ts, payload FROM events"
+            " WHERE position > ? ORDER BY position LIMIT ?",
+            (after, limit),
+        )
+        return [(p, s, q, uuid.UUID(bytes=e), t, v, ts, b) for p, s, q, e, t, v, ts, b in rows]
+
+    async def _piece_rows(self, conn: AsyncConnection, digests: Sequence[bytes]) -> Iterable[Any]:
+        raw = await _driver(conn)
+        rows: Iterable[Any] = await raw.execute_fetchall(
+            "SELECT digest, parent, dtype, total_length, codec, data, data_tail FROM arrays"
+            f" WHERE digest IN ({','.join('?' * len(digests))})",
+            digests,
+        )
+        return rows
+
     async def _insert_events(self, conn: AsyncConnection, rows: list[NewRow]) -> None:
         raw = await _driver(conn)
         await raw.executemany(
@@ -135,6 +173,11 @@ class SqliteEventStore(SqlEventStore):
                 for sid, seq, r in rows
             ],
         )
+
+
+def _kib(n_bytes: int) -> int:
+    """PRAGMA cache_size=-N takes KiB; 0 would mean "no limit given", so keep >= 1 page."""
+    return max(1, n_bytes // 1024)
 
 
 async def _driver(conn: AsyncConnection) -> Any:

@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from builders import Log, small_logs, write_to
+from click.testing import CliRunner
 
 from recorder.events import ArrayRef, RecordedEvent, SandboxEvent
-from recorder.store import CorruptArray, EventStore
+from recorder.store import CorruptArray, EventStore, StoreOptions, open_store
+from recorder.store.sql import SqlEventStore
 from replay import close_session_samples
+from replay.export import export_samples
 from replay.load import iter_session_logs, load_arrays, load_session
+from replay.reclassify import reclassify
 from replay.reducer import reduce_session
 from replay.rules import Rules
 from replay.samples import encode_result
+from replay.stats import log_stats
 
 
 async def test_store_path_equals_in_memory_reduction(store: EventStore) -> None:
@@ -174,19 +181,16 @@ async def test_stream_stops_at_until_and_filters_sessions(sqlite_store: EventSto
 
 
 class FlakyArrays:
-    """get_arrays fails as a batch; get_array fails for one ref."""
+    """get_arrays fails for any batch holding the bad ref."""
 
     def __init__(self, inner: EventStore, bad: bytes) -> None:
         self.inner = inner
         self.bad = bad
 
-    async def get_arrays(self, refs: Sequence[ArrayRef]) -> list[np.ndarray]:
-        raise CorruptArray("batch failed")
-
-    async def get_array(self, ref: ArrayRef) -> np.ndarray:
-        if ref.digest == self.bad:
-            raise CorruptArray(f"array {ref.digest.hex()} is corrupt")
-        return await self.inner.get_array(ref)
+    async def get_arrays(self, refs: Sequence[ArrayRef], *, cache: bool = True) -> list[np.ndarray]:
+        if any(r.digest == self.bad for r in refs):
+            raise CorruptArray(f"array {self.bad.hex()} is corrupt")
+        return await self.inner.get_arrays(refs, cache=cache)
 
 
 async def test_a_corrupt_array_only_loses_its_turn(sqlite_store: EventStore) -> None:
@@ -221,3 +225,76 @@ async def test_partitions_cover_every_session_once(sqlite_store: EventStore) -> 
     for k, part in enumerate(parts):
         assert all(session_bucket(sid, 3) == k for sid in part)
     assert session_bucket("a-linear", 3) == session_bucket("a-linear", 3)
+
+
+# -- memory: a streaming reduce keeps no array pieces --------------------------
+
+
+async def _written_logs(url: str, n: int) -> list[str]:
+    """`n` closed sessions written through a store that is then closed (its cache gone)."""
+    async with await open_store(url, create=True) as w:
+        for i in range(n):
+            log = Log(f"mem-{i}").open()
+            t = log.turn([1, 2, 3 + i], [10, 11, 2])
+            log.turn(t.then([4, 5 + i]), [12, 2])
+            log.reward(1.0).close()
+            await write_to(w, log)
+    return [f"mem-{i}" for i in range(n)]
+
+
+def _piece_count(store: EventStore) -> int:
+    assert isinstance(store, SqlEventStore)
+    return len(store.piece_cache)
+
+
+async def test_streaming_keeps_no_pieces_after_any_session(store_url: str, tmp_path: Path) -> None:
+    """Reclassify, export and stats on a store opened with default (large) caches:
+    after every session the piece cache holds exactly what it held before."""
+    ids = await _written_logs(store_url, 6)
+    async with await open_store(store_url) as store:
+        await load_session(store, ids[0])  # the live path caches: that must stay as is
+        held = _piece_count(store)
+        assert held > 0
+        counts: list[int] = []
+
+        def check(_result: object) -> None:
+            counts.append(_piece_count(store))
+
+        async for log in iter_session_logs(store, page_size=3):
+            assert log.arrays and not log.missing_arrays
+            counts.append(_piece_count(store))
+        report = await reclassify(store, Rules(), on_session=check, batch=2)
+        await export_samples(store, tmp_path / "out.jsonl", "jsonl", Rules(), on_session=check)
+        await log_stats(store, Rules(), on_session=check)
+        assert report.sessions == len(ids)
+        assert counts == [held] * (4 * len(ids))
+
+
+def test_whole_log_commands_open_the_store_lean(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """reclassify/export/stats open with `StoreOptions.streaming()`; show keeps the defaults."""
+    import asyncio
+
+    import recorder.store
+    from replay.cli import main
+
+    asyncio.run(_written_logs(sqlite_url, 2))
+    opened: list[StoreOptions | None] = []
+    real = recorder.store.open_store
+
+    async def spy(url: str, **kwargs: Any) -> EventStore:
+        opened.append(kwargs.get("options"))
+        return await real(url, **kwargs)
+
+    monkeypatch.setattr(recorder.store, "open_store", spy)
+    runner = CliRunner()
+    for args in (
+        ["reclassify", "--db", sqlite_url],
+        ["export", "--db", sqlite_url, "--out", str(tmp_path / "s.jsonl")],
+        ["stats", "--db", sqlite_url],
+        ["show", "--db", sqlite_url, "--session", "mem-0"],
+    ):
+        result = runner.invoke(main, args)
+        assert result.exit_code == 0, result.output
+    assert opened == [StoreOptions.streaming()] * 3 + [None]

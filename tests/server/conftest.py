@@ -7,6 +7,7 @@ malformed requests) exactly as an agent would.
 from __future__ import annotations
 
 import json
+import sqlite3
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +63,18 @@ SYSTEM = [
 def tool_call_text(name: str, arguments: dict[str, Any], preface: str = "") -> str:
     call = json.dumps({"name": name, "arguments": arguments})
     return f"{preface}<tool_call>\n{call}\n</tool_call>"
+
+
+def array_rows(sqlite_url: str) -> dict[bytes, tuple[bytes | None, int]]:
+    """digest -> (parent digest, total length) of every stored array piece (SQLite only)."""
+    db = sqlite3.connect(sqlite_url.split("///", 1)[1])
+    try:
+        return {
+            bytes(d): (bytes(p) if p is not None else None, n)
+            for d, p, n in db.execute("SELECT digest, parent, total_length FROM arrays")
+        }
+    finally:
+        db.close()
 
 
 @pytest.fixture(scope="session")

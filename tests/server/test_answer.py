@@ -42,6 +42,13 @@ def test_split_stop_sequence_prefers_the_longest_match() -> None:
     assert split_stop_sequence("abc", [""]) == ("abc", None)
 
 
+def test_split_stop_sequence_cuts_a_match_inside_the_last_token() -> None:
+    # The engine reports the matched string; the token that completed it may run on.
+    assert split_stop_sequence("abc END.", ["END"], matched="END") == ("abc ", "END")
+    assert split_stop_sequence("abc", ["END"], matched="END") == ("abc", None)
+    assert split_stop_sequence("abc END", ["END"], matched="151645") == ("abc ", "END")
+
+
 def test_usage_excludes_cached_tokens_and_never_goes_negative() -> None:
     assert usage_for(1000, 800, 40) == {
         "input_tokens": 200,

@@ -10,7 +10,16 @@ import anthropic
 import pytest
 
 from recorder import events as ev
-from tests.server.conftest import SYSTEM, TOOLS, Harness, make_harness, tool_call_text
+from recorder.server.deltas import MIN_SHARED_BYTES, shared_prefix_len
+from recorder.translate import parse_request
+from tests.server.conftest import (
+    SYSTEM,
+    TOOLS,
+    Harness,
+    array_rows,
+    make_harness,
+    tool_call_text,
+)
 from tools.test_engine import Fault
 from tools.test_engine.scripted import Reply, hashed_logprob
 
@@ -57,6 +66,34 @@ async def turn_tokens(h: Harness, session_id: str) -> list[tuple[list[int], list
         elif isinstance(e, ev.GenerateResult):
             outputs.setdefault(e.turn, []).extend(await h.array(e.output_ids))  # type: ignore[arg-type]
     return [(inputs[t], outputs.get(t, [])) for t in sorted(inputs)]
+
+
+async def open_raw_stream(h: Harness, sid: str, content: str, max_tokens: int) -> Any:
+    """POST a streaming request with raw aiohttp (to drop it at will); read `message_start`."""
+    body = {
+        "model": "m",
+        "max_tokens": max_tokens,
+        "stream": True,
+        "messages": [{"role": "user", "content": content}],
+    }
+    assert h.http is not None
+    resp = await h.http.post(
+        h.url + "/v1/messages", json=body, headers={"Authorization": f"Bearer {sid}"}
+    )
+    assert resp.status == 200
+    first = await resp.content.readuntil(b"\n\n")
+    assert first.startswith(b"event: message_start")
+    return resp
+
+
+async def wait_for_events(h: Harness, sid: str, kind: type) -> list[Any]:
+    """The session's events of `kind`, once there are any (empty after ~10 s)."""
+    for _ in range(200):
+        found = await h.payloads(sid, kind)
+        if found:
+            return found
+        await asyncio.sleep(0.05)
+    return []
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
@@ -160,6 +197,15 @@ async def test_stop_reasons(harness: Harness) -> None:
     assert stopped.stop_reason == "stop_sequence"
     assert stopped.stop_sequence == "STOP"
     assert stopped.content[0].text == "alpha beta "
+    # "STO" ends inside the token " STOP": the engine stops after that token,
+    # and the client still gets the text before the stop sequence.
+    h.engine.push("alpha beta STOP gamma")
+    mid_token = await ask(
+        client, [{"role": "user", "content": "again"}], stream=False, stop_sequences=["STO"]
+    )
+    assert mid_token.stop_reason == "stop_sequence"
+    assert mid_token.stop_sequence == "STO"
+    assert mid_token.content[0].text == "alpha beta "
     clamp = await h.payloads(sid, ev.ClampApplied)
     assert clamp == []  # 4 and 256 both fit the context
 
@@ -299,27 +345,11 @@ async def test_client_disconnect_mid_stream_aborts_the_engine(
     try:
         sid = await h.open_session()
         h.engine.push(" ".join(["word"] * 200))
-        body = {
-            "model": "m",
-            "max_tokens": 400,
-            "stream": True,
-            "messages": [{"role": "user", "content": "talk a lot"}],
-        }
-        assert h.http is not None
-        resp = await h.http.post(
-            h.url + "/v1/messages", json=body, headers={"Authorization": f"Bearer {sid}"}
-        )
-        assert resp.status == 200
-        first = await resp.content.readuntil(b"\n\n")
-        assert first.startswith(b"event: message_start")
+        resp = await open_raw_stream(h, sid, "talk a lot", max_tokens=400)
         while not h.engine.core.running:
             await asyncio.sleep(0.01)
         resp.close()  # the client goes away mid-generation
-        for _ in range(200):
-            if any(isinstance(e, ev.ClientDisconnected) for e in await h.payloads(sid)):
-                break
-            await asyncio.sleep(0.05)
-        (gone,) = await h.payloads(sid, ev.ClientDisconnected)
+        (gone,) = await wait_for_events(h, sid, ev.ClientDisconnected)
         (attempt,) = await h.payloads(sid, ev.GenerateAttempt)
         assert gone.rid == attempt.rid
         assert attempt.rid in h.engine.aborts
@@ -559,23 +589,9 @@ async def test_disconnect_recorded_even_when_the_engine_is_paused(
     try:
         sid = await h.open_session()
         h.engine.pause()
-        body = {
-            "model": "m",
-            "max_tokens": 20,
-            "stream": True,
-            "messages": [{"role": "user", "content": "x"}],
-        }
-        assert h.http is not None
-        resp = await h.http.post(
-            h.url + "/v1/messages", json=body, headers={"Authorization": f"Bearer {sid}"}
-        )
-        await resp.content.readuntil(b"\n\n")
+        resp = await open_raw_stream(h, sid, "x", max_tokens=20)
         resp.close()
-        for _ in range(100):
-            if await h.payloads(sid, ev.ClientDisconnected):
-                break
-            await asyncio.sleep(0.05)
-        assert await h.payloads(sid, ev.ClientDisconnected)
+        assert await wait_for_events(h, sid, ev.ClientDisconnected)
         h.engine.resume()
     finally:
         await h.close()
@@ -583,8 +599,6 @@ async def test_disconnect_recorded_even_when_the_engine_is_paused(
 
 async def test_inputs_are_stored_as_deltas(harness: Harness, sqlite_url: str) -> None:
     """A turn's input is stored as a suffix after the previous input: only new tokens cost."""
-    import sqlite3
-
     h = harness
     sid = await h.open_session()
     client = h.client(sid)
@@ -594,20 +608,22 @@ async def test_inputs_are_stored_as_deltas(harness: Harness, sqlite_url: str) ->
         answer = await ask(client, messages, stream=k % 2 == 0)
         messages.append(echo(answer))
     rendered = await h.payloads(sid, ev.RenderedInput)
-    db = sqlite3.connect(sqlite_url.split("///", 1)[1])
-    try:
-        rows = {
-            bytes(d): (bytes(p) if p is not None else None, n)
-            for d, p, n in db.execute("SELECT digest, parent, total_length FROM arrays")
-        }
-    finally:
-        db.close()
+    rows = array_rows(sqlite_url)
     assert rows[rendered[0].input_ids.digest][0] is None
     for prev, cur in itertools.pairwise(rendered):
         parent, total = rows[cur.input_ids.digest]
         assert parent == prev.input_ids.digest  # stored as the delta after the previous input
         assert total == cur.input_ids.length
         assert cur.prefix_len > prev.input_ids.length
+    # Bodies too: each after the bytes it shares with the previous one.
+    requests = await h.payloads(sid, ev.MessagesRequest)
+    bodies = [(await h.store.get_array(r.body)).tobytes() for r in requests]
+    for r, body in zip(requests, bodies, strict=True):
+        assert parse_request(body).n_input_messages == r.n_messages
+    for (prev, cur), r in zip(itertools.pairwise(bodies), requests[1:], strict=True):
+        if shared_prefix_len(prev, cur) >= MIN_SHARED_BYTES:
+            assert rows[r.body.digest][0] is not None
+    assert rows[requests[-1].body.digest][0] is not None
 
 
 async def test_sessions_spread_across_engines(tokenizer: Any, sqlite_url: str) -> None:

@@ -55,6 +55,30 @@ async def test_registry_loads_a_session_once_when_raced() -> None:
     assert calls == 2  # an id that cannot be a session never reaches the log
 
 
+async def test_a_cancelled_loader_does_not_cancel_the_requests_waiting_for_it() -> None:
+    release = asyncio.Event()
+    loads = 0
+
+    async def loader(session_id: str) -> SessionState | None:
+        nonlocal loads
+        loads += 1
+        await release.wait()
+        return SessionState(session_id=session_id, journal=Journal(FakeStore(), session_id, 0))  # type: ignore[arg-type]
+
+    registry = SessionRegistry(loader)
+    first = asyncio.create_task(registry.get("s"))  # starts the load
+    await asyncio.sleep(0)
+    second = asyncio.create_task(registry.get("s"))  # waits for that load
+    await asyncio.sleep(0)
+    first.cancel()  # the first client disconnects mid-load
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    release.set()
+    state = await second
+    assert state is not None and state.session_id == "s"
+    assert loads == 2  # the waiter loaded the session itself
+
+
 async def test_suspect_state_is_rebuilt_under_the_same_lock() -> None:
     loads = 0
 

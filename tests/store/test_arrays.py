@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+import sqlalchemy as sa
 import zstandard
 
 from recorder.events import ArrayRef
-from recorder.store import ArrayNotFound, CorruptArray, EventStore, open_store
+from recorder.store import ArrayNotFound, CorruptArray, EventStore, StoreOptions, open_store
 from recorder.store import arrays as codec
 from recorder.store.sql import SqlEventStore
 
@@ -186,3 +188,106 @@ async def test_reading_turns_in_order_fetches_one_piece_per_turn(
         await cold.get_arrays([refs[-1], refs[3]])
         # Both chains walk down together; the shorter one's pieces end the walk.
         assert rounds == [2, 2, 2, 2]
+
+
+# -- cache sizing (StoreOptions) and streaming reads ----------------------------
+
+
+async def _turn_chain(store: EventStore, turns: int, n: int = 300) -> list[ArrayRef]:
+    refs: list[ArrayRef] = []
+    prev: ArrayRef | None = None
+    for t in range(turns):
+        prev = await store.put_array(_tokens(n, 100 + t), extends=prev)
+        refs.append(prev)
+    return refs
+
+
+def _cache(store: EventStore) -> codec.PieceCache:
+    assert isinstance(store, SqlEventStore)
+    return store.piece_cache
+
+
+async def test_piece_cache_stays_within_its_configured_bound(store_url: str) -> None:
+    bound = 8 * (300 * 4 + codec.PieceCache.ENTRY_OVERHEAD)  # room for 8 pieces
+    options = StoreOptions(piece_cache_bytes=bound)
+    async with await open_store(store_url, create=True, options=options) as s:
+        refs = await _turn_chain(s, 20)
+        assert len(_cache(s)) == 8 and _cache(s).nbytes <= bound
+        got = await s.get_arrays(refs)
+        assert _cache(s).nbytes <= bound
+    for t, arr in enumerate(got):
+        assert _same_bits(arr, np.concatenate([_tokens(300, 100 + k) for k in range(t + 1)]))
+
+
+async def test_zero_piece_cache_keeps_nothing_and_still_reads(store_url: str) -> None:
+    async with await open_store(
+        store_url, create=True, options=StoreOptions(piece_cache_bytes=0)
+    ) as s:
+        refs = await _turn_chain(s, 5)
+        assert len(_cache(s)) == 0
+        got = await s.get_array(refs[-1])
+        assert len(_cache(s)) == 0
+    assert _same_bits(got, np.concatenate([_tokens(300, 100 + k) for k in range(5)]))
+
+
+async def test_uncached_read_leaves_the_cache_as_it_was(store_url: str) -> None:
+    async with await open_store(store_url, create=True) as w:
+        refs = await _turn_chain(w, 6)
+    async with await open_store(store_url) as r:  # default options: a 256 MiB cache
+        first = await r.get_arrays(refs[:2])
+        held = len(_cache(r))
+        assert held == 2
+        streamed = await r.get_arrays(refs, cache=False)
+        assert len(_cache(r)) == held  # used what was cached, kept nothing new
+        assert all(_same_bits(a, b) for a, b in zip(first, streamed[:2], strict=True))
+        again = await r.get_arrays(refs)  # the default read caches as before
+        assert len(_cache(r)) == len(refs)
+    assert all(_same_bits(a, b) for a, b in zip(streamed, again, strict=True))
+
+
+async def test_page_cache_sizes_reach_sqlite(sqlite_url: str) -> None:
+    options = StoreOptions(writer_page_cache_bytes=3 * 2**20, reader_page_cache_bytes=5 * 2**20)
+    for opts, writer_kib, reader_kib in (
+        (None, 64 * 1024, 16 * 1024),
+        (options, 3 * 1024, 5 * 1024),
+    ):
+        async with await open_store(sqlite_url, create=True, options=opts) as s:
+            assert isinstance(s, SqlEventStore)
+            async with s.write_engine.connect() as conn:
+                assert await conn.scalar(sa.text("PRAGMA cache_size")) == -writer_kib
+            async with s.read_engine.connect() as conn:
+                assert await conn.scalar(sa.text("PRAGMA cache_size")) == -reader_kib
+
+
+def test_store_options_reject_negative_sizes_and_offer_a_streaming_preset() -> None:
+    with pytest.raises(ValueError, match="piece_cache_bytes"):
+        StoreOptions(piece_cache_bytes=-1)
+    lean = StoreOptions.streaming()
+    assert lean.piece_cache_bytes == 0
+    assert lean.writer_page_cache_bytes < StoreOptions().writer_page_cache_bytes
+    assert lean.reader_page_cache_bytes < StoreOptions().reader_page_cache_bytes
+
+
+def test_piece_cache_charges_overhead_and_evicts_least_recent() -> None:
+    pieces = [
+        codec.decode_piece(codec.encode_piece(_tokens(10, s), "int32", None)) for s in range(4)
+    ]
+    entry = 40 + codec.PieceCache.ENTRY_OVERHEAD
+    cache = codec.PieceCache(3 * entry)
+    for p in pieces[:3]:
+        cache.put(p)
+    assert cache.nbytes == 3 * entry
+    assert cache.get(pieces[0].digest) is pieces[0]  # now most recent
+    cache.put(pieces[3])
+    assert len(cache) == 3 and cache.get(pieces[1].digest) is None
+    disabled = codec.PieceCache(0)
+    disabled.put(pieces[0])
+    assert len(disabled) == 0 and disabled.nbytes == 0
+
+
+def test_decoding_from_many_threads_at_once() -> None:
+    pieces = [codec.encode_piece(_tokens(2000, s), "int32", None) for s in range(64)]
+    with ThreadPoolExecutor(8) as pool:
+        decoded = list(pool.map(codec.decode_piece, pieces * 4))
+    for i, d in enumerate(decoded):
+        assert _same_bits(d.suffix, _tokens(2000, i % 64))

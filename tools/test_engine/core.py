@@ -453,14 +453,16 @@ async def _json_body(request: web.Request) -> Any:
         raise BadRequest(f"body is not JSON: {exc}") from exc
 
 
-def build_app(core: EngineCore) -> web.Application:
-    routes = web.RouteTableDef()
+class _Endpoints:
+    """SGLang's HTTP endpoints (the ones the recorder and its tests use) over one core."""
 
-    @routes.post("/generate")
-    async def generate(request: web.Request) -> web.StreamResponse:
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
-            req = core.parse_request(await _json_body(request))
-            status, body, fault = await core.generate(req)
+            req = self.core.parse_request(await _json_body(request))
+            status, body, fault = await self.core.generate(req)
         except BadRequest as exc:
             return _error(400, str(exc))
         if fault is not None and fault.disconnect:
@@ -469,69 +471,65 @@ def build_app(core: EngineCore) -> web.Application:
             return web.Response(status=500)
         return web.json_response(body, status=status)
 
-    @routes.post("/abort_request")
-    async def abort_request(request: web.Request) -> web.Response:
+    async def abort_request(self, request: web.Request) -> web.Response:
         try:
             body = await _json_body(request)
         except BadRequest as exc:
             return _error(400, str(exc))
-        core.abort(str(body.get("rid") or ""), abort_all=bool(body.get("abort_all")))
+        self.core.abort(str(body.get("rid") or ""), abort_all=bool(body.get("abort_all")))
         return web.Response(status=200)
 
-    @routes.post("/pause_generation")
-    async def pause_generation(request: web.Request) -> web.Response:
+    # -- pausing and weight versions ----------------------------------------
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
         body = await _json_body(request) if request.can_read_body else {}
         mode = str(body.get("mode") or "abort")
         if mode not in ("abort", "in_place", "retract"):
             return _error(400, f"unknown pause mode {mode!r}")
-        core.pause(mode)
+        self.core.pause(mode)
         return web.json_response({"success": True})
 
-    @routes.post("/continue_generation")
-    async def continue_generation(request: web.Request) -> web.Response:
-        core.resume()
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        self.core.resume()
         return web.json_response({"success": True})
 
-    @routes.post("/update_weight_version")
-    async def update_weight_version(request: web.Request) -> web.Response:
+    async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
+        core = self.core
         if body.get("abort_all_requests"):
             core.cancel(abort_all=True, message="weight version update")
         core.weight_version = str(body.get("new_version") or core.bump_weight_version())
         return web.json_response({"success": True, "weight_version": core.weight_version})
 
-    @routes.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: web.Request) -> web.Response:
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await _json_body(request) if request.can_read_body else {}
         version = body.get("weight_version")
+        core = self.core
         core.weight_version = str(version) if version else core.bump_weight_version()
         return web.json_response(
             {"success": True, "message": "weights updated", "weight_version": core.weight_version}
         )
 
-    @routes.get("/get_weight_version")
-    async def get_weight_version(request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": core.weight_version})
+    async def get_weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.core.weight_version})
 
-    @routes.get("/model_info")
-    @routes.get("/get_model_info")
-    async def model_info(request: web.Request) -> web.Response:
-        return web.json_response(core.model_info())
+    # -- info -----------------------------------------------------------------
 
-    @routes.get("/v1/models")
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response(core.models())
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response(self.core.model_info())
 
-    @routes.get("/health")
-    @routes.get("/health_generate")
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(status=200 if core.healthy else 503)
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(self.core.models())
 
-    @routes.post("/parse_function_call")
-    async def parse_function_call(request: web.Request) -> web.Response:
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.core.healthy else 503)
+
+    # -- output parsers ---------------------------------------------------------
+
+    async def parse_function_call(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
         tools = body.get("tools") or []
-        parser = BuiltinParser(body.get("tool_call_parser") or core.tool_call_parser, None)
+        parser = BuiltinParser(body.get("tool_call_parser") or self.core.tool_call_parser, None)
         parsed = parser.parse_sync(str(body.get("text") or ""), tools)
         index = {name: i for i, name in enumerate(_tool_name_list(tools))}
         calls = [
@@ -544,15 +542,34 @@ def build_app(core: EngineCore) -> web.Application:
         ]
         return web.json_response({"normal_text": parsed.text, "calls": calls})
 
-    @routes.post("/separate_reasoning")
-    async def separate_reasoning(request: web.Request) -> web.Response:
+    async def separate_reasoning(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
-        parser = BuiltinParser(None, body.get("reasoning_parser") or core.reasoning_parser)
+        parser = BuiltinParser(None, body.get("reasoning_parser") or self.core.reasoning_parser)
         parsed = parser.parse_sync(str(body.get("text") or ""), None)
         return web.json_response({"reasoning_text": parsed.reasoning or "", "text": parsed.text})
 
+
+def build_app(core: EngineCore) -> web.Application:
+    e = _Endpoints(core)
     app = web.Application(client_max_size=1 << 30)
-    app.add_routes(routes)
+    app.add_routes(
+        [
+            web.post("/generate", e.generate),
+            web.post("/abort_request", e.abort_request),
+            web.post("/pause_generation", e.pause_generation),
+            web.post("/continue_generation", e.continue_generation),
+            web.post("/update_weight_version", e.update_weight_version),
+            web.post("/update_weights_from_disk", e.update_weights_from_disk),
+            web.get("/get_weight_version", e.get_weight_version),
+            web.get("/model_info", e.model_info),
+            web.get("/get_model_info", e.model_info),
+            web.get("/v1/models", e.models),
+            web.get("/health", e.health),
+            web.get("/health_generate", e.health),
+            web.post("/parse_function_call", e.parse_function_call),
+            web.post("/separate_reasoning", e.separate_reasoning),
+        ]
+    )
     app.middlewares.append(_bad_request_middleware)
     return app
 
