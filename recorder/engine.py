@@ -202,7 +202,13 @@ def _routed_experts(raw: Any, url: str) -> bytes | None:
 
 
 def _int_list(ids: Sequence[int]) -> list[int]:
-    """Plain ints for the JSON body (numpy arrays and their scalars included)."""
+    """Plain ints for the JSON body (numpy arrays and their scalars included).
+
+    A list is passed through untouched: rebuilding a 100k-token prompt every
+    turn would make the per-turn cost grow with the context.
+    """
+    if type(ids) is list:
+        return ids
     tolist = getattr(ids, "tolist", None)
     return tolist() if callable(tolist) else [int(i) for i in ids]
 

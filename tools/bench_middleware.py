@@ -27,7 +27,10 @@ the thread CPU time of the engine's `/generate` handler (reading and
 JSON-parsing the input ids, prefix-cache walk, decoding); CPU time, so it is
 not inflated while the server thread holds the GIL. What the in-process
 engine still costs the server (sending the ids over loopback, GIL hand-offs)
-counts as middleware time: a conservative reading. The store columns are
+counts as middleware time: a conservative reading (`--engine-process` runs
+the engine in a child process instead, as a real engine would be; its spans
+are fetched over HTTP, perf_counter being the system-wide monotonic clock).
+The store columns are
 the time a store call (`append` / `put_array`) was in flight during the turn
 while the engine was not working: the store's share that the engine call did
 not hide. Means and medians are shown: the store's commits make outliers.
@@ -36,7 +39,8 @@ Section 2, pure (no HTTP, no store, no engine): parse + plan in-process, the
 chain path against parse + full render + full encode, median of repeats.
 
     python -m tools.bench_middleware [--contexts 1000,10000,100000] [--turns 8]
-        [--section both|e2e|pure] [--repeat 15]
+        [--section both|e2e|pure] [--engine-process] [--db-dir DIR] [--per-turn]
+        [--repeat 15]
 """
 
 from __future__ import annotations
@@ -436,8 +440,11 @@ class EngineThread:
 
     async def start(self) -> str:
         self._thread.start()
-        app = engine_app(self.tok, self.context_length, self.spans)
-        future = asyncio.run_coroutine_threadsafe(_serve_app(app, 0), self._loop)
+
+        async def serve() -> tuple[web.AppRunner, str]:  # built inside the engine's loop
+            return await _serve_app(engine_app(self.tok, self.context_length, self.spans), 0)
+
+        future = asyncio.run_coroutine_threadsafe(serve(), self._loop)
         self._runner, self.url = await asyncio.wrap_future(future)
         return self.url
 
@@ -726,6 +733,11 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
 def attribute(sample: TurnSample, engine: list[Span], store: list[Span]) -> None:
     """Engine CPU time and the store's unhidden in-flight time inside one turn."""
     inside = [s for s in engine if s.start >= sample.started and s.end <= sample.ended]
+    if not inside:
+        raise RuntimeError(
+            f"no engine /generate span inside {sample.mode} turn {sample.request_id}: "
+            "the engine's timing did not reach the bench"
+        )
     sample.engine_s = sum(s.cpu_s for s in inside)
     stored = _overlap(sample.started, sample.ended, store)
     hidden = [iv for s in inside for iv in _overlap(s.start, s.end, [Span(*iv) for iv in stored])]

@@ -18,6 +18,7 @@ from aiohttp import web
 from recorder.events import RewardAssigned, SessionClosed, SessionOpened
 from recorder.server.auth import require_admin
 from recorder.server.context import CTX, ServerContext
+from recorder.server.deltas import BodyPrefixes
 from recorder.server.errors import ApiError
 from recorder.server.journal import Journal, finish_even_if_cancelled
 from recorder.server.sessions import SESSION_ID_RE, SessionState
@@ -278,8 +279,9 @@ async def close_session(request: web.Request) -> web.Response:
             await state.journal.write(*events)
             state.status = "closed"
             state.close_status = status
-            state.chains = None
+            state.chains = None  # a closed session keeps no tokens in memory
             state.chain_refs.clear()
+            state.body_prefixes = BodyPrefixes()
 
         await finish_even_if_cancelled(close())
     finally:

@@ -9,7 +9,13 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from recorder.server.answer import Answer, content_events, message_json, message_start_event
+from recorder.server.answer import (
+    Answer,
+    content_events,
+    message_json,
+    message_start_event,
+    usage_for,
+)
 from recorder.server.errors import ApiError, error_payload, error_response
 from recorder.server.sse import SseStream
 
@@ -105,9 +111,4 @@ class SseResponder:
 
 Responder = JsonResponder | SseResponder
 
-_NO_USAGE = {
-    "input_tokens": 0,
-    "cache_creation_input_tokens": 0,
-    "cache_read_input_tokens": 0,
-    "output_tokens": 0,
-}
+_NO_USAGE = usage_for(0, 0, 0)

@@ -77,9 +77,6 @@ class SessionRegistry:
     def put(self, state: SessionState) -> None:
         self._sessions[state.session_id] = state
 
-    def forget(self, session_id: str) -> None:
-        self._sessions.pop(session_id, None)
-
     async def get(self, session_id: str) -> SessionState | None:
         """The session's state, from memory or rebuilt from the log; None if it never existed."""
         while True:

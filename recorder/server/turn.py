@@ -109,7 +109,6 @@ async def run_turn(
     except ApiError as err:
         return await responder.fail(err)
     except Exception as exc:
-        record.outcome = "session_failed"
         return await _session_failed(state, record, exc, responder)
     finally:
         await finish_even_if_cancelled(state.journal.settle())
@@ -662,17 +661,23 @@ async def _session_failed(
     """An unexpected error in this session: log, record, answer 500; others go on."""
     log.error("session %s turn %d failed", state.session_id, record.turn, exc_info=exc)
     state.suspect = True  # rebuilt from the log before its next request
-    try:
-        await finish_even_if_cancelled(
-            state.journal.write(
-                ev.SessionFailed(
-                    where=f"turn {record.turn}",
-                    error_type=type(exc).__name__,
-                    message=str(exc)[:2000],
-                    traceback="".join(traceback.format_exception(exc))[-8000:],
-                )
-            )
+    events: list[Any] = []
+    if record.plan is not None and record.outcome != "ok":
+        # The turn started but its answer never went out: replay must not
+        # count it as answered.
+        reason = f"internal error: {type(exc).__name__}: {str(exc)[:500]}"
+        events.append(_turn_failed(record, reason))
+    record.outcome = "session_failed"
+    events.append(
+        ev.SessionFailed(
+            where=f"turn {record.turn}",
+            error_type=type(exc).__name__,
+            message=str(exc)[:2000],
+            traceback="".join(traceback.format_exception(exc))[-8000:],
         )
+    )
+    try:
+        await finish_even_if_cancelled(state.journal.write(*events))
     except Exception:
         log.exception("session %s: could not record the failure", state.session_id)
     return await responder.fail(

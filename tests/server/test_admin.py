@@ -143,6 +143,10 @@ async def test_close_returns_samples(guarded: Harness) -> None:
         check_invariants(s, context_length=h.config.context_length)
     types = await h.types(sid)
     assert types[-2:] == ["reward_assigned", "session_closed"]
+    # A closed session holds no tokens or request bodies in memory.
+    closed = h.ctx.registry.cached(sid)
+    assert closed is not None and closed.chains is None and not closed.chain_refs
+    assert closed.body_prefixes.body == b"" and not closed.body_prefixes.refs
 
     # Closed: agent requests and a second close are conflicts; samples stay readable.
     with pytest.raises(anthropic.APIStatusError) as info:

