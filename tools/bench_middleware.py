@@ -388,8 +388,14 @@ class Span:
     cpu_s: float = 0.0
 
 
-def engine_app(tok: Tokenizer, context_length: int, spans: list[Span]) -> web.Application:
+def engine_app(
+    tok: Tokenizer, context_length: int, spans: list[Span], latency_s: float = 0.0
+) -> web.Application:
     """The scripted engine answering tool calls, timing each `/generate` into `spans`.
+
+    `latency_s` simulates the GPU's time per call (an idle sleep): it counts as
+    engine time, and the server's background writes may overlap it as they
+    would a real engine's.
 
     `GET /bench/spans` returns them (for an engine in another process:
     perf_counter is the system-wide monotonic clock, comparable across processes).
@@ -405,9 +411,12 @@ def engine_app(tok: Tokenizer, context_length: int, spans: list[Span]) -> web.Ap
             return await handler(request)  # type: ignore[no-any-return]
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
+            if latency_s:
+                await asyncio.sleep(latency_s)
             return await handler(request)  # type: ignore[no-any-return]
         finally:
-            spans.append(Span(t0, time.perf_counter(), time.thread_time() - c0))
+            cpu = time.thread_time() - c0
+            spans.append(Span(t0, time.perf_counter(), cpu + latency_s))
 
     async def get_spans(request: web.Request) -> web.Response:
         return web.json_response([[s.start, s.end, s.cpu_s] for s in spans])
@@ -429,9 +438,10 @@ async def _serve_app(app: web.Application, port: int) -> tuple[web.AppRunner, st
 class EngineThread:
     """The scripted engine on its own event loop and thread of this process."""
 
-    def __init__(self, tok: Tokenizer, context_length: int) -> None:
+    def __init__(self, tok: Tokenizer, context_length: int, latency_s: float = 0.0) -> None:
         self.tok = tok
         self.context_length = context_length
+        self.latency_s = latency_s
         self.spans: list[Span] = []
         self.url = ""
         self._loop = asyncio.new_event_loop()
@@ -442,7 +452,8 @@ class EngineThread:
         self._thread.start()
 
         async def serve() -> tuple[web.AppRunner, str]:  # built inside the engine's loop
-            return await _serve_app(engine_app(self.tok, self.context_length, self.spans), 0)
+            app = engine_app(self.tok, self.context_length, self.spans, self.latency_s)
+            return await _serve_app(app, 0)
 
         future = asyncio.run_coroutine_threadsafe(serve(), self._loop)
         self._runner, self.url = await asyncio.wrap_future(future)
@@ -464,8 +475,9 @@ class EngineThread:
 class EngineProcess:
     """The same engine in a child process (`--serve-engine`): no GIL shared with the server."""
 
-    def __init__(self, context_length: int) -> None:
+    def __init__(self, context_length: int, latency_s: float = 0.0) -> None:
         self.context_length = context_length
+        self.latency_s = latency_s
         self.url = ""
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -476,6 +488,7 @@ class EngineProcess:
             "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         }
         args = ["--serve-engine", str(port), "--engine-context", str(self.context_length)]
+        args += ["--engine-latency-ms", str(self.latency_s * 1000)]
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "tools.bench_middleware", *args], cwd=REPO, env=env
         )
@@ -502,12 +515,12 @@ class EngineProcess:
             await asyncio.to_thread(proc.wait, 30)
 
 
-def serve_engine(port: int, context_length: int) -> None:
+def serve_engine(port: int, context_length: int, latency_s: float = 0.0) -> None:
     """`--serve-engine PORT`: run the timed scripted engine until terminated."""
     tok = load_tokenizer(str(TOKENIZER), "chatml-tools")
 
     async def run() -> None:
-        runner, _ = await _serve_app(engine_app(tok, context_length, []), port)
+        runner, _ = await _serve_app(engine_app(tok, context_length, [], latency_s), port)
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         try:
@@ -745,14 +758,19 @@ def attribute(sample: TurnSample, engine: list[Span], store: list[Span]) -> None
 
 
 async def start_stack(
-    tmp: Path, context_length: int, planner: Planner, engine_process: bool = False
+    tmp: Path,
+    context_length: int,
+    planner: Planner,
+    engine_process: bool = False,
+    engine_latency_s: float = 0.0,
 ) -> Stack:
     tok = load_tokenizer(str(TOKENIZER), "chatml-tools")
     engine: EngineThread | EngineProcess
     if engine_process:
-        engine = EngineProcess(context_length)
+        engine = EngineProcess(context_length, engine_latency_s)
     else:
-        engine = EngineThread(load_tokenizer(str(TOKENIZER), "chatml-tools"), context_length)
+        engine_tok = load_tokenizer(str(TOKENIZER), "chatml-tools")
+        engine = EngineThread(engine_tok, context_length, engine_latency_s)
     await engine.start()
     store = await open_store(str(tmp / "bench.db"), create=True)
     spans: list[Span] = []
@@ -800,12 +818,15 @@ async def run_e2e(
     warmup: int = 3,
     db_dir: str | None = None,
     engine_process: bool = False,
+    engine_latency_s: float = 0.0,
 ) -> list[Checkpoint]:
     """Grow two sessions through each checkpoint; measure `turns` turns per mode there."""
     planner = Planner()
     top = max(contexts) + (turns + 2) * new_tokens
     with tempfile.TemporaryDirectory(dir=db_dir) as tmp, planner.installed():
-        stack = await start_stack(Path(tmp), int(top * 1.2) + 8192, planner, engine_process)
+        stack = await start_stack(
+            Path(tmp), int(top * 1.2) + 8192, planner, engine_process, engine_latency_s
+        )
         try:
             return await _drive(stack, contexts, turns, new_tokens, warmup)
         finally:
@@ -925,11 +946,11 @@ def summarize(point: Checkpoint) -> E2eRow:
     )
 
 
-def e2e_table(rows: list[E2eRow]) -> Table:
+def e2e_table(rows: list[E2eRow], engine_latency_ms: float = 0.0) -> Table:
     table = Table(
-        title="end to end: middleware ms per turn = client wall - engine CPU; mean and p50 over turns\n"
-        "real server + SQLite store + scripted engine (0 delay); ours = chain reuse, "
-        "baseline = full re-render + re-tokenize every turn"
+        title="end to end: middleware ms per turn = client wall - engine time; mean and p50 over turns\n"
+        f"real server + SQLite store + scripted engine ({engine_latency_ms:g} ms simulated GPU "
+        "time per call); ours = chain reuse, baseline = full re-render + re-tokenize every turn"
     )
     cols = (
         "context tok", "new/turn", "turns", "engine ms", "ours ms", "ours p50",
@@ -1007,6 +1028,12 @@ def main(argv: list[str] | None = None) -> Results:
         action="store_true",
         help="e2e: run the scripted engine in a child process instead of a thread",
     )
+    ap.add_argument(
+        "--engine-latency-ms",
+        type=float,
+        default=0.0,
+        help="e2e: simulated GPU time per /generate call (counts as engine time)",
+    )
     ap.add_argument("--serve-engine", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--engine-context", type=int, default=131072, help=argparse.SUPPRESS)
     ap.add_argument("--per-turn", action="store_true", help="e2e: also list every measured turn")
@@ -1014,7 +1041,7 @@ def main(argv: list[str] | None = None) -> Results:
     ap.add_argument("--new-words", default="150,1500", help="pure: words of new tool output")
     args = ap.parse_args(argv)
     if args.serve_engine is not None:
-        serve_engine(args.serve_engine, args.engine_context)
+        serve_engine(args.serve_engine, args.engine_context, args.engine_latency_ms / 1000)
         return Results()
     console = Console(width=160)
     results = Results()
@@ -1028,10 +1055,11 @@ def main(argv: list[str] | None = None) -> Results:
                 args.warmup,
                 args.db_dir,
                 args.engine_process,
+                args.engine_latency_ms / 1000,
             )
         )
         results.e2e = [summarize(p) for p in points]
-        console.print(e2e_table(results.e2e))
+        console.print(e2e_table(results.e2e, args.engine_latency_ms))
         if args.per_turn:
             console.print(per_turn_table(points))
     if args.section in ("both", "pure"):
