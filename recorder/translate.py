@@ -12,14 +12,22 @@ form of every message. The token-chain layer compares them to decide whether a
 request extends an earlier one: the normalized form ignores what a client may
 legitimately change when it echoes our answer back (surrounding whitespace,
 cache_control, signatures, block splitting) and keeps what the model saw.
+
+A client resends the whole conversation every turn. With a `ParseCache`
+(one per session) only the messages whose JSON bytes were not seen before
+are decoded, validated and translated, so a turn costs what its new
+messages cost plus one scan of the body; the result is the same as without
+the cache, and so is every error (on any error the body is parsed again
+without the cache, which names the field exactly as before).
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable, Sequence
-from typing import Annotated, Any, Literal
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 
@@ -124,10 +132,9 @@ class ThinkingAdaptive(_Base, tag="adaptive"):
 ThinkingConfig = ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive
 
 
-class AnthropicRequest(_Base):
-    """POST /v1/messages (and /count_tokens, where max_tokens may be absent)."""
+class _RequestFields(_Base):
+    """Everything of a Messages request but its messages."""
 
-    messages: list[Message]
     model: str = ""
     max_tokens: _PositiveInt | None = None
     system: str | list[TextBlock] | None = None
@@ -142,7 +149,21 @@ class AnthropicRequest(_Base):
     metadata: dict[str, Any] | None = None
 
 
+class AnthropicRequest(_RequestFields, kw_only=True):
+    """POST /v1/messages (and /count_tokens, where max_tokens may be absent)."""
+
+    messages: list[Message]
+
+
+class _RawMessagesRequest(_RequestFields, kw_only=True):
+    """A request whose messages are left undecoded (each one's exact JSON bytes)."""
+
+    messages: list[msgspec.Raw]
+
+
 _request_decoder = msgspec.json.Decoder(AnthropicRequest)
+_raw_messages_decoder = msgspec.json.Decoder(_RawMessagesRequest)
+_message_decoder = msgspec.json.Decoder(Message)
 _block_decoder = msgspec.json.Decoder(list[ContentBlock])
 
 
@@ -191,11 +212,20 @@ class ChatRequest(msgspec.Struct, kw_only=True):
 # --------------------------------------------------------------------------
 
 
-def parse_request(body: bytes, *, count_tokens: bool = False) -> ChatRequest:
+def parse_request(
+    body: bytes, *, count_tokens: bool = False, cache: ParseCache | None = None
+) -> ChatRequest:
     """Decode and translate a Messages request body; raise InvalidRequest if it can't be served.
 
     `count_tokens=True` accepts a /v1/messages/count_tokens body (no max_tokens).
+    `cache` (one per session) reuses the translation of messages sent before;
+    the result is the same as without it.
     """
+    if cache is not None:
+        try:
+            return _parse_with_cache(body, count_tokens, cache)
+        except (InvalidRequest, msgspec.MsgspecError, UnicodeDecodeError):
+            pass  # parsed again without the cache, which names the offending field
     try:
         req = _request_decoder.decode(body)
     except msgspec.ValidationError as exc:
@@ -204,38 +234,46 @@ def parse_request(body: bytes, *, count_tokens: bool = False) -> ChatRequest:
         raise InvalidRequest(_utf8_error(body), "body") from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(_describe_decode_error(body, exc), "body") from None
-    if req.max_tokens is None and not count_tokens:
-        raise InvalidRequest("field required", "max_tokens")
+    _check_max_tokens(req, count_tokens)
     return translate(req)
 
 
 def translate(req: AnthropicRequest) -> ChatRequest:
     """Translate a decoded request (see `parse_request`)."""
-    if not req.messages:
+    _check_head(req, len(req.messages))
+    conversation = _Conversation(system_text(req.system))
+    for i, message in enumerate(req.messages):
+        conversation.add(_translate_message(message, f"messages.{i}", conversation.seen))
+    return _chat_request(req, conversation)
+
+
+def _parse_with_cache(body: bytes, count_tokens: bool, cache: ParseCache) -> ChatRequest:
+    req = _raw_messages_decoder.decode(body)
+    _check_max_tokens(req, count_tokens)
+    _check_head(req, len(req.messages))
+    conversation = _Conversation(system_text(req.system))
+    cache.add_messages(req.messages, conversation)
+    return _chat_request(req, conversation)
+
+
+def _check_max_tokens(req: _RequestFields, count_tokens: bool) -> None:
+    if req.max_tokens is None and not count_tokens:
+        raise InvalidRequest("field required", "max_tokens")
+
+
+def _check_head(req: _RequestFields, n_messages: int) -> None:
+    if not n_messages:
         raise InvalidRequest("at least one message is required", "messages")
     _check_tools(req.tools or [])
-    system = system_text(req.system)
-    messages: list[dict[str, Any]] = []
-    if system:
-        messages.append({"role": "system", "content": system})
-    seen_tool_uses: set[str] = set()
-    last_assistant = -1
-    for i, message in enumerate(req.messages):
-        path = f"messages.{i}"
-        blocks = _blocks_of(message.content)
-        if message.role == "assistant":
-            _append_assistant(messages, blocks, path, seen_tool_uses)
-            last_assistant = i
-        elif message.role == "user":
-            messages.extend(_user_messages(blocks, path, seen_tool_uses))
-        else:
-            messages.append({"role": "system", "content": _text_only(blocks, path)})
-    last = req.messages[-1]
-    if last.role == "assistant":
+
+
+def _chat_request(req: _RequestFields, conversation: _Conversation) -> ChatRequest:
+    if conversation.last_role == "assistant":
         raise InvalidRequest(
             "the last message must be from the user (assistant prefill is not supported)",
-            f"messages.{len(req.messages) - 1}.role",
+            f"messages.{conversation.n_input_messages - 1}.role",
         )
+    system = conversation.system
     tools = [_tool_schema(t) for t in req.tools or []]
     thinking = req.thinking
     template_kwargs: dict[str, Any] = {}
@@ -244,14 +282,14 @@ def translate(req: AnthropicRequest) -> ChatRequest:
     choice = req.tool_choice
     return ChatRequest(
         model=req.model,
-        messages=messages,
+        messages=conversation.messages,
         tools=tools,
-        message_digests=tuple(message_digest(m) for m in messages),
+        message_digests=tuple(conversation.digests),
         system=system,
         system_digest=_digest_text(system),
         render_digest=_digest_obj(tools),
-        tool_result_ids=tuple(_trailing_tool_result_ids(req.messages[last_assistant + 1 :])),
-        n_input_messages=len(req.messages),
+        tool_result_ids=tuple(conversation.trailing_tool_result_ids),
+        n_input_messages=conversation.n_input_messages,
         max_tokens=req.max_tokens,
         temperature=req.temperature,
         top_p=req.top_p,
@@ -282,18 +320,91 @@ def system_text(system: str | list[TextBlock] | None) -> str:
 
 
 # --------------------------------------------------------------------------
-# Message translation
+# Message translation: each message on its own, then the conversation rules
 # --------------------------------------------------------------------------
+
+
+class _Piece(NamedTuple):
+    """One request message translated and validated on its own.
+
+    Its chat messages are shared by every request that repeats it (through
+    a ParseCache), so nothing downstream may mutate them. It is valid in any
+    conversation in which each of its `tool_result_ids` follows its tool_use.
+    """
+
+    role: Literal["user", "assistant", "system"]
+    messages: tuple[dict[str, Any], ...]
+    digests: tuple[str, ...]
+    tool_use_ids: tuple[str, ...]
+    tool_result_ids: tuple[str, ...]
+
+
+def _translate_message(message: Message, path: str, seen: set[str]) -> _Piece:
+    """`seen`: the tool_use ids of the messages before this one."""
+    blocks = _blocks_of(message.content)
+    if message.role == "assistant":
+        reply = _assistant_turn(blocks, path)
+        calls = tuple(b.id for b in blocks if isinstance(b, ToolUseBlock))
+        return _Piece("assistant", (reply,), (message_digest(reply),), calls, ())
+    if message.role == "user":
+        out = tuple(_user_messages(blocks, path, seen))
+        results = tuple(b.tool_use_id for b in blocks if isinstance(b, ToolResultBlock))
+        return _Piece("user", out, tuple(message_digest(m) for m in out), (), results)
+    system = {"role": "system", "content": _text_only(blocks, path)}
+    return _Piece("system", (system,), (message_digest(system),), (), ())
+
+
+class _Conversation:
+    """The chat messages of a request, built message by message under the cross-message rules.
+
+    Consecutive assistant messages merge (the API treats them as one turn);
+    the tool_result ids after the last assistant message are collected.
+    """
+
+    def __init__(self, system: str) -> None:
+        self.system = system
+        self.messages: list[dict[str, Any]] = []
+        self.digests: list[str] = []
+        if system:
+            prompt = {"role": "system", "content": system}
+            self.messages.append(prompt)
+            self.digests.append(message_digest(prompt))
+        self.seen: set[str] = set()
+        self.trailing_tool_result_ids: list[str] = []
+        self.last_role = ""
+        self.n_input_messages = 0
+
+    def check_tool_results(self, piece: _Piece, index: int) -> None:
+        """A message translated in another conversation: do its tool_results follow their tool_use?"""
+        for tool_use_id in piece.tool_result_ids:
+            if tool_use_id not in self.seen:
+                raise InvalidRequest(
+                    f"no tool_use with id {tool_use_id!r} earlier in the conversation",
+                    f"messages.{index}",
+                )
+
+    def add(self, piece: _Piece) -> None:
+        self.n_input_messages += 1
+        self.last_role = piece.role
+        if piece.role != "assistant":
+            self.trailing_tool_result_ids.extend(piece.tool_result_ids)
+        else:
+            self.seen.update(piece.tool_use_ids)
+            self.trailing_tool_result_ids.clear()
+            if self.messages and self.messages[-1]["role"] == "assistant":
+                merged = _merge_assistant(self.messages[-1], piece.messages[0])
+                self.messages[-1] = merged
+                self.digests[-1] = message_digest(merged)
+                return
+        self.messages.extend(piece.messages)
+        self.digests.extend(piece.digests)
 
 
 def _blocks_of(content: str | list[ContentBlock]) -> list[ContentBlock]:
     return [TextBlock(text=content)] if isinstance(content, str) else content
 
 
-def _append_assistant(
-    out: list[dict[str, Any]], blocks: list[ContentBlock], path: str, seen: set[str]
-) -> None:
-    """Consecutive assistant messages merge (the API treats them as one turn)."""
+def _assistant_turn(blocks: list[ContentBlock], path: str) -> dict[str, Any]:
     if not blocks:
         raise InvalidRequest("must not be empty", f"{path}.content")
     for j, block in enumerate(blocks):
@@ -301,13 +412,7 @@ def _append_assistant(
             raise InvalidRequest(
                 "tool_result blocks belong in user messages", f"{path}.content.{j}.type"
             )
-        if isinstance(block, ToolUseBlock):
-            seen.add(block.id)
-    message = assistant_message(blocks)
-    if out and out[-1]["role"] == "assistant":
-        out[-1] = _merge_assistant(out[-1], message)
-    else:
-        out.append(message)
+    return assistant_message(blocks)
 
 
 def assistant_message(blocks: Sequence[ContentBlock]) -> dict[str, Any]:
@@ -394,12 +499,102 @@ def _text_only(blocks: list[ContentBlock], path: str) -> str:
     return "\n\n".join(b.text for b in blocks)  # type: ignore[union-attr]
 
 
-def _trailing_tool_result_ids(messages: Sequence[Message]) -> Iterable[str]:
-    for message in messages:
-        if isinstance(message.content, list):
-            for block in message.content:
-                if isinstance(block, ToolResultBlock):
-                    yield block.tool_use_id
+# --------------------------------------------------------------------------
+# The per-session cache of translated messages
+# --------------------------------------------------------------------------
+
+
+class ParseCache:
+    """One session's translated messages, keyed by their exact JSON bytes (LRU, bounded).
+
+    Identical bytes decode to the identical message, so a hit needs no
+    decoding, validation or translation; only the cross-message rules run
+    again (`_Conversation`). The previous request's keys are kept in order:
+    a message at the same position as before is matched by a byte compare,
+    so only messages that moved or are new get hashed.
+
+    Bounds: the least recently used messages go beyond `max_entries` or
+    `max_bytes`, where a message is charged twice its JSON size (the key plus
+    its translation) plus a fixed overhead; and a message no request used in
+    the last `max_idle_requests` (history replaced by a compaction, a
+    finished subagent) goes too. The previous request's key list may keep a
+    few evicted keys alive until the next request. Not thread-safe: one
+    session's requests are parsed on the server's event loop.
+    """
+
+    ENTRY_OVERHEAD = 256
+
+    def __init__(
+        self, max_entries: int = 4096, max_bytes: int = 16 << 20, max_idle_requests: int = 64
+    ) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.max_idle_requests = max_idle_requests
+        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._previous: list[bytes] = []
+        self._nbytes = 0
+        self._requests = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        """Memory charged for the cached messages (see the class docstring)."""
+        return self._nbytes
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._previous = []
+        self._nbytes = 0
+
+    def add_messages(self, raws: Sequence[msgspec.Raw], conversation: _Conversation) -> None:
+        """Add each message to `conversation`, translating only those not cached."""
+        self._requests += 1
+        now = self._requests
+        previous, keys, entries = self._previous, [], self._entries
+        for i, raw in enumerate(raws):
+            data = bytes(raw)
+            key = previous[i] if i < len(previous) and previous[i] == data else data
+            entry = entries.get(key)
+            if entry is None:
+                message = _message_decoder.decode(data)
+                piece = _translate_message(message, f"messages.{i}", conversation.seen)
+                self._put(key, _Entry(piece, now))
+            else:
+                piece = entry.piece
+                entry.last_used = now
+                entries.move_to_end(key)
+                if piece.tool_result_ids:
+                    conversation.check_tool_results(piece, i)
+            conversation.add(piece)
+            keys.append(key)
+        self._previous = keys
+        self._evict(lambda oldest: oldest.last_used < now - self.max_idle_requests)
+
+    def _put(self, key: bytes, entry: _Entry) -> None:
+        self._entries[key] = entry
+        self._nbytes += self._cost(key)
+        self._evict(lambda _: len(self._entries) > self.max_entries)
+        self._evict(lambda _: self._nbytes > self.max_bytes)
+
+    def _evict(self, while_oldest: Callable[[_Entry], bool]) -> None:
+        """Drop least recently used entries while `while_oldest(the oldest entry)` holds."""
+        entries = self._entries
+        while entries and while_oldest(next(iter(entries.values()))):
+            key, _ = entries.popitem(last=False)
+            self._nbytes -= self._cost(key)
+
+    def _cost(self, key: bytes) -> int:
+        return 2 * len(key) + self.ENTRY_OVERHEAD
+
+
+class _Entry:
+    __slots__ = ("last_used", "piece")
+
+    def __init__(self, piece: _Piece, last_used: int) -> None:
+        self.piece = piece
+        self.last_used = last_used
 
 
 # --------------------------------------------------------------------------

@@ -30,7 +30,9 @@ engine still costs the server (sending the ids over loopback, GIL hand-offs)
 counts as middleware time: a conservative reading (`--engine-process` runs
 the engine in a child process instead, as a real engine would be; its spans
 are fetched over HTTP, perf_counter being the system-wide monotonic clock).
-The store columns are
+The parse and plan
+columns time the server's own `parse_request` (with the session's
+ParseCache) and turn planner calls. The store columns are
 the time a store call (`append` / `put_array`) was in flight during the turn
 while the engine was not working: the store's share that the engine call did
 not hide. Means and medians are shown: the store's commits make outliers.
@@ -69,6 +71,7 @@ from aiohttp import web
 from rich.console import Console
 from rich.table import Table
 
+import recorder.server.api as api_module
 import recorder.server.turn as turn_module
 from recorder import events as ev
 from recorder.engine import EngineClient
@@ -78,7 +81,7 @@ from recorder.store import open_store
 from recorder.store.base import EventStore
 from recorder.tokenizer import Tokenizer, load_tokenizer
 from recorder.tokens import SessionChains, TurnPlan, commit_turn, full_input_ids, plan_turn
-from recorder.translate import ChatRequest, parse_request, response_message_digest
+from recorder.translate import ChatRequest, ParseCache, parse_request, response_message_digest
 from replay.rules import load_rules
 from tools.test_engine.core import EngineCore, build_app
 from tools.test_engine.launch import free_port
@@ -208,18 +211,18 @@ def _output_ids(tok: Tokenizer, content: list[dict[str, Any]]) -> list[int]:
     return tok.encode(tok.render([*head, message], None, False)[len(start) :].rstrip("\n"))
 
 
-def _build(tok: Tokenizer, context: int) -> tuple[Session, SessionChains]:
+def _build(tok: Tokenizer, context: int) -> tuple[Session, SessionChains, ParseCache]:
     """Grow a session turn by turn through the chain layer until ~`context` tokens."""
-    session, chains = Session(context), SessionChains()
+    session, chains, cache = Session(context), SessionChains(), ParseCache()
     while True:
-        req = parse_request(session.body())
+        req = parse_request(session.body(), cache=cache)
         plan = plan_turn(chains, req, tok)
         content = session.answer()
         out = _output_ids(tok, content)
         commit_turn(chains, plan, out, response_message_digest(content))
         session.add_answer(content)
         if len(plan.input_ids) + len(out) >= context * 0.97:
-            return session, chains
+            return session, chains, cache
         session.add_tool_result(n_words=min(600, max(20, context // 40)))
 
 
@@ -237,18 +240,22 @@ def _median_ms(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, f
 
 
 def measure(tok: Tokenizer, context: int, new_words: int, repeat: int) -> dict[str, float]:
-    session, chains = _build(tok, context)
+    session, chains, cache = _build(tok, context)
     session.add_tool_result(new_words)
     body = session.body()
-    req = parse_request(body)
+    req = parse_request(body, cache=cache)
+    assert req == parse_request(body), "cached and uncached parse disagree"
     plan = plan_turn(chains, req, tok)
     assert plan.action == "extend", plan
     assert plan.input_ids == full_input_ids(req, tok), "chain and full render disagree"
     ms = _median_ms(
         {
-            "parse": lambda: parse_request(body),
+            # First after the previous repeat's "base", as "parse" was before the cache:
+            # whatever runs there pays for the memory the full render freed and re-faults.
+            "parse_uncached": lambda: parse_request(body),
+            "parse": lambda: parse_request(body, cache=cache),
             "plan": lambda: plan_turn(chains, req, tok),
-            "chain": lambda: plan_turn(chains, parse_request(body), tok),
+            "chain": lambda: plan_turn(chains, parse_request(body, cache=cache), tok),
             "base": lambda: full_input_ids(parse_request(body), tok),
         },
         repeat,
@@ -259,9 +266,14 @@ def measure(tok: Tokenizer, context: int, new_words: int, repeat: int) -> dict[s
 def pure_table(rows: list[dict[str, float]]) -> Table:
     table = Table(
         title="pure: middleware time per turn, median ms, no HTTP, no store, no engine\n"
-        "chain = parse + plan (plan_turn); baseline = parse + full render + full encode"
+        "chain = parse + plan (plan_turn); baseline = parse + full render + full encode\n"
+        "parse = with the session's ParseCache (warm; repeats find the new message cached too);"
+        " uncached = without"
     )
-    cols = ("context tok", "new tok", "body KB", "parse", "plan", "chain", "baseline", "ratio")
+    cols = (
+        "context tok", "new tok", "body KB", "parse", "uncached", "plan", "chain", "baseline",
+        "ratio",
+    )  # fmt: skip
     for col in cols:
         table.add_column(col, justify="right")
     for r in rows:
@@ -270,6 +282,7 @@ def pure_table(rows: list[dict[str, float]]) -> Table:
             f"{r['new']:,}",
             f"{r['body_kb']:.0f}",
             f"{r['parse']:.2f}",
+            f"{r['parse_uncached']:.2f}",
             f"{r['plan']:.2f}",
             f"{r['chain']:.2f}",
             f"{r['base']:.2f}",
@@ -596,6 +609,7 @@ class Planner:
     def __init__(self) -> None:
         self.mode = "ours"
         self.calls: list[PlanCall] = []
+        self.parse_s: list[float] = []  # the server's parse_request, timed the same way
 
     def __call__(self, chains: SessionChains, req: ChatRequest, tok: Tokenizer) -> TurnPlan:
         fn = plan_turn if self.mode == "ours" else full_render_plan
@@ -605,9 +619,19 @@ class Planner:
         self.calls.append(PlanCall(self.mode, seconds, len(plan.input_ids), plan.new_tokens))
         return plan
 
+    def parse(self, body: bytes, **kwargs: Any) -> ChatRequest:
+        t0 = time.perf_counter()
+        try:
+            return parse_request(body, **kwargs)
+        finally:
+            self.parse_s.append(time.perf_counter() - t0)
+
     @contextlib.contextmanager
     def installed(self) -> Iterator[Planner]:
-        with mock.patch.object(turn_module, "plan_turn", self):
+        with (
+            mock.patch.object(turn_module, "plan_turn", self),
+            mock.patch.object(api_module, "parse_request", self.parse),
+        ):
             yield self
 
 
@@ -625,6 +649,7 @@ class TurnSample:
     prompt_tokens: int
     new_tokens: int
     plan_s: float
+    parse_s: float
     engine_s: float = 0.0
     store_s: float = 0.0
 
@@ -689,7 +714,14 @@ class LiveSession:
         self.prompt_tokens = call.prompt_tokens
         self.output_tokens = usage.get("output_tokens", 0)
         return TurnSample(
-            mode, request_id, started, ended, call.prompt_tokens, new_tokens, call.seconds
+            mode,
+            request_id,
+            started,
+            ended,
+            call.prompt_tokens,
+            new_tokens,
+            call.seconds,
+            stack.planner.parse_s[-1],
         )
 
 
@@ -906,9 +938,11 @@ class E2eRow:
     engine_ms: float
     ours_ms: float
     ours_plan_ms: float
+    ours_parse_ms: float
     ours_store_ms: float
     base_ms: float
     base_plan_ms: float
+    base_parse_ms: float
     base_store_ms: float
     turns: int
     ours_p50_ms: float
@@ -936,9 +970,11 @@ def summarize(point: Checkpoint) -> E2eRow:
         engine_ms=ms(point.samples, lambda s: s.engine_s),
         ours_ms=ms(ours, lambda s: s.middleware_s),
         ours_plan_ms=ms(ours, lambda s: s.plan_s),
+        ours_parse_ms=ms(ours, lambda s: s.parse_s),
         ours_store_ms=ms(ours, lambda s: s.store_s),
         base_ms=ms(base, lambda s: s.middleware_s),
         base_plan_ms=ms(base, lambda s: s.plan_s),
+        base_parse_ms=ms(base, lambda s: s.parse_s),
         base_store_ms=ms(base, lambda s: s.store_s),
         turns=len(ours),
         ours_p50_ms=statistics.median(s.middleware_s for s in ours) * 1000,
@@ -954,7 +990,8 @@ def e2e_table(rows: list[E2eRow], engine_latency_ms: float = 0.0) -> Table:
     )
     cols = (
         "context tok", "new/turn", "turns", "engine ms", "ours ms", "ours p50",
-        "ours plan", "ours store", "base ms", "base p50", "base plan", "base store",
+        "ours parse", "ours plan", "ours store", "base ms", "base p50", "base parse",
+        "base plan", "base store",
         "ratio", "ratio p50",
     )  # fmt: skip
     for col in cols:
@@ -967,10 +1004,12 @@ def e2e_table(rows: list[E2eRow], engine_latency_ms: float = 0.0) -> Table:
             f"{r.engine_ms:.1f}",
             f"{r.ours_ms:.1f}",
             f"{r.ours_p50_ms:.1f}",
+            f"{r.ours_parse_ms:.1f}",
             f"{r.ours_plan_ms:.1f}",
             f"{r.ours_store_ms:.1f}",
             f"{r.base_ms:.1f}",
             f"{r.base_p50_ms:.1f}",
+            f"{r.base_parse_ms:.1f}",
             f"{r.base_plan_ms:.1f}",
             f"{r.base_store_ms:.1f}",
             f"{r.ratio:.1f}x",
@@ -981,7 +1020,18 @@ def e2e_table(rows: list[E2eRow], engine_latency_ms: float = 0.0) -> Table:
 
 def per_turn_table(points: list[Checkpoint]) -> Table:
     table = Table(title="end to end, every measured turn (ms)")
-    for col in ("mode", "prompt tok", "new tok", "wall", "engine", "middleware", "plan", "store"):
+    cols = (
+        "mode",
+        "prompt tok",
+        "new tok",
+        "wall",
+        "engine",
+        "middleware",
+        "parse",
+        "plan",
+        "store",
+    )
+    for col in cols:
         table.add_column(col, justify="right")
     for point in points:
         for s in point.samples:
@@ -992,6 +1042,7 @@ def per_turn_table(points: list[Checkpoint]) -> Table:
                 f"{(s.ended - s.started) * 1000:.1f}",
                 f"{s.engine_s * 1000:.1f}",
                 f"{s.middleware_s * 1000:.1f}",
+                f"{s.parse_s * 1000:.1f}",
                 f"{s.plan_s * 1000:.1f}",
                 f"{s.store_s * 1000:.1f}",
             )
@@ -1043,7 +1094,7 @@ def main(argv: list[str] | None = None) -> Results:
     if args.serve_engine is not None:
         serve_engine(args.serve_engine, args.engine_context, args.engine_latency_ms / 1000)
         return Results()
-    console = Console(width=160)
+    console = Console(width=200)
     results = Results()
     contexts = _ints(args.contexts)
     if args.section in ("both", "e2e"):

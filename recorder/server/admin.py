@@ -282,6 +282,7 @@ async def close_session(request: web.Request) -> web.Response:
             state.chains = None  # a closed session keeps no tokens in memory
             state.chain_refs.clear()
             state.body_prefixes = BodyPrefixes()
+            state.parse_cache.clear()
 
         await finish_even_if_cancelled(close())
     finally:

@@ -56,7 +56,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     chat: ChatRequest | None = None
     invalid: InvalidRequest | None = None
     try:
-        chat = parse_request(body)
+        chat = parse_request(body, cache=state.parse_cache)
     except InvalidRequest as exc:
         invalid = exc
     message_id = new_message_id()

@@ -108,7 +108,7 @@ async def _rebuild_chains(
         body, input_ids, *outputs = await ctx.store.get_arrays(
             [turn.request.body, turn.rendered.input_ids, *turn.outputs]
         )
-        chat = parse_request(body.tobytes())
+        chat = parse_request(body.tobytes(), cache=state.parse_cache)
         if turn.decision is not None:
             # Chain ids as recorded: a new chain takes the id the live server gave it.
             state.chains.next_chain_id = max(state.chains.next_chain_id, turn.decision.chain_id)

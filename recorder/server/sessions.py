@@ -19,6 +19,7 @@ from typing import Any, Literal
 from recorder.events import ArrayRef
 from recorder.server.deltas import BodyPrefixes
 from recorder.server.journal import Journal
+from recorder.translate import ParseCache
 
 SessionStatus = Literal["open", "closed"]
 
@@ -44,6 +45,9 @@ class SessionState:
     chain_refs: dict[int, dict[int, ArrayRef]] = field(default_factory=dict)
     # The previous request body and its stored prefixes (see deltas.put_body).
     body_prefixes: BodyPrefixes = field(default_factory=BodyPrefixes)
+    # The translated messages of earlier requests (parse_request(..., cache=)),
+    # so a turn translates only its new messages; emptied when the session closes.
+    parse_cache: ParseCache = field(default_factory=ParseCache)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Set when an unexpected error left the cache possibly out of step with
     # the log: the registry rebuilds it before the next use.

@@ -1,0 +1,373 @@
+"""parse_request with a session's ParseCache: the same ChatRequest and the same errors, bounded.
+
+A simulated Claude Code session (billing header changing every turn, tool
+loops, thinking, subagent requests interleaved on the same session) is
+edited at random between turns the ways clients do: history rewound,
+compacted, an echoed assistant message changed, an assistant turn split in
+two, a role "system" message inserted, the whole body re-serialized. Every
+body must parse to exactly what the uncached parse gives, with a roomy cache
+and with caches so small or forgetful that they evict all the time.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_translate_fuzz import _body as garbage_bodies
+from test_translate_requests import MALFORMED
+
+import recorder.translate as translate
+from recorder.translate import ChatRequest, InvalidRequest, ParseCache, parse_request
+
+Outcome = ChatRequest | tuple[str, str]
+
+
+def _outcome(body: bytes, cache: ParseCache | None) -> Outcome:
+    try:
+        return parse_request(body, cache=cache)
+    except InvalidRequest as exc:
+        return (exc.field, str(exc))
+
+
+def _assert_same(body: bytes, *caches: ParseCache) -> Outcome:
+    expected = _outcome(body, None)
+    for cache in caches:
+        assert _outcome(body, cache) == expected
+    return expected
+
+
+_TOOLS = [
+    {
+        "name": name,
+        "description": f"The {name} tool.",
+        "input_schema": {"type": "object", "properties": {"arg": {"type": "string"}}},
+        "cache_control": {"type": "ephemeral"},
+    }
+    for name in ("Bash", "Read", "Agent")
+]
+
+
+class _Session:
+    """The client side of a Claude-Code-shaped session, with the edits clients make."""
+
+    def __init__(self, rng: random.Random, system: str = "You are Claude Code.") -> None:
+        self.rng = rng
+        self.system = system
+        self.turn = 0
+        self.next_id = 0
+        self.messages: list[dict[str, Any]] = [{"role": "user", "content": self._words(8)}]
+        self.dumps_kwargs: dict[str, Any] = {}
+
+    def _words(self, n: int) -> str:
+        return " ".join(
+            self.rng.choice(["fix", "the", "test", "file", "run", "ok"]) for _ in range(n)
+        )
+
+    def body(self) -> bytes:
+        self.turn += 1
+        body = {
+            "model": "claude",
+            "max_tokens": 32000,
+            "stream": True,
+            "system": [
+                {"type": "text", "text": f"x-anthropic-billing-header: cch={self.turn:05x};"},
+                {"type": "text", "text": self.system, "cache_control": {"type": "ephemeral"}},
+            ],
+            "tools": _TOOLS,
+            "messages": self.messages,
+            "thinking": {"type": "adaptive"},
+            "context_management": {"edits": []},
+        }
+        return json.dumps(body, **self.dumps_kwargs).encode()
+
+    def _assistant(self, n_calls: int) -> dict[str, Any]:
+        content: list[dict[str, Any]] = []
+        if self.rng.random() < 0.5:
+            content.append({"type": "thinking", "thinking": self._words(5), "signature": "sig"})
+        if self.rng.random() < 0.7:
+            content.append({"type": "text", "text": self._words(4)})
+        for _ in range(n_calls):
+            self.next_id += 1
+            content.append(
+                {
+                    "type": "tool_use",
+                    "id": f"toolu_{self.next_id:04d}",
+                    "name": self.rng.choice(["Bash", "Read"]),
+                    "input": {"arg": self._words(2)},
+                }
+            )
+        if not content:
+            content.append({"type": "text", "text": "done"})
+        return {"role": "assistant", "content": content}
+
+    def tool_turn(self) -> None:
+        answer = self._assistant(self.rng.randint(1, 3))
+        self.messages.append(answer)
+        results: list[dict[str, Any]] = []
+        for block in answer["content"]:
+            if block["type"] == "tool_use":
+                output: Any = self._words(self.rng.randint(1, 12))
+                if self.rng.random() < 0.3:
+                    output = [{"type": "text", "text": output}]
+                result = {"type": "tool_result", "tool_use_id": block["id"], "content": output}
+                if self.rng.random() < 0.2:
+                    result["is_error"] = True
+                results.append(result)
+        if self.rng.random() < 0.3:
+            results.append(
+                {"type": "text", "text": "<system-reminder>keep going</system-reminder>"}
+            )
+        self.messages.append({"role": "user", "content": results})
+
+    def text_turn(self) -> None:
+        self.messages.append(self._assistant(0))
+        self.messages.append({"role": "user", "content": self._words(6)})
+
+    def rewind(self) -> None:
+        """The user goes back to an earlier prompt (history truncated at a user message)."""
+        ends = [i + 1 for i, m in enumerate(self.messages) if m["role"] == "user"]
+        self.messages = self.messages[: self.rng.choice(ends)]
+
+    def compact(self) -> None:
+        """Claude Code's auto-compaction: a summary replaces the history."""
+        summary = "This session is being continued. Summary: " + self._words(20)
+        self.messages = [{"role": "user", "content": [{"type": "text", "text": summary}]}]
+
+    def _assistant_indexes(self) -> list[int]:
+        return [i for i, m in enumerate(self.messages) if m["role"] == "assistant"]
+
+    def edit_echo(self) -> None:
+        """The client changes an assistant message it echoes back."""
+        indexes = self._assistant_indexes()
+        if not indexes:
+            return
+        i = self.rng.choice(indexes)
+        content = [dict(b) for b in self.messages[i]["content"]]
+        edit = self.rng.choice(["drop_thinking", "whitespace", "text", "keys", "signature"])
+        for block in content:
+            if edit == "whitespace" and block["type"] == "text":
+                block["text"] = "\n" + block["text"] + "  "
+            elif edit == "text" and block["type"] == "text":
+                block["text"] += " (edited)"
+            elif edit == "signature" and block["type"] == "thinking":
+                block["signature"] = "other"
+        if edit == "drop_thinking":
+            content = [b for b in content if b["type"] != "thinking"] or content
+        elif edit == "keys":
+            content = [dict(reversed(list(b.items()))) for b in content]
+        self.messages[i] = {"role": "assistant", "content": content}
+
+    def split_assistant(self) -> None:
+        """One assistant turn sent as two consecutive assistant messages (they merge)."""
+        indexes = [i for i in self._assistant_indexes() if len(self.messages[i]["content"]) > 1]
+        if not indexes:
+            return
+        i = self.rng.choice(indexes)
+        content = self.messages[i]["content"]
+        cut = self.rng.randint(1, len(content) - 1)
+        self.messages[i : i + 1] = [
+            {"role": "assistant", "content": content[:cut]},
+            {"role": "assistant", "content": content[cut:]},
+        ]
+
+    def drop_assistant(self) -> None:
+        """A broken client: an assistant turn is gone but its tool results stay (a 400)."""
+        indexes = self._assistant_indexes()
+        if indexes:
+            del self.messages[self.rng.choice(indexes)]
+
+    def insert_system(self) -> None:
+        i = self.rng.randrange(len(self.messages))
+        self.messages.insert(i, {"role": "system", "content": "Note: " + self._words(3)})
+
+    def reserialize(self) -> None:
+        """Same JSON values, different bytes for every message."""
+        self.dumps_kwargs = self.rng.choice([{}, {"indent": 1}, {"separators": (",", ":")}])
+
+
+_EDITS = [
+    "tool_turn",
+    "tool_turn",
+    "tool_turn",
+    "text_turn",
+    "rewind",
+    "compact",
+    "edit_echo",
+    "split_assistant",
+    "insert_system",
+    "drop_assistant",
+    "reserialize",
+    "subagent",
+]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from(_EDITS), min_size=1, max_size=30), st.integers(0, 2**32 - 1))
+def test_cached_parse_equals_uncached_over_an_edited_session(edits: list[str], seed: int) -> None:
+    rng = random.Random(seed)
+    main = _Session(rng)
+    roomy, tiny = ParseCache(), ParseCache(max_entries=3, max_bytes=3000)
+    forgetful = ParseCache(max_idle_requests=0)  # keeps only what the last request used
+    caches = (roomy, tiny, forgetful)
+    _assert_same(main.body(), *caches)
+    subagent: _Session | None = None
+    for edit in edits:
+        if edit == "subagent":
+            # A subagent's requests arrive on the same session, between the main line's.
+            subagent = subagent or _Session(rng, system="You are a subagent.")
+            subagent.tool_turn()
+            _assert_same(subagent.body(), *caches)
+        else:
+            getattr(main, edit)()
+        _assert_same(main.body(), *caches)
+        assert len(tiny) <= 3 and tiny.nbytes <= 3000
+
+
+def test_only_new_messages_are_translated(monkeypatch: pytest.MonkeyPatch) -> None:
+    translated: list[str] = []
+    original = translate._translate_message
+
+    def counting(message: translate.Message, path: str, seen: set[str]) -> Any:
+        translated.append(path)
+        return original(message, path, seen)
+
+    monkeypatch.setattr(translate, "_translate_message", counting)
+    session, cache = _Session(random.Random(1)), ParseCache()
+    for _ in range(10):
+        session.tool_turn()
+    assert parse_request(session.body(), cache=cache) == parse_request(session.body())
+    translated.clear()
+    session.tool_turn()
+    n = len(session.messages)
+    assert parse_request(session.body(), cache=cache) == parse_request(session.body())
+    # The uncached parse translated all n; the cached one only the two new messages.
+    assert translated.count(f"messages.{n - 2}") == 2
+    assert len(translated) == n + 2
+    translated.clear()
+    session.edit_echo()
+    session.reserialize()
+    session.dumps_kwargs = {"indent": 2}  # every message's bytes change: all translated again
+    parse_request(session.body(), cache=cache)
+    assert len(translated) == n
+
+
+def _cached_session(turns: int) -> tuple[_Session, ParseCache]:
+    session, cache = _Session(random.Random(2)), ParseCache()
+    for _ in range(turns):
+        session.tool_turn()
+        parse_request(session.body(), cache=cache)
+    return session, cache
+
+
+def _error(body: bytes, cache: ParseCache | None) -> str:
+    with pytest.raises(InvalidRequest) as info:
+        parse_request(body, cache=cache)
+    return str(info.value)
+
+
+def test_malformed_new_message_in_a_cached_body_names_its_field() -> None:
+    session, cache = _cached_session(8)
+    n = len(session.messages)
+    valid = session.body()
+    session.messages.append({"role": "assistant", "content": "Let me look."})
+    session.messages.append(
+        {"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "image"}]}
+    )
+    body = session.body()
+    expected = f"messages.{n + 1}.content.1.type: unsupported block type 'image'"
+    assert _error(body, cache) == _error(body, None) == expected
+    session.messages[-1] = {
+        "role": "user",
+        "content": [{"type": "tool_result", "tool_use_id": "toolu_nope", "content": "x"}],
+    }
+    body = session.body()
+    expected = (
+        f"messages.{n + 1}.content.0.tool_use_id: "
+        "no tool_use with id 'toolu_nope' earlier in the conversation"
+    )
+    assert _error(body, cache) == _error(body, None) == expected
+    # A cached assistant message as the last one is a prefill.
+    del session.messages[-1]
+    body = session.body()
+    assert _error(body, cache) == _error(body, None)
+    assert _error(body, cache).startswith(f"messages.{n}.role: ")
+    # The failures left the cache usable.
+    assert parse_request(valid, cache=cache) == parse_request(valid)
+
+
+def test_cached_tool_result_whose_tool_use_is_gone_is_refused() -> None:
+    session, cache = _cached_session(6)
+    # Drop an assistant turn but keep its (cached, byte-identical) tool results.
+    i = next(i for i, m in enumerate(session.messages) if m["role"] == "assistant")
+    del session.messages[i]
+    body = session.body()
+    assert _error(body, cache) == _error(body, None)
+    assert _error(body, cache).startswith(f"messages.{i}.content.0.tool_use_id: no tool_use")
+
+
+def test_malformed_table_with_a_warm_cache() -> None:
+    """Every refusal of the table, with one cache shared by all (the second pass hits it)."""
+    cache = ParseCache()
+    for _ in range(2):
+        for name, body, _, _ in MALFORMED:
+            raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+            assert _outcome(raw, cache) == _outcome(raw, None), name
+    assert len(cache) > 0
+
+
+def test_cache_is_bounded_by_entries_and_bytes() -> None:
+    session = _Session(random.Random(3))
+    for _ in range(20):
+        session.tool_turn()
+    body = session.body()
+    by_entries = ParseCache(max_entries=5)
+    by_bytes = ParseCache(max_bytes=4000)
+    for _ in range(2):
+        _assert_same(body, by_entries, by_bytes)
+        assert len(by_entries) == 5
+        assert 0 < by_bytes.nbytes <= 4000
+    roomy = ParseCache()
+    _assert_same(body, roomy)
+    assert len(roomy) == len(session.messages)
+    assert roomy.nbytes >= 2 * sum(len(json.dumps(m)) for m in session.messages)
+    roomy.clear()
+    assert len(roomy) == 0 and roomy.nbytes == 0
+    _assert_same(body, roomy)
+
+
+def test_message_larger_than_the_byte_bound_is_not_kept() -> None:
+    session = _Session(random.Random(4))
+    session.messages[0]["content"] = "x" * 10_000
+    cache = ParseCache(max_bytes=5000)
+    _assert_same(session.body(), cache)
+    assert len(cache) == 0 and cache.nbytes == 0
+
+
+_SHARED = ParseCache(max_entries=64)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(garbage_bodies)
+def test_garbage_bodies_parse_the_same_with_a_shared_cache(body: dict[str, Any]) -> None:
+    raw = json.dumps(body).encode()
+    assert _outcome(raw, _SHARED) == _outcome(raw, None)
+    assert _outcome(raw, _SHARED) == _outcome(raw, None)  # now with its messages cached
+
+
+def test_messages_no_request_uses_any_more_are_dropped() -> None:
+    session, cache = _Session(random.Random(5)), ParseCache(max_idle_requests=2)
+    for _ in range(10):
+        session.tool_turn()
+        _assert_same(session.body(), cache)
+    assert len(cache) == len(session.messages)
+    session.compact()
+    for _ in range(3):
+        session.tool_turn()
+        _assert_same(session.body(), cache)
+    # The history the compaction replaced went after two requests without it.
+    assert len(cache) == len(session.messages) == 7
