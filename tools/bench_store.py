@@ -13,7 +13,14 @@ machine, so ratios stay meaningful across hardware:
   - 256 concurrent single-event appenders: group commit vs. one transaction
     per event (the same store with grouping disabled);
   - token storage of a 40-turn session (each prompt extends the previous one)
-    vs. storing every turn's full prompt as raw int32.
+    vs. storing every turn's full prompt as raw int32;
+  - raw request bodies of a 40-turn agent session (each body re-sends the
+    whole conversation, +2,500 tokens of text per turn): bytes on disk and
+    put time per turn with `basis=` the previous body vs. without, stored
+    whole and as the server stores them (`recorder.server.deltas.put_body`),
+    against what the last body alone costs compressed (its unique text),
+    and the time to read the last body from a fresh store (a cold read
+    decodes at most MAX_BASIS_DEPTH bases).
 Postgres runs when --pg or TR_TEST_POSTGRES_URL gives an admin URL; it makes
 and drops a scratch database.
 """
@@ -22,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import json
 import os
 import sqlite3
 import statistics
@@ -33,19 +42,23 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from recorder.events import ArrayRef, NewEvent, SandboxEvent, encode_event
 from recorder.ids import uuid7
-from recorder.store import open_store
+from recorder.server.deltas import BodyPrefixes, put_body
+from recorder.store import EventStore, StoreOptions, open_store
+from recorder.store import arrays as codec
 from recorder.store.sql import SqlEventStore
 from recorder.store.sqlite import WRITER_CACHE_KIB
 
 BATCH = 1000
 APPENDERS = 256
 TURNS, TOKENS_PER_TURN, VOCAB = 40, 2500, 49_152
+CHARS_PER_TOKEN = 4  # English prose and code through a BPE tokenizer
 
 Row = tuple[str, str, str, str, str]  # benchmark, backend, result, baseline, ratio(target)
 
@@ -273,6 +286,176 @@ async def token_storage_pg(url: str) -> tuple[float, float, float]:
     return used / tokens, data / tokens, naive / used
 
 
+# -- request bodies -------------------------------------------------------------
+
+
+def agent_bodies() -> list[bytes]:
+    """Messages API bodies of a 40-turn agent session, Claude Code style.
+
+    Each turn appends an assistant message (text + a tool call) and the tool
+    result, ~TOKENS_PER_TURN tokens of text in all, and re-sends everything
+    before it, then the same system prompt and tools; the cache breakpoint
+    moves to the newest message every turn. Text is Zipf-distributed words,
+    so it compresses about like prose.
+    """
+    rng = np.random.default_rng(4321)
+    letters = np.array(list("etaoinshrdlucmfwypvbgkjqxz"))
+    vocab = ["".join(rng.choice(letters, int(rng.integers(2, 10)))) for _ in range(20_000)]
+    weights = 1 / np.arange(1, len(vocab) + 1)
+    weights /= weights.sum()
+
+    def text(chars: int) -> str:
+        words = rng.choice(vocab, chars // 5, p=weights)
+        return " ".join(words)[:chars]
+
+    system = [{"type": "text", "text": text(12_000)}]
+    tools = [
+        {
+            "name": f"Tool{i}",
+            "description": text(1_500),
+            "input_schema": {"type": "object", "properties": {"arg": {"type": "string"}}},
+        }
+        for i in range(16)
+    ]
+    messages: list[dict[str, object]] = [
+        {"role": "user", "content": [{"type": "text", "text": text(2_000)}]}
+    ]
+    per_turn = TOKENS_PER_TURN * CHARS_PER_TOKEN
+    bodies = []
+    for turn in range(TURNS):
+        call = f"toolu_{turn:04d}"
+        result: dict[str, object] = {
+            "type": "tool_result",
+            "tool_use_id": call,
+            "content": text(per_turn - 1_700),
+        }
+        messages += [
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": text(1_500)},
+                    {"type": "tool_use", "id": call, "name": "Bash", "input": {"cmd": text(200)}},
+                ],
+            },
+            {"role": "user", "content": [result]},
+        ]
+        result["cache_control"] = {"type": "ephemeral"}
+        body = {
+            "model": "claude-sonnet-4-5",
+            "messages": messages,
+            "system": system,
+            "tools": tools,
+            "metadata": {"user_id": "bench"},
+            "max_tokens": 32_000,
+            "stream": True,
+        }
+        bodies.append(json.dumps(body).encode())
+        del result["cache_control"]
+    return bodies
+
+
+class WithoutBasis:
+    """A store that ignores `basis=`: the same callers, the old encoding."""
+
+    def __init__(self, store: EventStore) -> None:
+        self.store = store
+
+    async def put_array(
+        self,
+        array: np.ndarray,
+        *,
+        extends: ArrayRef | None = None,
+        basis: ArrayRef | None = None,
+    ) -> ArrayRef:
+        return await self.store.put_array(array, extends=extends)
+
+
+class BodyTimes(msgspec.Struct, frozen=True):
+    put_s: float  # mean seconds per body put
+    cold_read_s: float  # reading the last body from a fresh store (empty piece cache)
+
+
+async def store_bodies(url: str, bodies: list[bytes], *, deltas: bool, basis: bool) -> BodyTimes:
+    """Store a session's bodies, then read them all back cold to check them."""
+    store = await open_store(url, create=True)
+    target: EventStore = store if basis else WithoutBasis(store)  # type: ignore[assignment]
+    refs: list[ArrayRef] = []
+    previous = BodyPrefixes()
+    elapsed = 0.0
+    try:
+        for body in bodies:
+            t0 = time.perf_counter()
+            if deltas:
+                ref, previous = await put_body(target, previous, body)
+            else:
+                data = np.frombuffer(body, np.uint8)
+                ref = await target.put_array(data, basis=refs[-1] if refs else None)
+            elapsed += time.perf_counter() - t0
+            refs.append(ref)
+    finally:
+        await store.close()
+    async with await open_store(url, options=StoreOptions(piece_cache_bytes=0)) as cold:
+        t0 = time.perf_counter()
+        last = await cold.get_array(refs[-1])
+        cold_read = time.perf_counter() - t0
+        got = await cold.get_arrays(refs)
+    assert last.tobytes() == bodies[-1], "the last body did not read back identical"
+    assert [a.tobytes() for a in got] == bodies, "bodies did not read back identical"
+    return BodyTimes(elapsed / len(bodies), cold_read)
+
+
+async def arrays_on_disk(
+    url: str, is_pg: bool, fill: Callable[[], Awaitable[BodyTimes]]
+) -> tuple[int, BodyTimes]:
+    """(bytes the arrays table grew by on disk, what `fill` returned)."""
+    if not is_pg:
+        db = _path(url)
+        empty = db.with_name(db.stem + "-empty.db")
+        await (await open_store(str(empty), create=True)).close()
+        result = await fill()
+        return sqlite_file_bytes(db) - sqlite_file_bytes(empty), result
+    import asyncpg
+
+    await (await open_store(url, create=True)).close()
+    conn = await asyncpg.connect(url.replace("postgresql+asyncpg", "postgresql"))
+    try:
+        await conn.execute("VACUUM FULL arrays")
+        empty = await conn.fetchval("SELECT pg_total_relation_size('arrays')")
+        result = await fill()
+        await conn.execute("VACUUM FULL arrays")
+        used = await conn.fetchval("SELECT pg_total_relation_size('arrays')") - empty
+    finally:
+        await conn.close()
+    return int(used), result
+
+
+async def body_storage(fresh: FreshUrl, is_pg: bool) -> list[Row]:
+    """Rows: bodies stored whole and as server deltas, each with basis vs. without."""
+    bodies = agent_bodies()
+    unique = len(codec.encode_piece(np.frombuffer(bodies[-1], np.uint8), "uint8", None).data)
+    backend = "postgres" if is_pg else "sqlite"
+    rows: list[Row] = []
+    for deltas, label in ((False, "whole"), (True, "server deltas")):
+        measured: dict[bool, tuple[int, BodyTimes]] = {}
+        for basis in (False, True):
+            async with fresh() as url:
+                fill = functools.partial(store_bodies, url, bodies, deltas=deltas, basis=basis)
+                measured[basis] = await arrays_on_disk(url, is_pg, fill)
+        (on, t_on), (off, t_off) = measured[True], measured[False]
+        rows.append(
+            (
+                f"bodies {TURNS} turns, {label}, basis=prev",
+                backend,
+                f"{on / 1e3:,.0f} kB = {on / unique:.1f}x last body; put "
+                f"{t_on.put_s * 1e3:.1f} ms/turn; cold read {t_on.cold_read_s * 1e3:.0f} ms",
+                f"no basis {off / 1e3:,.0f} kB = {off / unique:.1f}x; put "
+                f"{t_off.put_s * 1e3:.1f} ms; read {t_off.cold_read_s * 1e3:.0f} ms",
+                f"{off / on:.1f}x smaller, put {t_on.put_s / t_off.put_s:.2f}x time",
+            )
+        )
+    return rows
+
+
 # -- Postgres scratch database ------------------------------------------------
 
 
@@ -352,6 +535,7 @@ async def bench_backend(
         per_token, data_per_token, ratio = await (
             token_storage_pg(url) if is_pg else token_storage_sqlite(url)
         )
+    bodies = await body_storage(fresh, is_pg)
     return [
         *rows,
         (
@@ -368,6 +552,7 @@ async def bench_backend(
             "every full prompt, raw int32, on disk",
             f"{ratio:.1f}x smaller",
         ),
+        *bodies,
     ]
 
 

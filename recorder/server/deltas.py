@@ -5,8 +5,11 @@ body and engine input whole would make every turn's write (hashing,
 compression, rows) grow with the context, and a session's storage with its
 square. Both are stored as piece chains instead (see `EventStore.put_array`'s
 `extends`): an engine input after the longest stored prefix of the chain it
-extends, a body after the bytes it shares with the previous body. Readers see
-no difference: `get_array(ref)` returns the whole array.
+extends, a body after the bytes it shares with the previous body. What follows
+the shared prefix (the newest messages, then system prompt and tools that
+repeat every turn) is compressed against the previous body (`basis=`), so it
+too costs only what changed. Readers see no difference: `get_array(ref)`
+returns the whole array.
 """
 
 from __future__ import annotations
@@ -33,10 +36,14 @@ MAX_PREFIX_REFS = 8
 
 @dataclass
 class BodyPrefixes:
-    """The previous body of a session and refs of stored prefixes of it, shortest first."""
+    """The previous body of a session, its ref, and refs of stored prefixes of it, shortest first.
+
+    Empty after a restart: the next body then starts a new basis chain.
+    """
 
     body: bytes = b""
     refs: list[ArrayRef] = field(default_factory=list)
+    ref: ArrayRef | None = None
 
 
 def shared_prefix_len(a: bytes, b: bytes) -> int:
@@ -55,19 +62,20 @@ async def put_body(
 ) -> tuple[ArrayRef, BodyPrefixes]:
     """Store `body` after what it shares with `previous`; (its ref, what the next body uses)."""
     data = np.frombuffer(body, dtype=np.uint8)
+    basis = previous.ref
     shared = shared_prefix_len(previous.body, body)
     if shared < MIN_SHARED_BYTES:
-        ref = await store.put_array(data)
-        return ref, BodyPrefixes(body, [ref])
+        ref = await store.put_array(data, basis=basis)
+        return ref, BodyPrefixes(body, [ref], ref)
     usable = [r for r in previous.refs if r.length <= shared]
     base = usable[-1] if usable else None
     start = base.length if base is not None else 0
-    prefix = await store.put_array(data[start:shared], extends=base)
-    ref = await store.put_array(data[shared:], extends=prefix)
+    prefix = await store.put_array(data[start:shared], extends=base, basis=basis)
+    ref = await store.put_array(data[shared:], extends=prefix, basis=basis)
     refs = [r for r in usable if r.length < shared] + [prefix]
     if ref.length > prefix.length:
         refs.append(ref)
-    return ref, BodyPrefixes(body, refs[-MAX_PREFIX_REFS:])
+    return ref, BodyPrefixes(body, refs[-MAX_PREFIX_REFS:], ref)
 
 
 async def put_input(store: EventStore, state: SessionState, plan: TurnPlan) -> ArrayRef:

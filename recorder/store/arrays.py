@@ -10,6 +10,14 @@ content written twice is one row.
 int32/float32 suffixes are byte-shuffled before zstd: grouping the 1st, 2nd,
 3rd and 4th byte of every element lets zstd see the near-constant high bytes
 of token ids and float exponents as long runs.
+
+A piece may also be compressed against a *basis*: another stored array whose
+whole content serves as a zstd raw-content dictionary (`CODEC_ZSTD_BASIS`).
+An agent re-sends its whole conversation every turn, so a request body
+compressed against the previous body costs only what changed. The basis
+names an encoding, not content: it is not hashed into the digest. A piece's
+`depth` counts the basis hops a cold read of it may need (0: no basis), so
+writers can bound how many arrays one read decodes.
 """
 
 from __future__ import annotations
@@ -34,6 +42,10 @@ _ZSTD_LEVEL: Final = 3
 # Codec ids stored per piece, so the format can change without rewriting rows.
 CODEC_ZSTD: Final = 1
 CODEC_ZSTD_SHUFFLED: Final = 2
+CODEC_ZSTD_BASIS: Final = 3  # raw bytes, zstd with the basis array's bytes as dictionary
+# A basis-coded piece is kept only if it is at most this fraction of the plain
+# encoding: otherwise its dependency on the basis is not worth a cold read.
+BASIS_MAX_RATIO: Final = 0.75
 
 NUMPY_DTYPES: Final[dict[str, np.dtype]] = {
     "int32": np.dtype("<i4"),
@@ -51,6 +63,8 @@ class Piece(msgspec.Struct, frozen=True):
     total_length: int  # elements in the whole array this piece ends
     codec: int
     data: bytes
+    basis: bytes | None = None  # digest of the array whose bytes are the dictionary
+    depth: int = 0  # basis hops to decode this piece: 0, or 1 + the basis array's depth
 
 
 class DecodedPiece(msgspec.Struct, frozen=True):
@@ -61,6 +75,7 @@ class DecodedPiece(msgspec.Struct, frozen=True):
     dtype: str
     total_length: int
     suffix: np.ndarray
+    depth: int = 0
 
 
 def piece_digest(parent: bytes | None, dtype: str, raw: bytes) -> bytes:
@@ -124,6 +139,48 @@ def encode_piece(suffix: np.ndarray, dtype: DType, parent: ArrayRef | None) -> P
     return Piece(piece_digest(parent_digest, dtype, raw), parent_digest, dtype, total, codec, data)
 
 
+def basis_dictionary(basis_bytes: bytes) -> zstandard.ZstdCompressionDict:
+    """A basis array's raw bytes as a zstd dictionary, ready to compress with.
+
+    Preparing it costs about as much as compressing the basis once; reuse it
+    for every piece compressed against the same basis.
+    """
+    dictionary = zstandard.ZstdCompressionDict(
+        basis_bytes, dict_type=zstandard.DICT_TYPE_RAWCONTENT
+    )
+    dictionary.precompute_compress(level=_ZSTD_LEVEL)
+    return dictionary
+
+
+def encode_piece_on_basis(
+    suffix: np.ndarray,
+    dtype: DType,
+    parent: ArrayRef | None,
+    basis: ArrayRef,
+    basis_bytes: bytes | zstandard.ZstdCompressionDict,
+    basis_depth: int,
+) -> Piece:
+    """Like `encode_piece`, compressed with the basis array's raw bytes (or
+    their `basis_dictionary`) as dictionary; the plain piece when that is not
+    clearly smaller."""
+    plain = encode_piece(suffix, dtype, parent)
+    if not len(suffix) or not basis.length:
+        return plain
+    dictionary = (
+        basis_bytes
+        if isinstance(basis_bytes, zstandard.ZstdCompressionDict)
+        else basis_dictionary(basis_bytes)
+    )
+    data = zstandard.ZstdCompressor(
+        level=_ZSTD_LEVEL, dict_data=dictionary, write_content_size=True, write_dict_id=False
+    ).compress(suffix.tobytes())
+    if len(data) > BASIS_MAX_RATIO * len(plain.data):
+        return plain
+    return msgspec.structs.replace(
+        plain, codec=CODEC_ZSTD_BASIS, data=data, basis=basis.digest, depth=basis_depth + 1
+    )
+
+
 def split_blob(data: bytes, chunk: int | None) -> tuple[bytes, bytes | None]:
     """(`data` column, `data_tail` column) for a piece's compressed bytes.
 
@@ -152,18 +209,27 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return d
 
 
-def decode_piece(piece: Piece) -> DecodedPiece:
-    """Decompress and verify one stored piece; raise `CorruptArray` on any mismatch."""
+def decode_piece(piece: Piece, basis_bytes: bytes | None = None) -> DecodedPiece:
+    """Decompress and verify one stored piece; raise `CorruptArray` on any mismatch.
+
+    `basis_bytes`: the raw bytes of the array `piece.basis` names (verified),
+    needed by basis-coded pieces only.
+    """
     dt = NUMPY_DTYPES.get(piece.dtype)
     try:
         if dt is None:
             raise ValueError(f"unknown dtype {piece.dtype!r}")
-        body = _decompressor().decompress(piece.data)
+        if piece.codec == CODEC_ZSTD_BASIS:
+            if piece.basis is None or basis_bytes is None:
+                raise ValueError("a basis-coded piece needs its basis array")
+            body = _decompressor_for(basis_bytes).decompress(piece.data)
+        else:
+            body = _decompressor().decompress(piece.data)
         if piece.codec == CODEC_ZSTD_SHUFFLED:
             if len(body) % dt.itemsize:
                 raise ValueError("decompressed size is not a multiple of the item size")
             raw = _unshuffle(body, dt.itemsize)
-        elif piece.codec == CODEC_ZSTD:
+        elif piece.codec in (CODEC_ZSTD, CODEC_ZSTD_BASIS):
             raw = body
         else:
             raise ValueError(f"unknown codec {piece.codec}")
@@ -172,7 +238,16 @@ def decode_piece(piece: Piece) -> DecodedPiece:
     if piece_digest(piece.parent, piece.dtype, raw) != piece.digest:
         raise _corrupt(piece.digest, "does not match its digest")
     suffix = np.frombuffer(raw, dt)
-    return DecodedPiece(piece.digest, piece.parent, piece.dtype, piece.total_length, suffix)
+    return DecodedPiece(
+        piece.digest, piece.parent, piece.dtype, piece.total_length, suffix, piece.depth
+    )
+
+
+def _decompressor_for(basis_bytes: bytes) -> zstandard.ZstdDecompressor:
+    dictionary = zstandard.ZstdCompressionDict(
+        basis_bytes, dict_type=zstandard.DICT_TYPE_RAWCONTENT
+    )
+    return zstandard.ZstdDecompressor(dict_data=dictionary)
 
 
 def _corrupt(digest: bytes, what: str) -> CorruptArray:
@@ -188,6 +263,16 @@ def missing_piece(digest: bytes) -> ArrayNotFound:
         f"array piece {digest.hex()} is not in this database: the ref comes from another "
         "database or the arrays table was truncated; read it from the store that wrote it"
     )
+
+
+def chain_bytes(chain: list[DecodedPiece]) -> bytes:
+    """The raw bytes of the array a root-first chain of pieces makes up."""
+    return b"".join(p.suffix.tobytes() for p in chain)
+
+
+def chain_depth(chain: list[DecodedPiece]) -> int:
+    """Basis hops a cold read of the array `chain` makes up may take."""
+    return max(p.depth for p in chain)
 
 
 def assemble(ref: ArrayRef, chain: list[DecodedPiece]) -> np.ndarray:

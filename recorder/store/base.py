@@ -138,11 +138,24 @@ class EventStore(ProjectionStore):
     # -- arrays ---------------------------------------------------------
 
     @abc.abstractmethod
-    async def put_array(self, array: np.ndarray, *, extends: ArrayRef | None = None) -> ArrayRef:
+    async def put_array(
+        self,
+        array: np.ndarray,
+        *,
+        extends: ArrayRef | None = None,
+        basis: ArrayRef | None = None,
+    ) -> ArrayRef:
         """Store a 1-D array; return its ref.
 
         With `extends`, `array` is only the suffix to append to the array that
         `extends` names: the prefix is shared, not stored again.
+
+        With `basis` (any stored array, typically the previous version of this
+        one), the new piece is compressed against the basis's content, so what
+        repeats it costs almost nothing. The ref names content only: it is the
+        same with or without `basis`, unless the store bounds a long basis
+        chain by storing the whole array afresh (then it is the ref of the
+        whole array stored without `extends`).
         """
 
     @abc.abstractmethod

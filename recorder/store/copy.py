@@ -3,7 +3,8 @@
 Events keep their positions, seqs, ids, timestamps, versions and payload
 bytes (no decode/re-encode), so both stores read back identical sequences and
 projections' `covers_position` stay valid. Arrays and projections are copied
-too. The target must hold no events.
+too, each piece as stored (basis-coded pieces keep their basis, which is
+copied with them). The target must hold no events.
 """
 
 from __future__ import annotations
@@ -54,7 +55,14 @@ def _array_row(dst: SqlEventStore) -> Callable[[dict[str, Any]], dict[str, Any]]
         tail = row["data_tail"]
         blob = join_blob(bytes(row["data"]), None if tail is None else bytes(tail))
         return dst.array_row(
-            row["digest"], row["parent"], row["dtype"], row["total_length"], row["codec"], blob
+            row["digest"],
+            row["parent"],
+            row["dtype"],
+            row["total_length"],
+            row["codec"],
+            blob,
+            basis=row["basis"],
+            basis_depth=row["basis_depth"],
         )
 
     return convert

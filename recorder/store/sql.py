@@ -35,10 +35,12 @@ from typing import Any, ClassVar
 import msgspec
 import numpy as np
 import sqlalchemy as sa
+import zstandard
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from recorder.events import (
     ArrayRef,
+    DType,
     NewEvent,
     RecordedEvent,
     decode_event,
@@ -49,6 +51,7 @@ from recorder.store import arrays as arr
 from recorder.store.base import (
     ArrayNotFound,
     ConcurrencyConflict,
+    CorruptArray,
     EventStore,
     IdempotencyConflict,
     StoreError,
@@ -61,6 +64,11 @@ from recorder.store.tables import arrays, events, projection_names, projections
 MAX_GROUP_WEIGHT = 20_000
 # Bound on bind parameters in one IN (...) list.
 IN_CHUNK = 500
+# Bound on the arrays one cold array read may have to decode through bases
+# (see `SqlEventStore.put_array`'s `basis`).
+MAX_BASIS_DEPTH = 16
+# Prepared basis dictionaries kept per store (each ~ its basis + 1 MiB).
+BASIS_DICTIONARIES = 8
 # Default cache sizes (see `StoreOptions`).
 PIECE_CACHE_BYTES = 256 * 1024 * 1024
 WRITER_PAGE_CACHE_BYTES = 64 * 1024 * 1024
@@ -204,6 +212,9 @@ class SqlEventStore(EventStore):
             self._commit_group, max_weight=MAX_GROUP_WEIGHT
         )
         self._pieces = arr.PieceCache(self.options.piece_cache_bytes)
+        # Recently used bases as prepared zstd dictionaries, least recent first:
+        # a body stored as prefix + suffix compresses both against one basis.
+        self._basis_dicts: dict[bytes, zstandard.ZstdCompressionDict] = {}
         # Test hook: awaited inside each write transaction just before COMMIT.
         self.before_commit: Callable[[], Awaitable[None]] | None = None
 
@@ -449,19 +460,60 @@ class SqlEventStore(EventStore):
 
     # -- arrays -------------------------------------------------------------
 
-    async def put_array(self, array: np.ndarray, *, extends: ArrayRef | None = None) -> ArrayRef:
+    async def put_array(
+        self,
+        array: np.ndarray,
+        *,
+        extends: ArrayRef | None = None,
+        basis: ArrayRef | None = None,
+    ) -> ArrayRef:
         suffix, dtype = arr.as_suffix(array, extends.dtype if extends is not None else None)
         if extends is not None and len(suffix) == 0:
             return extends
-        piece = arr.encode_piece(suffix, dtype, extends)
+        if basis is None:
+            piece = arr.encode_piece(suffix, dtype, extends)
+        else:
+            piece, suffix = await self._encode_on_basis(suffix, dtype, extends, basis)
         ref = ArrayRef(piece.digest, piece.total_length, dtype)
         if self._pieces.get(piece.digest) is None:
             await self._writer.submit(PiecesRequest([piece]))
             suffix.setflags(write=False)
             self._pieces.put(
-                arr.DecodedPiece(piece.digest, piece.parent, dtype, piece.total_length, suffix)
+                arr.DecodedPiece(
+                    piece.digest, piece.parent, dtype, piece.total_length, suffix, piece.depth
+                )
             )
         return ref
+
+    async def _encode_on_basis(
+        self, suffix: np.ndarray, dtype: DType, extends: ArrayRef | None, basis: ArrayRef
+    ) -> tuple[arr.Piece, np.ndarray]:
+        """(piece to store, its suffix) for `put_array(..., basis=basis)`.
+
+        Bounds cold reads: an array may depend on at most `MAX_BASIS_DEPTH`
+        bases in turn. Past that, a suffix whose prefix chain is already that
+        deep is stored with its prefix as one plain root piece (a fresh start
+        for the chains built on it), and otherwise plainly after its prefix.
+        """
+        wanted = [basis] if extends is None else [basis, extends]
+        pieces = await self._load_pieces([r.digest for r in wanted], cache=True)
+        basis_chain = _chain(pieces, basis.digest)
+        basis_depth = arr.chain_depth(basis_chain)
+        prefix_chain = _chain(pieces, extends.digest) if extends is not None else []
+        prefix_depth = arr.chain_depth(prefix_chain) if prefix_chain else 0
+        if max(prefix_depth, basis_depth + 1) > MAX_BASIS_DEPTH:
+            if prefix_depth < MAX_BASIS_DEPTH:
+                return arr.encode_piece(suffix, dtype, extends), suffix
+            whole = np.concatenate([*(p.suffix for p in prefix_chain), suffix])
+            return arr.encode_piece(whole, dtype, None), whole
+        dictionary = self._basis_dicts.pop(basis.digest, None)
+        if dictionary is None:
+            dictionary = arr.basis_dictionary(arr.chain_bytes(basis_chain))
+        self._basis_dicts[basis.digest] = dictionary
+        while len(self._basis_dicts) > BASIS_DICTIONARIES:
+            self._basis_dicts.pop(next(iter(self._basis_dicts)))
+        piece = arr.encode_piece_on_basis(suffix, dtype, extends, basis, dictionary, basis_depth)
+        return piece, suffix
 
     async def _insert_pieces(
         self,
@@ -470,17 +522,27 @@ class SqlEventStore(EventStore):
         plan: _GroupPlan,
     ) -> None:
         by_digest = {p.digest: p for _, r in requests for p in r.pieces}
-        parents = {p.parent for p in by_digest.values() if p.parent is not None}
-        present = await self._present_digests(conn, [d for d in parents if d not in by_digest])
+        needed = {d for p in by_digest.values() for d in (p.parent, p.basis) if d is not None}
+        present = await self._present_digests(conn, [d for d in needed if d not in by_digest])
         for i, request in requests:
             for p in request.pieces:
-                if p.parent is not None and p.parent not in by_digest and p.parent not in present:
-                    plan.errors[i] = ArrayNotFound(
-                        f"put_array(extends=...) names array {p.parent.hex()}, which this "
-                        "database does not hold; extend a ref returned by this store"
-                    )
+                for what, d in (("extends", p.parent), ("basis", p.basis)):
+                    if d is not None and d not in by_digest and d not in present:
+                        plan.errors[i] = ArrayNotFound(
+                            f"put_array({what}=...) names array {d.hex()}, which this "
+                            "database does not hold; pass a ref returned by this store"
+                        )
         rows = [
-            self.array_row(p.digest, p.parent, p.dtype, p.total_length, p.codec, p.data)
+            self.array_row(
+                p.digest,
+                p.parent,
+                p.dtype,
+                p.total_length,
+                p.codec,
+                p.data,
+                basis=p.basis,
+                basis_depth=p.depth,
+            )
             for i, r in requests
             if i not in plan.errors
             for p in r.pieces
@@ -499,6 +561,9 @@ class SqlEventStore(EventStore):
         total_length: int,
         codec: int,
         blob: bytes,
+        *,
+        basis: bytes | None = None,
+        basis_depth: int = 0,
     ) -> dict[str, Any]:
         """An `arrays` row for this backend, `blob` split as `array_chunk_bytes` says."""
         data, tail = arr.split_blob(blob, self.array_chunk_bytes)
@@ -510,6 +575,8 @@ class SqlEventStore(EventStore):
             "codec": codec,
             "data": data,
             "data_tail": tail,
+            "basis": basis,
+            "basis_depth": basis_depth,
         }
 
     async def _present_digests(self, conn: AsyncConnection, digests: list[bytes]) -> set[bytes]:
@@ -530,8 +597,16 @@ class SqlEventStore(EventStore):
         cached but keeps nothing new: a one-pass reader leaves the cache as it
         found it. All rounds share one connection.
         """
+        local = await self._load_pieces([r.digest for r in refs], cache=cache)
+        return [arr.assemble(ref, _chain(local, ref.digest)) for ref in refs]
+
+    async def _load_pieces(
+        self, digests: Sequence[bytes], *, cache: bool
+    ) -> dict[bytes, arr.DecodedPiece]:
+        """Verified pieces of the arrays `digests` name: their chains and their bases' chains."""
         local: dict[bytes, arr.DecodedPiece] = {}
-        frontier = {r.digest for r in refs}
+        on_basis: dict[bytes, arr.Piece] = {}  # fetched, decodable once their basis is
+        frontier = set(digests)
         async with contextlib.AsyncExitStack() as stack:
             conn: AsyncConnection | None = None
             while frontier:
@@ -545,23 +620,36 @@ class SqlEventStore(EventStore):
                 if wanted:
                     if conn is None:
                         conn = await stack.enter_async_context(self.read_engine.connect())
-                    fetched = await self._fetch_pieces(conn, wanted)
-                    for piece in fetched:
+                    for piece in await self._fetch_pieces(conn, wanted):
+                        if isinstance(piece, arr.Piece):
+                            on_basis[piece.digest] = piece
+                            continue
                         local[piece.digest] = piece
                         if cache:
                             self._pieces.put(piece)
-                frontier = {
-                    p.parent
-                    for d in frontier
-                    if (p := local[d]).parent is not None and p.parent not in local
-                }
-        return [arr.assemble(ref, _chain(local, ref.digest)) for ref in refs]
+                next_frontier: set[bytes] = set()
+                for d in frontier:
+                    stored = on_basis.get(d)
+                    deps = (local[d].parent,) if stored is None else (stored.parent, stored.basis)
+                    next_frontier.update(
+                        x for x in deps if x is not None and x not in local and x not in on_basis
+                    )
+                frontier = next_frontier
+        if on_basis:
+            for piece in _decode_on_basis(local, on_basis):
+                if cache:
+                    self._pieces.put(piece)
+        return local
 
     async def _fetch_pieces(
         self, conn: AsyncConnection, digests: list[bytes]
-    ) -> list[arr.DecodedPiece]:
-        """Read and verify pieces by digest; raise `ArrayNotFound` for any missing."""
-        out: list[arr.DecodedPiece] = []
+    ) -> list[arr.DecodedPiece | arr.Piece]:
+        """Read pieces by digest; raise `ArrayNotFound` for any missing.
+
+        Pieces without a basis come back verified; basis-coded ones come back
+        as stored (`arr.Piece`), to be decoded once their basis is.
+        """
+        out: list[arr.DecodedPiece | arr.Piece] = []
         for chunk in _chunks(digests):
             out.extend(_decode_row(row) for row in await self._piece_rows(conn, chunk))
         if len(out) != len(digests):
@@ -571,7 +659,8 @@ class SqlEventStore(EventStore):
         return out
 
     async def _piece_rows(self, conn: AsyncConnection, digests: Sequence[bytes]) -> Iterable[Any]:
-        """(digest, parent, dtype, total_length, codec, data, data_tail) per stored digest."""
+        """(digest, parent, dtype, total_length, codec, data, data_tail, basis, basis_depth)
+        per stored digest."""
         stmt = sa.select(
             arrays.c.digest,
             arrays.c.parent,
@@ -580,6 +669,8 @@ class SqlEventStore(EventStore):
             arrays.c.codec,
             arrays.c.data,
             arrays.c.data_tail,
+            arrays.c.basis,
+            arrays.c.basis_depth,
         ).where(arrays.c.digest.in_(digests))
         return await conn.execute(stmt)
 
@@ -675,8 +766,9 @@ def _resend_outcome(
     return out
 
 
-def _decode_row(row: Any) -> arr.DecodedPiece:
-    digest, parent, dtype, total, codec, data, tail = row
+def _decode_row(row: Any) -> arr.DecodedPiece | arr.Piece:
+    """A verified piece, or a basis-coded one as stored (its basis must be decoded first)."""
+    digest, parent, dtype, total, codec, data, tail, basis, depth = row
     piece = arr.Piece(
         bytes(digest),
         None if parent is None else bytes(parent),
@@ -684,8 +776,70 @@ def _decode_row(row: Any) -> arr.DecodedPiece:
         total,
         codec,
         arr.join_blob(bytes(data), None if tail is None else bytes(tail)),
+        None if basis is None else bytes(basis),
+        depth,
     )
+    if piece.basis is not None:
+        return piece
     return arr.decode_piece(piece)
+
+
+def _decode_on_basis(
+    local: dict[bytes, arr.DecodedPiece], pending: dict[bytes, arr.Piece]
+) -> list[arr.DecodedPiece]:
+    """Decode basis-coded pieces into `local`, each after every piece of its basis.
+
+    Iterative (an explicit stack, not recursion): a basis may itself rest on
+    a basis, and a damaged database could even hold a cycle, reported as
+    corruption. Every piece's chain and its basis's chain are in `local` or
+    `pending` (`_load_pieces` fetched them).
+    """
+    decoded: list[arr.DecodedPiece] = []
+    basis_bytes: dict[bytes, bytes] = {}
+    entered: set[bytes] = set()
+    for root in pending:
+        stack = [root]
+        while stack:
+            d = stack[-1]
+            if d in local:
+                stack.pop()
+                continue
+            piece = pending[d]
+            assert piece.basis is not None
+            waiting = _pending_in_chain(local, pending, piece.basis)
+            if d in entered:
+                if waiting:
+                    raise CorruptArray(
+                        f"stored array piece {d.hex()} depends on itself through its basis "
+                        f"{piece.basis.hex()}: the database is damaged. Restore it from a "
+                        "good copy (`recorder db copy --from GOOD --to NEW`)"
+                    )
+                content = basis_bytes.get(piece.basis)
+                if content is None:
+                    content = basis_bytes[piece.basis] = arr.chain_bytes(_chain(local, piece.basis))
+                local[d] = arr.decode_piece(piece, content)
+                decoded.append(local[d])
+                stack.pop()
+            else:
+                entered.add(d)
+                stack.extend(waiting)
+    return decoded
+
+
+def _pending_in_chain(
+    local: dict[bytes, arr.DecodedPiece], pending: dict[bytes, arr.Piece], digest: bytes
+) -> list[bytes]:
+    """Pieces of the chain ending at `digest` that are not decoded yet."""
+    out = []
+    d: bytes | None = digest
+    while d is not None:
+        piece = local.get(d)
+        if piece is None:
+            out.append(d)
+            d = pending[d].parent
+        else:
+            d = piece.parent
+    return out
 
 
 def _chain(local: dict[bytes, arr.DecodedPiece], digest: bytes) -> list[arr.DecodedPiece]:

@@ -157,7 +157,8 @@ class SqliteEventStore(SqlEventStore):
     async def _piece_rows(self, conn: AsyncConnection, digests: Sequence[bytes]) -> Iterable[Any]:
         raw = await _driver(conn)
         rows: Iterable[Any] = await raw.execute_fetchall(
-            "SELECT digest, parent, dtype, total_length, codec, data, data_tail FROM arrays"
+            "SELECT digest, parent, dtype, total_length, codec, data, data_tail, basis,"
+            " basis_depth FROM arrays"
             f" WHERE digest IN ({','.join('?' * len(digests))})",
             digests,
         )

@@ -60,6 +60,10 @@ arrays = sa.Table(
     # `SqlEventStore.array_chunk_bytes` for why a backend splits them.
     sa.Column("data", sa.LargeBinary, nullable=False),
     sa.Column("data_tail", sa.LargeBinary, nullable=True),
+    # Revision 0003: the array whose bytes are this piece's zstd dictionary
+    # (codec 3), and the basis hops a cold read of the piece may take.
+    sa.Column("basis", sa.LargeBinary(16), nullable=True),
+    sa.Column("basis_depth", sa.SmallInteger, nullable=False, server_default="0"),
 )
 
 projection_names = sa.Table(
