@@ -248,11 +248,14 @@ class EngineClient:
 
     async def start(self) -> None:
         if self._session is None:
+            sent = aiohttp.TraceConfig()
+            sent.on_request_chunk_sent.append(_notify_sent)
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self._max_connections),
                 timeout=aiohttp.ClientTimeout(
                     total=self.timeout_s, sock_connect=self.connect_timeout_s
                 ),
+                trace_configs=[sent],
             )
 
     async def close(self) -> None:
@@ -283,8 +286,14 @@ class EngineClient:
         rid: str,
         *,
         return_routed_experts: bool = False,
+        on_sent: Callable[[], None] | None = None,
     ) -> GenerateOutput:
-        """One `/generate` attempt. Raises EngineError; an abort is a normal result."""
+        """One `/generate` attempt. Raises EngineError; an abort is a normal result.
+
+        `on_sent` is called once the request body is handed to the socket: the
+        engine is busy from then on, and the caller can start work that would
+        otherwise compete with sending a long prompt.
+        """
         body: dict[str, Any] = {
             "rid": rid,
             "input_ids": _int_list(input_ids),
@@ -297,7 +306,7 @@ class EngineClient:
         if return_routed_experts:
             body["return_routed_experts"] = True
         started = time.monotonic()
-        status, answer = await self._request("POST", url, "/generate", body)
+        status, answer = await self._request("POST", url, "/generate", body, on_sent=on_sent)
         latency = time.monotonic() - started
         if status != 200:
             raise EngineError("http", _error_message(answer), status=status, url=url)
@@ -347,6 +356,7 @@ class EngineClient:
         body: Any = None,
         *,
         timeout_s: float | None = None,
+        on_sent: Callable[[], None] | None = None,
     ) -> tuple[int, Any]:
         if self._session is None:
             raise RuntimeError("EngineClient.start() was not called")
@@ -357,6 +367,8 @@ class EngineClient:
             else None
         )
         kwargs: dict[str, Any] = {"timeout": timeout} if timeout else {}
+        if on_sent is not None:
+            kwargs["trace_request_ctx"] = _SentSignal(on_sent)
         if body is not None:
             kwargs["data"] = msgspec.json.encode(body)
             kwargs["headers"] = {"Content-Type": "application/json"}
@@ -381,6 +393,31 @@ class EngineClient:
                 ) from None
             answer = raw.decode(errors="replace")
         return status, answer
+
+
+class _SentSignal:
+    """A request's `on_sent` callback, fired once (see `_notify_sent`)."""
+
+    __slots__ = ("callback",)
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self.callback: Callable[[], None] | None = callback
+
+    def fire(self) -> None:
+        callback, self.callback = self.callback, None
+        if callback is not None:
+            callback()
+
+
+async def _notify_sent(
+    _session: aiohttp.ClientSession,
+    context: Any,
+    _params: aiohttp.TraceRequestChunkSentParams,
+) -> None:
+    """aiohttp trace hook: a request body chunk was written (bytes bodies are one chunk)."""
+    signal = context.trace_request_ctx
+    if isinstance(signal, _SentSignal):
+        signal.fire()
 
 
 # --------------------------------------------------------------------------
@@ -432,6 +469,7 @@ async def generate_with_resume(
     budget_s: float = 3600,
     on_attempt: Callable[[Attempt], Awaitable[None]],
     on_result: Callable[[Attempt, GenerateOutput], Awaitable[None]],
+    on_sent: Callable[[], None] | None = None,
     return_routed_experts: bool = False,
 ) -> TurnOutput:
     """Generate one turn, resuming after engine aborts.
@@ -439,7 +477,8 @@ async def generate_with_resume(
     Each attempt sends `input_ids` + all output so far with `max_new_tokens`
     reduced by what was already generated. Raises MissingLogprobs (after
     `on_result` saw the offending output), EngineError, or CancelledError
-    (after asking the engine to abort the in-flight rid).
+    (after asking the engine to abort the in-flight rid). `on_sent` is called
+    each time an attempt's request has been sent (see `EngineClient.generate`).
     """
     prompt = _int_list(input_ids)
     ids: list[int] = []
@@ -471,6 +510,7 @@ async def generate_with_resume(
             attempt.rid,
             time_left,
             return_routed_experts,
+            on_sent,
         )
         results.append(out)
         await on_result(attempt, out)
@@ -501,11 +541,17 @@ async def _one_attempt(
     rid: str,
     time_left: float,
     return_routed_experts: bool,
+    on_sent: Callable[[], None] | None,
 ) -> GenerateOutput:
     try:
         async with asyncio.timeout(time_left):
             return await client.generate(
-                url, input_ids, params, rid, return_routed_experts=return_routed_experts
+                url,
+                input_ids,
+                params,
+                rid,
+                return_routed_experts=return_routed_experts,
+                on_sent=on_sent,
             )
     except asyncio.CancelledError:
         # The caller went away (client disconnect): free the engine's slot.

@@ -10,6 +10,11 @@ Steps that need stored arrays first (a turn's request body and engine input,
 each attempt's output) run as ordered background steps (`then`), so their
 store round trips overlap the engine call instead of preceding it; `flush`
 and `write` wait for every queued step, so the log order never changes.
+
+While the journal is held (`hold`), `background` work waits until `release`:
+a turn holds it until the engine has its request, so compressing and
+storing the request body never competes with sending 100k tokens to the
+engine. Draining releases it, so nothing can wait for work that never starts.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ class Journal:
         self.next_seq = next_seq
         self._pending: list[NewEvent] = []
         self._tail: asyncio.Task[None] | None = None
+        self._gate: asyncio.Event | None = None
 
     @property
     def pending(self) -> Sequence[NewEvent]:
@@ -70,6 +76,28 @@ class Journal:
         """Buffer events (call with no step queued, or from inside a step)."""
         now = time.time()
         self._pending.extend(NewEvent(event=e, ts=now, event_id=uuid7()) for e in events)
+
+    def hold(self) -> None:
+        """Make `background` work started from now on wait for `release`."""
+        if self._gate is None:
+            self._gate = asyncio.Event()
+
+    def release(self) -> None:
+        """Let held background work start (idempotent)."""
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            gate.set()
+
+    def background(self, work: Callable[[], Awaitable[T]]) -> asyncio.Future[T]:
+        """Run `work` as a task, once the journal is not held."""
+        gate = self._gate
+
+        async def run() -> T:
+            if gate is not None:
+                await gate.wait()
+            return await work()
+
+        return asyncio.ensure_future(run())
 
     def then(self, step: Callable[[], Awaitable[None]]) -> None:
         """Run `step` in the background after every step queued before it.
@@ -87,6 +115,7 @@ class Journal:
 
     async def drain(self) -> None:
         """Wait for the queued steps (not cancelled with the caller); re-raise a failure."""
+        self.release()
         tail = self._tail
         if tail is None:
             return
@@ -98,6 +127,7 @@ class Journal:
 
     async def settle(self) -> None:
         """End of a turn: let queued steps finish (ignoring their errors), drop the buffer."""
+        self.release()
         tail, self._tail = self._tail, None
         if tail is not None:
             await asyncio.wait([tail])

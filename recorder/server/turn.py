@@ -138,6 +138,7 @@ async def _run(
         return await reject(state, record.request_id, responder, "invalid_request_error", str(exc))
     record.plan = plan
     state.next_turn += 1
+    state.journal.hold()  # released once the engine has the request (see Journal)
     input_task = _record_request(ctx, state, chat, body, path, plan, record, max_new)
     model = chat.model or ctx.config.model_name
     await responder.started(record.request_id, model, usage_for(len(plan.input_ids), 0, 0))
@@ -182,16 +183,15 @@ def _record_request(
     call; the step is queued first, so its events precede every later one.
     Returns the engine input's ref (the chains remember it at commit).
     """
-    body_task = asyncio.ensure_future(_put_body(ctx, state, body))
-    input_task = asyncio.ensure_future(put_input(ctx.store, state, plan))
+    journal = state.journal
+    body_task = journal.background(lambda: _put_body(ctx, state, body))
+    input_task = journal.background(lambda: put_input(ctx.store, state, plan))
 
     async def step() -> None:
         body_ref, input_ref = await asyncio.gather(body_task, input_task)
-        state.journal.add(
-            *_request_events(ctx, chat, plan, record, path, max_new, body_ref, input_ref)
-        )
+        journal.add(*_request_events(ctx, chat, plan, record, path, max_new, body_ref, input_ref))
 
-    state.journal.then(step)
+    journal.then(step)
     return input_task
 
 
@@ -414,6 +414,7 @@ async def _generate(
             budget_s=ctx.config.turn_budget_s,
             on_attempt=recorder.on_attempt,
             on_result=recorder.on_result,
+            on_sent=journal.release,
             return_routed_experts=ctx.config.return_routed_experts,
         )
     except (MissingLogprobs, EngineError) as exc:

@@ -19,7 +19,7 @@ from recorder.engine import (
     new_rid,
     parse_generate_response,
 )
-from tools.test_engine import Fault, ScriptedEngine, free_port, hashed_logprob
+from tools.test_engine import Fault, Reply, ScriptedEngine, free_port, hashed_logprob
 
 PROMPT_TEXT = "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
 
@@ -351,3 +351,24 @@ def test_parse_response_variants() -> None:
     # An abort while queued: no output, no logprobs needed.
     empty = {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort"}}}
     assert parse_generate_response(empty, rid="r", latency_s=0).logprobs == []
+
+
+async def test_on_sent_fires_once_the_engine_has_the_request(engine, client, prompt) -> None:
+    engine.push(Reply(text="a slow answer of several tokens", token_delay_s=0.02))
+    sent_at: list[int] = []
+
+    def on_sent() -> None:
+        sent_at.append(len(engine.requests))
+
+    task = asyncio.ensure_future(
+        client.generate(
+            engine.url, prompt, SamplingParams(max_new_tokens=50), new_rid(), on_sent=on_sent
+        )
+    )
+    for _ in range(200):
+        if sent_at:
+            break
+        await asyncio.sleep(0.005)
+    assert sent_at and not task.done()  # signalled while the engine still works
+    out = await task
+    assert out.output_ids and len(sent_at) == 1

@@ -182,6 +182,46 @@ async def test_turn_event_order(harness: Harness) -> None:
     assert result.finish_reason == "stop"
 
 
+async def test_request_is_stored_after_the_engine_has_it(harness: Harness) -> None:
+    """Storing the body and engine input waits until the /generate request is sent,
+    so it never competes with sending a long prompt; then it overlaps the engine."""
+    h = harness
+    sid = await h.open_session()
+    puts: list[float] = []
+    sent: list[float] = []
+    put_array, generate = h.store.put_array, h.ctx.engine.generate
+
+    async def timed_put(*args: Any, **kwargs: Any) -> Any:
+        puts.append(asyncio.get_running_loop().time())
+        return await put_array(*args, **kwargs)
+
+    async def slow_to_send(*args: Any, on_sent: Any = None, **kwargs: Any) -> Any:
+        await asyncio.sleep(0.05)  # the prompt is still on its way
+
+        def note() -> None:
+            sent.append(asyncio.get_running_loop().time())
+            on_sent()
+
+        return await generate(*args, on_sent=note, **kwargs)
+
+    h.store.put_array = timed_put  # type: ignore[method-assign]
+    h.ctx.engine.generate = slow_to_send  # type: ignore[method-assign]
+    h.engine.push(Reply(text="ok", token_delay_s=0.02))
+    await ask(h.client(sid), [{"role": "user", "content": "hi"}], stream=False)
+    assert len(sent) == 1 and len(puts) >= 2  # body, input (and the output arrays)
+    assert min(puts) >= sent[0]
+    assert await h.types(sid) == [
+        "session_opened",
+        "messages_request",
+        "chain_decision",
+        "rendered_input",
+        "generate_attempt",
+        "generate_result",
+        "tito_verdict",
+        "response_sent",
+    ]
+
+
 async def test_stop_reasons(harness: Harness) -> None:
     h = harness
     sid = await h.open_session()

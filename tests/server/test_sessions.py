@@ -172,3 +172,30 @@ def test_journal_event_ids_are_unique_and_time_ordered() -> None:
     assert len(set(ids)) == 10_000
     assert ids == sorted(ids)
     assert all(i.version == 7 for i in ids[:10])
+
+
+async def test_held_background_work_starts_on_release_or_drain() -> None:
+    journal = Journal(FakeStore(), "s", 0)  # type: ignore[arg-type]
+    started: list[str] = []
+
+    async def work(name: str) -> str:
+        started.append(name)
+        return name
+
+    journal.hold()
+    held = journal.background(lambda: work("held"))
+    await asyncio.sleep(0.01)
+    assert started == []  # waits while the engine request is being sent
+    journal.release()
+    assert await held == "held"
+    free = journal.background(lambda: work("free"))  # not held: starts at once
+    assert await free == "free"
+    journal.hold()
+    late = journal.background(lambda: work("late"))
+
+    async def needs_it() -> None:
+        await late
+
+    journal.then(needs_it)
+    await asyncio.wait_for(journal.drain(), 1)  # draining releases: no deadlock
+    assert started == ["held", "free", "late"]
