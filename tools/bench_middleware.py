@@ -247,7 +247,7 @@ def measure(tok: Tokenizer, context: int, new_words: int, repeat: int) -> dict[s
     assert req == parse_request(body), "cached and uncached parse disagree"
     plan = plan_turn(chains, req, tok)
     assert plan.action == "extend", plan
-    assert plan.input_ids == full_input_ids(req, tok), "chain and full render disagree"
+    assert plan.input_ids.tolist() == full_input_ids(req, tok), "chain and full render disagree"
     ms = _median_ms(
         {
             # First after the previous repeat's "base", as "parse" was before the cache:
@@ -584,7 +584,9 @@ def full_render_plan(chains: SessionChains, req: ChatRequest, tok: Tokenizer) ->
         action="extend",
         reason="extends",
         parent_chain_id=None,
-        input_ids=input_ids,
+        # As the tokenizer returns it (a list): the engine client sends lists as
+        # they are, so the baseline pays no conversion to the chains' int32 array.
+        input_ids=input_ids,  # type: ignore[arg-type]
         prefix_len=n,
         new_messages=len(req.messages) - main.boundaries[-1].n_input_messages - 1,
         main_line=main.main_line,

@@ -21,7 +21,7 @@ from recorder.events import ArrayRef, RecordedEvent
 from recorder.server.deltas import remember_refs
 from recorder.server.journal import Journal
 from recorder.server.sessions import SessionState
-from recorder.tokens import SessionChains, commit_turn, note_dispatch, plan_turn
+from recorder.tokens import SessionChains, commit_turn, note_dispatch, plan_turn, token_array
 from recorder.translate import find_dispatches, parse_request, response_message_digest
 
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ async def _rebuild_chains(
             if turn.decision.action == "new":
                 state.chains.next_chain_id = turn.decision.chain_id
         plan = plan_turn(state.chains, chat, ctx.tokenizer)
-        recorded = input_ids.astype(np.int64).tolist()
+        recorded = token_array(input_ids)
         if plan.input_ids != recorded:
             log.warning(
                 "session %s turn %d: today's render differs from the recorded engine input; "

@@ -150,4 +150,4 @@ class Conversation:
 def assert_extends_with_output(plan: TurnPlan, previous: TurnPlan, output_ids: list[int]) -> None:
     """`plan` extends `previous`'s chain, reusing the model's output tokens verbatim."""
     assert plan.action == "extend"
-    assert plan.input_ids[len(previous.input_ids) : plan.prefix_len] == output_ids
+    assert plan.input_ids[len(previous.input_ids) : plan.prefix_len].tolist() == list(output_ids)

@@ -53,7 +53,7 @@ def test_each_turn_starts_with_previous_input_and_output(tok: Tokenizer) -> None
     for (prev, prev_out), (plan, _) in itertools.pairwise(done):
         assert (plan.action, plan.reason, plan.chain_id) == ("extend", "extends", first.chain_id)
         assert plan.input_ids[: len(prev.input_ids)] == prev.input_ids
-        assert plan.input_ids[len(prev.input_ids) : plan.prefix_len] == prev_out
+        assert plan.input_ids[len(prev.input_ids) : plan.prefix_len].tolist() == prev_out
         assert plan.prefix_len == len(prev.input_ids) + len(prev_out)
         assert plan.new_messages == 1  # the tool result
         assert plan.closing_inserted == 0
@@ -67,7 +67,7 @@ def test_incremental_render_equals_full_rerender_when_outputs_are_canonical(
     req = conv.request()
     plan = plan_turn(chains, req, tok)
     assert plan.action == "extend"
-    assert plan.input_ids == full_input_ids(req, tok)
+    assert plan.input_ids.tolist() == full_input_ids(req, tok)
     # Only the new tokens were tokenized: far fewer than the whole input.
     assert plan.new_tokens < len(plan.input_ids) // 4
 
@@ -87,7 +87,7 @@ def test_chain_keeps_raw_model_tokens_where_rerender_differs(tok: Tokenizer) -> 
     nxt = plan_turn(chains, req, tok)
     assert_extends_with_output(nxt, plan, raw)
     full = full_input_ids(req, tok)
-    assert full != nxt.input_ids  # a re-render would have lost the model's real tokens
+    assert full != nxt.input_ids.tolist()  # a re-render would have lost the model's real tokens
     assert tok.decode(full) == tok.decode(nxt.input_ids)
 
 
@@ -104,7 +104,7 @@ def test_output_without_eos_gets_the_closing_inserted(tok: Tokenizer) -> None:
     assert nxt.closing_inserted == len(tok.encode("<|im_end|>\n"))
     inserted = nxt.input_ids[nxt.prefix_len : nxt.prefix_len + nxt.closing_inserted]
     assert tok.decode(inserted) == "<|im_end|>\n"
-    assert nxt.input_ids == full_input_ids(req, tok)
+    assert nxt.input_ids.tolist() == full_input_ids(req, tok)
 
 
 def test_compaction_starts_a_new_main_chain(tok: Tokenizer) -> None:
@@ -216,7 +216,7 @@ def test_edited_history_forks_at_the_last_matching_turn(tok: Tokenizer) -> None:
     second_plan, second_out = done[1]
     assert (plan.action, plan.reason) == ("new", "diverged")
     assert plan.prefix_len == len(second_plan.input_ids) + len(second_out)
-    assert plan.input_ids[: plan.prefix_len] == second_plan.input_ids + second_out
+    assert plan.input_ids[: plan.prefix_len].tolist() == second_plan.input_ids.tolist() + second_out
 
 
 def test_changed_tools_do_not_extend(tok: Tokenizer) -> None:
@@ -306,7 +306,7 @@ def test_non_incremental_template_falls_back_to_a_full_render(tok: Tokenizer) ->
     req = conv.request()
     plan = plan_turn(chains, req, bad)  # type: ignore[arg-type]
     assert plan.action == "new" and "does not render" in plan.fallback
-    assert plan.input_ids == full_input_ids(req, bad)  # type: ignore[arg-type]
+    assert plan.input_ids.tolist() == full_input_ids(req, bad)  # type: ignore[arg-type]
 
 
 _DROPS_OLD_REASONING = """\
