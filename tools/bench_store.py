@@ -20,7 +20,14 @@ machine, so ratios stay meaningful across hardware:
     whole and as the server stores them (`recorder.server.deltas.put_body`),
     against what the last body alone costs compressed (its unique text),
     and the time to read the last body from a fresh store (a cold read
-    decodes at most MAX_BASIS_DEPTH bases).
+    decodes at most MAX_BASIS_DEPTH bases);
+  - small-append latency, the live server's per-turn commit: one session,
+    sequential turns of a 3-event append carrying a 50-int array
+    (`append(..., arrays=[encode_array(...)])`), p50/p99. On SQLite the
+    one-hop write path vs. the generic path (SQLAlchemy + aiosqlite), and
+    vs. raw sqlite3 doing the same inserts in one transaction (the floor);
+    on both backends arrays= vs. `put_array` then `append` (two commits).
+    Modes alternate for R rounds; samples of all rounds are pooled.
 Postgres runs when --pg or TR_TEST_POSTGRES_URL gives an admin URL; it makes
 and drops a scratch database.
 """
@@ -47,13 +54,19 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from recorder.events import ArrayRef, NewEvent, SandboxEvent, encode_event
+from recorder.events import ArrayRef, NewEvent, SandboxEvent, encode_event, type_name
 from recorder.ids import uuid7
 from recorder.server.deltas import BodyPrefixes, put_body
 from recorder.store import EventStore, StoreOptions, open_store
 from recorder.store import arrays as codec
 from recorder.store.sql import SqlEventStore
-from recorder.store.sqlite import WRITER_CACHE_KIB
+from recorder.store.sqlite import (
+    INSERT_EVENTS_SQL,
+    INSERT_PIECE_SQL,
+    WRITER_CACHE_KIB,
+    SqliteEventStore,
+    configure_connection,
+)
 
 BATCH = 1000
 APPENDERS = 256
@@ -456,6 +469,153 @@ async def body_storage(fresh: FreshUrl, is_pg: bool) -> list[Row]:
     return rows
 
 
+# -- small-append latency -------------------------------------------------------
+
+LATENCY_WARMUP, LATENCY_TURNS, TURN_ARRAY = 20, 100, 50
+Turn = Callable[[EventStore, int, np.random.Generator], Awaitable[object]]
+
+
+def turn_events(i: int, ref: ArrayRef) -> list[NewEvent]:
+    detail = {"turn": i, "ref": ref.digest.hex()}
+    return [NewEvent(event=SandboxEvent(kind=k, detail=detail)) for k in ("in", "out", "sent")]
+
+
+def turn_array(rng: np.random.Generator) -> np.ndarray:
+    return rng.integers(0, VOCAB, TURN_ARRAY, dtype=np.int32)
+
+
+async def turn_with_arrays(store: EventStore, i: int, rng: np.random.Generator) -> object:
+    encoded = codec.encode_array(turn_array(rng))
+    return await store.append("turns", turn_events(i, encoded.ref), arrays=[encoded])
+
+
+async def turn_put_then_append(store: EventStore, i: int, rng: np.random.Generator) -> object:
+    ref = await store.put_array(turn_array(rng))
+    return await store.append("turns", turn_events(i, ref))
+
+
+async def turn_latencies(url: str, turn: Turn, *, one_hop: bool = True) -> list[float]:
+    """Seconds per turn, sequential, after a warm-up."""
+    store = await open_store(url, create=True)
+    if isinstance(store, SqliteEventStore):
+        store.one_hop_writes = one_hop
+    rng = np.random.default_rng(7)
+    out = []
+    try:
+        for i in range(LATENCY_WARMUP + LATENCY_TURNS):
+            t0 = time.perf_counter()
+            await turn(store, i, rng)
+            if i >= LATENCY_WARMUP:
+                out.append(time.perf_counter() - t0)
+    finally:
+        await store.close()
+    return out
+
+
+async def raw_sqlite_turn_latencies(url: str) -> list[float]:
+    """The same turns through raw sqlite3, in the store's schema, with the
+    store's pragmas: one BEGIN IMMEDIATE, the piece, the events, COMMIT."""
+    await (await open_store(url, create=True)).close()
+    conn = sqlite3.connect(_path(url))
+    configure_connection(conn, WRITER_CACHE_KIB)
+    rng = np.random.default_rng(7)
+    out = []
+    for i in range(LATENCY_WARMUP + LATENCY_TURNS):
+        t0 = time.perf_counter()
+        encoded = codec.encode_array(turn_array(rng))
+        (piece,) = encoded.pieces
+        now = time.time()
+        rows = [
+            (
+                3 * i + k + 1,
+                "turns",
+                3 * i + k,
+                ne.event_id.bytes,
+                type_name(ne.event),
+                type(ne.event).VERSION,
+                now,
+                encode_event(ne.event),
+            )
+            for k, ne in enumerate(turn_events(i, encoded.ref))
+        ]
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute(
+            INSERT_PIECE_SQL,
+            {
+                "digest": piece.digest,
+                "parent": piece.parent,
+                "dtype": piece.dtype,
+                "total_length": piece.total_length,
+                "codec": piece.codec,
+                "data": piece.data,
+                "data_tail": None,
+                "basis": None,
+                "basis_depth": 0,
+            },
+        )
+        conn.executemany(INSERT_EVENTS_SQL, rows)
+        conn.execute("COMMIT")
+        if i >= LATENCY_WARMUP:
+            out.append(time.perf_counter() - t0)
+    conn.close()
+    return out
+
+
+def fmt_latency(samples: list[float]) -> str:
+    p50, p99 = np.percentile(samples, [50, 99]) * 1e3
+    return f"p50 {p50:.2f} ms, p99 {p99:.2f} ms"
+
+
+def latency_ratio(ours: list[float], base: list[float]) -> str:
+    return f"{statistics.median(base) / statistics.median(ours):.2f}x faster p50"
+
+
+async def latency_rows(fresh: FreshUrl, is_pg: bool, rounds: int) -> list[Row]:
+    backend = "postgres" if is_pg else "sqlite"
+    modes: dict[str, Callable[[str], Awaitable[list[float]]]] = {
+        "arrays": lambda url: turn_latencies(url, turn_with_arrays),
+        "put+append": lambda url: turn_latencies(url, turn_put_then_append),
+    }
+    if not is_pg:
+        modes["generic"] = lambda url: turn_latencies(url, turn_with_arrays, one_hop=False)
+        modes["raw"] = raw_sqlite_turn_latencies
+    samples: dict[str, list[float]] = {m: [] for m in modes}
+    for _ in range(rounds):
+        for mode, run in modes.items():
+            async with fresh() as url:
+                samples[mode] += await run(url)
+    label = f"turn: 3-event append + {TURN_ARRAY}-int array"
+    rows: list[Row] = []
+    if not is_pg:
+        ours = samples["arrays"]
+        rows += [
+            (
+                f"{label}, one hop vs generic",
+                backend,
+                fmt_latency(ours),
+                f"generic path {fmt_latency(samples['generic'])}",
+                latency_ratio(ours, samples["generic"]),
+            ),
+            (
+                f"{label}, one hop vs raw sqlite3",
+                backend,
+                fmt_latency(ours),
+                f"raw sqlite3 {fmt_latency(samples['raw'])}",
+                f"{statistics.median(ours) / statistics.median(samples['raw']):.2f}x raw time",
+            ),
+        ]
+    rows.append(
+        (
+            f"{label}, arrays= vs put_array+append",
+            backend,
+            fmt_latency(samples["arrays"]),
+            f"2 commits {fmt_latency(samples['put+append'])}",
+            latency_ratio(samples["arrays"], samples["put+append"]),
+        )
+    )
+    return rows
+
+
 # -- Postgres scratch database ------------------------------------------------
 
 
@@ -536,6 +696,7 @@ async def bench_backend(
             token_storage_pg(url) if is_pg else token_storage_sqlite(url)
         )
     bodies = await body_storage(fresh, is_pg)
+    latency = await latency_rows(fresh, is_pg, rounds)
     return [
         *rows,
         (
@@ -553,6 +714,7 @@ async def bench_backend(
             f"{ratio:.1f}x smaller",
         ),
         *bodies,
+        *latency,
     ]
 
 

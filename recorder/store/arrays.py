@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from typing import Final
 
 import msgspec
@@ -127,7 +128,10 @@ def _unshuffle(data: bytes, itemsize: int) -> bytes:
 
 def encode_piece(suffix: np.ndarray, dtype: DType, parent: ArrayRef | None) -> Piece:
     """The row to store for `suffix` appended to `parent` (None: a root piece)."""
-    raw = suffix.tobytes()
+    return _encode_raw(suffix.tobytes(), len(suffix), dtype, parent)
+
+
+def _encode_raw(raw: bytes, n: int, dtype: DType, parent: ArrayRef | None) -> Piece:
     parent_digest = parent.digest if parent is not None else None
     itemsize = NUMPY_DTYPES[dtype].itemsize
     if itemsize > 1:
@@ -135,8 +139,79 @@ def encode_piece(suffix: np.ndarray, dtype: DType, parent: ArrayRef | None) -> P
     else:
         codec, body = CODEC_ZSTD, raw
     data = zstandard.ZstdCompressor(level=_ZSTD_LEVEL, write_content_size=True).compress(body)
-    total = (parent.length if parent is not None else 0) + len(suffix)
+    total = (parent.length if parent is not None else 0) + n
     return Piece(piece_digest(parent_digest, dtype, raw), parent_digest, dtype, total, codec, data)
+
+
+class EncodedArray(msgspec.Struct, frozen=True):
+    """An array ready to store: its ref and the piece(s) that hold it.
+
+    Built without the database (`encode_array`), so a caller can name the ref
+    in the events it appends and hand the pieces to that same append.
+    `decoded` mirrors `pieces` as verified suffixes, for the store's piece
+    cache. No pieces: the array is `extends` itself (an empty suffix).
+    """
+
+    ref: ArrayRef
+    pieces: tuple[Piece, ...] = ()
+    decoded: tuple[DecodedPiece, ...] = ()
+
+
+def encode_array(array: np.ndarray, *, extends: ArrayRef | None = None) -> EncodedArray:
+    """Encode a 1-D array (or, with `extends`, the suffix appended to that array).
+
+    Pure: the same content gives the same ref and piece as
+    `put_array(array, extends=extends)` without a basis. Whether `extends`
+    names a stored array is checked when the pieces are written.
+    """
+    suffix, dtype = as_suffix(array, extends.dtype if extends is not None else None)
+    if extends is not None and len(suffix) == 0:
+        return EncodedArray(extends)
+    raw = suffix.tobytes()
+    piece = _encode_raw(raw, len(suffix), dtype, extends)
+    # A view of the immutable bytes: read-only, and never aliases the caller's array.
+    own = np.frombuffer(raw, NUMPY_DTYPES[dtype])
+    decoded = DecodedPiece(piece.digest, piece.parent, dtype, piece.total_length, own)
+    return EncodedArray(ArrayRef(piece.digest, piece.total_length, dtype), (piece,), (decoded,))
+
+
+def external_bases(pieces: Iterable[Piece]) -> set[bytes]:
+    """Digests the pieces name (as parent or basis) but do not include themselves."""
+    pieces = list(pieces)
+    own = {p.digest for p in pieces}
+    return {d for p in pieces for d in (p.parent, p.basis) if d is not None and d not in own}
+
+
+def missing_bases(
+    requests: Sequence[tuple[int, Sequence[Piece]]], present: set[bytes]
+) -> dict[int, ArrayNotFound]:
+    """Which requests name a parent or basis that neither the database nor the
+    requests still being written hold.
+
+    `present`: digests known to be stored. Iterates to a fixed point, since a
+    request that fails takes its pieces away from the requests built on them.
+    """
+    errors: dict[int, ArrayNotFound] = {}
+    while True:
+        available = present | {p.digest for i, ps in requests if i not in errors for p in ps}
+        found = {}
+        for i, pieces in requests:
+            if i in errors:
+                continue
+            for p in pieces:
+                for what, d in (("extends", p.parent), ("basis", p.basis)):
+                    if d is not None and d not in available:
+                        found[i] = _unknown_base(what, d)
+        if not found:
+            return errors
+        errors.update(found)
+
+
+def _unknown_base(what: str, digest: bytes) -> ArrayNotFound:
+    return ArrayNotFound(
+        f"{what}= names array {digest.hex()}, which this database does not hold; pass a ref "
+        "returned by this store (nothing of this put_array/append was written)"
+    )
 
 
 def basis_dictionary(basis_bytes: bytes) -> zstandard.ZstdCompressionDict:

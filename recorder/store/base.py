@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from recorder.events import ArrayRef, NewEvent, RecordedEvent
+
+if TYPE_CHECKING:  # arrays.py imports this module's errors
+    from recorder.store.arrays import EncodedArray
 
 
 class StoreError(Exception):
@@ -90,15 +94,26 @@ class EventStore(ProjectionStore):
         events: Sequence[NewEvent],
         *,
         expected_seq: int | None = None,
+        arrays: Sequence[EncodedArray] = (),
     ) -> list[int]:
         """Append a batch atomically; return the global positions.
 
         `expected_seq` is the seq the first event must get (optimistic
-        concurrency): on mismatch raise `ConcurrencyConflict`, writing
-        nothing. None appends at the end. Re-sending a batch whose event ids
+        concurrency): on mismatch raise `ConcurrencyConflict`, writing no
+        event. None appends at the end. Re-sending a batch whose event ids
         are all stored with identical payloads returns the original positions
-        and writes nothing; a known id with a different payload raises
+        and writes nothing new; a known id with a different payload raises
         `IdempotencyConflict`.
+
+        `arrays` (from `recorder.store.arrays.encode_array`) are written in
+        the same transaction as the events, so the refs the events name are
+        durable when this returns, at the cost of one commit instead of one
+        per array. An `extends=` parent this database does not hold raises
+        `ArrayNotFound` and writes nothing. An append refused inside the
+        transaction (`ConcurrencyConflict`, `IdempotencyConflict` for a stored
+        id) still writes its arrays: pieces are content-addressed, so they
+        are harmless alone and a retry finds them stored. With no events,
+        `arrays` are simply stored.
         """
 
     @abc.abstractmethod
@@ -145,7 +160,10 @@ class EventStore(ProjectionStore):
         extends: ArrayRef | None = None,
         basis: ArrayRef | None = None,
     ) -> ArrayRef:
-        """Store a 1-D array; return its ref.
+        """Store a 1-D array now; return its ref.
+
+        An array that events will name costs one commit less when passed to
+        `append(..., arrays=[encode_array(...)])` with those events instead.
 
         With `extends`, `array` is only the suffix to append to the array that
         `extends` names: the prefix is shared, not stored again.

@@ -6,11 +6,14 @@ writers serialise, and how positions are allocated.
 
 Write path: every append and array put goes through one `GroupCommitter`
 per store. A group is one transaction that (1) takes the backend's writer
-lock, (2) inserts array pieces (ON CONFLICT DO NOTHING), (3) checks each
-append's idempotency and expected seq against the database *inside* the
-locked transaction, (4) allocates one contiguous run of positions for the
-accepted events, in queue order, and inserts them. A request that fails its
-check fails alone; the rest of the group commits.
+lock, (2) checks that every array piece's parent and basis is stored or
+written by the group, (3) checks each append's idempotency and expected seq
+against the database *inside* the locked transaction, (4) inserts the array
+pieces (ON CONFLICT DO NOTHING; an append's pieces travel with its events),
+(5) allocates one contiguous run of positions for the accepted events, in
+queue order, and inserts them. A request that fails its check fails alone;
+the rest of the group commits. (SQLite first tries a plain group in one
+thread hop: see `sqlite.py`.)
 
 Idempotency has a fast path: the group is first written without looking its
 event ids up, relying on the unique index on event_id. When that insert
@@ -137,25 +140,35 @@ class EventRow(msgspec.Struct):
 
 
 class AppendRequest(WriteRequest):
-    __slots__ = ("expected_seq", "rows", "session_id")
+    __slots__ = ("expected_seq", "pieces", "rows", "session_id")
 
-    def __init__(self, session_id: str, rows: list[EventRow], expected_seq: int | None) -> None:
-        super().__init__(len(rows) or 1)
+    def __init__(
+        self,
+        session_id: str,
+        rows: list[EventRow],
+        expected_seq: int | None,
+        pieces: Sequence[arr.Piece] = (),
+    ) -> None:
+        super().__init__((len(rows) + len(pieces)) or 1)
         self.session_id = session_id
         self.rows = rows
         self.expected_seq = expected_seq
+        # Array pieces written in the same transaction (see `EventStore.append`).
+        self.pieces = pieces
 
 
 class PiecesRequest(WriteRequest):
     __slots__ = ("pieces",)
 
-    def __init__(self, pieces: list[arr.Piece]) -> None:
+    def __init__(self, pieces: Sequence[arr.Piece]) -> None:
         super().__init__(len(pieces))
         self.pieces = pieces
 
 
 # (session_id, seq, row) of an event the group will insert.
 NewRow = tuple[str, int, EventRow]
+# What the group committer carries.
+GroupRequest = AppendRequest | PiecesRequest
 
 
 @dataclass(slots=True)
@@ -208,7 +221,7 @@ class SqlEventStore(EventStore):
         self.options = options or StoreOptions()
         self.write_engine = write_engine
         self.read_engine = read_engine
-        self._writer: GroupCommitter[AppendRequest | PiecesRequest] = GroupCommitter(
+        self._writer: GroupCommitter[GroupRequest] = GroupCommitter(
             self._commit_group, max_weight=MAX_GROUP_WEIGHT
         )
         self._pieces = arr.PieceCache(self.options.piece_cache_bytes)
@@ -253,8 +266,11 @@ class SqlEventStore(EventStore):
         events: Sequence[NewEvent],
         *,
         expected_seq: int | None = None,
+        arrays: Sequence[arr.EncodedArray] = (),
     ) -> list[int]:
         if not events:
+            if arrays:
+                await self._put_encoded(arrays)
             return []
         now = time.time()
         rows = [
@@ -269,10 +285,38 @@ class SqlEventStore(EventStore):
         ]
         if len({ne.event_id.int for ne in events}) != len(rows):
             raise IdempotencyConflict("a batch lists the same event_id twice; ids must be unique")
-        result: list[int] = await self._writer.submit(AppendRequest(session_id, rows, expected_seq))
+        pieces, decoded = self._unstored_pieces(arrays)
+        result: list[int] = await self._writer.submit(
+            AppendRequest(session_id, rows, expected_seq, pieces)
+        )
+        self._learn(decoded)
         return result
 
-    async def _commit_group(self, group: list[AppendRequest | PiecesRequest]) -> None:
+    def _unstored_pieces(
+        self, arrays: Sequence[arr.EncodedArray]
+    ) -> tuple[list[arr.Piece], list[arr.DecodedPiece]]:
+        """The pieces of `arrays` still to write: a cached piece is already stored."""
+        pieces: list[arr.Piece] = []
+        decoded: list[arr.DecodedPiece] = []
+        for encoded in arrays:
+            for piece, dec in zip(encoded.pieces, encoded.decoded, strict=True):
+                if self._pieces.get(piece.digest) is None:
+                    pieces.append(piece)
+                    decoded.append(dec)
+        return pieces, decoded
+
+    def _learn(self, decoded: Iterable[arr.DecodedPiece]) -> None:
+        """Cache pieces once they are durable (the cache only holds stored pieces)."""
+        for piece in decoded:
+            self._pieces.put(piece)
+
+    async def _put_encoded(self, arrays: Sequence[arr.EncodedArray]) -> None:
+        pieces, decoded = self._unstored_pieces(arrays)
+        if pieces:
+            await self._writer.submit(PiecesRequest(pieces))
+            self._learn(decoded)
+
+    async def _commit_group(self, group: list[GroupRequest]) -> None:
         # Fast path: let the unique index on event_id catch re-sent ids. Only
         # if the insert fails (a retry after a lost ack, usually) do we redo the
         # group looking every id up first; if even that fails, each request
@@ -297,18 +341,31 @@ class SqlEventStore(EventStore):
             else:
                 request.resolve(None)
 
-    async def _write_group(
-        self, group: list[AppendRequest | PiecesRequest], *, look_up_ids: bool
-    ) -> _GroupPlan:
+    async def _write_group(self, group: list[GroupRequest], *, look_up_ids: bool) -> _GroupPlan:
         async with self.write_engine.begin() as conn:
             await self._lock_writers(conn)
             plan = _GroupPlan()
-            piece_requests = [(i, r) for i, r in enumerate(group) if isinstance(r, PiecesRequest)]
-            if piece_requests:
-                await self._insert_pieces(conn, piece_requests, plan)
-            appends = [(i, r) for i, r in enumerate(group) if isinstance(r, AppendRequest)]
+            carrying = [(i, r.pieces) for i, r in enumerate(group) if r.pieces]
+            if carrying:
+                external = arr.external_bases(p for _, ps in carrying for p in ps)
+                present = await self._present_digests(conn, list(external)) if external else set()
+                plan.errors.update(arr.missing_bases(carrying, present))
+            appends = [
+                (i, r)
+                for i, r in enumerate(group)
+                if isinstance(r, AppendRequest) and i not in plan.errors
+            ]
             if appends:
                 await self._plan_appends(conn, appends, plan, look_up_ids=look_up_ids)
+            # Pieces of appends refused for concurrency/idempotency are written too.
+            pieces = [
+                p
+                for i, ps in carrying
+                if not isinstance(plan.errors.get(i), ArrayNotFound)
+                for p in ps
+            ]
+            if pieces:
+                await self._insert_pieces(conn, pieces)
             if plan.new_rows:
                 first = plan.next_position
                 if first is None:
@@ -467,23 +524,21 @@ class SqlEventStore(EventStore):
         extends: ArrayRef | None = None,
         basis: ArrayRef | None = None,
     ) -> ArrayRef:
-        suffix, dtype = arr.as_suffix(array, extends.dtype if extends is not None else None)
-        if extends is not None and len(suffix) == 0:
-            return extends
         if basis is None:
-            piece = arr.encode_piece(suffix, dtype, extends)
+            encoded = arr.encode_array(array, extends=extends)
         else:
+            suffix, dtype = arr.as_suffix(array, extends.dtype if extends is not None else None)
+            if extends is not None and len(suffix) == 0:
+                return extends
             piece, suffix = await self._encode_on_basis(suffix, dtype, extends, basis)
-        ref = ArrayRef(piece.digest, piece.total_length, dtype)
-        if self._pieces.get(piece.digest) is None:
-            await self._writer.submit(PiecesRequest([piece]))
             suffix.setflags(write=False)
-            self._pieces.put(
-                arr.DecodedPiece(
-                    piece.digest, piece.parent, dtype, piece.total_length, suffix, piece.depth
-                )
+            decoded = arr.DecodedPiece(
+                piece.digest, piece.parent, dtype, piece.total_length, suffix, piece.depth
             )
-        return ref
+            ref = ArrayRef(piece.digest, piece.total_length, dtype)
+            encoded = arr.EncodedArray(ref, (piece,), (decoded,))
+        await self._put_encoded([encoded])
+        return encoded.ref
 
     async def _encode_on_basis(
         self, suffix: np.ndarray, dtype: DType, extends: ArrayRef | None, basis: ArrayRef
@@ -515,43 +570,24 @@ class SqlEventStore(EventStore):
         piece = arr.encode_piece_on_basis(suffix, dtype, extends, basis, dictionary, basis_depth)
         return piece, suffix
 
-    async def _insert_pieces(
-        self,
-        conn: AsyncConnection,
-        requests: list[tuple[int, PiecesRequest]],
-        plan: _GroupPlan,
-    ) -> None:
-        by_digest = {p.digest: p for _, r in requests for p in r.pieces}
-        needed = {d for p in by_digest.values() for d in (p.parent, p.basis) if d is not None}
-        present = await self._present_digests(conn, [d for d in needed if d not in by_digest])
-        for i, request in requests:
-            for p in request.pieces:
-                for what, d in (("extends", p.parent), ("basis", p.basis)):
-                    if d is not None and d not in by_digest and d not in present:
-                        plan.errors[i] = ArrayNotFound(
-                            f"put_array({what}=...) names array {d.hex()}, which this "
-                            "database does not hold; pass a ref returned by this store"
-                        )
-        rows = [
-            self.array_row(
-                p.digest,
-                p.parent,
-                p.dtype,
-                p.total_length,
-                p.codec,
-                p.data,
-                basis=p.basis,
-                basis_depth=p.depth,
-            )
-            for i, r in requests
-            if i not in plan.errors
-            for p in r.pieces
-        ]
-        if rows:
-            stmt = (
-                type(self).dialect_insert(arrays).on_conflict_do_nothing(index_elements=["digest"])
-            )
-            await conn.execute(stmt, rows)
+    async def _insert_pieces(self, conn: AsyncConnection, pieces: Iterable[arr.Piece]) -> None:
+        """Insert pieces whose parents and bases are known present (ON CONFLICT DO NOTHING)."""
+        unique = {p.digest: p for p in pieces}
+        stmt = type(self).dialect_insert(arrays).on_conflict_do_nothing(index_elements=["digest"])
+        await conn.execute(stmt, [self.piece_row(p) for p in unique.values()])
+
+    def piece_row(self, p: arr.Piece) -> dict[str, Any]:
+        """The `arrays` row that stores piece `p`."""
+        return self.array_row(
+            p.digest,
+            p.parent,
+            p.dtype,
+            p.total_length,
+            p.codec,
+            p.data,
+            basis=p.basis,
+            basis_depth=p.depth,
+        )
 
     def array_row(
         self,
