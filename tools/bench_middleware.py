@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -366,9 +367,12 @@ class Conversation:
         self.messages.append({"role": "user", "content": [block]})
 
 
-def tool_call_reply(tok: Tokenizer, n: int) -> str:
+def tool_call_reply(tok: Tokenizer, n: int, k: int = 0) -> str:
     """The model's ~50-token turn: a sentence and a Read call, written the way
-    the chat template renders it (so a full re-render reproduces its tokens)."""
+    the chat template renders it (so a full re-render reproduces its tokens).
+
+    `k` numbers the engine's answers: every output differs, as a sampling
+    model's would, so no turn's output arrays are already stored."""
     message = {
         "role": "assistant",
         "content": "I will read the next file to find the failing test.",
@@ -378,7 +382,7 @@ def tool_call_reply(tok: Tokenizer, n: int) -> str:
                 "type": "function",
                 "function": {
                     "name": "Read",
-                    "arguments": {"file_path": f"/repo/src/pkg/module_{n:06d}.py", "offset": 1, "limit": 400},
+                    "arguments": {"file_path": f"/repo/src/pkg/module_{n:06d}_{k % 10_000:04d}.py", "offset": 1, "limit": 400},
                 },
             }
         ],
@@ -413,8 +417,10 @@ def engine_app(
     `GET /bench/spans` returns them (for an engine in another process:
     perf_counter is the system-wide monotonic clock, comparable across processes).
     """
+    count = itertools.count()
     backend = ScriptedBackend(
-        tok, default_reply=lambda req: Reply(text=tool_call_reply(tok, len(req.input_ids)))
+        tok,
+        default_reply=lambda req: Reply(text=tool_call_reply(tok, len(req.input_ids), next(count))),
     )
     app = build_app(EngineCore(backend, tok, context_length=context_length))
 

@@ -24,10 +24,13 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
-from recorder.events import AnyEvent, NewEvent
+from recorder.events import AnyEvent, ArrayRef, NewEvent
 from recorder.ids import uuid7
+from recorder.store.arrays import EncodedArray, encode_array
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from recorder.store.base import EventStore
 
 T = TypeVar("T")
@@ -65,6 +68,7 @@ class Journal:
         self.session_id = session_id
         self.next_seq = next_seq
         self._pending: list[NewEvent] = []
+        self._arrays: list[EncodedArray] = []
         self._tail: asyncio.Task[None] | None = None
         self._gate: asyncio.Event | None = None
 
@@ -76,6 +80,17 @@ class Journal:
         """Buffer events (call with no step queued, or from inside a step)."""
         now = time.time()
         self._pending.extend(NewEvent(event=e, ts=now, event_id=uuid7()) for e in events)
+
+    def add_array(self, array: np.ndarray) -> ArrayRef:
+        """Buffer an array to be written in the same transaction as the buffered events.
+
+        Saves a commit per array on the turn's critical path (the engine's
+        output ids and logprobs), and no array is ever stored without the
+        event that names it.
+        """
+        encoded = encode_array(array)
+        self._arrays.append(encoded)
+        return encoded.ref
 
     def hold(self) -> None:
         """Make `background` work started from now on wait for `release`."""
@@ -134,6 +149,7 @@ class Journal:
             if not tail.cancelled():
                 tail.exception()  # retrieved: the turn already reported it
         self._pending.clear()
+        self._arrays.clear()
 
     async def flush(self) -> None:
         """After the queued steps, append the buffer as one batch; return once durable."""
@@ -145,14 +161,18 @@ class Journal:
         if not self._pending:
             return
         batch, self._pending = self._pending, []
-        append = self._store.append(self.session_id, batch, expected_seq=self.next_seq)
+        arrays, self._arrays = self._arrays, []
+        append = self._store.append(
+            self.session_id, batch, expected_seq=self.next_seq, arrays=arrays
+        )
         try:
             await finish_even_if_cancelled(self._advance_after(append, len(batch)))
         except asyncio.CancelledError:
             raise
         except BaseException:
-            # Nothing was written (appends are atomic): the caller decides.
+            # No event was written (appends are atomic): the caller decides.
             self._pending = batch + self._pending
+            self._arrays = arrays + self._arrays
             raise
 
     async def _advance_after(self, append: Awaitable[list[int]], n: int) -> None:

@@ -207,7 +207,7 @@ async def _answer(
     """Compose the answer and buffer [TitoVerdict,] ResponseSent after every queued step."""
     journal = state.journal
     try:
-        answer, tito_event = await _compose(ctx, chat, plan, output, record, model)
+        answer, tito_event = await _compose(ctx, journal, chat, plan, output, record, model)
     except ParserError as exc:
         await _fail_turn(
             journal,
@@ -322,10 +322,9 @@ class _AttemptRecorder:
     """
 
     def __init__(
-        self, journal: Journal, store: Any, record: TurnRecord, url: str, params: SamplingParams
+        self, journal: Journal, record: TurnRecord, url: str, params: SamplingParams
     ) -> None:
         self._journal = journal
-        self._store = store
         self._record = record
         self._url = url
         self._sampling = params.to_sglang()
@@ -343,10 +342,11 @@ class _AttemptRecorder:
 
     async def on_result(self, attempt: Attempt, out: GenerateOutput) -> None:
         self._record.engine_s += out.latency_s
-        arrays = asyncio.ensure_future(_result_arrays(self._store, out))
 
         async def step() -> None:
-            self._journal.add(_result_event(self._record, attempt, out, *await arrays))
+            # The arrays travel with the next append (usually the turn's last).
+            refs = _result_arrays(self._journal, out)
+            self._journal.add(_result_event(self._record, attempt, out, *refs))
             if out.finish_reason == "abort":
                 self._journal.add(
                     ev.TurnAborted(
@@ -403,7 +403,7 @@ async def _generate(
     """
     journal = state.journal
     url = _engine_url(ctx, state)
-    recorder = _AttemptRecorder(journal, ctx.store, record, url, params)
+    recorder = _AttemptRecorder(journal, record, url, params)
     try:
         output = await generate_with_resume(
             ctx.engine,
@@ -464,19 +464,18 @@ def _engine_failure(
     return f"engine_{exc.kind}", event, answer
 
 
-async def _result_arrays(
-    store: Any, out: GenerateOutput
+def _result_arrays(
+    journal: Journal, out: GenerateOutput
 ) -> tuple[ArrayRef, ArrayRef | None, ArrayRef | None]:
-    """(output ids, logprobs, routed experts) refs of one attempt."""
-    arrays = [store.put_array(np.asarray(out.output_ids, dtype=np.int32))]
+    """(output ids, logprobs, routed experts) refs of one attempt, buffered in the journal."""
+    ids_ref = journal.add_array(np.asarray(out.output_ids, dtype=np.int32))
+    logprobs_ref = None
     if out.logprobs is not None:
-        arrays.append(store.put_array(np.asarray(out.logprobs, dtype=np.float32)))
+        logprobs_ref = journal.add_array(np.asarray(out.logprobs, dtype=np.float32))
+    experts_ref = None
     if out.routed_experts is not None:
-        arrays.append(store.put_array(np.frombuffer(out.routed_experts, dtype="<i4")))
-    refs = await asyncio.gather(*arrays)
-    logprobs_ref = refs[1] if out.logprobs is not None else None
-    experts_ref = refs[-1] if out.routed_experts is not None else None
-    return refs[0], logprobs_ref, experts_ref
+        experts_ref = journal.add_array(np.frombuffer(out.routed_experts, dtype="<i4"))
+    return ids_ref, logprobs_ref, experts_ref
 
 
 def _result_event(
@@ -531,6 +530,7 @@ def _engine_url(ctx: ServerContext, state: SessionState) -> str:
 
 async def _compose(
     ctx: ServerContext,
+    journal: Journal,
     chat: ChatRequest,
     plan: TurnPlan,
     output: TurnOutput,
@@ -539,7 +539,7 @@ async def _compose(
 ) -> tuple[Answer, ev.TitoVerdict | None]:
     """TITO verdict, reasoning/tool-call parsing, content blocks, stop reason, usage."""
     tok, ids = ctx.tokenizer, output.output_ids
-    tito_event = await _tito_verdict(ctx, ids, record) if ids else None
+    tito_event = await _tito_verdict(ctx, journal, ids, record) if ids else None
     ended_with_eos = bool(ids) and ids[-1] in tok.eos_token_ids
     text = tok.decode(ids[:-1] if ended_with_eos else ids)
     stop_sequence = None
@@ -566,7 +566,9 @@ async def _compose(
     return answer, tito_event
 
 
-async def _tito_verdict(ctx: ServerContext, ids: list[int], record: TurnRecord) -> ev.TitoVerdict:
+async def _tito_verdict(
+    ctx: ServerContext, journal: Journal, ids: list[int], record: TurnRecord
+) -> ev.TitoVerdict:
     """Does decode -> re-encode give back the output? The re-encoding is kept on a mismatch."""
     if len(ids) > _THREAD_TITO_TOKENS:
         result = await asyncio.to_thread(tito_check, ctx.tokenizer, ids)
@@ -574,8 +576,8 @@ async def _tito_verdict(ctx: ServerContext, ids: list[int], record: TurnRecord) 
         result = tito_check(ctx.tokenizer, ids)
     record.tito = "ok" if result.ok else f"fail@{result.first_divergence}"
     reencoded_ref = None
-    if not result.ok:
-        reencoded_ref = await ctx.store.put_array(np.asarray(result.reencoded_ids, dtype=np.int32))
+    if not result.ok:  # written with the verdict
+        reencoded_ref = journal.add_array(np.asarray(result.reencoded_ids, dtype=np.int32))
     return ev.TitoVerdict(
         rules_version=LIVE_RULES_VERSION,
         request_id=record.request_id,

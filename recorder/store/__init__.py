@@ -12,6 +12,7 @@ from pathlib import Path
 import sqlalchemy as sa
 
 from recorder.store import migrations
+from recorder.store.arrays import EncodedArray, encode_array
 from recorder.store.base import (
     ArrayNotFound,
     ConcurrencyConflict,
@@ -28,12 +29,14 @@ __all__ = [
     "ArrayNotFound",
     "ConcurrencyConflict",
     "CorruptArray",
+    "EncodedArray",
     "EventStore",
     "IdempotencyConflict",
     "ProjectionStore",
     "SchemaOutOfDate",
     "StoreError",
     "StoreOptions",
+    "encode_array",
     "normalize_url",
     "open_store",
 ]

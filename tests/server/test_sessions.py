@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 
 from recorder.events import NewEvent, SandboxEvent
 from recorder.server.journal import Journal, finish_even_if_cancelled
 from recorder.server.sessions import SessionRegistry, SessionState
+from recorder.store.arrays import EncodedArray
 from recorder.store.base import ConcurrencyConflict
 
 
@@ -18,10 +20,16 @@ class FakeStore:
 
     def __init__(self, delay: float = 0.0) -> None:
         self.rows: list[tuple[str, int, str]] = []
+        self.arrays: list[list[bytes]] = []  # digests written with each append
         self.delay = delay
 
     async def append(
-        self, session_id: str, events: Sequence[NewEvent], *, expected_seq: int | None = None
+        self,
+        session_id: str,
+        events: Sequence[NewEvent],
+        *,
+        expected_seq: int | None = None,
+        arrays: Sequence[EncodedArray] = (),
     ) -> list[int]:
         await asyncio.sleep(self.delay)
         seq = sum(1 for r in self.rows if r[0] == session_id)
@@ -29,6 +37,7 @@ class FakeStore:
             raise ConcurrencyConflict(session_id, expected_seq, seq)
         for i, e in enumerate(events):
             self.rows.append((session_id, seq + i, e.event.kind))  # type: ignore[union-attr]
+        self.arrays.append([a.ref.digest for a in arrays])
         return list(range(seq, seq + len(events)))
 
 
@@ -199,3 +208,17 @@ async def test_held_background_work_starts_on_release_or_drain() -> None:
     journal.then(needs_it)
     await asyncio.wait_for(journal.drain(), 1)  # draining releases: no deadlock
     assert started == ["held", "free", "late"]
+
+
+async def test_arrays_travel_with_the_next_append_and_survive_a_refusal() -> None:
+    store = FakeStore()
+    await store.append("s", [NewEvent(event=mark("other writer"))])
+    journal = Journal(store, "s", 0)  # type: ignore[arg-type]
+    ref = journal.add_array(np.arange(50, dtype=np.int32))
+    journal.add(mark("a"))
+    with pytest.raises(ConcurrencyConflict):
+        await journal.flush()
+    journal.next_seq = 1  # the caller re-read the stream
+    await journal.flush()
+    assert store.arrays[-1] == [ref.digest]  # kept for the retry, written with its event
+    assert ref.length == 50 and ref.dtype == "int32"
