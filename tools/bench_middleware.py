@@ -1,8 +1,15 @@
 """Per-turn middleware overhead of the live recorder, chain reuse vs full re-render.
 
 Section 1, end to end (what the issue asks for): the real `RecorderServer`
-over a real SQLite store, in front of the scripted test engine (zero token
-delay) running in its own thread of this process. Two sessions are fed the
+over a real SQLite store, set up as `recorder serve` sets it up, in front of
+the scripted test engine (zero token delay) in a child process, as a real
+engine would be (`--engine-thread` runs it in a thread of this process
+instead: it then shares the GIL and the garbage collector with the server,
+and its prefix-cache trie of a dict per token makes every full collection
+of the server's heap slow). Each `/generate` call also waits
+`--engine-latency-ms` (default 50 ms, less than any real GPU needs for a
+long prompt): an idle engine time the server's background writes can
+overlap, as they overlap a real engine's. Two sessions are fed the
 same Claude-Code-shaped tool-use conversation, turn by turn, as streaming
 Messages requests with the body and headers the Anthropic SDK sends (raw
 aiohttp with pre-encoded bodies, so no client-side SDK work is timed):
@@ -23,14 +30,10 @@ model's ~50-token tool call), centred on the checkpoint. The bench fails
 unless every measured turn's ChainDecision is an extension.
 
 Per turn: middleware time = client wall time minus the engine's own time,
-the thread CPU time of the engine's `/generate` handler (reading and
-JSON-parsing the input ids, prefix-cache walk, decoding); CPU time, so it is
-not inflated while the server thread holds the GIL. What the in-process
-engine still costs the server (sending the ids over loopback, GIL hand-offs)
-counts as middleware time: a conservative reading (`--engine-process` runs
-the engine in a child process instead, as a real engine would be; its spans
-are fetched over HTTP, perf_counter being the system-wide monotonic clock).
-The parse and plan
+the span of the engine's `/generate` handler (simulated latency, reading and
+JSON-parsing the input ids, prefix-cache walk, decoding); the spans are
+fetched over HTTP, perf_counter being the system-wide monotonic clock.
+Sending the ids over loopback counts as middleware time. The parse and plan
 columns time the server's own `parse_request` (with the session's
 ParseCache) and turn planner calls. The store columns are
 the time a store call (`append` / `put_array`) was in flight during the turn
@@ -41,8 +44,8 @@ Section 2, pure (no HTTP, no store, no engine): parse + plan in-process, the
 chain path against parse + full render + full encode, median of repeats.
 
     python -m tools.bench_middleware [--contexts 1000,10000,100000] [--turns 8]
-        [--section both|e2e|pure] [--engine-process] [--db-dir DIR] [--per-turn]
-        [--repeat 15]
+        [--section both|e2e|pure] [--engine-thread] [--engine-latency-ms 50]
+        [--db-dir DIR] [--per-turn] [--repeat 15]
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ from recorder import events as ev
 from recorder.engine import EngineClient
 from recorder.parsers import make_parser
 from recorder.server import RecorderServer, ServerConfig, ServerContext
+from recorder.server.app import freeze_startup_heap
 from recorder.store import open_store
 from recorder.store.base import EventStore
 from recorder.tokenizer import Tokenizer, load_tokenizer
@@ -827,6 +831,7 @@ async def start_stack(
     )
     server = RecorderServer(ctx)
     await server.start()
+    freeze_startup_heap()  # as `recorder serve` does
     http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
     return Stack(server, engine, store, http, planner, spans)
 
@@ -1083,14 +1088,14 @@ def main(argv: list[str] | None = None) -> Results:
         "--db-dir", default=None, help="e2e: where the SQLite file goes (default: system temp)"
     )
     ap.add_argument(
-        "--engine-process",
+        "--engine-thread",
         action="store_true",
-        help="e2e: run the scripted engine in a child process instead of a thread",
+        help="e2e: run the scripted engine in a thread of this process, not a child process",
     )
     ap.add_argument(
         "--engine-latency-ms",
         type=float,
-        default=0.0,
+        default=50.0,
         help="e2e: simulated GPU time per /generate call (counts as engine time)",
     )
     ap.add_argument("--serve-engine", type=int, default=None, help=argparse.SUPPRESS)
@@ -1113,7 +1118,7 @@ def main(argv: list[str] | None = None) -> Results:
                 args.new_tokens,
                 args.warmup,
                 args.db_dir,
-                args.engine_process,
+                not args.engine_thread,
                 args.engine_latency_ms / 1000,
             )
         )

@@ -154,7 +154,7 @@ class _StartupError(Exception):
 async def _serve(tokenizer, rules, **s) -> None:  # type: ignore[no-untyped-def]
     from recorder.engine import EngineClient
     from recorder.parsers import make_parser, prefills_reasoning
-    from recorder.server.app import RecorderServer
+    from recorder.server.app import RecorderServer, freeze_startup_heap
     from recorder.store import StoreError, open_store
 
     engine = EngineClient(s["engines"])
@@ -196,6 +196,7 @@ async def _serve(tokenizer, rules, **s) -> None:  # type: ignore[no-untyped-def]
         loop.add_signal_handler(sig, stop.set)
     try:
         await server.start()
+        freeze_startup_heap()
         if s["admin_token"] is None:
             log.warning(
                 "no --admin-token: the /sessions admin API is open to anyone who can connect"

@@ -16,7 +16,7 @@ from tools.bench_middleware import main
 def test_bench_middleware_runs_at_toy_sizes(capsys: pytest.CaptureFixture[str]) -> None:
     results = main(
         ["--contexts", "600,1500", "--turns", "2", "--warmup", "1", "--repeat", "1",
-         "--new-words", "40"]
+         "--new-words", "40", "--engine-latency-ms", "5"]
     )  # fmt: skip
     assert [row.target for row in results.e2e] == [600, 1500]
     assert all(row.turns == 2 for row in results.e2e)
@@ -28,10 +28,10 @@ def test_bench_middleware_runs_at_toy_sizes(capsys: pytest.CaptureFixture[str]) 
     assert "end to end" in out and "pure" in out
 
 
-def test_bench_middleware_with_the_engine_in_a_child_process() -> None:
+def test_bench_middleware_with_the_engine_in_a_thread() -> None:
     results = main(
         ["--section", "e2e", "--contexts", "800", "--turns", "2", "--warmup", "1",
-         "--engine-process", "--per-turn"]
+         "--engine-thread", "--engine-latency-ms", "0", "--per-turn"]
     )  # fmt: skip
     assert [(row.target, row.turns) for row in results.e2e] == [(800, 2)]
     assert results.pure == []
