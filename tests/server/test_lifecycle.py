@@ -161,3 +161,16 @@ async def test_serve_command_exits_cleanly_on_sigterm(tokenizer: Any, tmp_path: 
     finally:
         await store.close()
     assert types[-1] == "response_sent"
+
+
+def test_startup_heap_is_frozen_out_of_full_collections() -> None:
+    import gc
+
+    from recorder.server.app import freeze_startup_heap
+
+    before = gc.get_freeze_count()
+    try:
+        freeze_startup_heap()
+        assert gc.get_freeze_count() > max(before, 10_000)  # modules, tokenizer, ...
+    finally:
+        gc.unfreeze()
