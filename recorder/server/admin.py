@@ -283,6 +283,7 @@ async def close_session(request: web.Request) -> web.Response:
             state.chain_refs.clear()
             state.body_prefixes = BodyPrefixes()
             state.parse_cache.clear()
+            ctx.registry.put(state)  # bounded: the oldest closed sessions leave memory
 
         await finish_even_if_cancelled(close())
     finally:

@@ -11,7 +11,9 @@ otherwise independent.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -24,6 +26,11 @@ from recorder.translate import ParseCache
 SessionStatus = Literal["open", "closed"]
 
 SESSION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,199}$")
+
+# Closed sessions kept in memory, most recently closed first. A training run
+# opens and closes sessions for days; older closed ones are dropped and, if a
+# request names one again, reloaded from the log (cheap: no tokens).
+MAX_CLOSED_CACHED = 1024
 
 
 @dataclass
@@ -64,10 +71,12 @@ Loader = Callable[[str], Awaitable[SessionState | None]]
 class SessionRegistry:
     """session id -> state, loading from the log on a miss (once, even when raced)."""
 
-    def __init__(self, loader: Loader) -> None:
+    def __init__(self, loader: Loader, *, max_closed: int = MAX_CLOSED_CACHED) -> None:
         self._loader = loader
+        self.max_closed = max_closed
         self._sessions: dict[str, SessionState] = {}
         self._loading: dict[str, asyncio.Future[SessionState | None]] = {}
+        self._closed: OrderedDict[str, None] = OrderedDict()  # oldest first
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -79,7 +88,26 @@ class SessionRegistry:
         return sum(1 for s in self._sessions.values() if s.status == "open")
 
     def put(self, state: SessionState) -> None:
+        """Cache `state` (again after its status changed, so closed ones stay bounded)."""
         self._sessions[state.session_id] = state
+        self._track(state)
+
+    def _track(self, state: SessionState) -> None:
+        """Keep at most `max_closed` closed sessions cached; never drop one in use."""
+        session_id = state.session_id
+        if state.status != "closed":
+            self._closed.pop(session_id, None)
+            return
+        self._closed[session_id] = None
+        self._closed.move_to_end(session_id)
+        excess = len(self._closed) - self.max_closed
+        for old in list(itertools.islice(self._closed, max(0, excess))):
+            cached = self._sessions.get(old)
+            if cached is not None and cached.lock.locked():
+                continue  # in use: dropped by a later close
+            del self._closed[old]
+            if cached is not None and cached.status == "closed":
+                del self._sessions[old]
 
     async def get(self, session_id: str) -> SessionState | None:
         """The session's state, from memory or rebuilt from the log; None if it never existed."""
@@ -125,7 +153,7 @@ class SessionRegistry:
         finally:
             self._loading.pop(session_id, None)
         if loaded is not None:
-            self._sessions[session_id] = loaded
+            self.put(loaded)
         else:
             self._sessions.pop(session_id, None)
         future.set_result(loaded)

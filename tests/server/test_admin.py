@@ -160,6 +160,25 @@ async def test_close_returns_samples(guarded: Harness) -> None:
     assert state["status"] == "closed" and state["close_status"] == "completed"
 
 
+async def test_closed_sessions_leave_memory_and_still_answer(guarded: Harness) -> None:
+    h = guarded
+    h.ctx.registry.max_closed = 1
+    sids = [await h.open_session() for _ in range(3)]
+    for sid in sids:
+        await ask(h.client(sid), [{"role": "user", "content": "hi"}], stream=False)
+        status, _ = await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
+        assert status == 200
+    assert [h.ctx.registry.cached(sid) is not None for sid in sids] == [False, False, True]
+    # Dropped from memory, not forgotten: reloaded from the log when named again.
+    with pytest.raises(anthropic.APIStatusError) as info:
+        await ask(h.client(sids[0]), [{"role": "user", "content": "hi"}], stream=False)
+    assert info.value.status_code == 409
+    status, state = await h.admin("GET", f"/sessions/{sids[1]}")
+    assert status == 200 and state["status"] == "closed"
+    status, data = await h.admin("POST", "/sessions", {"session_id": sids[0], "reopen": True})
+    assert status == 201 and data["attempt"] == 1
+
+
 async def test_close_failed_session_gives_placeholders(guarded: Harness) -> None:
     h = guarded
     sid = await h.open_session()

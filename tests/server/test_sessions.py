@@ -64,6 +64,42 @@ async def test_registry_loads_a_session_once_when_raced() -> None:
     assert calls == 2  # an id that cannot be a session never reaches the log
 
 
+async def test_only_the_most_recently_closed_sessions_stay_cached() -> None:
+    loads: list[str] = []
+
+    def closed(session_id: str) -> SessionState:
+        state = SessionState(session_id=session_id, journal=Journal(FakeStore(), session_id, 0))  # type: ignore[arg-type]
+        state.status = "closed"
+        return state
+
+    async def loader(session_id: str) -> SessionState | None:
+        loads.append(session_id)
+        return closed(session_id)
+
+    registry = SessionRegistry(loader, max_closed=2)
+    live = SessionState(session_id="live", journal=Journal(FakeStore(), "live", 0))  # type: ignore[arg-type]
+    registry.put(live)
+    busy = closed("busy")
+    await busy.lock.acquire()  # a request still holds it
+    for state in (busy, closed("a"), closed("b"), closed("c")):
+        registry.put(state)
+    assert registry.cached("a") is None  # dropped: older than the 2 newest
+    assert registry.cached("busy") is busy  # in use: kept
+    assert registry.cached("live") is live  # open sessions are never dropped
+    assert len(registry) == 4
+    again = await registry.get("a")  # named again: reloaded from the log
+    assert again is not None and again.status == "closed" and loads == ["a"]
+    busy.lock.release()
+    registry.put(closed("d"))  # the next close drops what is now idle and old
+    assert registry.cached("busy") is None and registry.cached("live") is live
+    assert [sid for sid in "abcd" if registry.cached(sid)] == ["a", "d"]  # the reload counts
+    reopened = SessionState(session_id="d", journal=Journal(FakeStore(), "d", 0))  # type: ignore[arg-type]
+    registry.put(reopened)  # open again: no longer counted among the closed
+    registry.put(closed("e"))
+    registry.put(closed("f"))
+    assert registry.cached("d") is reopened and registry.cached("a") is None
+
+
 async def test_a_cancelled_loader_does_not_cancel_the_requests_waiting_for_it() -> None:
     release = asyncio.Event()
     loads = 0
