@@ -159,20 +159,24 @@ async def test_multi_turn_tool_use(harness: Harness, stream: bool) -> None:
     assert b"What is in this repo?" in body
 
 
+# The log of a session opened for one plain turn.
+ONE_TURN_LOG = [
+    "session_opened",
+    "messages_request",
+    "chain_decision",
+    "rendered_input",
+    "generate_attempt",
+    "generate_result",
+    "tito_verdict",
+    "response_sent",
+]
+
+
 async def test_turn_event_order(harness: Harness) -> None:
     h = harness
     sid = await h.open_session()
     await ask(h.client(sid), [{"role": "user", "content": "hi"}], stream=False)
-    assert await h.types(sid) == [
-        "session_opened",
-        "messages_request",
-        "chain_decision",
-        "rendered_input",
-        "generate_attempt",
-        "generate_result",
-        "tito_verdict",
-        "response_sent",
-    ]
+    assert await h.types(sid) == ONE_TURN_LOG
     result = (await h.payloads(sid, ev.GenerateResult))[0]
     ids = await h.array(result.output_ids)
     assert result.logprobs is not None
@@ -210,16 +214,7 @@ async def test_request_is_stored_after_the_engine_has_it(harness: Harness) -> No
     await ask(h.client(sid), [{"role": "user", "content": "hi"}], stream=False)
     assert len(sent) == 1 and len(puts) >= 2  # body, input (and the output arrays)
     assert min(puts) >= sent[0]
-    assert await h.types(sid) == [
-        "session_opened",
-        "messages_request",
-        "chain_decision",
-        "rendered_input",
-        "generate_attempt",
-        "generate_result",
-        "tito_verdict",
-        "response_sent",
-    ]
+    assert await h.types(sid) == ONE_TURN_LOG
 
 
 async def test_stop_reasons(harness: Harness) -> None:
