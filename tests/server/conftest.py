@@ -224,3 +224,13 @@ async def harness(tokenizer: Tokenizer, sqlite_url: str) -> AsyncIterator[Harnes
         yield h
     finally:
         await h.close()
+
+
+@pytest.fixture
+async def any_harness(tokenizer: Tokenizer, store_url: str) -> AsyncIterator[Harness]:
+    """The harness once per store backend (SQLite, Postgres)."""
+    h = await make_harness(tokenizer, store_url)
+    try:
+        yield h
+    finally:
+        await h.close()

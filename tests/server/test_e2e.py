@@ -97,8 +97,8 @@ async def wait_for_events(h: Harness, sid: str, kind: type) -> list[Any]:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-async def test_multi_turn_tool_use(harness: Harness, stream: bool) -> None:
-    h = harness
+async def test_multi_turn_tool_use(any_harness: Harness, stream: bool) -> None:
+    h = any_harness
     sid = await h.open_session(instance_id="repo-1", sample_index=0, group_index=3)
     client = h.client(sid)
     h.engine.push(
@@ -325,8 +325,8 @@ async def test_concurrent_subagents_and_main_line(harness: Harness) -> None:
     assert set(requests[3].tool_result_ids) == set(ids)
 
 
-async def test_abort_then_resume_across_weight_versions(harness: Harness) -> None:
-    h = harness
+async def test_abort_then_resume_across_weight_versions(any_harness: Harness) -> None:
+    h = any_harness
     sid = await h.open_session()
     text = "The quick brown fox jumps over the lazy dog and keeps running far away."
     h.engine.push(text)
