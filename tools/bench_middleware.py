@@ -802,7 +802,7 @@ def attribute(sample: TurnSample, engine: list[Span], store: list[Span]) -> None
 
 
 async def start_stack(
-    tmp: Path,
+    db: str,
     context_length: int,
     planner: Planner,
     engine_process: bool = False,
@@ -816,7 +816,7 @@ async def start_stack(
         engine_tok = load_tokenizer(str(TOKENIZER), "chatml-tools")
         engine = EngineThread(engine_tok, context_length, engine_latency_s)
     await engine.start()
-    store = await open_store(str(tmp / "bench.db"), create=True)
+    store = await open_store(db, create=True)
     spans: list[Span] = []
     time_store_calls(store, spans)
     client = EngineClient([engine.url])
@@ -864,13 +864,18 @@ async def run_e2e(
     db_dir: str | None = None,
     engine_process: bool = False,
     engine_latency_s: float = 0.0,
+    db_url: str | None = None,
 ) -> list[Checkpoint]:
-    """Grow two sessions through each checkpoint; measure `turns` turns per mode there."""
+    """Grow two sessions through each checkpoint; measure `turns` turns per mode there.
+
+    The store is `db_url` if given (e.g. Postgres), else a new SQLite file.
+    """
     planner = Planner()
     top = max(contexts) + (turns + 2) * new_tokens
     with tempfile.TemporaryDirectory(dir=db_dir) as tmp, planner.installed():
+        db = db_url or str(Path(tmp) / "bench.db")
         stack = await start_stack(
-            Path(tmp), int(top * 1.2) + 8192, planner, engine_process, engine_latency_s
+            db, int(top * 1.2) + 8192, planner, engine_process, engine_latency_s
         )
         try:
             return await _drive(stack, contexts, turns, new_tokens, warmup)
@@ -995,10 +1000,10 @@ def summarize(point: Checkpoint) -> E2eRow:
     )
 
 
-def e2e_table(rows: list[E2eRow], engine_latency_ms: float = 0.0) -> Table:
+def e2e_table(rows: list[E2eRow], engine_latency_ms: float = 0.0, backend: str = "SQLite") -> Table:
     table = Table(
         title="end to end: middleware ms per turn = client wall - engine time; mean and p50 over turns\n"
-        f"real server + SQLite store + scripted engine ({engine_latency_ms:g} ms simulated GPU "
+        f"real server + {backend} store + scripted engine ({engine_latency_ms:g} ms simulated GPU "
         "time per call); ours = chain reuse, baseline = full re-render + re-tokenize every turn"
     )
     cols = (
@@ -1088,6 +1093,9 @@ def main(argv: list[str] | None = None) -> Results:
         "--db-dir", default=None, help="e2e: where the SQLite file goes (default: system temp)"
     )
     ap.add_argument(
+        "--db", default=None, help="e2e: a store URL to use instead (e.g. postgresql://...)"
+    )
+    ap.add_argument(
         "--engine-thread",
         action="store_true",
         help="e2e: run the scripted engine in a thread of this process, not a child process",
@@ -1120,10 +1128,12 @@ def main(argv: list[str] | None = None) -> Results:
                 args.db_dir,
                 not args.engine_thread,
                 args.engine_latency_ms / 1000,
+                args.db,
             )
         )
         results.e2e = [summarize(p) for p in points]
-        console.print(e2e_table(results.e2e, args.engine_latency_ms))
+        backend = "Postgres" if args.db and args.db.startswith("postgres") else "SQLite"
+        console.print(e2e_table(results.e2e, args.engine_latency_ms, backend))
         if args.per_turn:
             console.print(per_turn_table(points))
     if args.section in ("both", "pure"):
