@@ -1,5 +1,12 @@
 """Chains: turns linked by exact token-prefix extension, classified by line.
 
+A turn whose input extends no chain but repeats a chain's first turns (a
+retried request, an edited message) forks that chain: the fork inherits the
+turns before the divergence, so they are trained once, in the branch the
+conversation went on with. The abandoned branch yields no segment (seed 004:
+divergence is not a segment kind); compaction shares no turn, so the chain
+before it stays a `wipe` segment.
+
 Part of the pure reducer (see `replay.reducer` for the rules it implements).
 """
 
@@ -27,6 +34,15 @@ class Chain:
     dispatch_id: str | None = None
     owner: Chain | None = None
     nested_dropped_turns: int = 0
+    forked_from: Chain | None = None  # the branch this one diverged from
+
+    @property
+    def root(self) -> Chain:
+        """The first chain of this one's fork tree."""
+        chain = self
+        while chain.forked_from is not None:
+            chain = chain.forked_from
+        return chain
 
     @property
     def last_seq(self) -> int:
@@ -42,6 +58,13 @@ class Chain:
 class Dispatch:
     tool_use_id: str
     chains: list[Chain] = field(default_factory=list)
+
+
+def _shared_len(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the common prefix of two token arrays."""
+    n = min(a.size, b.size)
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
 
 
 def _extends(inp: np.ndarray, seq: np.ndarray) -> bool:
@@ -97,13 +120,52 @@ class ChainBuilder:
             best.extend(t)
             self._note_decision(t, "extend", best)
         else:
-            best = self._new_chain(t)
+            fork = self._fork_point(t)
+            best = self._fork(t, *fork) if fork is not None else self._new_chain(t)
             self._note_decision(t, "new", best)
         if best.line == "main":
             self.last_main = best
         elif best.line == "nested" and best.owner is not None:
             best.owner.nested_dropped_turns += 1
         return best
+
+    def _fork_point(self, t: Turn) -> tuple[Chain, int] | None:
+        """(chain, turns it shares with `t`) if `t` re-sends at least its first input.
+
+        A chain's turns are prefixes of its tokens, so one compare finds how
+        far `t` follows it; the branch followed furthest wins.
+        """
+        assert t.input is not None
+        best: tuple[Chain, int] | None = None
+        best_len = -1
+        for c in self.chains:
+            if c.turns[0].input is None or c.turns[0].input.size > t.input.size:
+                continue
+            shared = _shared_len(t.input, c.seq_tokens)
+            if shared < c.turns[0].input.size or shared <= best_len:
+                continue
+            kept = sum(1 for u in c.turns if u.input.size + u.output.size <= shared)  # type: ignore[union-attr]
+            best, best_len = (c, kept), shared
+        return best
+
+    def _fork(self, t: Turn, parent: Chain, kept: int) -> Chain:
+        """A new branch of `parent`: its first `kept` turns, then `t`."""
+        assert t.input is not None and t.output is not None
+        chain = Chain(
+            chain_id=len(self.chains),
+            line=parent.line,
+            system_digest=parent.system_digest,
+            seq_tokens=np.concatenate([t.input, t.output]),
+            turns=[*parent.turns[:kept], t],
+            dispatch_id=parent.dispatch_id,
+            owner=parent.owner,
+            forked_from=parent,
+        )
+        self.chains.append(chain)
+        pending = self.main_pending.get(chain.dispatch_id or "")
+        if chain.line == "subagent" and pending is not None:
+            pending.chains.append(chain)
+        return chain
 
     def _new_chain(self, t: Turn) -> Chain:
         assert t.input is not None and t.output is not None
@@ -195,13 +257,46 @@ class ChainBuilder:
 
 
 def classify_chains(
-    chains: list[Chain], last_main: Chain | None
+    chains: list[Chain], last_main: Chain | None, diags: list[str] | None = None
 ) -> list[tuple[SegmentKind, Chain]]:
+    """(segment kind, chain) per chain that yields a segment, final last.
+
+    Of each fork tree only one branch counts: the last main chain if the tree
+    holds it, else the branch extended last (see the module docstring).
+    """
+    live = _live_branches(chains, last_main)
     out: list[tuple[SegmentKind, Chain]] = []
     for c in chains:
-        if c.line == "subagent":
+        branch = live[c.root]
+        if c is not branch:
+            if diags is not None and c.line in ("main", "subagent"):
+                diags.append(_abandoned(c, branch))
+        elif c.line == "subagent":
             out.append(("subagent", c))
         elif c.line == "main":
             out.append(("final" if c is last_main else "wipe", c))
     out.sort(key=lambda kc: (kc[0] == "final", kc[1].last_seq, kc[1].chain_id))
     return out
+
+
+def _live_branches(chains: list[Chain], last_main: Chain | None) -> dict[Chain, Chain]:
+    """root -> the one branch of its fork tree that yields a segment."""
+    live: dict[Chain, Chain] = {}
+    for c in chains:
+        current = live.get(c.root)
+        if current is None or (
+            current is not last_main and (c is last_main or c.last_seq > current.last_seq)
+        ):
+            live[c.root] = c
+    return live
+
+
+def _abandoned(c: Chain, live: Chain) -> str:
+    shared = 0
+    while shared < min(len(c.turns), len(live.turns)) and c.turns[shared] is live.turns[shared]:
+        shared += 1
+    return (
+        f"chain {c.chain_id}: abandoned branch (retry or edited history; the conversation "
+        f"went on in chain {live.chain_id}): its {len(c.turns) - shared} turn(s) after the "
+        "divergence are not trained"
+    )

@@ -133,7 +133,7 @@ def _build_segments(
     budget = rules.context_length or (s.opened.context_length if s.opened else None)
     built: list[BuiltSegment] = []
     dropped: list[BuiltSegment] = []
-    for kind, chain in classify_chains(builder.chains, builder.last_main):
+    for kind, chain in classify_chains(builder.chains, builder.last_main, s.diagnostics):
         b = build_segment(kind, chain, rules)
         if b.tokens.size - b.prompt_len == 0:
             b.dropped = "no response tokens"

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import msgspec
 
 # Bump when the reducer changes what it builds from the same log and rules.
-REDUCER_VERSION = "1"
+REDUCER_VERSION = "2"  # 2: retries and edited history fork chains (see replay.chains)
 
 SampleMode = Literal["fan_out", "collapse_to_final"]
 RewardMode = Literal["uniform", "copy", "final_only"]
@@ -81,7 +81,7 @@ class Rules(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
 
     @property
     def version(self) -> str:
-        """Reducer semantics version + config digest, e.g. `r1-0123abcd...`."""
+        """Reducer semantics version + config digest, e.g. `r2-0123abcd...`."""
         return f"r{REDUCER_VERSION}-{self.digest}"
 
     def to_dict(self) -> dict[str, Any]:

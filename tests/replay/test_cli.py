@@ -13,6 +13,7 @@ from click.testing import CliRunner, Result
 from recorder.store import open_store
 from replay.cli import main
 from replay.export import read_samples
+from replay.rules import REDUCER_VERSION
 from replay.samples import check_invariants
 
 TOKENIZER = Path(__file__).parent.parent / "data" / "smollm2-tokenizer"
@@ -64,7 +65,7 @@ def test_reclassify_then_rerun_reports_no_change(db: str) -> None:
     first = run("reclassify", "--db", db)
     assert first.exit_code == 0, first.output
     assert "no earlier projection" in first.output
-    assert "wrote samples/r1-" in first.output
+    assert f"wrote samples/r{REDUCER_VERSION}-" in first.output
     again = run("reclassify", "--db", db)
     assert again.exit_code == 0
     assert "0 sessions changed segmentation, 0 changed samples, 0 new" in again.output

@@ -112,6 +112,65 @@ def test_return_to_old_chain_makes_it_final_again() -> None:
     assert r.samples[1].tokens == a1.full
 
 
+# ---------------------------------------------------------------- divergence
+
+
+def test_retried_request_trains_only_the_answer_the_conversation_kept() -> None:
+    log = Log("retry").open()
+    log.turn([1, 2, 3], [10, 11])  # its answer never reached the client...
+    again = log.turn([1, 2, 3], [12, 13], decision=("new", "diverged"))  # ...which retried
+    last = log.turn(again.then([4]), [14, 2])
+    log.reward(1.0).close()
+    r = reduce(log)
+    assert kinds(r) == ["final"]  # no segment for the abandoned answer
+    (s,) = r.samples
+    assert s.tokens == last.full and s.prompt_len == 3 and s.reward == 1.0
+    assert trainable_tokens(s) == 4  # [12, 13] and [14, 2], never [10, 11]
+    check_invariants(s, engine_tokens=engine_tokens(3, [again, last]))
+    assert any("abandoned branch" in d and "1 turn(s)" in d for d in r.diagnostics)
+
+
+def test_edited_history_keeps_the_turns_before_the_edit_in_the_branch_that_went_on() -> None:
+    log = Log("edit").open()
+    a0 = log.turn([1, 2, 3], [10, 11])
+    a1 = log.turn(a0.then([4]), [12])
+    log.turn(a1.then([5]), [13])  # the turn whose request the user then edited
+    b2 = log.turn(a1.then([6, 7]), [14], decision=("new", "diverged"))
+    b3 = log.turn(b2.then([8]), [15, 2])
+    log.reward(1.0).close()
+    r = reduce(log)
+    assert kinds(r) == ["final"]
+    (s,) = r.samples
+    assert s.tokens == b3.full and s.prompt_len == 3
+    assert s.metadata["turns"] == [0, 1, 3, 4]  # turn 2's answer was abandoned
+    check_invariants(s, engine_tokens=engine_tokens(3, [a0, a1, b2, b3]))
+
+
+def test_returning_to_the_original_branch_abandons_the_fork() -> None:
+    log = Log("fork-back").open()
+    a0 = log.turn([1, 2, 3], [10, 11])
+    log.turn(a0.then([4]), [12])
+    log.turn(a0.then([5]), [13], decision=("new", "diverged"))  # a fork after turn 0...
+    a2 = log.turn(a0.then([4, 12, 6]), [14, 2])  # ...but the client goes on with the first
+    log.close()
+    r = reduce(log)
+    assert kinds(r) == ["final"] and r.samples[0].tokens == a2.full
+    assert r.samples[0].metadata["turns"] == [0, 1, 3]
+
+
+def test_forks_before_a_compaction_leave_one_wipe() -> None:
+    log = Log("fork-cmp").open()
+    a0 = log.turn([1, 2, 3], [10, 11])
+    log.turn(a0.then([4]), [12])
+    b1 = log.turn(a0.then([5]), [13], decision=("new", "diverged"))
+    c0 = log.turn([1, 2, 99], [20, 2], decision=("new", "compaction"))
+    log.close()
+    r = reduce(log)
+    assert kinds(r) == ["wipe", "final"]
+    assert r.samples[0].tokens == b1.full  # the branch extended last
+    assert r.samples[1].tokens == c0.full
+
+
 def test_live_decision_disagreement_is_reported() -> None:
     log = Log("dis").open()
     t0 = log.turn([1, 2], [3])

@@ -160,6 +160,25 @@ async def test_close_returns_samples(guarded: Harness) -> None:
     assert state["status"] == "closed" and state["close_status"] == "completed"
 
 
+async def test_a_retried_request_trains_only_the_answer_the_agent_kept(guarded: Harness) -> None:
+    h = guarded
+    sid = await h.open_session()
+    client = h.client(sid)
+    h.engine.push("An answer that got lost.", "The answer that arrived.", "Done.")
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Hello"}]
+    await ask(client, messages, stream=False)  # the client never saw this one...
+    kept = await ask(client, messages, stream=False)  # ...and sent the request again
+    await ask(client, [*messages, echo(kept), {"role": "user", "content": "Go on"}], stream=False)
+    status, data = await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
+    assert status == 200, data
+    (sample,) = data["samples"]
+    assert sample["metadata"]["segment_kind"] == "final"
+    assert sample["metadata"]["turns"] == [1, 2]
+    text = h.tokenizer.decode(sample["tokens"])
+    assert "The answer that arrived." in text and "got lost" not in text
+    assert any("abandoned branch" in d for d in data["diagnostics"])
+
+
 async def test_closed_sessions_leave_memory_and_still_answer(guarded: Harness) -> None:
     h = guarded
     h.ctx.registry.max_closed = 1
