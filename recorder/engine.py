@@ -81,12 +81,23 @@ class GenerateOutput(msgspec.Struct):
 class EngineError(Exception):
     """The engine could not be reached or answered badly."""
 
-    def __init__(self, kind: ErrorKind, message: str, *, status: int = 0, url: str = "") -> None:
+    def __init__(
+        self,
+        kind: ErrorKind,
+        message: str,
+        *,
+        status: int = 0,
+        url: str = "",
+        may_be_running: bool = False,
+    ) -> None:
         super().__init__(message)
         self.kind: ErrorKind = kind
         self.status = status
         self.url = url
         self.message = message
+        # The request reached the engine and may still be generating (the
+        # connection dropped mid-request): its rid should be aborted.
+        self.may_be_running = may_be_running
 
     def __str__(self) -> str:
         where = f" ({self.url})" if self.url else ""
@@ -395,7 +406,9 @@ class EngineClient:
         except aiohttp.ClientConnectorError as exc:
             raise EngineError("unreachable", f"cannot connect: {exc}", url=url) from exc
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            raise EngineError("unreachable", f"connection lost: {exc}", url=url) from exc
+            raise EngineError(
+                "unreachable", f"connection lost: {exc}", url=url, may_be_running=True
+            ) from exc
         except aiohttp.ClientError as exc:
             raise EngineError("protocol", f"{type(exc).__name__}: {exc}", url=url) from exc
         try:
@@ -575,7 +588,7 @@ async def _one_attempt(
         await asyncio.shield(_abort_quietly(client, url, rid))
         raise EngineError("timeout", f"turn time budget ran out (rid {rid})", url=url) from exc
     except EngineError as exc:
-        if exc.kind == "timeout":
+        if exc.kind == "timeout" or exc.may_be_running:
             await asyncio.shield(_abort_quietly(client, url, rid))
         raise
 

@@ -213,11 +213,20 @@ async def test_engine_down_is_unreachable(client, prompt) -> None:
     assert await client.context_length(url) is None
 
 
-async def test_dropped_connection_is_unreachable(engine, client, prompt) -> None:
+async def test_dropped_connection_is_unreachable_and_aborts(engine, client, prompt) -> None:
     engine.inject(Fault(disconnect=True))
     with pytest.raises(EngineError) as err:
-        await client.generate(engine.url, prompt, SamplingParams(max_new_tokens=8), new_rid())
-    assert err.value.kind == "unreachable"
+        await _resume(client, engine.url, prompt, SamplingParams(max_new_tokens=8), Recorder())
+    assert err.value.kind == "unreachable" and err.value.may_be_running
+    # The request got there and may still run: its rid is aborted (seed 004).
+    assert engine.aborts == [engine.requests[0].rid]
+
+
+async def test_refused_connection_sends_no_abort(client, prompt) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(EngineError) as err:
+        await _resume(client, url, prompt, SamplingParams(max_new_tokens=8), Recorder())
+    assert err.value.kind == "unreachable" and not err.value.may_be_running
 
 
 async def test_client_timeout_is_timeout_and_aborts(engine, prompt) -> None:
