@@ -435,6 +435,81 @@ async def test_engine_5xx_is_overloaded_and_recorded(harness: Harness) -> None:
     assert ok.stop_reason == "end_turn"
 
 
+async def test_engine_timeout_mid_stream_is_an_overloaded_error_event(
+    tokenizer: Any, sqlite_url: str
+) -> None:
+    h = await make_harness(tokenizer, sqlite_url, turn_budget_s=0.5)
+    try:
+        sid = await h.open_session()
+        h.engine.inject(Fault(delay_s=30))
+        client = h.client(sid)
+        with pytest.raises(anthropic.APIStatusError) as info:
+            await ask(client, [{"role": "user", "content": "hi"}], stream=True)
+        assert info.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
+        (err,) = await h.payloads(sid, ev.EngineError)
+        assert err.kind == "timeout"
+        (sent,) = h.engine.requests
+        assert h.engine.aborts == [sent.rid]  # the engine does not keep generating
+        ok = await ask(client, [{"role": "user", "content": "hi"}], stream=True)
+        assert ok.stop_reason == "end_turn"  # the session goes on
+    finally:
+        await h.close()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_no_answer_goes_out_unless_its_events_are_durable(
+    harness: Harness, stream: bool
+) -> None:
+    h = harness
+    sid = await h.open_session()
+    append = h.store.append
+    failing = True
+
+    async def append_failing_answers(session_id: str, events: Any, **kw: Any) -> Any:
+        if failing and any(isinstance(e.event, ev.ResponseSent) for e in events):
+            raise OSError("disk full")
+        return await append(session_id, events, **kw)
+
+    h.store.append = append_failing_answers  # type: ignore[method-assign]
+    h.engine.push("An answer that must not arrive.")
+    client = h.client(sid)
+    with pytest.raises(anthropic.APIStatusError) as info:
+        await ask(client, [{"role": "user", "content": "hi"}], stream=stream)
+    assert info.value.body["error"]["type"] == "api_error"  # type: ignore[index]
+    assert not await h.payloads(sid, ev.ResponseSent)
+    failing = False
+    ok = await ask(client, [{"role": "user", "content": "hi"}], stream=stream)
+    assert ok.stop_reason == "end_turn"  # the session goes on, rebuilt from its log
+    assert len(await h.payloads(sid, ev.ResponseSent)) == 1
+
+
+async def test_a_non_canonical_output_is_recorded_and_masked(harness: Harness) -> None:
+    """An output that decode -> re-encode does not give back fails TITO; its turn is masked."""
+    h = harness
+    tok = h.tokenizer
+    split = [*tok.encode("hel"), *tok.encode("lo")]  # re-encodes as one token
+    assert tok.encode(tok.decode(split)) != split
+    sid = await h.open_session()
+    h.engine.push(Reply(ids=[*split, *tok.eos_token_ids]), "Fine.")
+    client = h.client(sid)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Say hello"}]
+    first = await ask(client, messages, stream=False)
+    assert first.content[0].text == "hello"
+    messages += [echo(first), {"role": "user", "content": "Again"}]
+    await ask(client, messages, stream=False)
+    verdicts = await h.payloads(sid, ev.TitoVerdict)
+    assert [(v.ok, v.first_divergence) for v in verdicts] == [(False, 0), (True, None)]
+    assert verdicts[0].reencoded_ids is not None
+    assert await h.array(verdicts[0].reencoded_ids) == [*tok.encode("hello"), *tok.eos_token_ids]
+    status, data = await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
+    assert status == 200, data
+    (sample,) = data["samples"]
+    assert sample["metadata"]["tito_masked_turns"] == [0]
+    tokens, mask, prompt = sample["tokens"], sample["loss_mask"], sample["prompt_len"]
+    trained = [t for t, m in zip(tokens[prompt:], mask, strict=True) if m]
+    assert tok.decode(trained).startswith("Fine.")  # only the second turn's output
+
+
 async def test_engine_down(tokenizer: Any, sqlite_url: str) -> None:
     from recorder.server import free_port
 
