@@ -103,4 +103,13 @@ def placeholders_for(
             )
         ]
     except Exception:
-        return [minimal_sample(0, reason="placeholder build failed")]
+        # Keep the routing shape: a trainer stacking MoE routing must never see None.
+        return [
+            minimal_sample(
+                0,
+                session_id=str(session_id),
+                rollout_id=str(rollout_id),
+                reason="placeholder build failed",
+                routed_experts=routed_experts,
+            )
+        ]

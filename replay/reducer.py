@@ -38,7 +38,7 @@ import numpy as np
 
 from recorder.events import RecordedEvent, SessionOpened
 from replay.chains import ChainBuilder, classify_chains
-from replay.placeholders import minimal_sample, placeholders_for
+from replay.placeholders import placeholders_for
 from replay.rules import Rules
 from replay.samples import Sample, SampleStatus, SessionResult
 from replay.segments import (
@@ -249,23 +249,25 @@ def _failure_result(events: Sequence[RecordedEvent], rules: Rules, exc: Exceptio
         pad = 0
     reason = f"reducer error: {type(exc).__name__}: {exc}"
     try:
-        sample = minimal_sample(
-            pad,
-            session_id=session_id,
-            rollout_id=_rollout_id(session_id, opened),
-            reason=reason,
-            routed_experts=rules.routed_experts,
-            metadata={"rules_version": rules.version},
-        )
+        rollout_id = _rollout_id(session_id, opened)
     except Exception:
-        sample = minimal_sample(0, reason=reason)
+        rollout_id = session_id
+    samples = placeholders_for(
+        [],
+        pad_token_id=pad,
+        session_id=session_id,
+        rollout_id=rollout_id,
+        reason=reason,
+        routed_experts=rules.routed_experts,
+        metadata={"rules_version": rules.version},
+    )
     return SessionResult(
         session_id=session_id,
         rules_version=rules.version,
         status="aborted",
         reward=0.0,
         segments=[],
-        samples=[sample],
+        samples=samples,
         placeholder=True,
         turns_total=0,
         turns_used=0,

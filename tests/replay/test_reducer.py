@@ -194,6 +194,14 @@ def subagent_log(*, returned: bool = True) -> tuple[Log, dict[str, TurnRef]]:
     return log, {"m0": m0, "s0": s0, "s1": s1, "m1": m1}
 
 
+def test_subagent_that_never_returned_is_still_its_own_segment() -> None:
+    log, t = subagent_log(returned=False)  # the agent exited while the subagent ran
+    r = reduce(log)
+    assert kinds(r) == ["subagent", "final"]
+    assert r.samples[0].tokens == t["s1"].full
+    assert r.samples[0].metadata["dispatch_tool_use_id"] == "agent-1"
+
+
 def test_subagent_dispatch_and_return() -> None:
     log, t = subagent_log()
     r = reduce(log)
@@ -425,6 +433,36 @@ def test_reducer_crash_yields_minimal_placeholder_not_exception() -> None:
     assert r.placeholder and "RuntimeError: disk on fire" in r.diagnostics[0]
     assert s.tokens == [5, 5] and s.rollout_id == "r9" and s.session_id == "boom"
     check_invariants(s, routed_experts=(2, 2))
+
+
+def test_every_placeholder_fallback_keeps_the_routing_shape() -> None:
+    from replay.placeholders import placeholders_for
+
+    class Broken:  # a built sample that cannot even be copied
+        tokens = None
+
+    common = {"session_id": "s", "rollout_id": "r", "reason": "failed"}
+    layered = placeholders_for(
+        [Broken()],  # type: ignore[list-item]
+        pad_token_id=7,
+        routed_experts=(3, 2),
+        metadata={"k": 1},
+        **common,
+    )
+    (s,) = layered  # the copy failed: one minimal sample instead
+    assert s.tokens == [7, 7] and s.metadata["k"] == 1
+    last_resort = placeholders_for(
+        [Broken()],  # type: ignore[list-item]
+        pad_token_id=7,
+        routed_experts=(3, 2),
+        metadata=42,  # type: ignore[arg-type]  # even the minimal sample fails
+        **common,
+    )
+    (s,) = last_resort
+    assert s.tokens == [0, 0] and s.metadata["placeholder"] == "placeholder build failed"
+    assert (s.session_id, s.rollout_id) == ("s", "r")
+    for sample in (*layered, *last_resort):
+        check_invariants(sample, routed_experts=(3, 2))
 
 
 def test_missing_arrays_make_turns_unusable() -> None:
