@@ -239,6 +239,26 @@ async def test_stop_reasons(harness: Harness) -> None:
     assert clamp == []  # 4 and 256 both fit the context
 
 
+async def test_an_answer_cut_at_a_stop_sequence_is_extended_token_for_token(
+    harness: Harness,
+) -> None:
+    h = harness
+    sid = await h.open_session()
+    client = h.client(sid)
+    h.engine.push("alpha beta STOP gamma", "Next.")
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "go"}]
+    stopped = await ask(client, messages, stream=False, stop_sequences=["STOP"])
+    assert stopped.content[0].text == "alpha beta "
+    messages += [echo(stopped), {"role": "user", "content": "and then?"}]
+    await ask(client, messages, stream=False)
+    decisions = await h.payloads(sid, ev.ChainDecision)
+    assert [d.action for d in decisions] == ["new", "extend"]
+    (first_in, first_out), (second_in, _) = await turn_tokens(h, sid)
+    assert second_in[: len(first_in) + len(first_out)] == first_in + first_out
+    rendered = await h.payloads(sid, ev.RenderedInput)
+    assert rendered[1].prefix_len == len(first_in) + len(first_out)
+
+
 async def test_max_tokens_clamped_to_context(harness: Harness) -> None:
     h = harness
     sid = await h.open_session()
