@@ -683,6 +683,38 @@ async def test_unexpected_error_is_contained_to_its_session(harness: Harness) ->
     assert again.stop_reason == "end_turn"
 
 
+async def test_a_failure_while_recording_a_failure_still_answers(harness: Harness) -> None:
+    """Seed 001: the error path itself must not crash (format strings, a failing store)."""
+    h = harness
+    message = "bad {json} %s %(x)s"
+
+    class Exploding:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        async def parse(self, text: str, tools: list[dict[str, Any]]) -> Any:
+            if "BOOM" in text:
+                raise ValueError(message)
+            return await self.inner.parse(text, tools)
+
+    append = h.store.append
+
+    async def append_refusing_failures(session_id: str, events: Any, **kw: Any) -> Any:
+        if any(isinstance(e.event, ev.SessionFailed) for e in events):
+            raise OSError("the disk went away while recording a failure")
+        return await append(session_id, events, **kw)
+
+    h.ctx.parser = Exploding(h.ctx.parser)  # type: ignore[assignment]
+    h.store.append = append_refusing_failures  # type: ignore[method-assign]
+    sid = await h.open_session()
+    h.engine.push(Reply(text="BOOM", match="explode"))
+    with pytest.raises(anthropic.InternalServerError) as info:
+        await ask(h.client(sid), [{"role": "user", "content": "explode"}], stream=True)
+    assert message in info.value.body["error"]["message"]  # type: ignore[index]
+    again = await ask(h.client(sid), [{"role": "user", "content": "fine now"}], stream=False)
+    assert again.stop_reason == "end_turn"
+
+
 async def test_head_root_health_models(harness: Harness) -> None:
     h = harness
     assert h.http is not None
