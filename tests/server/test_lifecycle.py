@@ -109,36 +109,51 @@ async def test_shutdown_aborts_turns_after_the_grace_period(
         await h.close()
 
 
-async def test_serve_command_exits_cleanly_on_sigterm(tokenizer: Any, tmp_path: Path) -> None:
+async def _start_serve(engine_url: str, db: Path) -> tuple[asyncio.subprocess.Process, str]:
+    """`recorder serve` in a child process, once healthy: (process, base URL)."""
+    import aiohttp
+
     from recorder.server import free_port
+
+    port = free_port()
+    env = {**os.environ, "TR_ADMIN_TOKEN": "tok"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "recorder.cli", "serve",
+        "--db", str(db), "--engine", engine_url, "--tokenizer", str(FIXTURE_TOKENIZER),
+        "--chat-template", "chatml-tools", "--port", str(port), "--tool-parser", "qwen25",
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    async with aiohttp.ClientSession() as http:
+        for _ in range(600):
+            try:
+                async with http.get(base + "/health") as resp:
+                    if resp.status == 200:
+                        return proc, base
+            except aiohttp.ClientError:
+                await asyncio.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("recorder serve did not become healthy")
+
+
+async def _admin(base: str, method: str, path: str, body: Any = None) -> Any:
+    import aiohttp
+
+    async with (
+        aiohttp.ClientSession() as http,
+        http.request(method, base + path, json=body, headers={"Authorization": "Bearer tok"}) as r,
+    ):
+        return await r.json()
+
+
+async def test_serve_command_exits_cleanly_on_sigterm(tokenizer: Any, tmp_path: Path) -> None:
     from recorder.store import open_store
 
+    db = tmp_path / "runs.db"
     async with ScriptedEngine(tokenizer, context_length=4096) as engine:
-        port = free_port()
-        db = tmp_path / "runs.db"
-        env = {**os.environ, "TR_ADMIN_TOKEN": "tok"}
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "recorder.cli", "serve",
-            "--db", str(db), "--engine", engine.url, "--tokenizer", str(FIXTURE_TOKENIZER),
-            "--chat-template", "chatml-tools", "--port", str(port), "--tool-parser", "qwen25",
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
+        proc, base = await _start_serve(engine.url, db)
         try:
-            base = f"http://127.0.0.1:{port}"
-            import aiohttp
-
-            async with aiohttp.ClientSession() as http:
-                for _ in range(300):
-                    try:
-                        async with http.get(base + "/health") as resp:
-                            if resp.status == 200:
-                                break
-                    except aiohttp.ClientError:
-                        await asyncio.sleep(0.05)
-                async with http.post(
-                    base + "/sessions", json={}, headers={"Authorization": "Bearer tok"}
-                ) as resp:
-                    sid = (await resp.json())["session_id"]
+            sid = (await _admin(base, "POST", "/sessions", {}))["session_id"]
             client = anthropic.AsyncAnthropic(base_url=base, api_key=sid, max_retries=0)
             answer = await client.messages.create(
                 model="m", max_tokens=50, messages=[{"role": "user", "content": "hi"}]
@@ -161,6 +176,57 @@ async def test_serve_command_exits_cleanly_on_sigterm(tokenizer: Any, tmp_path: 
     finally:
         await store.close()
     assert types[-1] == "response_sent"
+
+
+async def test_kill_9_mid_turn_then_restart_and_go_on(tokenizer: Any, tmp_path: Path) -> None:
+    """The server dies mid-generate; a new one picks the session up from the log."""
+    from recorder.store import open_store
+
+    db = tmp_path / "runs.db"
+    async with ScriptedEngine(tokenizer, context_length=4096) as engine:
+        proc, base = await _start_serve(engine.url, db)
+        try:
+            sid = (await _admin(base, "POST", "/sessions", {}))["session_id"]
+            client = anthropic.AsyncAnthropic(base_url=base, api_key=sid, max_retries=0)
+            engine.push(tool_call_text("Bash", {"command": "ls"}))
+            messages: list[dict[str, Any]] = [{"role": "user", "content": "List files"}]
+            first = await ask(client, messages, stream=False)
+            messages += [echo(first), tool_result(first.content[-1].id, "a.txt")]
+            engine.inject(Fault(delay_s=30))
+            in_flight = asyncio.ensure_future(ask(client, messages, stream=True))
+            for _ in range(400):
+                if len(engine.requests) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert len(engine.requests) == 2  # the engine is working on turn 1
+            proc.kill()  # SIGKILL: no shutdown code runs
+            await proc.wait()
+            with pytest.raises(anthropic.APIConnectionError):
+                await in_flight
+            await client.close()
+
+            proc, base = await _start_serve(engine.url, db)
+            client = anthropic.AsyncAnthropic(base_url=base, api_key=sid, max_retries=0)
+            engine.push("Found a.txt.")
+            again = await ask(client, messages, stream=False)  # the agent retries
+            await client.close()
+            assert again.content[0].text == "Found a.txt."
+            closed = await _admin(base, "POST", f"/sessions/{sid}/close", {"reward": 1.0})
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    (sample,) = closed["samples"]
+    assert sample["status"] == "completed" and sample["metadata"]["turns"] == [0, 2]
+    store = await open_store(str(db))
+    try:
+        events = [r.event for r in await store.read_session(sid)]
+    finally:
+        await store.close()
+    decisions = [(e.turn, e.action) for e in events if isinstance(e, ev.ChainDecision)]
+    assert decisions == [(0, "new"), (1, "extend"), (2, "extend")]  # restored chains
+    answered = [e.turn for e in events if isinstance(e, ev.ResponseSent)]
+    assert answered == [0, 2]  # the killed turn never claims an answer
 
 
 def test_startup_heap_is_frozen_out_of_full_collections() -> None:
