@@ -7,10 +7,14 @@ import contextlib
 import logging
 import signal
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import click
 
 from recorder.server.context import ServerConfig, ServerContext
+
+if TYPE_CHECKING:
+    from replay.rules import Rules
 
 log = logging.getLogger("recorder.server")
 
@@ -92,6 +96,19 @@ log = logging.getLogger("recorder.server")
     show_default=True,
     help="Engine attempts per turn (aborted attempts are resumed).",
 )
+@click.option(
+    "--turn-budget",
+    type=float,
+    default=3600.0,
+    show_default=True,
+    help="Seconds one turn may take with all its attempts; then the engine request is aborted.",
+)
+@click.option(
+    "--return-routed-experts/--no-return-routed-experts",
+    default=None,
+    help="Record MoE routing per token (routing replay). Default: on when --rules sets "
+    "routed_experts.",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 def serve(
     db_url: str,
@@ -111,6 +128,8 @@ def serve(
     ping_interval: float,
     shutdown_grace: float,
     max_attempts: int,
+    turn_budget: float,
+    return_routed_experts: bool | None,
     log_level: str,
 ) -> None:
     """Record every agent turn between an Anthropic client and SGLang."""
@@ -140,11 +159,18 @@ def serve(
         "ping_interval": ping_interval,
         "shutdown_grace": shutdown_grace,
         "max_attempts": max_attempts,
+        "turn_budget_s": turn_budget,
+        "return_routed_experts": records_routing(return_routed_experts, rules),
     }
     try:
         asyncio.run(_serve(tokenizer, rules, **settings))  # type: ignore[arg-type]
     except _StartupError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def records_routing(flag: bool | None, rules: Rules) -> bool:
+    """Ask the engine for MoE routing: as the flag says, else when the close rules replay it."""
+    return rules.routed_experts is not None if flag is None else flag
 
 
 class _StartupError(Exception):
@@ -185,6 +211,8 @@ async def _serve(tokenizer, rules, **s) -> None:  # type: ignore[no-untyped-def]
         ping_interval_s=s["ping_interval"],
         shutdown_grace_s=s["shutdown_grace"],
         max_attempts=s["max_attempts"],
+        turn_budget_s=s["turn_budget_s"],
+        return_routed_experts=s["return_routed_experts"],
     )
     ctx = ServerContext(
         config=config, store=store, engine=engine, tokenizer=tokenizer, parser=parser, rules=rules

@@ -179,6 +179,38 @@ async def test_a_retried_request_trains_only_the_answer_the_agent_kept(guarded: 
     assert any("abandoned branch" in d for d in data["diagnostics"])
 
 
+async def test_routing_replay_end_to_end(tokenizer: Any, sqlite_url: str) -> None:
+    """MoE routing recorded per attempt comes back in the close samples, token for token."""
+    import base64
+
+    import numpy as np
+
+    from replay.rules import Rules
+
+    h = await make_harness(tokenizer, sqlite_url, return_routed_experts=True)
+    try:
+        h.ctx.rules = Rules(routed_experts=(2, 2))  # the scripted engine's (layers, top_k)
+        sid = await h.open_session()
+        client = h.client(sid)
+        h.engine.push(tool_call_text("Bash", {"command": "ls"}), "Done.")
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "List"}]
+        first = await ask(client, messages, stream=False)
+        messages += [echo(first), tool_result(first.content[-1].id, "a.txt")]
+        await ask(client, messages, stream=True)
+        status, data = await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
+    finally:
+        await h.close()
+    assert status == 200, data
+    (sample,) = data["samples"]
+    shape, raw = sample["routed_experts"]
+    routing = np.frombuffer(base64.b64decode(raw), dtype="<i4").reshape(shape)
+    tokens = np.asarray(sample["tokens"])
+    assert routing.shape == (tokens.size, 2, 2)
+    # The engine's deterministic routing: (token + 7 * layer + k) % 64 at every position.
+    expected = (tokens[:, None, None] + np.arange(2)[None, :, None] * 7 + np.arange(2)) % 64
+    assert (routing == expected).all()
+
+
 async def test_closed_sessions_leave_memory_and_still_answer(guarded: Harness) -> None:
     h = guarded
     h.ctx.registry.max_closed = 1

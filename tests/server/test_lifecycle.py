@@ -240,3 +240,16 @@ def test_startup_heap_is_frozen_out_of_full_collections() -> None:
         assert gc.get_freeze_count() > max(before, 10_000)  # modules, tokenizer, ...
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.parametrize(
+    ("flag", "rules_routing", "expected"),
+    [(None, None, False), (None, (2, 2), True), (True, None, True), (False, (2, 2), False)],
+)
+def test_serve_records_routing_when_the_rules_replay_it(
+    flag: bool | None, rules_routing: tuple[int, int] | None, expected: bool
+) -> None:
+    from recorder.server.commands import records_routing
+    from replay.rules import Rules
+
+    assert records_routing(flag, Rules(routed_experts=rules_routing)) is expected
