@@ -12,15 +12,21 @@ against the database *inside* the locked transaction, (4) inserts the array
 pieces (ON CONFLICT DO NOTHING; an append's pieces travel with its events),
 (5) allocates one contiguous run of positions for the accepted events, in
 queue order, and inserts them. A request that fails its check fails alone;
-the rest of the group commits. (SQLite first tries a plain group in one
-thread hop: see `sqlite.py`.)
+the rest of the group commits.
 
-Idempotency has a fast path: the group is first written without looking its
-event ids up, relying on the unique index on event_id. When that insert
-fails (typically a batch re-sent after a lost acknowledgement), the group is
-redone with every id looked up, and re-sent batches get their original
-positions. If even that fails, each request gets its own transaction so one
-bad request cannot sink its neighbours.
+Fast path: each backend first tries the group as a *plain* group (no
+expected_seq mismatch, no re-sent event id, no unknown array parent or
+basis) in as few driver calls as it can (`_write_plain_group`: one thread
+hop on SQLite, three round trips on Postgres). Anything else rolls back and
+is redone on the generic path (the steps above), so every edge case is
+handled in one place. `PlainGroup` is the planning both fast paths share.
+
+The generic path is optimistic about idempotency too: the group is first
+written without looking its event ids up, relying on the unique index on
+event_id. When that insert fails (typically a batch re-sent after a lost
+acknowledgement), the group is redone with every id looked up, and re-sent
+batches get their original positions. If even that fails, each request gets
+its own transaction so one bad request cannot sink its neighbours.
 
 `NewEvent.ts == 0.0` means "unset": the store stamps the append time.
 """
@@ -183,6 +189,66 @@ class _GroupPlan:
     next_position: int | None = None
 
 
+class PlainGroup:
+    """A group's appends laid out before the database is read, as if plain.
+
+    The generic path's rules, in queue order: each append takes its
+    session's next seqs and the next run of positions. Only the sessions'
+    heads and the first free position are unknown until the writer lock is
+    held: `place` checks and fixes the layout once they are read.
+    """
+
+    __slots__ = ("_appends", "n_rows", "sessions")
+
+    def __init__(self, group: Sequence[GroupRequest]) -> None:
+        # Per request: (append, index of its first row in the group, seq offset
+        # from its session's head); None for a pieces request.
+        self._appends: list[tuple[AppendRequest, int, int] | None] = []
+        offsets: dict[str, int] = {}
+        self.n_rows = 0
+        for request in group:
+            if not isinstance(request, AppendRequest):
+                self._appends.append(None)
+                continue
+            offset = offsets.get(request.session_id, 0)
+            self._appends.append((request, self.n_rows, offset))
+            offsets[request.session_id] = offset + len(request.rows)
+            self.n_rows += len(request.rows)
+        self.sessions = sorted(offsets)
+
+    def place(self, next_seq: dict[str, int], first_position: int) -> list[list[int] | None] | None:
+        """Each request's positions (None for a pieces request), with every row's
+        position set; None if an append's `expected_seq` does not match (not plain).
+
+        `next_seq`: each session's next seq before the group (absent: 0).
+        """
+        results: list[list[int] | None] = []
+        for append in self._appends:
+            if append is None:
+                results.append(None)
+                continue
+            request, start, offset = append
+            expected = request.expected_seq
+            if expected is not None and expected != next_seq.get(request.session_id, 0) + offset:
+                return None
+            first = first_position + start
+            results.append(list(range(first, first + len(request.rows))))
+        for append, positions in zip(self._appends, results, strict=True):
+            if append is not None and positions is not None:
+                for row, position in zip(append[0].rows, positions, strict=True):
+                    row.position = position
+        return results
+
+    def runs(self, next_seq: dict[str, int]) -> list[tuple[str, int, list[EventRow]]]:
+        """(session_id, seq of the first row, rows) per append, in queue order.
+        `next_seq` as given to `place`; {} gives seqs relative to the heads."""
+        return [
+            (a[0].session_id, next_seq.get(a[0].session_id, 0) + a[2], a[0].rows)
+            for a in self._appends
+            if a is not None
+        ]
+
+
 def _chunks(items: Sequence[Any], n: int = IN_CHUNK) -> Iterable[Sequence[Any]]:
     for i in range(0, len(items), n):
         yield items[i : i + n]
@@ -228,8 +294,14 @@ class SqlEventStore(EventStore):
         # Recently used bases as prepared zstd dictionaries, least recent first:
         # a body stored as prefix + suffix compresses both against one basis.
         self._basis_dicts: dict[bytes, zstandard.ZstdCompressionDict] = {}
-        # Test hook: awaited inside each write transaction just before COMMIT.
+        # Test hook: awaited inside each write transaction just before COMMIT
+        # (on the fast path too).
         self.before_commit: Callable[[], Awaitable[None]] | None = None
+        # False forces every group onto the generic path (benchmarks, tests).
+        self.fast_writes = True
+        # Groups each path committed (one handed back by the fast path counts as generic).
+        self.fast_groups = 0
+        self.generic_groups = 0
 
     @property
     def piece_cache(self) -> arr.PieceCache:
@@ -254,6 +326,18 @@ class SqlEventStore(EventStore):
     @abc.abstractmethod
     async def _allocate_positions(self, conn: AsyncConnection, n: int) -> int:
         """Reserve `n` consecutive positions; return the first. Called under the lock."""
+
+    @abc.abstractmethod
+    async def _read_heads(
+        self, conn: AsyncConnection, session_ids: set[str]
+    ) -> tuple[dict[str, int], int | None]:
+        """Next seq of each session; also the first free position if the backend
+        can read it here (under the writer lock), saving `_allocate_positions`."""
+
+    async def _write_plain_group(self, group: list[GroupRequest]) -> list[list[int] | None] | None:
+        """Commit `group` if it is plain and return each request's result; else
+        (or on any error) write nothing and return None. Backends override."""
+        return None
 
     async def _after_bulk_copy(self, conn: AsyncConnection) -> None:
         """Fix up identity counters after rows were inserted with explicit keys."""
@@ -317,7 +401,18 @@ class SqlEventStore(EventStore):
             self._learn(decoded)
 
     async def _commit_group(self, group: list[GroupRequest]) -> None:
-        # Fast path: let the unique index on event_id catch re-sent ids. Only
+        if self.fast_writes:
+            results = await self._write_plain_group(group)
+            if results is not None:
+                self.fast_groups += 1
+                for request, result in zip(group, results, strict=True):
+                    request.resolve(result)
+                return
+        self.generic_groups += 1
+        await self._commit_generic(group)
+
+    async def _commit_generic(self, group: list[GroupRequest]) -> None:
+        # First try: let the unique index on event_id catch re-sent ids. Only
         # if the insert fails (a retry after a lost ack, usually) do we redo the
         # group looking every id up first; if even that fails, each request
         # gets its own transaction so the culprit fails alone.
@@ -331,7 +426,7 @@ class SqlEventStore(EventStore):
                     group[0].fail(e)
                     return
                 for request in group:
-                    await self._commit_group([request])
+                    await self._commit_generic([request])
                 return
         for i, request in enumerate(group):
             if i in plan.errors:
@@ -459,25 +554,6 @@ class SqlEventStore(EventStore):
                     EventRow(event_id, type_, version, ts, payload, position),
                 )
         return found
-
-    async def _read_heads(
-        self, conn: AsyncConnection, session_ids: set[str]
-    ) -> tuple[dict[str, int], int | None]:
-        """Next seq of each session; also the first free position if the backend
-        can read it here (under the writer lock), saving `_allocate_positions`."""
-        return await self._next_seqs(conn, session_ids), None
-
-    async def _next_seqs(self, conn: AsyncConnection, session_ids: set[str]) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for chunk in _chunks(sorted(session_ids)):
-            stmt = (
-                sa.select(events.c.session_id, sa.func.max(events.c.seq))
-                .where(events.c.session_id.in_(chunk))
-                .group_by(events.c.session_id)
-            )
-            for session_id, max_seq in await conn.execute(stmt):
-                out[session_id] = max_seq + 1
-        return out
 
     # -- events: read -------------------------------------------------------
 

@@ -202,8 +202,8 @@ async def test_request_failing_on_every_path_fails_alone(
     store: EventStore, make_events: MakeEvents, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """If the look-up retry fails too, each request gets its own transaction."""
-    # The driver failure is simulated on the generic path, so SQLite must take it.
-    monkeypatch.setattr(store, "one_hop_writes", False, raising=False)
+    # The driver failure is simulated on the generic path, so the store must take it.
+    monkeypatch.setattr(store, "fast_writes", False)
     real = store._insert_events  # type: ignore[attr-defined]
 
     async def insert(conn: object, rows: list[tuple[str, int, object]]) -> None:
