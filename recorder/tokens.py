@@ -227,6 +227,33 @@ def plan_turn(chains: SessionChains, req: ChatRequest, tok: Tokenizer) -> TurnPl
     )
 
 
+def render_chars(chains: SessionChains, req: ChatRequest, tok: Tokenizer, body_len: int) -> int:
+    """About how much text `plan_turn(chains, req, tok)` will render and tokenize.
+
+    Extending a chain renders only the new messages; a request that matches
+    no chain (or a template that cannot render new messages on their own)
+    renders the whole conversation, about `body_len` characters; a retry
+    renders nothing. Cheap: lets the caller plan small work inline and big
+    work on a thread, by the work itself rather than the body size.
+    """
+    match = _best_match(chains, req)
+    if match is None or _template_pieces(tok, req) is None:
+        return body_len
+    if match.is_retry:
+        return 0
+    return _text_chars(req.messages[match.n_messages :])
+
+
+def _text_chars(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_chars(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_text_chars(v) for v in value)
+    return 0
+
+
 def _best_match(chains: SessionChains, req: ChatRequest) -> _Match | None:
     """The chain boundary covering the most of the request (a full extension wins)."""
     digests = req.message_digests

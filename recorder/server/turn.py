@@ -62,6 +62,7 @@ from recorder.tokens import (
     commit_turn,
     note_dispatch,
     plan_turn,
+    render_chars,
     tito_check,
 )
 from recorder.translate import ChatRequest, find_dispatches, response_message_digest
@@ -115,10 +116,11 @@ async def run_turn(
         _log_turn(record)
 
 
-# Requests bigger than this are planned on a worker thread (a fresh render of a
-# Claude Code request, ~80 KB and 20k tokens, takes ~50 ms of tokenizing that
-# would stall every other session); smaller ones inline, cheaper than a hop.
-_THREAD_PLAN_BYTES = 32 * 1024
+# Plans that render more text than this run on a worker thread (a fresh render
+# of a Claude Code request, ~80 KB and 20k tokens, takes ~50 ms of tokenizing
+# that would stall every other session); smaller ones inline, cheaper than a
+# hop. Extending a chain renders only the new messages, whatever the context.
+_THREAD_PLAN_CHARS = 32 * 1024
 # Outputs longer than this get their TITO check (decode + encode) on a thread.
 _THREAD_TITO_TOKENS = 4096
 
@@ -159,7 +161,7 @@ async def _plan(
     ctx: ServerContext, state: SessionState, chat: ChatRequest, body_len: int
 ) -> tuple[TurnPlan, int]:
     """(the turn's plan, its clamped max_new_tokens); raises ValueError if it cannot run."""
-    if body_len > _THREAD_PLAN_BYTES:
+    if render_chars(state.chains, chat, ctx.tokenizer, body_len) > _THREAD_PLAN_CHARS:
         plan = await asyncio.to_thread(plan_turn, state.chains, chat, ctx.tokenizer)
     else:
         plan = plan_turn(state.chains, chat, ctx.tokenizer)

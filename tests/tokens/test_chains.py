@@ -25,6 +25,7 @@ from recorder.tokens import (
     full_input_ids,
     note_dispatch,
     plan_turn,
+    render_chars,
     tito_check,
 )
 from recorder.translate import find_dispatches, parse_request, response_message_digest
@@ -192,6 +193,19 @@ def test_unrelated_system_prompt_without_dispatch_is_diverged(tok: Tokenizer) ->
     plan, _ = side.turn(chains, tok, Answer(text="Greeting"))
     assert (plan.action, plan.reason, plan.main_line) == ("new", "diverged", False)
     assert chains.main_chain_id == first.chain_id
+
+
+def test_render_chars_counts_what_plan_turn_will_tokenize(tok: Tokenizer) -> None:
+    conv, chains = Conversation(), SessionChains()
+    conv.user("x" * 50_000)  # a long first message
+    first = len(conv.body())
+    assert render_chars(chains, conv.request(), tok, first) == first  # no chain: everything
+    _tool_loop(conv, chains, tok, turns=3)
+    body = len(conv.body())
+    new = render_chars(chains, conv.request(), tok, body)
+    assert 0 < new < 200 < body  # only the last tool result, whatever the context
+    retry = Conversation(system=conv.system, messages=conv.messages[:-2])
+    assert render_chars(chains, retry.request(), tok, len(retry.body())) == 0
 
 
 def test_retried_request_reuses_the_exact_input(tok: Tokenizer) -> None:
