@@ -152,7 +152,11 @@ class EngineCore:
         tool_call_parser: str = "qwen25",
         reasoning_parser: str = "qwen3",
         routed_experts_shape: tuple[int, int] = (2, 2),
+        keep_history: bool = True,
     ) -> None:
+        """`keep_history=False`: keep nothing per request (no `requests` list, no
+        prefix cache, `cached_tokens` always 0), so a long benchmark measures the
+        recorder's memory, not the stand-in engine's (its trie holds a dict per token)."""
         self.backend = backend
         self.tokenizer = tokenizer
         self.context_length = context_length
@@ -160,6 +164,7 @@ class EngineCore:
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
         self.routed_experts_shape = routed_experts_shape
+        self.keep_history = keep_history
         self.healthy = True
         # What the engine saw, for assertions in tests.
         self.requests: list[GenRequest] = []
@@ -285,7 +290,8 @@ class EngineCore:
 
     async def generate(self, req: GenRequest) -> tuple[int, dict[str, Any], Fault | None]:
         """(HTTP status, JSON body, fault applied) for one request."""
-        self.requests.append(req)
+        if self.keep_history:
+            self.requests.append(req)
         self.check_context(req)
         prompt_text = self.tokenizer.decode(req.input_ids) if self._needs_prompt_text() else None
         fault = self._take_fault(prompt_text)
@@ -301,7 +307,7 @@ class EngineCore:
             await self._wait_unpaused(running)
             if fault and fault.delay_s and not running.abort.is_set():
                 await _sleep_unless(running.abort, fault.delay_s)
-            cached = self._cache.longest(req.input_ids)
+            cached = self._cache.longest(req.input_ids) if self.keep_history else 0
             source = self.backend.open(req, prompt_text)
             out, logprobs, finish = await self._decode(req, source, running, fault)
         except BaseException:
@@ -311,7 +317,8 @@ class EngineCore:
         finally:
             self._running.pop(req.rid, None)
         source.finished(out, finish["type"])
-        self._cache.insert([*req.input_ids, *out])
+        if self.keep_history:
+            self._cache.insert([*req.input_ids, *out])
         meta: dict[str, Any] = {
             "id": req.rid,
             "prompt_tokens": len(req.input_ids),
