@@ -522,7 +522,9 @@ class ParseCache:
     session's requests are parsed on the server's event loop.
     """
 
-    ENTRY_OVERHEAD = 256
+    # Per message beyond 2x its JSON: the translation's dicts and strings (~600 bytes
+    # measured by tests/server/test_memory.py) and the dict slot.
+    ENTRY_OVERHEAD = 640
 
     def __init__(
         self, max_entries: int = 4096, max_bytes: int = 16 << 20, max_idle_requests: int = 64

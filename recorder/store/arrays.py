@@ -363,16 +363,46 @@ def assemble(ref: ArrayRef, chain: list[DecodedPiece]) -> np.ndarray:
     return np.concatenate([p.suffix for p in chain])
 
 
+def retained_nbytes(array: np.ndarray) -> int:
+    """Bytes of the buffer that keeps `array`'s data alive.
+
+    More than `array.nbytes` when `array` views part of a bigger buffer: a
+    piece sliced out of `np.frombuffer(request_body)` keeps the whole body
+    alive for as long as anything holds the piece.
+    """
+    owner: object = array
+    while True:
+        if isinstance(owner, np.ndarray):
+            if owner.base is None:
+                return owner.nbytes
+            owner = owner.base
+        elif isinstance(owner, memoryview):
+            owner = owner.obj
+        else:
+            return memoryview(owner).nbytes  # type: ignore[arg-type]
+
+
+def owned(array: np.ndarray) -> np.ndarray:
+    """`array` if its buffer is exactly its own bytes, else a read-only copy that is."""
+    if retained_nbytes(array) == array.nbytes:
+        return array
+    return np.frombuffer(array.tobytes(), array.dtype)
+
+
 class PieceCache:
     """LRU of verified pieces, bounded by the memory they take (0 bytes: disabled).
 
-    Each entry is charged its suffix bytes plus `ENTRY_OVERHEAD` for its
-    Python objects (digests, numpy header, the struct, the dict slot): token
-    pieces are a few hundred bytes, so counting only the data would let the
-    real footprint reach about twice the bound.
+    A piece is kept with a suffix that owns exactly its bytes (`owned`): a
+    view of a bigger buffer (a slice of a request body) is copied out first,
+    or the cache would keep whole bodies alive while counting only their
+    pieces. Each entry is charged the suffix's buffer plus `ENTRY_OVERHEAD`
+    for its Python objects (the struct, digests, numpy header, the buffer's
+    header, the dict slot; ~430 bytes measured): token pieces are a few
+    hundred bytes, so counting only the data would let the real footprint
+    reach about twice the bound.
     """
 
-    ENTRY_OVERHEAD: Final = 320
+    ENTRY_OVERHEAD: Final = 448
 
     def __init__(self, max_bytes: int) -> None:
         self._items: OrderedDict[bytes, DecodedPiece] = OrderedDict()
@@ -397,14 +427,21 @@ class PieceCache:
             self._items.move_to_end(digest)
         return p
 
+    def charge(self, piece: DecodedPiece) -> int:
+        """Bytes an entry for `piece` is charged (its suffix's whole buffer + overhead)."""
+        return retained_nbytes(piece.suffix) + self.ENTRY_OVERHEAD
+
     def put(self, piece: DecodedPiece) -> None:
         if self._max <= 0:
             return
         if piece.digest in self._items:
             self._items.move_to_end(piece.digest)
             return
+        suffix = owned(piece.suffix)
+        if suffix is not piece.suffix:
+            piece = msgspec.structs.replace(piece, suffix=suffix)
         self._items[piece.digest] = piece
-        self._bytes += piece.suffix.nbytes + self.ENTRY_OVERHEAD
+        self._bytes += self.charge(piece)
         while self._bytes > self._max and len(self._items) > 1:
             _, old = self._items.popitem(last=False)
-            self._bytes -= old.suffix.nbytes + self.ENTRY_OVERHEAD
+            self._bytes -= self.charge(old)
