@@ -328,9 +328,10 @@ class Conversation:
 
     Every session built with the same seed gets the same tool results; the
     assistant turns are what the server answered, echoed back verbatim. The
-    billing header and metadata stay the same all session, as the real CLI
-    sends them. `instructions_words` / `n_tools` scale the constant preamble
-    (Claude Code's own is ~15k tokens: ~2,000 words and ~16 tools here).
+    body is laid out as Claude Code 2.1.197 sends it: messages first, then
+    system prompt, tools and the rest, with the billing header and metadata
+    the same all session. `instructions_words` / `n_tools` scale the constant
+    preamble (Claude Code's own is ~70 kB: ~2,000 words and ~20 tools here).
     """
 
     def __init__(
@@ -348,19 +349,20 @@ class Conversation:
     def body(self) -> bytes:
         self.turn += 1
         system = [
-            {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1; cch={self.tag};"},
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.0df; cc_entrypoint=sdk-cli;"},
             {"type": "text", "text": "You are Claude Code, Anthropic's official CLI for Claude."},
             {"type": "text", "text": "Instructions. " + self.instructions, "cache_control": {"type": "ephemeral"}},
         ]  # fmt: skip
         return json.dumps(
             {
                 "model": "bench",
-                "max_tokens": 4096,
-                "stream": True,
+                "messages": self.messages,
                 "system": system,
                 "tools": self.tools,
-                "messages": self.messages,
-                "metadata": {"user_id": f"user_bench_account__session_{self.tag}"},
+                "metadata": {"user_id": json.dumps({"device_id": "bench", "session_id": self.tag})},
+                "max_tokens": 4096,
+                "thinking": {"type": "adaptive"},
+                "stream": True,
             }
         ).encode()
 

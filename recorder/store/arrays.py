@@ -431,6 +431,23 @@ class PieceCache:
         """Bytes an entry for `piece` is charged (its suffix's whole buffer + overhead)."""
         return retained_nbytes(piece.suffix) + self.ENTRY_OVERHEAD
 
+    def chain_digests(self, digest: bytes) -> set[bytes]:
+        """Digests of the cached pieces of the array `digest` names, from its
+        last piece back to the first one not cached."""
+        out: set[bytes] = set()
+        d: bytes | None = digest
+        while d is not None and (piece := self._items.get(d)) is not None:
+            out.add(d)
+            d = piece.parent
+        return out
+
+    def discard(self, digests: Iterable[bytes]) -> None:
+        """Drop these pieces if cached (they stay stored; a later read fetches them)."""
+        for digest in digests:
+            old = self._items.pop(digest, None)
+            if old is not None:
+                self._bytes -= self.charge(old)
+
     def put(self, piece: DecodedPiece) -> None:
         if self._max <= 0:
             return
