@@ -42,9 +42,9 @@ not hide. Means and medians are shown: the store's commits make outliers.
 Section 2, pure (no HTTP, no store, no engine): parse + plan in-process, the
 chain path against parse + full render + full encode, median of repeats.
 
-    python -m tools.bench_middleware [--contexts 1000,10000,100000] [--turns 8]
+    python -m tools.bench_middleware [--contexts 1000,10000,100000] [--turns 30]
         [--section both|e2e|pure] [--engine-thread] [--engine-latency-ms 50]
-        [--db-dir DIR] [--per-turn] [--repeat 15]
+        [--db-dir DIR] [--per-turn] [--repeat 30]
 """
 
 from __future__ import annotations
@@ -1103,7 +1103,7 @@ def main(argv: list[str] | None = None) -> Results:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--section", choices=("both", "e2e", "pure"), default="both")
     ap.add_argument("--contexts", default="1000,10000,100000", help="checkpoints, tokens")
-    ap.add_argument("--turns", type=int, default=8, help="e2e: measured turns per mode")
+    ap.add_argument("--turns", type=int, default=30, help="e2e: measured turns per mode")
     ap.add_argument("--new-tokens", type=int, default=200, help="e2e: context growth per turn")
     ap.add_argument("--warmup", type=int, default=3, help="e2e: warm-up turns per mode")
     ap.add_argument(
@@ -1126,7 +1126,7 @@ def main(argv: list[str] | None = None) -> Results:
     ap.add_argument("--serve-engine", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--engine-context", type=int, default=131072, help=argparse.SUPPRESS)
     ap.add_argument("--per-turn", action="store_true", help="e2e: also list every measured turn")
-    ap.add_argument("--repeat", type=int, default=15, help="pure: timing repeats")
+    ap.add_argument("--repeat", type=int, default=30, help="pure: timing repeats")
     ap.add_argument("--new-words", default="150,1500", help="pure: words of new tool output")
     args = ap.parse_args(argv)
     if args.serve_engine is not None:

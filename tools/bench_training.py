@@ -30,7 +30,10 @@ Printed:
              squares over the samples after the first), RSS before the
              sessions opened, with all S sessions at the last checkpoint
              (per open session: the difference / S) and after they closed.
-Target: growth per turn served < 50 kB at 100k tokens after warm-up.
+Target: growth per turn served < 50 kB at 100k tokens after warm-up, beyond
+what the configured caches may still take (`--piece-cache-mb`,
+`--sqlite-cache-mb` are passed to `recorder serve`: SQLite's page caches fill
+as the log grows, up to their bound).
 
     python -m tools.bench_training [--sessions 16] [--contexts 10000,50000,100000]
         [--turns 100] [--point-turns 30] [--new-tokens 250] [--rss-every 10]
@@ -84,7 +87,9 @@ FIXED_TOKENS_PER_TURN = 65
 class RecorderProcess:
     """`recorder serve` (ours) or the same command with the full re-render planner (peer)."""
 
-    def __init__(self, engine_url: str, db: str, context_length: int, *, peer: bool) -> None:
+    def __init__(
+        self, engine_url: str, db: str, context_length: int, *, peer: bool, extra: list[str]
+    ) -> None:
         self.peer = peer
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -92,7 +97,7 @@ class RecorderProcess:
             "--db", db, "--engine", engine_url, "--tokenizer", str(TOKENIZER),
             "--chat-template", "chatml-tools", "--tool-parser", "qwen25",
             "--context-length", str(context_length), "--port", str(self.port),
-            "--admin-token", ADMIN, "--log-level", "WARNING",
+            "--admin-token", ADMIN, "--log-level", "WARNING", *extra,
         ]  # fmt: skip
         module = ["tools.bench_training", "--serve-peer"] if peer else ["recorder.cli", "serve"]
         env = {
@@ -273,7 +278,12 @@ async def run_server(
     sessions = args.peer_sessions if peer else args.sessions
     run = Run("peer" if peer else "ours", sessions)
     db = str(Path(db_dir) / f"{run.name}.db")
-    recorder = RecorderProcess(engine.url, db, args.context_length, peer=peer)
+    extra = []
+    if args.piece_cache_mb is not None:
+        extra += ["--piece-cache-mb", str(args.piece_cache_mb)]
+    if args.sqlite_cache_mb is not None:
+        extra += ["--sqlite-cache-mb", str(args.sqlite_cache_mb)]
+    recorder = RecorderProcess(engine.url, db, args.context_length, peer=peer, extra=extra)
     timeout = aiohttp.ClientTimeout(total=600)
     try:
         async with aiohttp.ClientSession(timeout=timeout) as http:
@@ -390,8 +400,13 @@ def rss_table(run: Run) -> Table:
     return table
 
 
-def memory_table(run: Run) -> Table:
-    table = Table(title=f"{run.name}: memory")
+def memory_table(run: Run, args: argparse.Namespace) -> Table:
+    piece = 256.0 if args.piece_cache_mb is None else args.piece_cache_mb
+    sqlite = 64.0 if args.sqlite_cache_mb is None else args.sqlite_cache_mb
+    table = Table(
+        title=f"{run.name}: memory; configured caches: pieces {piece:g} MB, SQLite pages "
+        f"{sqlite:g} MB (writer) + {sqlite / 4:g} MB per reader connection"
+    )
     table.add_column("what")
     table.add_column("value", justify="right")
     slope = run.growth_per_round()
@@ -437,6 +452,8 @@ def main(argv: list[str] | None = None) -> list[Run]:
     ap.add_argument("--engine-latency-ms", type=float, default=0.0)
     ap.add_argument("--context-length", type=int, default=0, help="default: fits the run")
     ap.add_argument("--db-dir", default=None, help="where the SQLite files go")
+    ap.add_argument("--piece-cache-mb", type=float, default=None, help="recorder serve's")
+    ap.add_argument("--sqlite-cache-mb", type=float, default=None, help="recorder serve's")
     args = ap.parse_args(argv)
     if not args.context_length:
         top = max(args.contexts) + (args.turns + 2) * args.new_tokens
@@ -447,7 +464,7 @@ def main(argv: list[str] | None = None) -> list[Run]:
     peer = runs[1] if len(runs) > 1 else None
     console.print(overhead_table(ours, peer))
     console.print(rss_table(ours))
-    console.print(memory_table(ours))
+    console.print(memory_table(ours, args))
     return runs
 
 
