@@ -20,11 +20,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from recorder.server.deltas import MAX_CHAIN_REFS
 from recorder.store.sql import MAX_BASIS_DEPTH
 from recorder.tokenizer import Tokenizer
 from tests.server.conftest import SYSTEM, Harness, make_harness
 
-TURNS = MAX_BASIS_DEPTH + 8  # past one rebase of the body's basis chain
+TURNS = MAX_BASIS_DEPTH + 8  # past one rebase of the body's basis chain, past MAX_CHAIN_REFS
 CONTEXT = 65536
 
 
@@ -144,6 +145,8 @@ async def test_caches_keep_what_they_account_for(big: Harness) -> None:
     state = h.ctx.registry.cached(session_id)
     assert state is not None
     assert state.body_prefixes.body == last_body
+    # Per chain only the longest stored inputs are remembered, not one per turn.
+    assert [len(refs) for refs in state.chain_refs.values()] == [MAX_CHAIN_REFS]
     session = Walk([state.body_prefixes, state.chains, state.chain_refs])
     assert session.views == []
     tokens = state.chains.main.tokens
