@@ -122,6 +122,14 @@ class RecorderProcess:
     def rss(self) -> int:
         return int(psutil.Process(self.proc.pid).memory_info().rss)
 
+    def anon(self) -> int:
+        """Anonymous resident memory (RSS without mapped files such as SQLite's WAL index)."""
+        with open(f"/proc/{self.proc.pid}/status") as status:
+            for line in status:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+        return self.rss()
+
     async def stop(self) -> None:
         self.proc.terminate()
         await asyncio.to_thread(self.proc.wait, 60)
@@ -231,7 +239,8 @@ class Point:
     samples: list[Sample] = field(default_factory=list)
     engine_s: list[float] = field(default_factory=list)
     wall_s: float = 0.0
-    rss: list[tuple[int, int, int]] = field(default_factory=list)  # (round, context, bytes)
+    # (round, mean context, RSS bytes, anonymous RSS bytes)
+    rss: list[tuple[int, int, int, int]] = field(default_factory=list)
 
     def overhead_ms(self) -> list[float]:
         return [
@@ -255,8 +264,8 @@ class Run:
         rss = self.points[-1].rss[1:]
         if len(rss) < 2:
             return float("nan")
-        x = np.array([r for r, _, _ in rss], dtype=float)
-        y = np.array([b for _, _, b in rss], dtype=float)
+        x = np.array([r[0] for r in rss], dtype=float)
+        y = np.array([r[2] for r in rss], dtype=float)
         return float(np.polyfit(x, y, 1)[0])
 
 
@@ -312,10 +321,10 @@ async def run_server(
                 t0 = time.perf_counter()
                 for k in range(turns):
                     if k % args.rss_every == 0:
-                        point.rss.append((k, _mean_context(driver), recorder.rss()))
+                        point.rss.append(_sample(k, driver, recorder))
                     point.samples += await driver.round(step_words)
                 point.wall_s = time.perf_counter() - t0
-                point.rss.append((turns, _mean_context(driver), recorder.rss()))
+                point.rss.append(_sample(turns, driver, recorder))
                 point.engine_s = await _engine_times(engine, point.samples)
                 run.points.append(point)
             run.rss_end = recorder.rss()
@@ -327,8 +336,9 @@ async def run_server(
     return run
 
 
-def _mean_context(driver: Driver) -> int:
-    return round(statistics.fmean(driver.context.values()))
+def _sample(k: int, driver: Driver, recorder: RecorderProcess) -> tuple[int, int, int, int]:
+    context = round(statistics.fmean(driver.context.values()))
+    return k, context, recorder.rss(), recorder.anon()
 
 
 async def run_all(args: argparse.Namespace) -> list[Run]:
@@ -386,16 +396,18 @@ def rss_table(run: Run) -> Table:
         title=f"{run.name}: server RSS every {point.rss[1][0] if len(point.rss) > 1 else 0} "
         f"rounds at the last checkpoint ({run.sessions} sessions, one turn each per round)"
     )
-    for col in ("round", "turns served", "mean context tok", "RSS MB", "vs round 0 MB"):
+    cols = ("round", "turns served", "mean context tok", "RSS MB", "vs round 0 MB", "anon MB")
+    for col in cols:
         table.add_column(col, justify="right")
     base = point.rss[0][2]
-    for k, context, rss in point.rss:
+    for k, context, rss, anon in point.rss:
         table.add_row(
             f"{k}",
             f"{k * run.sessions}",
             f"{context:,}",
             f"{rss / _MB:.1f}",
             f"{(rss - base) / _MB:+.1f}",
+            f"{anon / _MB:.1f}",
         )
     return table
 

@@ -47,7 +47,7 @@ def test_bench_training_runs_at_toy_sizes(capsys: pytest.CaptureFixture[str]) ->
     )  # fmt: skip
     assert [(p.target, len(p.samples)) for p in ours.points] == [(1500, 4), (3000, 6)]
     assert [(p.target, len(p.samples)) for p in peer.points] == [(1500, 2), (3000, 2)]
-    assert [k for k, _, _ in ours.points[-1].rss] == [0, 1, 2, 3]
+    assert [r[0] for r in ours.points[-1].rss] == [0, 1, 2, 3]
     assert ours.rss_before > 0 and ours.rss_open > 0 and ours.rss_closed > 0
     contexts = [s.context for p in ours.points for s in p.samples]
     assert contexts[0] < 2000 < 2500 < contexts[-1]
