@@ -190,7 +190,7 @@ def _image(wd: Path) -> list[Rule]:
 
 def _nonessential(wd: Path) -> list[Rule]:
     return [
-        Rule("title", '{"title": "Echo a marker"}', in_system=True),
+        Rule("sentence-case title", '{"title": "Echo a marker"}', in_system=True),
         Rule("Say the marker", tool_call("Bash", {"command": "echo side-marker"})),
         Rule("side-marker", "It printed side-marker."),
     ]
@@ -206,10 +206,10 @@ SCENARIOS: dict[str, Scenario] = {
             _subagent(True),
             versions=("2.1.330",),
         ),
-        Scenario("subagent_sync", "Use a subagent to count the lines of hello.py.", _subagent(None)),
         Scenario(
-            "compact", "Say the marker with echo.", _compact, follow_ups=("/compact",)
+            "subagent_sync", "Use a subagent to count the lines of hello.py.", _subagent(None)
         ),
+        Scenario("compact", "Say the marker with echo.", _compact, follow_ups=("/compact",)),
         Scenario(
             "tool_search",
             "Find the notebook tool.",
@@ -297,9 +297,7 @@ async def run_scenario(
     runs = []
     for i, prompt in enumerate((scenario.prompt, *scenario.follow_ups)):
         runs.append(
-            await run_cli(
-                binary, prompt, wd, env, allowed=scenario.allowed_tools, resume=i > 0
-            )
+            await run_cli(binary, prompt, wd, env, allowed=scenario.allowed_tools, resume=i > 0)
         )
     return runs
 
@@ -397,9 +395,7 @@ def load_fixture(version: str, scenario: str) -> list[dict[str, Any]]:
     return json.loads(gzip.decompress(path.read_bytes()))
 
 
-async def record(
-    version: str, scenario: Scenario, out: Path, work: Path, fixtures: bool
-) -> None:
+async def record(version: str, scenario: Scenario, out: Path, work: Path, fixtures: bool) -> None:
     from recorder.engine import EngineClient
     from recorder.parsers import make_parser
     from recorder.server import RecorderServer, ServerConfig, ServerContext
@@ -414,7 +410,9 @@ async def record(
     root = work / version / scenario.name
     root.mkdir(parents=True, exist_ok=True)
     engine = ScriptedEngine(
-        tokenizer, context_length=200_000, default_reply=responder(tokenizer, scenario.rules(root / "work"))
+        tokenizer,
+        context_length=200_000,
+        default_reply=responder(tokenizer, scenario.rules(root / "work")),
     )
     engine_url = await engine.start()
     store = await open_store(f"sqlite+aiosqlite:///{root / 'runs.db'}", create=True)
@@ -435,13 +433,18 @@ async def record(
     try:
         await proxy.start()
         async with aiohttp.ClientSession() as http:
-            async with http.post(server.url + "/sessions", json={"instance_id": scenario.name}) as r:
+            async with http.post(
+                server.url + "/sessions", json={"instance_id": scenario.name}
+            ) as r:
                 sid = (await r.json())["session_id"]
         runs = await run_scenario(scenario, str(claude_binary(version)), proxy.url, sid, root)
         for code, lines, text in runs:
             last = lines[-1] if lines else {}
-            print(f"{version} {scenario.name}: exit {code}, {last.get('subtype')} "
-                  f"{str(last.get('result'))[:80]!r}", file=sys.stderr)
+            print(
+                f"{version} {scenario.name}: exit {code}, {last.get('subtype')} "
+                f"{str(last.get('result'))[:80]!r}",
+                file=sys.stderr,
+            )
             if code != 0:
                 print(text[-1500:], file=sys.stderr)
         if fixtures:
