@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import gzip
 import json
 import os
@@ -34,7 +35,7 @@ from aiohttp import web
 
 from recorder.tokenizer import Tokenizer
 from tools.test_engine.core import GenRequest
-from tools.test_engine.scripted import Reply
+from tools.test_engine.scripted import WORDS, Reply
 
 REPO = Path(__file__).resolve().parents[1]
 CLAUDE_DIRS = {"2.1.197": "claude-code", "2.1.330": "claude-code-2.1.330"}
@@ -113,6 +114,8 @@ class Scenario:
     follow_ups: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     versions: tuple[str, ...] = ("2.1.197", "2.1.330")
+    # The recorder's context length (the engine's is 200k): the CLI assumes 1M for its models.
+    context_length: int = 200_000
 
 
 def _coding(wd: Path) -> list[Rule]:
@@ -196,6 +199,15 @@ def _nonessential(wd: Path) -> list[Rule]:
     ]
 
 
+def _context_limit(wd: Path) -> list[Rule]:
+    return [
+        Rule("Your task is to create a detailed summary", "<summary>Read big.txt.</summary>"),
+        Rule("Read big.txt", tool_call("Read", {"file_path": str(wd / "big.txt")})),
+        Rule("1\talpha", tool_call("Bash", {"command": f"cat {wd / 'big.txt'}"})),
+        Rule("zulu-end", "I read it twice."),
+    ]
+
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
@@ -224,6 +236,12 @@ SCENARIOS: dict[str, Scenario] = {
             _nonessential,
             env={"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": ""},
         ),
+        Scenario(
+            "context_limit",  # the 2nd (2.1.197) or 3rd (2.1.330) request is over 24k tokens
+            "Read big.txt, then cat it.",
+            _context_limit,
+            context_length=24_000,
+        ),
     )
 }
 
@@ -236,6 +254,10 @@ def make_workdir(wd: Path) -> None:
     wd.mkdir(parents=True, exist_ok=True)
     (wd / "hello.py").write_text(HELLO_PY)
     (wd / "pixel.png").write_bytes(tiny_png())
+    words = " ".join(WORDS[i % len(WORDS)] for i in range(3000))
+    (wd / "big.txt").write_text(
+        "\n".join(words[i : i + 100] for i in range(0, len(words), 100)) + "\nzulu-end\n"
+    )
 
 
 def cli_env(base_url: str, session_id: str, home: Path, extra: dict[str, str]) -> dict[str, str]:
@@ -279,10 +301,8 @@ async def run_cli(
     lines = []
     for line in text.splitlines():
         if line.startswith("{"):
-            try:
+            with contextlib.suppress(json.JSONDecodeError):
                 lines.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
     return proc.returncode or 0, lines, text
 
 
@@ -419,7 +439,7 @@ async def record(version: str, scenario: Scenario, out: Path, work: Path, fixtur
     client = EngineClient([engine_url], timeout_s=120, connect_timeout_s=2)
     await client.start()
     ctx = ServerContext(
-        config=ServerConfig(context_length=200_000),
+        config=ServerConfig(context_length=scenario.context_length),
         store=store,
         engine=client,
         tokenizer=tokenizer,
@@ -432,11 +452,11 @@ async def record(version: str, scenario: Scenario, out: Path, work: Path, fixtur
     proxy = CaptureProxy(server.url, capture_dir)
     try:
         await proxy.start()
-        async with aiohttp.ClientSession() as http:
-            async with http.post(
-                server.url + "/sessions", json={"instance_id": scenario.name}
-            ) as r:
-                sid = (await r.json())["session_id"]
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(server.url + "/sessions", json={"instance_id": scenario.name}) as r,
+        ):
+            sid = (await r.json())["session_id"]
         runs = await run_scenario(scenario, str(claude_binary(version)), proxy.url, sid, root)
         for code, lines, text in runs:
             last = lines[-1] if lines else {}

@@ -45,6 +45,7 @@ CHAINS = pytest.mark.xfail(strict=True, reason="needs traffic-chains")
 class ScenarioRun:
     """What one CLI run left: its outcome, the session's log, its rendered prompts, its samples."""
 
+    codes: list[int]
     results: list[dict[str, Any]]
     outputs: list[str]
     events: list[ev.AnyEvent]
@@ -84,7 +85,7 @@ async def _run(
     h = await make_harness(
         tokenizer,
         db_url,
-        context_length=200_000,
+        context_length=scenario.context_length,
         engine_kwargs={
             "context_length": 200_000,
             "default_reply": responder(tokenizer, scenario.rules(root / "work")),
@@ -105,6 +106,7 @@ async def _run(
     finally:
         await h.close()
     return ScenarioRun(
+        codes=[code for code, _, _ in runs],
         results=[lines[-1] if lines else {} for _, lines, _ in runs],
         outputs=[text for _, _, text in runs],
         events=events,
@@ -150,7 +152,7 @@ def _cases(
     ]
 
 
-ALL = tuple(SCENARIOS)
+ALL = tuple(n for n in SCENARIOS if n != "context_limit")
 
 
 def _with_engine_tokens(run: ScenarioRun) -> None:
@@ -295,3 +297,31 @@ async def test_claude_code_versions_are_the_pinned_ones() -> None:
         )
         out, _ = await proc.communicate()
         assert out.decode().split()[0] == version
+
+
+# -- the context limit (README: "Claude Code settings for a training run") --------------------
+
+
+@pytest.mark.parametrize(
+    "scenario_run", _cases("context_limit", versions=("2.1.197",)), indirect=True
+)
+async def test_context_limit_ends_a_2_1_197_rollout(scenario_run: ScenarioRun) -> None:
+    """Over the recorder's context length: a 400 "prompt is too long", and 2.1.197 gives up."""
+    (rejected,) = scenario_run.of(ev.RequestRejected)
+    assert rejected.status == 400 and rejected.message.startswith("prompt is too long")
+    assert scenario_run.codes == [1]
+    assert scenario_run.results[-1]["result"] == "Prompt is too long"
+
+
+@pytest.mark.parametrize(
+    "scenario_run", _cases("context_limit", versions=("2.1.330",)), indirect=True
+)
+async def test_context_limit_makes_2_1_330_compact(scenario_run: ScenarioRun) -> None:
+    """2.1.330 answers the 400 with a compaction (a summary request) and finishes the task."""
+    (rejected,) = scenario_run.of(ev.RequestRejected)
+    assert rejected.message.startswith("prompt is too long")
+    summaries = scenario_run.turns_with("Your task is to create a detailed summary")
+    assert len(summaries) == 1
+    assert max(scenario_run.prompts) > min(summaries)  # the task went on after it
+    assert scenario_run.codes == [0]
+    assert scenario_run.results[-1]["result"] == "I read it twice."
