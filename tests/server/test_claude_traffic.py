@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from tests.conftest import (
     claude_code_binary,
 )
 from tests.server.conftest import make_harness
-from tools.claude_traffic import SCENARIOS, responder, run_scenario
+from tools.claude_traffic import SCENARIOS, cli_env, responder, run_cli, run_scenario
 
 pytestmark = pytest.mark.claude
 
@@ -325,3 +326,18 @@ async def test_context_limit_makes_2_1_330_compact(scenario_run: ScenarioRun) ->
     assert max(scenario_run.prompts) > min(summaries)  # the task went on after it
     assert scenario_run.codes == [0]
     assert scenario_run.results[-1]["result"] == "I read it twice."
+
+
+@pytest.mark.parametrize("version", CLAUDE_CODE_VERSIONS)
+async def test_skip_permissions_as_root_needs_is_sandbox(version: str, tmp_path: Path) -> None:
+    """As root, `--dangerously-skip-permissions` works only with IS_SANDBOX=1 (README)."""
+    env = cli_env(
+        "http://127.0.0.1:9", "unused", tmp_path, {"IS_SANDBOX": "", "CLAUDE_CODE_MAX_RETRIES": "0"}
+    )
+    code, _, text = await run_cli(
+        claude_code_binary(version), "hi", tmp_path, env, allowed="Bash", resume=False
+    )
+    if os.geteuid() == 0:
+        assert code != 0 and "cannot be used with root/sudo privileges" in text
+    else:
+        assert "cannot be used with root/sudo privileges" not in text
