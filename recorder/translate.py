@@ -566,9 +566,10 @@ def image_text(block: ImageBlock) -> str:
     """
     source = block.source
     if isinstance(source, Base64Source):
-        raw = source.data.encode()
-        digest = hashlib.sha256(raw).hexdigest()[:12]
-        what = f"{source.media_type}, {len(raw) * 3 // 4} bytes, sha256 {digest}"
+        data = source.data.strip()
+        size = len(data) * 3 // 4 - data[-2:].count("=")  # decoded size, without decoding
+        digest = hashlib.sha256(data.encode()).hexdigest()[:12]
+        what = f"{source.media_type}, {size} bytes, sha256 {digest}"
     elif isinstance(source, UrlSource):
         what = source.url
     else:

@@ -63,6 +63,11 @@ def test_image_in_user_message_and_tool_result_is_a_text_placeholder() -> None:
     user, tool = chat.messages[0]["content"], chat.messages[2]["content"]
     assert user.startswith("look\n\n[image: image/png, ") and "sha256 " in user
     assert tool == user.removeprefix("look\n\n")
+    # The README's example, exactly (the placeholder is documented there).
+    assert (
+        tool
+        == "[image: image/png, 73 bytes, sha256 2f591ddb8e30; not shown, the model reads text only]"
+    )
     assert tool.endswith("not shown, the model reads text only]")
     other = {**IMAGE, "source": {**IMAGE["source"], "data": PNG_B64[:-8] + "AAAAAAA="}}
     changed = parse_request(_body([{"role": "user", "content": [other]}]))
