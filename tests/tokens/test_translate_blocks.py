@@ -144,9 +144,11 @@ def _fixture_files() -> list[tuple[str, str]]:
 @pytest.mark.parametrize(("version", "scenario"), _fixture_files())
 def test_every_recorded_claude_code_body_translates(version: str, scenario: str) -> None:
     records = load_fixture(version, scenario)
-    bodies = [r["body"] for r in records if r["path"].startswith("/v1/messages")]
-    assert bodies, "the fixture holds no Messages request"
+    requests = [r for r in records if r["path"].startswith("/v1/messages")]
+    assert requests, "the fixture holds no Messages request"
     cache = ParseCache()
-    for body in bodies:
-        raw = json.dumps(body).encode()
-        assert parse_request(raw, cache=cache) == parse_request(raw)
+    for r in requests:
+        raw, count = json.dumps(r["body"]).encode(), "/count_tokens" in r["path"]
+        assert parse_request(raw, cache=cache, count_tokens=count) == parse_request(
+            raw, count_tokens=count
+        )
