@@ -321,6 +321,7 @@ def _chat_request(req: _RequestFields, conversation: _Conversation) -> ChatReque
     tools = [_tool_schema(t) for t in req.tools or [] if not t.defer_loading]
     deferred = {t.name: _tool_schema(t) for t in req.tools or [] if t.defer_loading}
     by_name = {**{t["function"]["name"]: t for t in tools}, **deferred}
+    messages, digests = _load_references(conversation.messages, conversation.digests, by_name)
     thinking = req.thinking
     template_kwargs: dict[str, Any] = {}
     if thinking is not None:
@@ -328,12 +329,12 @@ def _chat_request(req: _RequestFields, conversation: _Conversation) -> ChatReque
     choice = req.tool_choice
     return ChatRequest(
         model=req.model,
-        messages=_load_references(conversation.messages, by_name),
+        messages=messages,
         tools=tools,
-        message_digests=tuple(conversation.digests),
+        message_digests=tuple(digests),
         system=system,
         system_digest=_digest_text(system),
-        render_digest=_digest_obj([tools, deferred]) if deferred else _digest_obj(tools),
+        render_digest=_digest_obj(tools),
         tool_result_ids=tuple(conversation.trailing_tool_result_ids),
         n_input_messages=conversation.n_input_messages,
         max_tokens=req.max_tokens,
@@ -583,22 +584,23 @@ def _reference_mark(name: str) -> str:
 
 
 def _load_references(
-    messages: list[dict[str, Any]], tools: dict[str, dict[str, Any]]
-) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]], digests: list[str], tools: dict[str, dict[str, Any]]
+) -> tuple[list[dict[str, Any]], list[str]]:
     """Each `tool_reference` becomes the referenced tool's schema, where the model meets it.
 
     The Messages API expands a reference into the tool's full definition at
     that point of the context, and a `defer_loading` tool is not in the
     prompt's tool list before. The template renders the list as one JSON
     schema a line inside <tools></tools>; a loaded tool reads the same way,
-    inside the tool result. The marks stay in the digests (the cached,
-    per-message translation does not know the tools); the schemas are in
-    `render_digest`. Messages are shared with the ParseCache: copied, never changed.
+    inside the tool result. So deferred tools stay out of `render_digest`
+    (Claude Code adds a tool to `tools` once it is loaded: that must not
+    break the chain), and a loaded message's digest is that of its expanded
+    text. Messages are shared with the ParseCache: copied, never changed.
     """
     if not any("tool_references" in m for m in messages):
-        return messages
-    out = []
-    for message in messages:
+        return messages, digests
+    out, out_digests = [], list(digests)
+    for i, message in enumerate(messages):
         names = message.get("tool_references")
         if names is None:
             out.append(message)
@@ -613,9 +615,10 @@ def _load_references(
                 )
             schema = json.dumps(tools[name], ensure_ascii=False)
             text = text.replace(_reference_mark(name), f"<tools>\n{schema}\n</tools>", 1)
-        loaded = {k: v for k, v in message.items() if k != "tool_references"}
-        out.append({**loaded, "content": text})
-    return out
+        loaded = {**{k: v for k, v in message.items() if k != "tool_references"}, "content": text}
+        out.append(loaded)
+        out_digests[i] = message_digest(loaded)
+    return out, out_digests
 
 
 def _text_only(blocks: list[ContentBlock], path: str) -> str:

@@ -226,6 +226,9 @@ async def test_tokens_coding_rollout_has_no_false_fork(scenario_run: ScenarioRun
 
 @pytest.mark.parametrize("scenario_run", _cases("image", "tool_search"), indirect=True)
 async def test_tokens_image_and_tool_search_rollouts(scenario_run: ScenarioRun) -> None:
+    """One chain: a loaded tool (2.1.330 then lists it in `tools`) is no compaction or fork."""
+    decisions = scenario_run.of(ev.ChainDecision)
+    assert [d.action for d in decisions] == ["new"] + ["extend"] * (len(decisions) - 1)
     _all_trained(scenario_run)
     assert scenario_run.kinds() == ["final"]
 

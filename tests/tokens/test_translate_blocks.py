@@ -103,9 +103,16 @@ def test_tool_reference_loads_the_deferred_tool_where_the_model_meets_it() -> No
         }
     )
     assert tool["content"] == f"<tools>\n{schema}\n</tools>"
-    assert chat.render_digest == before.render_digest  # the same tools, the same prefix
+    # Claude Code adds a tool to `tools` once loaded: the prefix renders the same.
+    assert chat.render_digest == before.render_digest
+    assert parse_request(
+        _body([{"role": "user", "content": "hi"}], tools=[BASH])
+    ).render_digest == (before.render_digest)
+    # What the model saw of the loaded tool is in the message's digest.
     changed = [BASH, {**NOTEBOOK, "description": "Edit a cell."}]
-    assert parse_request(_searched([], changed)).render_digest != chat.render_digest
+    ref = [{"type": "tool_reference", "tool_name": "NotebookEdit"}]
+    assert parse_request(_searched(ref, changed)).message_digests[-1] != chat.message_digests[-1]
+    assert parse_request(_searched(ref, changed)).message_digests[:-1] == chat.message_digests[:-1]
 
 
 def test_tool_reference_through_the_parse_cache_is_the_same() -> None:
