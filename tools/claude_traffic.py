@@ -327,12 +327,17 @@ class CaptureProxy:
 
     The capture keeps the request's method, path, headers (the auth token is
     replaced by "<session>") and body; the recorder's status and, for an
-    error, its body are added once the answer is known.
+    error, its body are added once the answer is known. `refuse(body)`, when
+    it returns a message, answers 400 with it instead of forwarding (to see
+    what the CLI does when the recorder refuses a request).
     """
 
-    def __init__(self, upstream: str, out: Path) -> None:
+    def __init__(
+        self, upstream: str, out: Path, refuse: Callable[[Any], str | None] | None = None
+    ) -> None:
         self.upstream = upstream.rstrip("/")
         self.out = out
+        self.refuse = refuse
         self.count = 0
         self._runner: web.AppRunner | None = None
         self._http: aiohttp.ClientSession | None = None
@@ -364,6 +369,12 @@ class CaptureProxy:
         path = self.out / f"{self.count:03d}.json"
         record = capture_record(request, raw)
         path.write_text(json.dumps(record, indent=1))
+        refused = self.refuse(record["body"]) if self.refuse is not None else None
+        if refused is not None:
+            error = {"type": "invalid_request_error", "message": refused}
+            record.update(status=400, error=json.dumps({"type": "error", "error": error}))
+            path.write_text(json.dumps(record, indent=1))
+            return web.json_response({"type": "error", "error": error}, status=400)
         headers = {
             k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")
         }

@@ -35,7 +35,14 @@ from tests.conftest import (
     claude_code_binary,
 )
 from tests.server.conftest import make_harness
-from tools.claude_traffic import SCENARIOS, cli_env, responder, run_cli, run_scenario
+from tools.claude_traffic import (
+    SCENARIOS,
+    CaptureProxy,
+    cli_env,
+    responder,
+    run_cli,
+    run_scenario,
+)
 
 pytestmark = pytest.mark.claude
 
@@ -344,3 +351,45 @@ async def test_skip_permissions_as_root_needs_is_sandbox(version: str, tmp_path:
         assert code != 0 and "cannot be used with root/sudo privileges" in text
     else:
         assert "cannot be used with root/sudo privileges" not in text
+
+
+async def test_title_request_refused_leaves_2_1_197_working(
+    tokenizer: Tokenizer, sqlite_url: str, tmp_path: Path
+) -> None:
+    """A 400 for the title request (its JSON output format) and 2.1.197 goes on without a title.
+
+    The recorder honours the format instead (test_wire_title_request_is_honoured);
+    this is why a 400 would have been safe too.
+    """
+    scenario = SCENARIOS["nonessential"]
+    h = await make_harness(
+        tokenizer,
+        sqlite_url,
+        context_length=scenario.context_length,
+        engine_kwargs={
+            "context_length": 200_000,
+            "default_reply": responder(tokenizer, scenario.rules(tmp_path / "work")),
+        },
+    )
+
+    def refuse(body: Any) -> str | None:
+        wants_format = isinstance(body, dict) and (body.get("output_config") or {}).get("format")
+        return "output_config.format: not supported" if wants_format else None
+
+    proxy = CaptureProxy(h.url, tmp_path / "captures", refuse=refuse)
+    try:
+        sid = await h.open_session()
+        await proxy.start()
+        (run,) = await run_scenario(
+            scenario, claude_code_binary("2.1.197"), proxy.url, sid, tmp_path
+        )
+        code, lines, text = run
+        assert code == 0 and lines[-1]["result"] == "It printed side-marker.", text[-2000:]
+        records = [
+            json.loads(p.read_text()) for p in sorted((tmp_path / "captures").glob("*.json"))
+        ]
+        assert [r.get("status") for r in records if r["body"]][:1] == [400]  # the title, refused
+        assert len(await h.payloads(sid, ev.ResponseSent)) == 2  # the main line: Bash, then done
+    finally:
+        await proxy.stop()
+        await h.close()
