@@ -219,7 +219,7 @@ SCENARIOS: dict[str, Scenario] = {
             versions=("2.1.330",),
         ),
         Scenario(
-            "subagent_sync", "Use a subagent to count the lines of hello.py.", _subagent(None)
+            "subagent_sync", "Use a subagent to count the lines of hello.py.", _subagent(False)
         ),
         Scenario("compact", "Say the marker with echo.", _compact, follow_ups=("/compact",)),
         Scenario(

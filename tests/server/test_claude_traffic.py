@@ -245,7 +245,7 @@ async def test_tokens_image_and_tool_search_rollouts(scenario_run: ScenarioRun) 
     _cases(
         "subagent_sync",
         "subagent_background",
-        chains=("2.1.330-subagent_sync", "2.1.330-subagent_background"),
+        chains=("2.1.330-subagent_background",),
     ),
     indirect=True,
 )
