@@ -88,7 +88,7 @@ class ImageBlock(_Base, tag="image"):
 
 
 class ToolReferenceBlock(_Base, tag="tool_reference"):
-    """In a ToolSearch result: the named `defer_loading` tool is now loaded (see `_references`)."""
+    """In a ToolSearch result: the named `defer_loading` tool is now loaded (`_load_references`)."""
 
     tool_name: Annotated[str, msgspec.Meta(min_length=1)]
 
