@@ -199,6 +199,21 @@ def _nonessential(wd: Path) -> list[Rule]:
     ]
 
 
+def _tool_inputs(wd: Path) -> list[Rule]:
+    """Tool calls the way a model may write them (key order, optional keys, an unknown key)."""
+    notes = str(wd / "notes.txt")
+    return [
+        Rule("has been updated", tool_call("Bash", {"command": "echo step-five-ok", "x": 1})),
+        Rule("step-five-ok", "All done."),
+        Rule("Exercise the tools", tool_call("Write", {"content": "one\ntwo\nthree\nfour\n", "file_path": notes})),
+        Rule("2\ttwo", tool_call("Bash", {"timeout": 60000, "command": "echo step-three-ok",
+                                           "run_in_background": False, "description": "Echo"})),
+        Rule("step-three-ok", tool_call("Edit", {"file_path": notes, "old_string": "four",
+                                                 "new_string": "FOUR", "replace_all": True})),
+        Rule("notes.txt", tool_call("Read", {"file_path": notes, "offset": 2, "limit": 2})),
+    ]  # fmt: skip
+
+
 def _context_limit(wd: Path) -> list[Rule]:
     return [
         Rule("Your task is to create a detailed summary", "<summary>Read big.txt.</summary>"),
@@ -236,6 +251,7 @@ SCENARIOS: dict[str, Scenario] = {
             _nonessential,
             env={"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": ""},
         ),
+        Scenario("tool_inputs", "Exercise the tools.", _tool_inputs),
         Scenario(
             "context_limit",  # the 2nd (2.1.197) or 3rd (2.1.330) request is over 24k tokens
             "Read big.txt, then cat it.",

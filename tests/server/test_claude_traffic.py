@@ -53,12 +53,14 @@ CHAINS = pytest.mark.xfail(strict=True, reason="needs traffic-chains")
 class ScenarioRun:
     """What one CLI run left: its outcome, the session's log, its rendered prompts, its samples."""
 
+    name: str
     codes: list[int]
     results: list[dict[str, Any]]
     outputs: list[str]
     events: list[ev.AnyEvent]
     prompts: dict[int, str]  # turn -> the prompt the engine got, decoded
     schemas: list[str | None]  # the json_schema of each engine request
+    bodies: list[dict[str, Any]]  # every Messages request body, as the CLI sent it
     closed: dict[str, Any]
 
     def of(self, type_: type) -> list[Any]:
@@ -108,18 +110,25 @@ async def _run(
             if isinstance(r, ev.RenderedInput)
         }
         schemas = [r.json_schema for r in h.engine.requests]
+        bodies = [
+            json.loads(bytes(await h.array(r.body)))  # type: ignore[arg-type]
+            for r in await h.payloads(sid, ev.MessagesRequest)
+            if isinstance(r, ev.MessagesRequest)
+        ]
         events = await h.payloads(sid)
         status, closed = await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
         assert status == 200, closed
     finally:
         await h.close()
     return ScenarioRun(
+        name=name,
         codes=[code for code, _, _ in runs],
         results=[lines[-1] if lines else {} for _, lines, _ in runs],
         outputs=[text for _, _, text in runs],
         events=events,
         prompts=prompts,
         schemas=schemas,
+        bodies=bodies,
         closed=closed,
     )
 
@@ -393,3 +402,66 @@ async def test_title_request_refused_leaves_2_1_197_working(
     finally:
         await proxy.stop()
         await h.close()
+
+
+# -- what the CLI changes in the tool calls it echoes ----------------------------------------
+
+
+def _schema_defaults(body: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {
+        t["name"]: {
+            k: p["default"]
+            for k, p in t["input_schema"].get("properties", {}).items()
+            if "default" in p
+        }
+        for t in body.get("tools") or []
+    }
+
+
+@pytest.mark.parametrize("scenario_run", _cases("coding", "tool_inputs"), indirect=True)
+async def test_echoed_tool_calls_differ_only_by_key_order_and_schema_defaults(
+    scenario_run: ScenarioRun,
+) -> None:
+    """The normalisations both CLIs apply to the tool calls the recorder answered.
+
+    Measured: keys are put in schema order (`Write`, `Bash`) and a schema
+    default the call left out is added first (`Edit`'s `replace_all: false`);
+    nothing else changes (an unknown key is echoed as sent, with an error).
+    Key order does not matter to message digests; the added default does
+    (the false fork of issue 16, traffic-chains).
+    """
+    sent = {
+        b["id"]: b
+        for r in scenario_run.of(ev.ResponseSent)
+        for b in r.content
+        if b["type"] == "tool_use"
+    }
+    echoed: dict[str, dict[str, Any]] = {}
+    defaults: dict[str, dict[str, Any]] = {}
+    for body in scenario_run.bodies:
+        defaults.update(_schema_defaults(body))
+        for m in body["messages"]:
+            if m["role"] == "assistant" and isinstance(m["content"], list):
+                echoed.update({b["id"]: b for b in m["content"] if b["type"] == "tool_use"})
+    assert set(echoed) == set(sent)
+    added_defaults = 0
+    for tool_id, ours in sent.items():
+        theirs = echoed[tool_id]
+        assert theirs["name"] == ours["name"]
+        added = {k: v for k, v in theirs["input"].items() if k not in ours["input"]}
+        assert added == {k: defaults[ours["name"]][k] for k in added}, (ours, theirs)
+        assert {**theirs["input"], **ours["input"]} == theirs["input"]
+        if added:
+            assert list(theirs["input"])[: len(added)] == list(added)  # placed first
+            added_defaults += 1
+    # coding: its Edit left `replace_all` out; tool_inputs: every call gave all its defaults.
+    assert added_defaults == (1 if scenario_run.name == "coding" else 0)
+
+
+@pytest.mark.parametrize("scenario_run", _cases("tool_inputs"), indirect=True)
+async def test_tokens_reordered_tool_calls_extend_their_chain(scenario_run: ScenarioRun) -> None:
+    """Write, Read with offset/limit, Bash with options, Edit with replace_all, a bad key."""
+    decisions = scenario_run.of(ev.ChainDecision)
+    assert [d.action for d in decisions] == ["new"] + ["extend"] * (len(decisions) - 1)
+    assert len(decisions) == 6
+    _all_trained(scenario_run)
