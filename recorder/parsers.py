@@ -94,7 +94,13 @@ def split_reasoning(text: str, *, force_reasoning: bool = False) -> tuple[str | 
 
 
 def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None) -> tuple[str, list[ToolCall]]:
-    """(text, calls) for hermes/qwen25 output: `<tool_call>\\n{"name", "arguments"}\\n</tool_call>`."""
+    """(text, calls) for hermes/qwen25 output: `<tool_call>\\n{"name", "arguments"}\\n</tool_call>`.
+
+    `tools=None` accepts any well-formed call; an empty list means the request
+    offered no tools, so there are no calls and the text stays text.
+    """
+    if tools is not None and not tools:
+        return text, []
     allowed = tool_names(tools)
     calls: list[ToolCall] = []
     kept: list[str] = []

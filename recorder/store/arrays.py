@@ -7,7 +7,7 @@ digest hashes the parent digest, the dtype and the raw suffix bytes, so the
 digest of the last piece names the whole array (a hash chain) and equal
 content written twice is one row.
 
-int32/float32 suffixes are byte-shuffled before zstd: grouping the 1st, 2nd,
+int32/float32/float64 suffixes are byte-shuffled before zstd: grouping the 1st, 2nd,
 3rd and 4th byte of every element lets zstd see the near-constant high bytes
 of token ids and float exponents as long runs.
 
@@ -51,6 +51,7 @@ BASIS_MAX_RATIO: Final = 0.75
 NUMPY_DTYPES: Final[dict[str, np.dtype]] = {
     "int32": np.dtype("<i4"),
     "float32": np.dtype("<f4"),
+    "float64": np.dtype("<f8"),  # logprobs exactly as the engine sent them (JSON doubles)
     "uint8": np.dtype("u1"),
 }
 
@@ -107,10 +108,10 @@ def _dtype_name(dt: np.dtype) -> DType:
     if dt.kind in "iu" and dt != np.dtype("u1"):
         return "int32"
     if dt.kind == "f":
-        return "float32"
+        return "float64" if dt.itemsize == 8 else "float32"
     if dt == np.dtype("u1"):
         return "uint8"
-    raise ValueError(f"arrays of dtype {dt} cannot be stored; use int32, float32 or uint8")
+    raise ValueError(f"arrays of dtype {dt} cannot be stored; use int32, float32, float64 or uint8")
 
 
 def _fits(arr: np.ndarray, target: np.dtype) -> bool:

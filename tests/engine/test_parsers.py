@@ -86,9 +86,12 @@ def test_string_arguments_and_parameters_key() -> None:
     )
     _, calls = parse_tool_calls(text, TOOLS)
     assert calls == [ToolCall("bash", {"cmd": "ls"}), ToolCall("bash", {"cmd": "pwd"})]
-    # Without a tool list every well-formed call is accepted.
-    _, calls = parse_tool_calls(call("anything", "{}"), [])
+    # Without a tool list (None) every well-formed call is accepted...
+    _, calls = parse_tool_calls(call("anything", "{}"), None)
     assert calls == [ToolCall("anything", {})]
+    # ...but `tools: []` offers none: no calls, the text stays text.
+    text, calls = parse_tool_calls(call("anything", "{}"), [])
+    assert calls == [] and text == call("anything", "{}")
 
 
 async def test_builtin_parser_combines_reasoning_and_calls() -> None:

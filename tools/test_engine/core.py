@@ -70,6 +70,7 @@ class GenRequest(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     return_logprob: bool = False
     return_routed_experts: bool = False
+    json_schema: str | None = None  # taken (a scripted reply is not constrained by it)
 
 
 class TokenSource(Protocol):
@@ -253,6 +254,7 @@ class EngineCore:
                     "ignore_eos": bool(sp.get("ignore_eos", False)),
                     "return_logprob": bool(body.get("return_logprob", False)),
                     "return_routed_experts": bool(body.get("return_routed_experts", False)),
+                    "json_schema": sp.get("json_schema"),
                 },
                 GenRequest,
                 strict=False,
