@@ -66,11 +66,13 @@ async def test_diff_carries_new_deleted_and_binary_files_into_a_fresh_sandbox(
     kinds = [e.kind for e in await recorder.payloads(result.session_id, ev.SandboxEvent)]
     assert kinds == [
         "sandbox_created",
+        "command_run",  # the checkout
         "agent_started",
         "agent_finished",
         "diff_taken",
         "sandbox_killed",
         "sandbox_created",
+        "command_run",
         "patch_applied",
         "eval_result",
         "sandbox_killed",
