@@ -384,8 +384,7 @@ async def run_rollout(req: RolloutRequest) -> RolloutResult:
                 cleanup = asyncio.ensure_future(
                     rollout.fail("cancelled", "the rollout was stopped")
                 )
-                with contextlib.suppress(BaseException):
-                    await asyncio.wait_for(asyncio.shield(cleanup), timeout=60)
+                await _finish_despite_cancel([cleanup])
                 raise
     except asyncio.CancelledError:
         raise
@@ -420,7 +419,28 @@ async def run_group(
         _notify(on_result, i, result)
         return result
 
-    return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs))))
+    tasks = [asyncio.ensure_future(one(i, r)) for i, r in enumerate(reqs)]
+    try:
+        await asyncio.wait(tasks)
+    except asyncio.CancelledError:
+        # Not gather: it re-raises the first child's CancelledError at once, while its
+        # siblings are still killing agents and closing sessions.
+        for task in tasks:
+            task.cancel()
+        await _finish_despite_cancel(tasks)
+        raise
+    return [task.result() for task in tasks]
+
+
+async def _finish_despite_cancel(tasks: Sequence[asyncio.Future[Any]]) -> None:
+    """Wait until every task is done, even if this waiter is cancelled again meanwhile
+    (cleanup — agents killed, sandboxes removed, sessions closed — always completes)."""
+    pending = set(tasks)
+    while pending:
+        try:
+            _, pending = await asyncio.wait(pending)
+        except asyncio.CancelledError:
+            continue
 
 
 def _notify(callback: Callable[..., None] | None, *args: Any) -> None:
