@@ -270,7 +270,8 @@ class _Rollout:
             duration_s=round(run.duration_s, 3),
             turns=self.turns,
             result={k: v for k, v in run.result.items() if k != "result"},
-            output_tail=tail(run.output_tail, 400),
+            # The transcript's tail only when the agent did not end cleanly.
+            **({"output_tail": tail(run.output_tail, 1000)} if run.exit_code != 0 else {}),
         )
         if self.turns == 0 and run.stop == "wall_budget":
             raise InfraError(

@@ -127,3 +127,15 @@ def test_ctrl_c_kills_agents_removes_sandboxes_and_aborts_sessions(
     assert len(ids) == 4
     assert [pid for i in ids for pid in marked_pids(i)] == []
     assert list(root.iterdir()) == []
+
+
+@pytest.mark.claude
+def test_quickstart_rollout_runs_real_rollouts() -> None:
+    claude_code_binary()
+    cmd = [sys.executable, "-m", "tools.quickstart_rollout", "--samples", "1"]
+    done = subprocess.run(
+        cmd, env=env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "3 rollouts passed" in done.stdout
+    assert "eval_result" in done.stdout and "session_closed" in done.stdout  # replay show
