@@ -97,6 +97,9 @@ class DoubleSandbox:
     expiry: asyncio.TimerHandle | None = None
 
 
+SANDBOX = web.RequestKey("sandbox", DoubleSandbox)
+
+
 def _json_error(status: int, message: str) -> web.Response:
     return web.json_response({"code": status, "message": message}, status=status)
 
@@ -148,7 +151,9 @@ class ProcessService:
             proc.handle = await sandbox.local.start(
                 shlex.join([config.cmd, *config.args]),
                 cwd=config.cwd if config.has_field("cwd") else None,
-                env=dict(config.envs),
+                # envd runs commands as the sandbox user, whose home is the workdir; the
+                # host's own login profile (pyenv, cargo...) has no business in a sandbox.
+                env={"HOME": sandbox.local.workdir, "USER": "user", **config.envs},
                 on_stdout=lambda text: proc.publish(_data_event("stdout", text)),
                 on_stderr=lambda text: proc.publish(_data_event("stderr", text)),
             )
@@ -499,14 +504,14 @@ class E2BDoubles:
             )
         if request.headers.get("X-Access-Token") != sandbox.token:
             return _json_error(401, "invalid access token")
-        request["sandbox"] = sandbox
+        request[SANDBOX] = sandbox
         return await handler(request)
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=204)
 
     def _path(self, request: web.Request, path: str | None = None) -> Path:
-        sandbox: DoubleSandbox = request["sandbox"]
+        sandbox = request[SANDBOX]
         return Path(sandbox.local.workdir, path if path is not None else request.query["path"])
 
     async def _download(self, request: web.Request) -> web.Response:
