@@ -93,6 +93,7 @@ class DoubleSandbox:
     started: dt.datetime
     end: dt.datetime
     alive: bool = True
+    envd_up: bool = True
     processes: dict[int, DoubleProcess] = field(default_factory=dict)
     expiry: asyncio.TimerHandle | None = None
 
@@ -303,6 +304,10 @@ class E2BDoubles:
         self.create_attempts = 0
         self.create_statuses: list[int] = []  # what each creation was answered with
         self._scripted: list[int] = []
+        self._envd_down = 0
+        self.gate: asyncio.Event | None = None  # when set up, creations wait for it
+        self.in_flight = 0
+        self.max_in_flight = 0
         self._by_key: dict[str, str] = {}
         self._runners: list[web.AppRunner] = []
         self.api_url = ""
@@ -322,6 +327,15 @@ class E2BDoubles:
     def fail_creates(self, *statuses: int) -> None:
         """Answer the next creations with these HTTP statuses, in order."""
         self._scripted.extend(statuses)
+
+    def envd_down(self, sandboxes: int) -> None:
+        """The next sandboxes boot with envd unreachable (the VM is up, its port not open)."""
+        self._envd_down += sandboxes
+
+    def hold_creates(self) -> asyncio.Event:
+        """Make creations wait until the returned event is set (to watch them queue)."""
+        self.gate = asyncio.Event()
+        return self.gate
 
     async def expire(self, sandbox_id: str) -> None:
         """End a sandbox the way its timeout does."""
@@ -401,6 +415,16 @@ class E2BDoubles:
         if not self._authorised(request):
             return _json_error(401, "Invalid API key")
         self.create_attempts += 1
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if self.gate is not None:
+                await self.gate.wait()
+            return await self._answer_create(request)
+        finally:
+            self.in_flight -= 1
+
+    async def _answer_create(self, request: web.Request) -> web.Response:
         if self._scripted:
             status = self._scripted.pop(0)
             self.create_statuses.append(status)
@@ -425,6 +449,9 @@ class E2BDoubles:
             started=now,
             end=now,
         )
+        if self._envd_down:
+            self._envd_down -= 1
+            sandbox.envd_up = False
         self._schedule_expiry(sandbox, float(body.get("timeout", DEFAULT_TIMEOUT_S)))
         self.sandboxes[sandbox.id] = sandbox
         if key:
@@ -500,6 +527,14 @@ class E2BDoubles:
         if sandbox is None or not sandbox.alive:
             return web.json_response(
                 {"message": f"The sandbox {sandbox_id} was not found", "code": 502},
+                status=502,
+            )
+        if not sandbox.envd_up:
+            return web.json_response(
+                {
+                    "message": f"The sandbox {sandbox_id} is running but port is not open",
+                    "code": 502,
+                },
                 status=502,
             )
         if request.headers.get("X-Access-Token") != sandbox.token:
