@@ -113,11 +113,13 @@ async def test_boots_are_capped_per_process(e2b_doubles: E2BDoubles) -> None:
         asyncio.ensure_future(open_sandbox(spec(e2b_doubles, max_concurrent_boots=2)))
         for _ in range(5)
     ]
-    while e2b_doubles.in_flight < 2:
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.2)  # room for a third creation to arrive, were the cap broken
-    assert e2b_doubles.in_flight == 2
-    gate.set()
+    try:
+        while e2b_doubles.in_flight < 2:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # room for a third creation to arrive, were the cap broken
+        assert e2b_doubles.in_flight == 2
+    finally:
+        gate.set()
     for sb in await asyncio.gather(*boots):
         await sb.kill()
     assert (e2b_doubles.create_attempts, e2b_doubles.max_in_flight) == (5, 2)
