@@ -159,3 +159,12 @@ async def test_the_sdk_lists_and_reconnects_to_a_running_command(e2b_doubles: E2
     finally:
         await sdk.kill()
     assert e2b_doubles.live() == []
+
+
+async def test_options_given_as_strings_work(e2b_doubles: E2BDoubles) -> None:
+    """`recorder rollout --sandbox-option KEY=VALUE` hands every value over as a string."""
+    options = {"request_timeout": "30", "boot_attempts": "2", "max_concurrent_boots": "4"}
+    e2b_doubles.fail_creates(503)
+    async with await open_sandbox(spec(e2b_doubles, **options)) as sb:
+        assert (await sb.exec("echo ok")).stdout == "ok\n"
+    assert e2b_doubles.create_statuses == [503, 201]

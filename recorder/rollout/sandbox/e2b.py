@@ -236,7 +236,7 @@ class E2BSandbox(Sandbox):
             envs=dict(spec.env),
             idempotency_key=str(uuid.uuid4()),
             retries=0,
-            **{k: opts[k] for k in SDK_OPTIONS if k in opts},
+            **_sdk_options(opts),
         )
         user = opts.get("user")
         try:
@@ -319,6 +319,14 @@ class E2BSandbox(Sandbox):
         self._gone = True
         with _sdk_errors(self.id, "kill the sandbox"):
             await self._sdk.kill(retries=KILL_RETRIES)  # False (not raised) when already gone
+
+
+def _sdk_options(opts: Mapping[str, Any]) -> dict[str, Any]:
+    """The SDK's connection settings from the spec (values from a CLI arrive as strings)."""
+    picked = {k: opts[k] for k in SDK_OPTIONS if k in opts}
+    if "request_timeout" in picked:
+        picked["request_timeout"] = float(picked["request_timeout"])
+    return picked
 
 
 def _boot_message(spec: SandboxSpec, exc: BaseException, attempts: int) -> str:
