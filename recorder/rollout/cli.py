@@ -74,9 +74,11 @@ class Tally:
         return sum(trained_tokens(r) for r in self.results)
 
     def line(self) -> str:
+        failed = sum(r.outcome == "failed" for r in self.results)
         return (
-            f"done {len(self.results)}/{self.total}  infra {self.infra}  running {self.running}  "
-            f"mean reward {self.mean_reward:.3f}  trained tokens {self.tokens}"
+            f"done {len(self.results)}/{self.total}  failed {failed}  infra {self.infra}  "
+            f"running {self.running}  mean reward {self.mean_reward:.3f}  "
+            f"trained tokens {self.tokens}"
         )
 
 
