@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -196,6 +197,7 @@ async def bench(rollouts: int, concurrency: int, skip_bare: bool) -> None:
         engine.terminate()
         await engine.wait()
         engine_log.close()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def report(
