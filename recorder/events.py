@@ -211,6 +211,8 @@ class ResponseSent(Event, frozen=True, kw_only=True, tag="response_sent"):
     stop_reason: str
     usage: dict[str, int] = {}
     status: int = 200
+    # Which output parser answered: backend, version, names ("" before it was recorded).
+    parser: str = ""
 
 
 class RequestRejected(Event, frozen=True, kw_only=True, tag="request_rejected"):

@@ -229,6 +229,7 @@ async def _answer(
             content=answer.content,
             stop_reason=answer.stop_reason,
             usage=answer.usage,
+            parser=ctx.parser.label,
         )
     )
     return answer
