@@ -132,7 +132,6 @@ def _label(backend: str, version: str, tool_parser: str | None, reasoning: str |
 
 THINK_START, THINK_END = "<think>", "</think>"
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
-_CALL_RE = re.compile(re.escape(CALL_START) + r"(.*?)" + re.escape(CALL_END), re.DOTALL)
 # SGLang always forces these (their model starts inside its reasoning).
 _ALWAYS_FORCED = ("qwen3-thinking", "deepseek-r1")
 # A call opening inside unfinished reasoning ends it (SGLang's qwen3 rule; not deepseek-r1).
@@ -173,19 +172,28 @@ def split_reasoning_for(
     )
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[tuple[Any, Any]]]:
+# Where a call begins and ends, per name: SGLang's qwen25 detector wants the newlines.
+_CALL_MARKERS = {
+    "qwen25": (CALL_START + "\n", "\n" + CALL_END),
+    "qwen": (CALL_START + "\n", "\n" + CALL_END),
+    "hermes": (CALL_START, CALL_END),
+}
+
+
+def parse_tool_calls(text: str, tool_parser: str = "hermes") -> tuple[str, list[tuple[Any, Any]]]:
     """(text before the first call, raw calls) for hermes/qwen25 `<tool_call>{json}</tool_call>`.
 
     Raw calls are (name, arguments) as written; a block that is not a JSON
     object with a name is skipped (recorder.parse_policy then keeps the text).
     """
-    first = text.find(CALL_START)
+    start, end = _CALL_MARKERS[tool_parser]
+    first = text.find(start)
     if first == -1:
         return text, []
     calls: list[tuple[Any, Any]] = []
-    for match in _CALL_RE.finditer(text):
+    for body in re.findall(re.escape(start) + r"(.*?)" + re.escape(end), text, re.DOTALL):
         try:
-            obj = json.loads(match.group(1))
+            obj = json.loads(body)
         except ValueError:
             continue
         if isinstance(obj, dict) and "name" in obj:
@@ -219,7 +227,7 @@ class BuiltinParser:
             reasoning, text = settle_reasoning(raw, rest, THINK_START, output=text)
         calls: list[ToolCall] = []
         if self.tool_parser and tools:
-            normal, raw = parse_tool_calls(text)
+            normal, raw = parse_tool_calls(text, self.tool_parser)
             text, calls = settle_calls(self.tool_parser, text, normal, raw, tools)
         return ParsedOutput(reasoning=reasoning, text=text.strip(), tool_calls=calls)
 
@@ -339,6 +347,20 @@ class SglangParser:
         self.reasoning_parser = reasoning_parser
         self.force_reasoning = force_reasoning
         self.label = _label("sglang", sglang_compat.version(), tool_parser, reasoning_parser)
+        self._check_builds()
+
+    def _check_builds(self) -> None:
+        """Build each SGLang parser once now, so a name that cannot work fails at startup."""
+        try:
+            if self.tool_parser:
+                self._fc_cls(tools=[], tool_call_parser=self.tool_parser)
+            if self.reasoning_parser:
+                self._rp_cls(self.reasoning_parser, stream_reasoning=False)
+        except ValueError as exc:  # e.g. response_template without the model's template
+            raise ValueError(
+                f"SGLang cannot build the parser {self.tool_parser or self.reasoning_parser!r} "
+                f"here: {exc}"
+            ) from exc
 
     def parse_sync(self, text: str, tools: list[dict[str, Any]] | None) -> ParsedOutput:
         reasoning: str | None = None

@@ -50,6 +50,16 @@ def smollm2_gguf() -> Path:
     return files[0]
 
 
+@pytest.fixture(scope="session")
+def sglang_version() -> str:
+    """The installed SGLang whose parser modules import here (the `sglang` tier)."""
+    from recorder import sglang_compat
+
+    if not sglang_compat.available():
+        missing("SGLang's parser modules do not import", sglang_compat.INSTALL_HINT)
+    return sglang_compat.version()
+
+
 def claude_code_binary() -> str:
     """The Claude Code CLI: $TR_CLAUDE_BIN, the copy tools/setup.sh installs, or PATH."""
     local = REPO / "tools" / "claude-code" / "node_modules" / ".bin" / "claude"

@@ -63,12 +63,16 @@ def _hermes(c: ToolCall) -> str:
 
 
 def _glm45(c: ToolCall) -> str:
-    args = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in c.arguments.items())
+    args = "".join(
+        f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in c.arguments.items()
+    )
     return f"<tool_call>{c.name}\n{args}</tool_call>"
 
 
 def _glm47(c: ToolCall) -> str:
-    args = "".join(f"<arg_key>{k}</arg_key><arg_value>{v}</arg_value>" for k, v in c.arguments.items())
+    args = "".join(
+        f"<arg_key>{k}</arg_key><arg_value>{v}</arg_value>" for k, v in c.arguments.items()
+    )
     return f"<tool_call>{c.name}{args}</tool_call>"
 
 
@@ -212,7 +216,9 @@ def anthropic_blocks(expected: ParsedOutput) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = []
     if expected.reasoning:
         blocks.append({"type": "thinking", "thinking": expected.reasoning})
-    if expected.text or not expected.tool_calls and not blocks:
+    if expected.text or (not expected.tool_calls and not blocks):
         blocks.append({"type": "text", "text": expected.text})
-    blocks += [{"type": "tool_use", "name": c.name, "input": c.arguments} for c in expected.tool_calls]
+    blocks += [
+        {"type": "tool_use", "name": c.name, "input": c.arguments} for c in expected.tool_calls
+    ]
     return blocks

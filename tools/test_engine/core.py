@@ -524,10 +524,9 @@ class _Endpoints:
         recorder's job (recorder.parse_policy)."""
         body = await _json_body(request)
         tools = body.get("tools") or []
-        check_parser_names(
-            body.get("tool_call_parser") or self.core.tool_call_parser, None, "builtin"
-        )
-        normal, raw = parse_tool_calls(str(body.get("text") or ""))
+        parser = body.get("tool_call_parser") or self.core.tool_call_parser or "hermes"
+        check_parser_names(parser, None, "builtin")
+        normal, raw = parse_tool_calls(str(body.get("text") or ""), parser)
         index = {name: i for i, name in enumerate(_tool_name_list(tools))}
         calls = [
             {"tool_index": index[name], "name": name, "parameters": json.dumps(args)}
