@@ -337,12 +337,12 @@ class SglangParser:
         force_reasoning: bool | None = None,
     ) -> None:
         check_parser_names(tool_parser, reasoning_parser, "sglang")
-        protocol = sglang_compat.load("srt.entrypoints.openai.protocol")
-        self._tool_cls, self._function_cls = protocol.Tool, protocol.Function
         self._fc_cls = sglang_compat.load(
             "srt.function_call.function_call_parser"
         ).FunctionCallParser
         self._rp_cls = sglang_compat.load("srt.parser.reasoning_parser").ReasoningParser
+        protocol = sglang_compat.load("srt.entrypoints.openai.protocol")
+        self._tool_cls, self._function_cls = protocol.Tool, protocol.Function
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
         self.force_reasoning = force_reasoning

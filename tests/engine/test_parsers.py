@@ -3,6 +3,10 @@ parser names at startup. Real SGLang is tested in test_sglang_parsers.py."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 from click.testing import CliRunner
 
@@ -21,6 +25,7 @@ from recorder.parsers import (
 )
 from recorder.server.commands import serve
 from recorder.tokenizer import load_tokenizer
+from tests.conftest import REPO
 from tools.test_engine import ScriptedEngine, free_port
 
 from .conftest import FIXTURE_TOKENIZER
@@ -168,3 +173,28 @@ async def test_http_backend_against_test_engine(tokenizer) -> None:  # type: ign
             await down.parse(call("bash", "{}"), TOOLS)
     finally:
         await down.close()
+
+
+def test_a_broken_sglang_install_is_reported_not_crashed_on(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Anything SGLang raises on import (not only ImportError) means 'unavailable', with the fix."""
+    broken = tmp_path / "sglang" / "srt" / "function_call"
+    broken.mkdir(parents=True)
+    (tmp_path / "sglang" / "__init__.py").write_text("raise SystemError('never run')\n")
+    (broken / "function_call_parser.py").write_text("raise AttributeError('triton.language')\n")
+    code = (
+        "from recorder import sglang_compat\n"
+        "from recorder.parsers import default_backend, make_parser\n"
+        "assert not sglang_compat.available()\n"
+        "assert default_backend() == 'builtin'\n"
+        "try:\n"
+        "    make_parser('qwen25', None, 'sglang')\n"
+        "except sglang_compat.SglangUnavailable as exc:\n"
+        "    print(exc)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "AttributeError: triton.language" in out.stdout
+    assert "tools/requirements-sglang-cpu.txt" in out.stdout
