@@ -6,13 +6,14 @@ functions here, which decide what the agent gets. The rules:
 
 1. Reasoning ends where SGLang's detector for the model says it ends (the
    built-in parser reimplements that rule for the `<think>` family).
-2. Whitespace: reasoning and text are returned without surrounding whitespace,
-   as SGLang's OpenAI server returns them for the calls case, and start tags the
-   model repeated at the head of its reasoning are dropped. Chosen over "as the
-   model wrote it" because the exact characters are already kept where they
-   matter, in the recorded output tokens; the blocks are only what the agent
-   reads, and padding would only make the agent's next request differ from
-   what SGLang's own server would have shown it.
+2. Whitespace: an output split into blocks loses the whitespace at the seams.
+   The reasoning, and the text next to reasoning or calls, come without
+   surrounding whitespace (as SGLang's OpenAI server strips the text before
+   calls); start tags the model repeated at the head of its reasoning go too.
+   An output that is only text is returned exactly as the model wrote it (a
+   trailing space before a stop sequence stays). The exact characters are kept
+   in the recorded output tokens either way; the blocks are what the agent
+   reads, and separator newlines are no part of any block.
 3. Tool calls are all or nothing, and model text is never lost. The calls are
    accepted only when every call the model opened (counted by the format's own
    markers, `CALL_SYNTAX`) parsed into a call of a declared tool with object
@@ -68,18 +69,18 @@ def tool_names(tools: Iterable[dict[str, Any]] | None) -> set[str]:
 def settle_reasoning(
     reasoning: str | None, text: str, start_tag: str | None, *, output: str
 ) -> tuple[str | None, str]:
-    """(reasoning or None when empty, text), both without surrounding whitespace.
+    """(reasoning or None when empty, text) from a reasoning parser's raw split of `output`.
 
-    `output` is what the reasoning parser was given: if it found neither
-    reasoning nor text in a non-blank output (SGLang's gpt-oss parser on text
-    without channel markup), the output is the text.
+    The text keeps its whitespace when the parser split nothing off (rule 2).
+    If it found neither reasoning nor text in a non-blank output (SGLang's
+    gpt-oss parser on text without channel markup), the output is the text.
     """
     body = (reasoning or "").strip()
     while start_tag and body.startswith(start_tag):
         body = body[len(start_tag) :].strip()
     if not body and not text.strip():
-        return None, output.strip()
-    return body or None, text.strip()
+        return None, output if output.strip() else text
+    return body or None, text if text == output else text.strip()
 
 
 # --------------------------------------------------------------------------
@@ -232,16 +233,17 @@ def settle_calls(
 ) -> tuple[str, list[ToolCall]]:
     """(text, calls) under rule 3, from a parser's (normal_text, [(name, arguments)]).
 
-    `text` is the output after the reasoning, as the parser got it.
+    `text` is the output after the reasoning, as the parser got it; it is the
+    answer's text, unchanged, when the calls are not accepted.
     """
     allowed = tool_names(tools)
     calls: list[ToolCall] = []
     for name, raw_args in raw_calls:
         args = _arguments(raw_args)
         if not isinstance(name, str) or name not in allowed or args is None:
-            return text.strip(), []
+            return text, []
         calls.append(ToolCall(name=name, arguments=args))
     opened = opened_calls(tool_parser, text)
     if not calls or (tool_parser in CALL_SYNTAX and opened != len(calls)):
-        return text.strip(), []
+        return text, []
     return normal_text.strip(), calls

@@ -229,7 +229,7 @@ class BuiltinParser:
         if self.tool_parser and tools:
             normal, raw = parse_tool_calls(text, self.tool_parser)
             text, calls = settle_calls(self.tool_parser, text, normal, raw, tools)
-        return ParsedOutput(reasoning=reasoning, text=text.strip(), tool_calls=calls)
+        return ParsedOutput(reasoning=reasoning, text=text, tool_calls=calls)
 
     async def parse(self, text: str, tools: list[dict[str, Any]]) -> ParsedOutput:
         return self.parse_sync(text, tools)
@@ -285,7 +285,7 @@ class HttpParser:
             raw = [(c.get("name"), c.get("parameters")) for c in answer.get("calls") or []]
             normal = str(answer.get("normal_text") or "")
             text, calls = settle_calls(self.tool_parser, text, normal, raw, tools)
-        return ParsedOutput(reasoning=reasoning, text=text.strip(), tool_calls=calls)
+        return ParsedOutput(reasoning=reasoning, text=text, tool_calls=calls)
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         if self._session is None:
@@ -386,7 +386,7 @@ class SglangParser:
                 normal, items = text, []
             raw = [(item.name, item.parameters) for item in items]
             text, calls = settle_calls(self.tool_parser, text, normal, raw, tools)
-        return ParsedOutput(reasoning=reasoning, text=text.strip(), tool_calls=calls)
+        return ParsedOutput(reasoning=reasoning, text=text, tool_calls=calls)
 
     async def parse(self, text: str, tools: list[dict[str, Any]]) -> ParsedOutput:
         return self.parse_sync(text, tools)

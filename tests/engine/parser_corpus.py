@@ -164,7 +164,7 @@ class Case:
 
 
 def _text(output: str) -> ParsedOutput:
-    return ParsedOutput(None, output.strip(), [])
+    return ParsedOutput(None, output, [])  # only text: as the model wrote it
 
 
 def corpus(f: Family) -> list[Case]:
@@ -175,7 +175,7 @@ def corpus(f: Family) -> list[Case]:
     cut = one[: one.index("/tmp")]
     after = one + "\nDone, that was all."
     cases = [
-        Case("text", "All done, nothing to run.\n", _text("All done, nothing to run.")),
+        Case("text", "All done, nothing to run.\n", _text("All done, nothing to run.\n")),
         Case("text then call", "Let me look.\n" + one, ParsedOutput(None, "Let me look.", [LS])),
         Case("two calls", two, ParsedOutput(None, "", [LS, READ])),
         Case("bad json next to a good call", bad, _text(bad)),
