@@ -41,6 +41,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
     top_k: int = -1
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    # A JSON schema (as JSON text) the output must follow: SGLang's constrained decoding.
+    json_schema: str | None = None
 
     def to_sglang(self) -> dict[str, Any]:
         params: dict[str, Any] = {
@@ -57,6 +59,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
             params["stop"] = list(self.stop)
         if self.stop_token_ids:
             params["stop_token_ids"] = list(self.stop_token_ids)
+        if self.json_schema is not None:
+            params["json_schema"] = self.json_schema
         return params
 
     def with_max_new_tokens(self, n: int) -> SamplingParams:

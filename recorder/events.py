@@ -24,7 +24,7 @@ from recorder.ids import uuid7
 # Array references (token ids, logprobs, routed experts live in the store)
 # --------------------------------------------------------------------------
 
-DType = Literal["int32", "float32", "uint8"]
+DType = Literal["int32", "float32", "float64", "uint8"]
 
 
 class ArrayRef(msgspec.Struct, frozen=True, array_like=True):
@@ -211,6 +211,9 @@ class ResponseSent(Event, frozen=True, kw_only=True, tag="response_sent"):
     stop_reason: str
     usage: dict[str, int] = {}
     status: int = 200
+    # Reasoning the model produced but the response left out (the request did not enable
+    # thinking, and the real API never returns a thinking block then).
+    reasoning: str = ""
     # Which output parser answered: backend, version, names ("" before it was recorded).
     parser: str = ""
 

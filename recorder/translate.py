@@ -24,6 +24,7 @@ without the cache, which names the field exactly as before).
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -67,9 +68,34 @@ class ToolUseBlock(_Base, tag="tool_use"):
     input: dict[str, Any]
 
 
+class Base64Source(_Base, tag="base64"):
+    media_type: str
+    data: str
+
+
+class UrlSource(_Base, tag="url"):
+    url: str
+
+
+class FileSource(_Base, tag="file"):
+    file_id: str
+
+
+class ImageBlock(_Base, tag="image"):
+    """An image the model is shown (a screenshot, a PNG the agent Read)."""
+
+    source: Base64Source | UrlSource | FileSource
+
+
+class ToolReferenceBlock(_Base, tag="tool_reference"):
+    """In a ToolSearch result: the named `defer_loading` tool is now loaded (`_load_references`)."""
+
+    tool_name: Annotated[str, msgspec.Meta(min_length=1)]
+
+
 class ToolResultBlock(_Base, tag="tool_result"):
     tool_use_id: Annotated[str, msgspec.Meta(min_length=1)]
-    content: str | list[TextBlock] | None = None
+    content: str | list[TextBlock | ImageBlock | ToolReferenceBlock] | None = None
     is_error: bool = False
 
 
@@ -82,7 +108,9 @@ class RedactedThinkingBlock(_Base, tag="redacted_thinking"):
     data: str = ""
 
 
-ContentBlock = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+ContentBlock = (
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+)
 
 
 class Message(_Base):
@@ -95,6 +123,8 @@ class Tool(_Base):
     input_schema: dict[str, Any]
     description: str = ""
     type: str | None = None
+    # Left out of the prompt's tool list until a `tool_reference` loads it (tool search).
+    defer_loading: bool = False
 
 
 class ToolChoiceAuto(_Base, tag="auto"):
@@ -132,6 +162,16 @@ class ThinkingAdaptive(_Base, tag="adaptive"):
 ThinkingConfig = ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive
 
 
+class JsonSchemaFormat(_Base, tag="json_schema"):
+    schema: dict[str, Any]
+
+
+class OutputConfig(_Base):
+    """`output_config` (and the older top-level `output_format`): `effort` is ignored."""
+
+    format: JsonSchemaFormat | None = None
+
+
 class _RequestFields(_Base):
     """Everything of a Messages request but its messages."""
 
@@ -147,6 +187,8 @@ class _RequestFields(_Base):
     thinking: ThinkingConfig | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
+    output_format: JsonSchemaFormat | None = None
 
 
 class AnthropicRequest(_RequestFields, kw_only=True):
@@ -205,6 +247,8 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     stream: bool = False
     metadata: dict[str, Any] = {}
     template_kwargs: dict[str, Any] = {}
+    # `output_config.format` / `output_format`: the engine decodes under this JSON schema.
+    json_schema: dict[str, Any] | None = None
 
 
 # --------------------------------------------------------------------------
@@ -274,7 +318,10 @@ def _chat_request(req: _RequestFields, conversation: _Conversation) -> ChatReque
             f"messages.{conversation.n_input_messages - 1}.role",
         )
     system = conversation.system
-    tools = [_tool_schema(t) for t in req.tools or []]
+    tools = [_tool_schema(t) for t in req.tools or [] if not t.defer_loading]
+    deferred = {t.name: _tool_schema(t) for t in req.tools or [] if t.defer_loading}
+    by_name = {**{t["function"]["name"]: t for t in tools}, **deferred}
+    messages, digests = _load_references(conversation.messages, conversation.digests, by_name)
     thinking = req.thinking
     template_kwargs: dict[str, Any] = {}
     if thinking is not None:
@@ -282,9 +329,9 @@ def _chat_request(req: _RequestFields, conversation: _Conversation) -> ChatReque
     choice = req.tool_choice
     return ChatRequest(
         model=req.model,
-        messages=conversation.messages,
+        messages=messages,
         tools=tools,
-        message_digests=tuple(conversation.digests),
+        message_digests=tuple(digests),
         system=system,
         system_digest=_digest_text(system),
         render_digest=_digest_obj(tools),
@@ -303,7 +350,15 @@ def _chat_request(req: _RequestFields, conversation: _Conversation) -> ChatReque
         stream=req.stream,
         metadata=dict(req.metadata or {}),
         template_kwargs=template_kwargs,
+        json_schema=_json_schema(req),
     )
+
+
+def _json_schema(req: _RequestFields) -> dict[str, Any] | None:
+    """The requested output schema, from `output_config.format` or the older `output_format`."""
+    if req.output_config is not None and req.output_config.format is not None:
+        return req.output_config.format.schema
+    return req.output_format.schema if req.output_format is not None else None
 
 
 def system_text(system: str | list[TextBlock] | None) -> str:
@@ -457,6 +512,8 @@ def _user_messages(
         where = f"{path}.content.{j}"
         if isinstance(block, TextBlock):
             text.append(block.text)
+        elif isinstance(block, ImageBlock):
+            text.append(image_text(block))
         elif isinstance(block, ToolResultBlock):
             if block.tool_use_id not in seen:
                 raise InvalidRequest(
@@ -478,16 +535,90 @@ def _user_messages(
 
 def _tool_message(block: ToolResultBlock) -> dict[str, Any]:
     content = block.content
+    references: list[str] = []
     if content is None:
         text = ""
     elif isinstance(content, str):
         text = content
     else:
-        text = "\n\n".join(b.text for b in content)
+        parts = []
+        for part in content:
+            if isinstance(part, TextBlock):
+                parts.append(part.text)
+            elif isinstance(part, ImageBlock):
+                parts.append(image_text(part))
+            else:
+                references.append(part.tool_name)
+                parts.append(_reference_mark(part.tool_name))
+        text = "\n\n".join(parts)
     message: dict[str, Any] = {"role": "tool", "tool_call_id": block.tool_use_id, "content": text}
     if block.is_error:
         message["is_error"] = True
+    if references:
+        message["tool_references"] = tuple(references)
     return message
+
+
+def image_text(block: ImageBlock) -> str:
+    """The text a text-only model is shown in place of an image (README: "Images").
+
+    It names the image by content (media type, size, sha256 prefix), so a
+    different image is a different message and an identical re-send is not.
+    """
+    source = block.source
+    if isinstance(source, Base64Source):
+        data = source.data.strip()
+        size = len(data) * 3 // 4 - data[-2:].count("=")  # decoded size, without decoding
+        digest = hashlib.sha256(data.encode()).hexdigest()[:12]
+        what = f"{source.media_type}, {size} bytes, sha256 {digest}"
+    elif isinstance(source, UrlSource):
+        what = source.url
+    else:
+        what = f"file {source.file_id}"
+    return f"[image: {what}; not shown, the model reads text only]"
+
+
+def _reference_mark(name: str) -> str:
+    """A tool_reference before its tool is known: `_load_references` replaces it."""
+    return f"<tool_reference>{name}</tool_reference>"
+
+
+def _load_references(
+    messages: list[dict[str, Any]], digests: list[str], tools: dict[str, dict[str, Any]]
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Each `tool_reference` becomes the referenced tool's schema, where the model meets it.
+
+    The Messages API expands a reference into the tool's full definition at
+    that point of the context, and a `defer_loading` tool is not in the
+    prompt's tool list before. The template renders the list as one JSON
+    schema a line inside <tools></tools>; a loaded tool reads the same way,
+    inside the tool result. So deferred tools stay out of `render_digest`
+    (Claude Code adds a tool to `tools` once it is loaded: that must not
+    break the chain), and a loaded message's digest is that of its expanded
+    text. Messages are shared with the ParseCache: copied, never changed.
+    """
+    if not any("tool_references" in m for m in messages):
+        return messages, digests
+    out, out_digests = [], list(digests)
+    for i, message in enumerate(messages):
+        names = message.get("tool_references")
+        if names is None:
+            out.append(message)
+            continue
+        text = message["content"]
+        for name in names:
+            if name not in tools:
+                raise InvalidRequest(
+                    f"tool_reference to {name!r}, which is not in tools; declare it there "
+                    "(with defer_loading: true for tool search)",
+                    "tools",
+                )
+            schema = json.dumps(tools[name], ensure_ascii=False)
+            text = text.replace(_reference_mark(name), f"<tools>\n{schema}\n</tools>", 1)
+        loaded = {**{k: v for k, v in message.items() if k != "tool_references"}, "content": text}
+        out.append(loaded)
+        out_digests[i] = message_digest(loaded)
+    return out, out_digests
 
 
 def _text_only(blocks: list[ContentBlock], path: str) -> str:
@@ -522,7 +653,9 @@ class ParseCache:
     session's requests are parsed on the server's event loop.
     """
 
-    ENTRY_OVERHEAD = 256
+    # Per message beyond 2x its JSON: the translation's dicts and strings (~600 bytes
+    # measured by tests/server/test_memory.py) and the dict slot.
+    ENTRY_OVERHEAD = 640
 
     def __init__(
         self, max_entries: int = 4096, max_bytes: int = 16 << 20, max_idle_requests: int = 64

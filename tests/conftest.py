@@ -60,16 +60,28 @@ def sglang_version() -> str:
     return sglang_compat.version()
 
 
-def claude_code_binary() -> str:
-    """The Claude Code CLI: $TR_CLAUDE_BIN, the copy tools/setup.sh installs, or PATH."""
-    local = REPO / "tools" / "claude-code" / "node_modules" / ".bin" / "claude"
-    found = (
-        os.environ.get("TR_CLAUDE_BIN")
-        or (str(local) if local.exists() else None)
-        or shutil.which("claude")
-    )
+CLAUDE_CODE_VERSIONS = ("2.1.197", "2.1.330")
+"""The Claude Code versions tools/setup.sh pins: the project's pin and the newest tested."""
+
+_CLAUDE_DIRS = {"2.1.197": "claude-code", "2.1.330": "claude-code-2.1.330"}
+
+
+def claude_code_binary(version: str = "2.1.197") -> str:
+    """The Claude Code CLI `version`: $TR_CLAUDE_BIN_<version with _>, tools/setup.sh's copy.
+
+    $TR_CLAUDE_BIN and `claude` on PATH serve the pinned 2.1.197 only, so a test
+    parametrised over versions never runs one version twice under two names.
+    """
+    env = os.environ.get("TR_CLAUDE_BIN_" + version.replace(".", "_"))
+    local = REPO / "tools" / _CLAUDE_DIRS[version] / "node_modules" / ".bin" / "claude"
+    found = env or (str(local) if local.exists() else None)
+    if found is None and version == "2.1.197":
+        found = os.environ.get("TR_CLAUDE_BIN") or shutil.which("claude")
     if found is None:
-        missing("the Claude Code CLI is not installed", "bash tools/setup.sh, or set TR_CLAUDE_BIN")
+        missing(
+            f"the Claude Code CLI {version} is not installed",
+            f"bash tools/setup.sh, or set TR_CLAUDE_BIN_{version.replace('.', '_')}",
+        )
     return found
 
 

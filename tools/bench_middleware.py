@@ -4,9 +4,8 @@ Section 1, end to end (what the issue asks for): the real `RecorderServer`
 over a real SQLite store, set up as `recorder serve` sets it up, in front of
 the scripted test engine (zero token delay) in a child process, as a real
 engine would be (`--engine-thread` runs it in a thread of this process
-instead: it then shares the GIL and the garbage collector with the server,
-and its prefix-cache trie of a dict per token makes every full collection
-of the server's heap slow). Each `/generate` call also waits
+instead: it then shares the GIL and the garbage collector with the server;
+the engine keeps nothing per request, `keep_history=False`). Each `/generate` call also waits
 `--engine-latency-ms` (default 50 ms, less than any real GPU needs for a
 long prompt): an idle engine time the server's background writes can
 overlap, as they overlap a real engine's. Two sessions are fed the
@@ -43,9 +42,9 @@ not hide. Means and medians are shown: the store's commits make outliers.
 Section 2, pure (no HTTP, no store, no engine): parse + plan in-process, the
 chain path against parse + full render + full encode, median of repeats.
 
-    python -m tools.bench_middleware [--contexts 1000,10000,100000] [--turns 8]
+    python -m tools.bench_middleware [--contexts 1000,10000,100000] [--turns 30]
         [--section both|e2e|pure] [--engine-thread] [--engine-latency-ms 50]
-        [--db-dir DIR] [--per-turn] [--repeat 15]
+        [--db-dir DIR] [--per-turn] [--repeat 30]
 """
 
 from __future__ import annotations
@@ -328,34 +327,42 @@ class Conversation:
     """One session's side of a Claude-Code-shaped tool-use conversation.
 
     Every session built with the same seed gets the same tool results; the
-    assistant turns are what the server answered, echoed back verbatim.
+    assistant turns are what the server answered, echoed back verbatim. The
+    body is laid out as Claude Code 2.1.197 sends it: messages first, then
+    system prompt, tools and the rest, with the billing header and metadata
+    the same all session. `instructions_words` / `n_tools` scale the constant
+    preamble (Claude Code's own is ~70 kB: ~2,000 words and ~20 tools here).
     """
 
-    def __init__(self, seed: int = 7) -> None:
+    def __init__(
+        self, seed: int = 7, *, instructions_words: int = 80, n_tools: int | None = None
+    ) -> None:
         self.rng = random.Random(seed)
-        self.instructions = _text(random.Random(1), 80)
-        self.tools = _cc_tools()
+        self.instructions = _text(random.Random(1), instructions_words)
+        self.tools = _cc_tools() if n_tools is None else _cc_tools() + _tools(n_tools)
         self.messages: list[dict[str, Any]] = [
             {"role": "user", "content": "Fix the failing tests. " + _text(self.rng, 20)}
         ]
+        self.tag = f"{random.Random(seed).getrandbits(32):08x}"
         self.turn = 0
 
     def body(self) -> bytes:
         self.turn += 1
         system = [
-            {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1; cch={self.turn:08x};"},
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.0df; cc_entrypoint=sdk-cli;"},
             {"type": "text", "text": "You are Claude Code, Anthropic's official CLI for Claude."},
             {"type": "text", "text": "Instructions. " + self.instructions, "cache_control": {"type": "ephemeral"}},
         ]  # fmt: skip
         return json.dumps(
             {
                 "model": "bench",
-                "max_tokens": 4096,
-                "stream": True,
+                "messages": self.messages,
                 "system": system,
                 "tools": self.tools,
-                "messages": self.messages,
-                "metadata": {"user_id": "bench"},
+                "metadata": {"user_id": json.dumps({"device_id": "bench", "session_id": self.tag})},
+                "max_tokens": 4096,
+                "thinking": {"type": "adaptive"},
+                "stream": True,
             }
         ).encode()
 
@@ -410,7 +417,12 @@ class Span:
 
 
 def engine_app(
-    tok: Tokenizer, context_length: int, spans: list[Span], latency_s: float = 0.0
+    tok: Tokenizer,
+    context_length: int,
+    spans: list[Span],
+    latency_s: float = 0.0,
+    *,
+    max_spans: int | None = None,
 ) -> web.Application:
     """The scripted engine answering tool calls, timing each `/generate` into `spans`.
 
@@ -420,13 +432,15 @@ def engine_app(
 
     `GET /bench/spans` returns them (for an engine in another process:
     perf_counter is the system-wide monotonic clock, comparable across processes).
+    `max_spans`: keep only the newest (a long run reads them as it goes). The
+    engine keeps nothing else per request (no request list, no prefix cache).
     """
     count = itertools.count()
     backend = ScriptedBackend(
         tok,
         default_reply=lambda req: Reply(text=tool_call_reply(tok, len(req.input_ids), next(count))),
     )
-    app = build_app(EngineCore(backend, tok, context_length=context_length))
+    app = build_app(EngineCore(backend, tok, context_length=context_length, keep_history=False))
 
     @web.middleware
     async def timed(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -440,6 +454,8 @@ def engine_app(
         finally:
             cpu = time.thread_time() - c0
             spans.append(Span(t0, time.perf_counter(), cpu + latency_s))
+            if max_spans is not None and len(spans) > max_spans:
+                del spans[: len(spans) - max_spans]
 
     async def get_spans(request: web.Request) -> web.Response:
         return web.json_response([[s.start, s.end, s.cpu_s] for s in spans])
@@ -543,7 +559,8 @@ def serve_engine(port: int, context_length: int, latency_s: float = 0.0) -> None
     tok = load_tokenizer(str(TOKENIZER), "chatml-tools")
 
     async def run() -> None:
-        runner, _ = await _serve_app(engine_app(tok, context_length, [], latency_s), port)
+        app = engine_app(tok, context_length, [], latency_s, max_spans=100_000)
+        runner, _ = await _serve_app(app, port)
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         try:
@@ -1086,7 +1103,7 @@ def main(argv: list[str] | None = None) -> Results:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--section", choices=("both", "e2e", "pure"), default="both")
     ap.add_argument("--contexts", default="1000,10000,100000", help="checkpoints, tokens")
-    ap.add_argument("--turns", type=int, default=8, help="e2e: measured turns per mode")
+    ap.add_argument("--turns", type=int, default=30, help="e2e: measured turns per mode")
     ap.add_argument("--new-tokens", type=int, default=200, help="e2e: context growth per turn")
     ap.add_argument("--warmup", type=int, default=3, help="e2e: warm-up turns per mode")
     ap.add_argument(
@@ -1109,7 +1126,7 @@ def main(argv: list[str] | None = None) -> Results:
     ap.add_argument("--serve-engine", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--engine-context", type=int, default=131072, help=argparse.SUPPRESS)
     ap.add_argument("--per-turn", action="store_true", help="e2e: also list every measured turn")
-    ap.add_argument("--repeat", type=int, default=15, help="pure: timing repeats")
+    ap.add_argument("--repeat", type=int, default=30, help="pure: timing repeats")
     ap.add_argument("--new-words", default="150,1500", help="pure: words of new tool output")
     args = ap.parse_args(argv)
     if args.serve_engine is not None:

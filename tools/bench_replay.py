@@ -8,8 +8,10 @@ MessagesRequest, ChainDecision, RenderedInput (stored with `extends=` the
 chain's previous full sequence, so only new tokens are stored), GenerateResult
 (output ids + float32 logprobs) and ResponseSent; random token ids over a
 49,152 vocabulary (fixed seed). Logs are cached under --cache-dir keyed by
-their parameters; generation runs many sessions concurrently so the store's
-group commit batches the writes.
+their parameters. As a live server writes it (`--layout interleaved`, the
+default), each turn is its own append and `--concurrency` sessions are open
+at once, so a session's events are spread over the whole log between other
+sessions' turns; `--layout contiguous` writes each session in one piece.
 
 Each measurement runs in a fresh subprocess on a private copy of the cached
 log, in the product's default configuration (nothing is patched):
@@ -59,7 +61,7 @@ from recorder.events import (  # noqa: E402
 )
 from recorder.store import EventStore, open_store  # noqa: E402
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 VOCAB = 49_152
 
 
@@ -67,15 +69,27 @@ VOCAB = 49_152
 
 
 async def write_session(
-    store: EventStore, sid: str, turns: int, new_tokens: int, out_tokens: int, seed: int
+    store: EventStore,
+    sid: str,
+    turns: int,
+    new_tokens: int,
+    out_tokens: int,
+    seed: int,
+    interleaved: bool = True,
 ) -> int:
+    """Write one session; `interleaved`: one append per turn, as the live server does."""
     rng = np.random.default_rng(seed)
     body = await store.put_array(np.frombuffer(b'{"bench": true}', dtype=np.uint8))
     events: list[NewEvent] = [
         NewEvent(event=SessionOpened(session_id=sid, metadata={"bench": True}, context_length=None))
     ]
     full: ArrayRef | None = None
+    written = 0
     for t in range(turns):
+        if interleaved:
+            await store.append(sid, events)
+            written += len(events)
+            events = []
         new = rng.integers(0, VOCAB, new_tokens, dtype=np.int32)
         inp = await store.put_array(new, extends=full)
         out = rng.integers(0, VOCAB, out_tokens, dtype=np.int32)
@@ -133,7 +147,7 @@ async def write_session(
     events += [NewEvent(event=RewardAssigned(reward=1.0)), NewEvent(event=SessionClosed())]
     for i in range(0, len(events), 500):
         await store.append(sid, events[i : i + 500])
-    return len(events)
+    return written + len(events)
 
 
 async def generate(path: Path, sessions: int, args: argparse.Namespace) -> None:
@@ -144,7 +158,15 @@ async def generate(path: Path, sessions: int, args: argparse.Namespace) -> None:
     async def one(i: int) -> None:
         nonlocal done
         async with sem:
-            await write_session(store, f"s{i:06d}", args.turns, args.new_tokens, args.out_tokens, i)
+            await write_session(
+                store,
+                f"s{i:06d}",
+                args.turns,
+                args.new_tokens,
+                args.out_tokens,
+                i,
+                interleaved=args.layout == "interleaved",
+            )
             done += 1
             if done % 100 == 0:
                 print(f"  generated {done}/{sessions} sessions", file=sys.stderr, flush=True)
@@ -161,10 +183,19 @@ def cached_log(sessions: int, args: argparse.Namespace) -> Path:
     # The schema revision is part of the key: a log written under an older
     # schema is regenerated rather than measured through an upgrade.
     key = json.dumps(
-        [GENERATOR_VERSION, head_revision(), sessions, args.turns, args.new_tokens, args.out_tokens]
+        [
+            GENERATOR_VERSION,
+            head_revision(),
+            sessions,
+            args.turns,
+            args.new_tokens,
+            args.out_tokens,
+            args.layout,
+            args.concurrency,
+        ]
     )
     tag = hashlib.sha256(key.encode()).hexdigest()[:12]
-    folder = Path(args.cache_dir) / f"log-{sessions}x{args.turns}-{tag}"
+    folder = Path(args.cache_dir) / f"log-{sessions}x{args.turns}-{args.layout}-{tag}"
     db = folder / "runs.db"
     if (folder / "complete").exists():
         return db
@@ -266,7 +297,8 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=40)
     p.add_argument("--new-tokens", type=int, default=150, help="inserted tokens per turn")
     p.add_argument("--out-tokens", type=int, default=100, help="model tokens per turn")
-    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=64, help="sessions open at once")
+    p.add_argument("--layout", choices=("interleaved", "contiguous"), default="interleaved")
     p.add_argument("--page-size", type=int, default=1000)
     p.add_argument("--workers", type=int, default=2, help="processes for the parallel run")
     p.add_argument("--cache-dir", default="/tmp/tr-bench-replay")
@@ -287,7 +319,9 @@ def main() -> None:
     print()
     print(
         f"replay reclassify: {args.turns} turns/session, {args.new_tokens} inserted + "
-        f"{args.out_tokens} model tokens per turn, page size {args.page_size}, default caches"
+        f"{args.out_tokens} model tokens per turn, page size {args.page_size}, default caches; "
+        f"log {args.layout}"
+        + (f" ({args.concurrency} sessions open at once)" if args.layout == "interleaved" else "")
     )
     header = (
         f"{'sessions':>9} {'events':>9} {'db MB':>6} {'scan s':>7} {'CLI s':>7} {'events/s':>9} "

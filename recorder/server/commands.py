@@ -110,6 +110,20 @@ log = logging.getLogger("recorder.server")
     help="Record MoE routing per token (routing replay). Default: on when --rules sets "
     "routed_experts.",
 )
+@click.option(
+    "--piece-cache-mb",
+    type=float,
+    default=256.0,
+    show_default=True,
+    help="Memory for decoded array pieces the server reads back (0: no cache).",
+)
+@click.option(
+    "--sqlite-cache-mb",
+    type=float,
+    default=64.0,
+    show_default=True,
+    help="SQLite page cache of the writer connection (each reader gets a quarter).",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 def serve(
     db_url: str,
@@ -131,6 +145,8 @@ def serve(
     max_attempts: int,
     turn_budget: float,
     return_routed_experts: bool | None,
+    piece_cache_mb: float,
+    sqlite_cache_mb: float,
     log_level: str,
 ) -> None:
     """Record every agent turn between an Anthropic client and SGLang."""
@@ -169,6 +185,8 @@ def serve(
         "max_attempts": max_attempts,
         "turn_budget_s": turn_budget,
         "return_routed_experts": records_routing(return_routed_experts, rules),
+        "piece_cache_bytes": int(piece_cache_mb * 2**20),
+        "sqlite_cache_bytes": int(sqlite_cache_mb * 2**20),
     }
     try:
         asyncio.run(_serve(tokenizer, rules, **settings))  # type: ignore[arg-type]
@@ -189,7 +207,7 @@ async def _serve(tokenizer, rules, **s) -> None:  # type: ignore[no-untyped-def]
     from recorder.engine import EngineClient
     from recorder.parsers import make_parser, prefills_reasoning
     from recorder.server.app import RecorderServer, freeze_startup_heap
-    from recorder.store import StoreError, open_store
+    from recorder.store import StoreError, StoreOptions, open_store
 
     engine = EngineClient(s["engines"])
     await engine.start()
@@ -209,7 +227,12 @@ async def _serve(tokenizer, rules, **s) -> None:  # type: ignore[no-untyped-def]
             parser.label,
             "" if s["parser_given"] else " (default backend: sglang when installed, else builtin)",
         )
-        store = await open_store(s["db_url"], create=True)
+        options = StoreOptions(
+            piece_cache_bytes=s["piece_cache_bytes"],
+            writer_page_cache_bytes=s["sqlite_cache_bytes"],
+            reader_page_cache_bytes=s["sqlite_cache_bytes"] // 4,
+        )
+        store = await open_store(s["db_url"], create=True, options=options)
     except (StoreError, ValueError, OSError, ImportError) as exc:
         await engine.close()
         raise _StartupError(str(exc)) from exc

@@ -32,6 +32,10 @@ MIN_SHARED_BYTES = 1024
 # Stored prefixes remembered per session (longest kept): enough to fall back
 # to an older prefix when a request rewrites its tail (e.g. a retried turn).
 MAX_PREFIX_REFS = 8
+# Stored inputs remembered per chain (longest kept), for the same reason; a
+# request that goes back further stores its input whole. Bounds a session's
+# state by this, not by its turns.
+MAX_CHAIN_REFS = 16
 
 
 @dataclass
@@ -107,6 +111,8 @@ def remember_refs(state: SessionState, plan: TurnPlan, chain_id: int, input_ref:
             )
         state.chain_refs[chain_id] = refs
     refs[input_ref.length] = input_ref
+    for n in sorted(refs)[:-MAX_CHAIN_REFS]:
+        del refs[n]
     live = set(state.chains.chains)
     for stale in [c for c in state.chain_refs if c not in live]:
         del state.chain_refs[stale]

@@ -18,6 +18,7 @@ only a RequestRejected: nothing half-recorded.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import traceback
@@ -229,6 +230,7 @@ async def _answer(
             content=answer.content,
             stop_reason=answer.stop_reason,
             usage=answer.usage,
+            reasoning=answer.hidden_reasoning,
             parser=ctx.parser.label,
         )
     )
@@ -314,6 +316,7 @@ def _sampling_params(ctx: ServerContext, chat: ChatRequest, max_new: int) -> Sam
         top_k=chat.top_k if chat.top_k is not None else -1,
         stop=chat.stop_sequences,
         stop_token_ids=ctx.tokenizer.eos_token_ids,
+        json_schema=None if chat.json_schema is None else json.dumps(chat.json_schema),
     )
 
 
@@ -474,7 +477,8 @@ def _result_arrays(
     ids_ref = journal.add_array(np.asarray(out.output_ids, dtype=np.int32))
     logprobs_ref = None
     if out.logprobs is not None:
-        logprobs_ref = journal.add_array(np.asarray(out.logprobs, dtype=np.float32))
+        # float64: exactly the engine's values (SGLang sends JSON doubles).
+        logprobs_ref = journal.add_array(np.asarray(out.logprobs, dtype=np.float64))
     experts_ref = None
     if out.routed_experts is not None:
         experts_ref = journal.add_array(np.frombuffer(out.routed_experts, dtype="<i4"))
@@ -550,11 +554,12 @@ async def _compose(
         text, stop_sequence = split_stop_sequence(
             text, chat.stop_sequences, matched=output.finish_detail
         )
-    parsed = await ctx.parser.parse(text, chat.tools)
+    # No tools offered (`tools: []`, `tool_choice: none`): no calls, the text stays text.
+    parsed = await ctx.parser.parse(text, [] if chat.tool_choice == "none" else chat.tools)
     calls = [ToolCallOut(name=c.name, arguments=dict(c.arguments)) for c in parsed.tool_calls]
-    content = build_content(
-        parsed.reasoning, parsed.text, calls, [new_tool_use_id() for _ in calls]
-    )
+    # Thinking comes back only when the request enabled it, as with the real API.
+    shown = parsed.reasoning if chat.thinking in ("enabled", "adaptive") else None
+    content = build_content(shown, parsed.text, calls, [new_tool_use_id() for _ in calls])
     stop_reason = stop_reason_for(
         output.finish_reason, has_tool_calls=bool(calls), stop_sequence=stop_sequence
     )
@@ -565,6 +570,7 @@ async def _compose(
         stop_reason=stop_reason,
         stop_sequence=stop_sequence if stop_reason == "stop_sequence" else None,
         usage=usage_for(len(plan.input_ids), output.cached_tokens, len(ids)),
+        hidden_reasoning=(parsed.reasoning or "") if shown is None else "",
     )
     return answer, tito_event
 

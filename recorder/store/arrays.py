@@ -7,7 +7,7 @@ digest hashes the parent digest, the dtype and the raw suffix bytes, so the
 digest of the last piece names the whole array (a hash chain) and equal
 content written twice is one row.
 
-int32/float32 suffixes are byte-shuffled before zstd: grouping the 1st, 2nd,
+int32/float32/float64 suffixes are byte-shuffled before zstd: grouping the 1st, 2nd,
 3rd and 4th byte of every element lets zstd see the near-constant high bytes
 of token ids and float exponents as long runs.
 
@@ -51,6 +51,7 @@ BASIS_MAX_RATIO: Final = 0.75
 NUMPY_DTYPES: Final[dict[str, np.dtype]] = {
     "int32": np.dtype("<i4"),
     "float32": np.dtype("<f4"),
+    "float64": np.dtype("<f8"),  # logprobs exactly as the engine sent them (JSON doubles)
     "uint8": np.dtype("u1"),
 }
 
@@ -107,10 +108,10 @@ def _dtype_name(dt: np.dtype) -> DType:
     if dt.kind in "iu" and dt != np.dtype("u1"):
         return "int32"
     if dt.kind == "f":
-        return "float32"
+        return "float64" if dt.itemsize == 8 else "float32"
     if dt == np.dtype("u1"):
         return "uint8"
-    raise ValueError(f"arrays of dtype {dt} cannot be stored; use int32, float32 or uint8")
+    raise ValueError(f"arrays of dtype {dt} cannot be stored; use int32, float32, float64 or uint8")
 
 
 def _fits(arr: np.ndarray, target: np.dtype) -> bool:
@@ -363,16 +364,46 @@ def assemble(ref: ArrayRef, chain: list[DecodedPiece]) -> np.ndarray:
     return np.concatenate([p.suffix for p in chain])
 
 
+def retained_nbytes(array: np.ndarray) -> int:
+    """Bytes of the buffer that keeps `array`'s data alive.
+
+    More than `array.nbytes` when `array` views part of a bigger buffer: a
+    piece sliced out of `np.frombuffer(request_body)` keeps the whole body
+    alive for as long as anything holds the piece.
+    """
+    owner: object = array
+    while True:
+        if isinstance(owner, np.ndarray):
+            if owner.base is None:
+                return owner.nbytes
+            owner = owner.base
+        elif isinstance(owner, memoryview):
+            owner = owner.obj
+        else:
+            return memoryview(owner).nbytes  # type: ignore[arg-type]
+
+
+def owned(array: np.ndarray) -> np.ndarray:
+    """`array` if its buffer is exactly its own bytes, else a read-only copy that is."""
+    if retained_nbytes(array) == array.nbytes:
+        return array
+    return np.frombuffer(array.tobytes(), array.dtype)
+
+
 class PieceCache:
     """LRU of verified pieces, bounded by the memory they take (0 bytes: disabled).
 
-    Each entry is charged its suffix bytes plus `ENTRY_OVERHEAD` for its
-    Python objects (digests, numpy header, the struct, the dict slot): token
-    pieces are a few hundred bytes, so counting only the data would let the
-    real footprint reach about twice the bound.
+    A piece is kept with a suffix that owns exactly its bytes (`owned`): a
+    view of a bigger buffer (a slice of a request body) is copied out first,
+    or the cache would keep whole bodies alive while counting only their
+    pieces. Each entry is charged the suffix's buffer plus `ENTRY_OVERHEAD`
+    for its Python objects (the struct, digests, numpy header, the buffer's
+    header, the dict slot; ~430 bytes measured): token pieces are a few
+    hundred bytes, so counting only the data would let the real footprint
+    reach about twice the bound.
     """
 
-    ENTRY_OVERHEAD: Final = 320
+    ENTRY_OVERHEAD: Final = 448
 
     def __init__(self, max_bytes: int) -> None:
         self._items: OrderedDict[bytes, DecodedPiece] = OrderedDict()
@@ -397,14 +428,38 @@ class PieceCache:
             self._items.move_to_end(digest)
         return p
 
+    def charge(self, piece: DecodedPiece) -> int:
+        """Bytes an entry for `piece` is charged (its suffix's whole buffer + overhead)."""
+        return retained_nbytes(piece.suffix) + self.ENTRY_OVERHEAD
+
+    def chain_digests(self, digest: bytes) -> set[bytes]:
+        """Digests of the cached pieces of the array `digest` names, from its
+        last piece back to the first one not cached."""
+        out: set[bytes] = set()
+        d: bytes | None = digest
+        while d is not None and (piece := self._items.get(d)) is not None:
+            out.add(d)
+            d = piece.parent
+        return out
+
+    def discard(self, digests: Iterable[bytes]) -> None:
+        """Drop these pieces if cached (they stay stored; a later read fetches them)."""
+        for digest in digests:
+            old = self._items.pop(digest, None)
+            if old is not None:
+                self._bytes -= self.charge(old)
+
     def put(self, piece: DecodedPiece) -> None:
         if self._max <= 0:
             return
         if piece.digest in self._items:
             self._items.move_to_end(piece.digest)
             return
+        suffix = owned(piece.suffix)
+        if suffix is not piece.suffix:
+            piece = msgspec.structs.replace(piece, suffix=suffix)
         self._items[piece.digest] = piece
-        self._bytes += piece.suffix.nbytes + self.ENTRY_OVERHEAD
+        self._bytes += self.charge(piece)
         while self._bytes > self._max and len(self._items) > 1:
             _, old = self._items.popitem(last=False)
-            self._bytes -= old.suffix.nbytes + self.ENTRY_OVERHEAD
+            self._bytes -= self.charge(old)

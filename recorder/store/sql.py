@@ -76,7 +76,8 @@ IN_CHUNK = 500
 # Bound on the arrays one cold array read may have to decode through bases
 # (see `SqlEventStore.put_array`'s `basis`).
 MAX_BASIS_DEPTH = 16
-# Prepared basis dictionaries kept per store (each ~ its basis + 1 MiB).
+# Recently used bases kept per store with their depth and, once built, their
+# prepared dictionary (each ~ its basis + 1 MiB).
 BASIS_DICTIONARIES = 8
 # Default cache sizes (see `StoreOptions`).
 PIECE_CACHE_BYTES = 256 * 1024 * 1024
@@ -291,9 +292,10 @@ class SqlEventStore(EventStore):
             self._commit_group, max_weight=MAX_GROUP_WEIGHT
         )
         self._pieces = arr.PieceCache(self.options.piece_cache_bytes)
-        # Recently used bases as prepared zstd dictionaries, least recent first:
-        # a body stored as prefix + suffix compresses both against one basis.
-        self._basis_dicts: dict[bytes, zstandard.ZstdCompressionDict] = {}
+        # Recently used bases, least recent first: basis digest -> (its prepared
+        # zstd dictionary if built yet, its chain depth). A body stored as
+        # prefix + suffix encodes both against one basis without reading it twice.
+        self._basis_dicts: dict[bytes, tuple[zstandard.ZstdCompressionDict | None, int]] = {}
         # Test hook: awaited inside each write transaction just before COMMIT
         # (on the fast path too).
         self.before_commit: Callable[[], Awaitable[None]] | None = None
@@ -614,7 +616,22 @@ class SqlEventStore(EventStore):
             ref = ArrayRef(piece.digest, piece.total_length, dtype)
             encoded = arr.EncodedArray(ref, (piece,), (decoded,))
         await self._put_encoded([encoded])
+        if basis is not None:
+            self._supersede(basis, encoded.ref)
         return encoded.ref
+
+    def _supersede(self, basis: ArrayRef, new: ArrayRef) -> None:
+        """The basis's cached pieces that `new`'s chain does not use leave the piece cache.
+
+        A basis is the previous version of what is stored now (a session's
+        previous request body): once the new version is stored, nothing reads
+        the old one's own pieces hot, and keeping them would add one old tail
+        (system prompt and tools, ~70 kB for Claude Code) per turn, and one whole
+        body per rebase, until the cache is full. They stay stored; the basis's
+        depth and dictionary stay in `_basis_dicts` for the next piece on it.
+        """
+        kept = self._pieces.chain_digests(new.digest)
+        self._pieces.discard(d for d in self._pieces.chain_digests(basis.digest) if d not in kept)
 
     async def _encode_on_basis(
         self, suffix: np.ndarray, dtype: DType, extends: ArrayRef | None, basis: ArrayRef
@@ -626,25 +643,36 @@ class SqlEventStore(EventStore):
         deep is stored with its prefix as one plain root piece (a fresh start
         for the chains built on it), and otherwise plainly after its prefix.
         """
-        wanted = [basis] if extends is None else [basis, extends]
+        known = self._basis_dicts.pop(basis.digest, None)
+        wanted = [] if extends is None else [extends]
+        if known is None:
+            wanted.append(basis)
         pieces = await self._load_pieces([r.digest for r in wanted], cache=True)
-        basis_chain = _chain(pieces, basis.digest)
-        basis_depth = arr.chain_depth(basis_chain)
+        basis_chain = _chain(pieces, basis.digest) if known is None else []
+        dictionary, basis_depth = known or (None, arr.chain_depth(basis_chain))
         prefix_chain = _chain(pieces, extends.digest) if extends is not None else []
         prefix_depth = arr.chain_depth(prefix_chain) if prefix_chain else 0
         if max(prefix_depth, basis_depth + 1) > MAX_BASIS_DEPTH:
+            self._remember_basis(basis, dictionary, basis_depth)
             if prefix_depth < MAX_BASIS_DEPTH:
                 return arr.encode_piece(suffix, dtype, extends), suffix
             whole = np.concatenate([*(p.suffix for p in prefix_chain), suffix])
             return arr.encode_piece(whole, dtype, None), whole
-        dictionary = self._basis_dicts.pop(basis.digest, None)
         if dictionary is None:
+            if not basis_chain:  # known depth, no dictionary yet
+                pieces = await self._load_pieces([basis.digest], cache=True)
+                basis_chain = _chain(pieces, basis.digest)
             dictionary = arr.basis_dictionary(arr.chain_bytes(basis_chain))
-        self._basis_dicts[basis.digest] = dictionary
-        while len(self._basis_dicts) > BASIS_DICTIONARIES:
-            self._basis_dicts.pop(next(iter(self._basis_dicts)))
+        self._remember_basis(basis, dictionary, basis_depth)
         piece = arr.encode_piece_on_basis(suffix, dtype, extends, basis, dictionary, basis_depth)
         return piece, suffix
+
+    def _remember_basis(
+        self, basis: ArrayRef, dictionary: zstandard.ZstdCompressionDict | None, depth: int
+    ) -> None:
+        self._basis_dicts[basis.digest] = (dictionary, depth)
+        while len(self._basis_dicts) > BASIS_DICTIONARIES:
+            self._basis_dicts.pop(next(iter(self._basis_dicts)))
 
     async def _insert_pieces(self, conn: AsyncConnection, pieces: Iterable[arr.Piece]) -> None:
         """Insert pieces whose parents and bases are known present (ON CONFLICT DO NOTHING)."""

@@ -73,11 +73,11 @@ BODY_CASES: list[tuple[str, bytes, int, str, str]] = [
         "messages.0.content",
     ),
     (
-        "image_block",
+        "image_block_without_source_type",  # a valid image block is served (test_claude_traffic)
         body(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]),
         400,
         "invalid_request_error",
-        "image",
+        "messages.0.content.0.source.type",
     ),
     (
         "document_block",

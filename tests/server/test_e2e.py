@@ -118,7 +118,7 @@ async def test_multi_turn_tool_use(any_harness: Harness, stream: bool) -> None:
     assert first.content[1].id.startswith("toolu_")
 
     messages += [echo(first), tool_result(first.content[1].id, "a.txt")]
-    second = await ask(client, messages, stream=stream)
+    second = await ask(client, messages, stream=stream, thinking={"type": "adaptive"})
     assert second.stop_reason == "tool_use"
     assert second.content[0].type == "thinking"
     assert second.content[0].thinking.strip() == "The listing shows a.txt."
@@ -609,6 +609,7 @@ async def test_streaming_event_shapes(harness: Harness) -> None:
         "model": "m",
         "max_tokens": 200,
         "stream": True,
+        "thinking": {"type": "adaptive"},
         "tools": TOOLS,
         "messages": [{"role": "user", "content": "build"}],
     }

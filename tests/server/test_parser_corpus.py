@@ -75,6 +75,8 @@ async def test_corpus_blocks_json_and_sse(family_harness: tuple[Harness, Family]
                 "max_tokens": 512,
                 "tools": TOOLS,
                 "messages": [{"role": "user", "content": marker}],
+                # Thinking blocks come back only when asked for, as with the real API.
+                "thinking": {"type": "enabled", "budget_tokens": 1024},
             }
             if stream:
                 async with client.messages.stream(**kw) as s:

@@ -165,6 +165,26 @@ async def test_basis_chains_stay_bounded(sqlite_url: str, raw_execute: RawExecut
     assert [a.tobytes() for a in got] == bodies + bodies
 
 
+async def test_a_session_leaves_its_old_bodies_out_of_the_cache(sqlite_url: str) -> None:
+    """Bodies stored as the server stores them: once a body is stored, the
+    previous body's pieces it does not use (its tail; at a rebase, all of it)
+    leave the piece cache, so the cache holds one body's chain per session."""
+    from recorder.server.deltas import BodyPrefixes, put_body
+
+    bodies = conversation_bodies(3 * sql.MAX_BASIS_DEPTH, words_per_turn=60, seed=9)
+    async with await open_store(sqlite_url, create=True) as w:
+        assert isinstance(w, SqlEventStore)
+        prefixes = BodyPrefixes()
+        refs = []
+        for body in bodies:
+            ref, prefixes = await put_body(w, prefixes, body)
+            refs.append(ref)
+        cached = sum(p.suffix.nbytes for p in w.piece_cache._items.values())
+        assert cached == len(bodies[-1])
+        got = await w.get_arrays(refs)  # what left the cache reads back from the database
+    assert [a.tobytes() for a in got] == bodies
+
+
 async def test_long_basis_chain_reads_without_deep_recursion(
     sqlite_url: str, raw_execute: RawExecute, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -35,6 +35,20 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
+async def test_float64_logprobs_round_trip_bit_for_bit_next_to_float32(store_url: str) -> None:
+    """Engines send logprobs as JSON doubles: stored as float64; float32 logs stay readable."""
+    exact = _logprobs(5000, 3).astype(np.float64) - 1e-12
+    old = _logprobs(5000, 4)
+    async with await open_store(store_url, create=True) as w:
+        refs = [await w.put_array(exact), await w.put_array(old)]
+        assert [r.dtype for r in refs] == ["float64", "float32"]
+        grown = await w.put_array(exact[:10], extends=refs[0])
+    async with await open_store(store_url) as r:
+        got = await r.get_arrays([*refs, grown])
+    assert _same_bits(exact, got[0]) and _same_bits(old, got[1])
+    assert _same_bits(np.concatenate([exact, exact[:10]]), got[2])
+
+
 async def test_large_arrays_round_trip_bit_for_bit(store_url: str) -> None:
     tokens, logprobs = _tokens(100_000, 1), _logprobs(100_000, 2)
     body = np.frombuffer(b'{"model": "m", "messages": []}' * 10, np.uint8)

@@ -276,10 +276,10 @@ def test_malformed_new_message_in_a_cached_body_names_its_field() -> None:
     valid = session.body()
     session.messages.append({"role": "assistant", "content": "Let me look."})
     session.messages.append(
-        {"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "image"}]}
+        {"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "document"}]}
     )
     body = session.body()
-    expected = f"messages.{n + 1}.content.1.type: unsupported block type 'image'"
+    expected = f"messages.{n + 1}.content.1.type: unsupported block type 'document'"
     assert _error(body, cache) == _error(body, None) == expected
     session.messages[-1] = {
         "role": "user",

