@@ -214,6 +214,8 @@ class ResponseSent(Event, frozen=True, kw_only=True, tag="response_sent"):
     # Reasoning the model produced but the response left out (the request did not enable
     # thinking, and the real API never returns a thinking block then).
     reasoning: str = ""
+    # Which output parser answered: backend, version, names ("" before it was recorded).
+    parser: str = ""
 
 
 class RequestRejected(Event, frozen=True, kw_only=True, tag="request_rejected"):

@@ -1,42 +1,80 @@
 """Split a model's output text into reasoning, plain text and tool calls.
 
-Three backends behind one protocol:
-- `sglang`: SGLang's own parsers in-process (when `import sglang` works);
-- `http`: the engine's `/parse_function_call` and `/separate_reasoning`;
-- `builtin`: hermes/qwen25 `<tool_call>{json}</tool_call>` and qwen3
-  `<think>...</think>`, written here so the recorder works without sglang.
+Three backends behind one protocol, chosen explicitly (`make_parser`):
+- `sglang`: SGLang's own parsers in-process (recorder.sglang_compat), every
+  format SGLang knows;
+- `http`: the engine's `/separate_reasoning` and `/parse_function_call`;
+- `builtin`: hermes/qwen25 `<tool_call>{json}</tool_call>` and the `<think>`
+  reasoning family, written here so the recorder works without SGLang.
 
-Whatever the backend, a tool call that cannot be parsed (bad JSON, no name,
-unknown tool, unclosed tag) comes back as plain text: parsing never raises
-on model output. Pass the output text without its final EOS token.
+Each backend only finds its raw split; recorder.parse_policy decides what the
+agent gets, so the same output gives the same answer on every backend (proven
+by tests/engine/test_sglang_parsers.py). Parsing never raises on model output.
+Pass the output text without its final EOS token, decoded from whole tokens.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from typing import Any, Literal, Protocol
 
 import aiohttp
-import msgspec
 
-Backend = Literal["auto", "builtin", "http", "sglang"]
+from recorder import sglang_compat
+from recorder.parse_policy import (
+    ParsedOutput,
+    ToolCall,
+    settle_calls,
+    settle_reasoning,
+    tool_names,
+)
 
-TOOL_PARSERS = ("qwen25", "qwen", "hermes")
-REASONING_PARSERS = ("qwen3", "qwen3-thinking", "deepseek-r1")
-# Parsers whose model always starts inside its reasoning (template pre-fills `<think>`).
-_FORCED_REASONING = ("qwen3-thinking", "deepseek-r1")
+__all__ = [
+    "BuiltinParser",
+    "HttpParser",
+    "OutputParser",
+    "ParsedOutput",
+    "ParserError",
+    "SglangParser",
+    "ToolCall",
+    "check_parser_names",
+    "default_backend",
+    "make_parser",
+    "parse_tool_calls",
+    "prefills_reasoning",
+    "split_reasoning",
+    "split_reasoning_for",
+    "tool_names",
+]
 
+log = logging.getLogger("recorder.parsers")
 
-class ToolCall(msgspec.Struct, frozen=True):
-    name: str
-    arguments: dict[str, Any]
+Backend = Literal["builtin", "http", "sglang"]
+BACKENDS: tuple[Backend, ...] = ("builtin", "http", "sglang")
 
-
-class ParsedOutput(msgspec.Struct, frozen=True):
-    reasoning: str | None
-    text: str
-    tool_calls: list[ToolCall] = []
+BUILTIN_TOOL_PARSERS = ("qwen25", "qwen", "hermes")
+BUILTIN_REASONING_PARSERS = ("qwen3", "qwen3-thinking", "deepseek-r1")
+# SGLang 0.5.23's parser names, so that names are checked at startup whatever the
+# backend, without importing SGLang (the SGLang tier checks these against it).
+SGLANG_VERSION = "0.5.23"
+SGLANG_TOOL_PARSERS = (
+    "apertus2509", "beam", "cohere_command4", "deepseekv3", "deepseekv31", "deepseekv32",
+    "deepseekv4", "deepseekv41", "dots", "glm", "glm45", "glm47", "gpt-oss", "k2_horizon",
+    "kimi_k2", "kimi_k3", "lfm2", "ling3", "llama3", "mimo", "minicpm5", "mistral", "muse",
+    "poolside_v1", "pythonic", "qwen", "qwen25", "qwen3_coder", "spark25", "step3", "step3p5",
+    "minimax-m2", "minimax-m3", "nanbeige", "trinity", "interns1", "hermes", "hunyuan",
+    "gigachat3", "gigachat35", "gemma4", "inkling", "iquest_q1", "response_template",
+)  # fmt: skip
+SGLANG_REASONING_PARSERS = (
+    "apertus2509", "beam", "deepseek-r1", "deepseek-v3", "deepseek-v4", "deepseek-v41", "dots",
+    "glm45", "ling3", "hunyuan", "gpt-oss", "k2_horizon", "kimi", "kimi_k2", "kimi_k3", "mimo",
+    "muse", "poolside_v1", "qwen3", "qwen3-thinking", "minimax", "minimax-append-think",
+    "minimax-m3", "nanbeige", "step3", "step3p5", "mistral", "nemotron_3",
+    "granite_thinking_parser", "interns1", "gemma4", "inkling", "iquest_q1", "cohere_command4",
+    "gigachat35", "response_template",
+)  # fmt: skip
 
 
 class ParserError(RuntimeError):
@@ -44,17 +82,10 @@ class ParserError(RuntimeError):
 
 
 class OutputParser(Protocol):
+    # Which parser answers, for the log: backend, version and names.
+    label: str
+
     async def parse(self, text: str, tools: list[dict[str, Any]]) -> ParsedOutput: ...
-
-
-def tool_names(tools: list[dict[str, Any]] | None) -> set[str]:
-    """Names of OpenAI-style (`{"function": {"name"}}`) or Anthropic-style (`{"name"}`) tools."""
-    names: set[str] = set()
-    for tool in tools or []:
-        fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
-        if isinstance(fn.get("name"), str):
-            names.add(fn["name"])
-    return names
 
 
 def prefills_reasoning(render_generation_prompt: str) -> bool:
@@ -63,84 +94,116 @@ def prefills_reasoning(render_generation_prompt: str) -> bool:
     return tail.endswith("<think>")
 
 
+def check_parser_names(
+    tool_parser: str | None, reasoning_parser: str | None, backend: Backend
+) -> None:
+    """Raise ValueError naming the valid parsers when a name is unknown to `backend`.
+
+    The `builtin` backend knows its own few formats; `sglang` and `http` know
+    SGLang's (an engine is SGLang), so a typo fails at startup, not at the
+    first request.
+    """
+    if backend == "builtin":
+        tools, reasoning = BUILTIN_TOOL_PARSERS, BUILTIN_REASONING_PARSERS
+        fix = "; use backend 'sglang' (or 'http') for SGLang's other formats"
+    else:
+        tools, reasoning = SGLANG_TOOL_PARSERS, SGLANG_REASONING_PARSERS
+        fix = f" (SGLang {SGLANG_VERSION})"
+    if tool_parser and tool_parser not in tools:
+        raise ValueError(
+            f"unknown tool parser {tool_parser!r} for the {backend} parser backend; "
+            f"valid: {', '.join(sorted(tools))}{fix}"
+        )
+    if reasoning_parser and reasoning_parser not in reasoning:
+        raise ValueError(
+            f"unknown reasoning parser {reasoning_parser!r} for the {backend} parser backend; "
+            f"valid: {', '.join(sorted(reasoning))}{fix}"
+        )
+
+
+def _label(backend: str, version: str, tool_parser: str | None, reasoning: str | None) -> str:
+    names = f"tool={tool_parser or '-'} reasoning={reasoning or '-'}"
+    return f"{backend}{' ' + version if version else ''} {names}"
+
+
 # --------------------------------------------------------------------------
 # Built-in parsers (pure)
 # --------------------------------------------------------------------------
 
 THINK_START, THINK_END = "<think>", "</think>"
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
-_CALL_RE = re.compile(re.escape(CALL_START) + r"(.*?)" + re.escape(CALL_END), re.DOTALL)
+# SGLang always forces these (their model starts inside its reasoning).
+_ALWAYS_FORCED = ("qwen3-thinking", "deepseek-r1")
+# A call opening inside unfinished reasoning ends it (SGLang's qwen3 rule; not deepseek-r1).
+_TOOL_START = {"qwen3": CALL_START, "qwen3-thinking": CALL_START}
 
 
-def split_reasoning(text: str, *, force_reasoning: bool = False) -> tuple[str | None, str]:
-    """(reasoning, rest) for qwen3-style `<think>...</think>` output.
+def split_reasoning(
+    text: str, *, force_reasoning: bool = False, tool_start: str | None = None
+) -> tuple[str | None, str]:
+    """(raw reasoning, rest) for `<think>...</think>` output, by SGLang's rule.
 
-    With `force_reasoning` the output may lack the opening tag (the prompt
-    pre-filled it); output without `</think>` is then all reasoning.
+    The output is in reasoning when forced (the prompt pre-filled `<think>`)
+    or when it holds `<think>` anywhere; leading `<think>` tags are dropped.
+    Without `</think>` it is all reasoning, unless `tool_start` opens a call.
     """
-    start = text.find(THINK_START)
-    if start == -1 and not force_reasoning:
+    if not force_reasoning and THINK_START not in text:
         return None, text
-    if start != -1 and text[:start].strip() == "":
-        body = text[start + len(THINK_START) :]
-    elif start == -1 or force_reasoning:
-        body = text
-    else:  # a `<think>` in the middle of plain text is plain text
-        return None, text
-    end = body.find(THINK_END)
-    if end == -1:
-        return body.strip(), ""
-    return body[:end].strip(), body[end + len(THINK_END) :].strip()
+    body = text
+    while body.startswith(THINK_START):
+        body = body[len(THINK_START) :]
+    if THINK_END in body:
+        reasoning, rest = body.split(THINK_END, 1)
+        return reasoning, rest
+    at = body.find(tool_start) if tool_start else -1
+    if at != -1:
+        return body[:at], body[at:]
+    return body, ""
 
 
-def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None) -> tuple[str, list[ToolCall]]:
-    """(text, calls) for hermes/qwen25 output: `<tool_call>\\n{"name", "arguments"}\\n</tool_call>`.
+def split_reasoning_for(
+    reasoning_parser: str, text: str, *, force_reasoning: bool | None = None
+) -> tuple[str | None, str]:
+    """`split_reasoning` with the rules SGLang applies to a built-in parser name."""
+    return split_reasoning(
+        text,
+        force_reasoning=bool(force_reasoning) or reasoning_parser in _ALWAYS_FORCED,
+        tool_start=_TOOL_START.get(reasoning_parser),
+    )
 
-    `tools=None` accepts any well-formed call; an empty list means the request
-    offered no tools, so there are no calls and the text stays text.
+
+# Where a call begins and ends, per name: SGLang's qwen25 detector wants the newlines.
+_CALL_MARKERS = {
+    "qwen25": (CALL_START + "\n", "\n" + CALL_END),
+    "qwen": (CALL_START + "\n", "\n" + CALL_END),
+    "hermes": (CALL_START, CALL_END),
+}
+
+
+def parse_tool_calls(text: str, tool_parser: str = "hermes") -> tuple[str, list[tuple[Any, Any]]]:
+    """(text before the first call, raw calls) for hermes/qwen25 `<tool_call>{json}</tool_call>`.
+
+    Raw calls are (name, arguments) as written; a block that is not a JSON
+    object with a name is skipped (recorder.parse_policy then keeps the text).
     """
-    if tools is not None and not tools:
+    start, end = _CALL_MARKERS[tool_parser]
+    first = text.find(start)
+    if first == -1:
         return text, []
-    allowed = tool_names(tools)
-    calls: list[ToolCall] = []
-    kept: list[str] = []
-    pos = 0
-    for match in _CALL_RE.finditer(text):
-        kept.append(text[pos : match.start()])
-        call = _tool_call(match.group(1), allowed)
-        if call is None:
-            kept.append(match.group(0))
-        else:
-            calls.append(call)
-        pos = match.end()
-    kept.append(text[pos:])
-    if not calls:
-        return text, []
-    return "\n".join(piece.strip() for piece in kept if piece.strip()), calls
-
-
-def _tool_call(body: str, allowed: set[str]) -> ToolCall | None:
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
+    calls: list[tuple[Any, Any]] = []
+    for body in re.findall(re.escape(start) + r"(.*?)" + re.escape(end), text, re.DOTALL):
         try:
-            args = json.loads(args) if args.strip() else {}
+            obj = json.loads(body)
         except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    if allowed and obj["name"] not in allowed:
-        return None
-    return ToolCall(name=obj["name"], arguments=args)
+            continue
+        if isinstance(obj, dict) and "name" in obj:
+            # `parameters` first, as SGLang reads it.
+            calls.append((obj["name"], obj.get("parameters") or obj.get("arguments", {})))
+    return text[:first], calls
 
 
 class BuiltinParser:
-    """hermes/qwen25 tool calls and qwen3 reasoning, no dependencies."""
+    """hermes/qwen25 tool calls and `<think>` reasoning, no dependencies."""
 
     def __init__(
         self,
@@ -149,39 +212,27 @@ class BuiltinParser:
         *,
         force_reasoning: bool | None = None,
     ) -> None:
-        _check_names(tool_parser, reasoning_parser, "builtin")
+        check_parser_names(tool_parser, reasoning_parser, "builtin")
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
-        self.force_reasoning = (
-            force_reasoning
-            if force_reasoning is not None
-            else reasoning_parser in _FORCED_REASONING
-        )
+        self.force_reasoning = force_reasoning
+        self.label = _label("builtin", "", tool_parser, reasoning_parser)
 
     def parse_sync(self, text: str, tools: list[dict[str, Any]] | None) -> ParsedOutput:
         reasoning: str | None = None
         if self.reasoning_parser:
-            reasoning, text = split_reasoning(text, force_reasoning=self.force_reasoning)
+            raw, rest = split_reasoning_for(
+                self.reasoning_parser, text, force_reasoning=self.force_reasoning
+            )
+            reasoning, text = settle_reasoning(raw, rest, THINK_START, output=text)
         calls: list[ToolCall] = []
-        if self.tool_parser:
-            text, calls = parse_tool_calls(text, tools)
+        if self.tool_parser and tools:
+            normal, raw = parse_tool_calls(text, self.tool_parser)
+            text, calls = settle_calls(self.tool_parser, text, normal, raw, tools)
         return ParsedOutput(reasoning=reasoning, text=text, tool_calls=calls)
 
     async def parse(self, text: str, tools: list[dict[str, Any]]) -> ParsedOutput:
         return self.parse_sync(text, tools)
-
-
-def _check_names(tool_parser: str | None, reasoning_parser: str | None, backend: str) -> None:
-    if tool_parser and tool_parser not in TOOL_PARSERS:
-        raise ValueError(
-            f"the {backend} parser knows tool parsers {', '.join(TOOL_PARSERS)}, not "
-            f"{tool_parser!r}; install sglang (backend 'sglang') or use backend 'http'"
-        )
-    if reasoning_parser and reasoning_parser not in REASONING_PARSERS:
-        raise ValueError(
-            f"the {backend} parser knows reasoning parsers {', '.join(REASONING_PARSERS)}, "
-            f"not {reasoning_parser!r}; install sglang (backend 'sglang') or use backend 'http'"
-        )
 
 
 # --------------------------------------------------------------------------
@@ -200,9 +251,11 @@ class HttpParser:
         *,
         timeout_s: float = 30,
     ) -> None:
+        check_parser_names(tool_parser, reasoning_parser, "http")
         self.engine_url = engine_url.rstrip("/")
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
+        self.label = _label(f"http {self.engine_url}", "", tool_parser, reasoning_parser)
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
 
@@ -217,15 +270,21 @@ class HttpParser:
             answer = await self._post(
                 "/separate_reasoning", {"text": text, "reasoning_parser": self.reasoning_parser}
             )
-            reasoning = answer.get("reasoning_text") or None
-            text = str(answer.get("text") or "")
+            reasoning, text = settle_reasoning(
+                answer.get("reasoning_text"),
+                str(answer.get("text") or ""),
+                THINK_START,
+                output=text,
+            )
         calls: list[ToolCall] = []
         if self.tool_parser and tools:
             answer = await self._post(
                 "/parse_function_call",
                 {"text": text, "tools": _openai_tools(tools), "tool_call_parser": self.tool_parser},
             )
-            text, calls = _calls_from_engine(text, answer, tool_names(tools))
+            raw = [(c.get("name"), c.get("parameters")) for c in answer.get("calls") or []]
+            normal = str(answer.get("normal_text") or "")
+            text, calls = settle_calls(self.tool_parser, text, normal, raw, tools)
         return ParsedOutput(reasoning=reasoning, text=text, tool_calls=calls)
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -262,30 +321,13 @@ def _openai_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _calls_from_engine(
-    text: str, answer: dict[str, Any], allowed: set[str]
-) -> tuple[str, list[ToolCall]]:
-    calls: list[ToolCall] = []
-    for raw in answer.get("calls") or []:
-        call = _tool_call(
-            json.dumps({"name": raw.get("name"), "arguments": raw.get("parameters") or "{}"}),
-            allowed,
-        )
-        if call is None:  # a call the engine accepted but we cannot use: keep the raw text
-            return text, []
-        calls.append(call)
-    if not calls:
-        return text, []
-    return str(answer.get("normal_text") or ""), calls
-
-
 # --------------------------------------------------------------------------
 # SGLang in-process parsers
 # --------------------------------------------------------------------------
 
 
 class SglangParser:
-    """SGLang's FunctionCallParser / ReasoningParser, imported lazily."""
+    """SGLang's FunctionCallParser / ReasoningParser, imported without `sglang/__init__`."""
 
     def __init__(
         self,
@@ -294,20 +336,31 @@ class SglangParser:
         *,
         force_reasoning: bool | None = None,
     ) -> None:
-        try:
-            from sglang.srt.entrypoints.openai.protocol import Function, Tool
-            from sglang.srt.function_call.function_call_parser import FunctionCallParser
-            from sglang.srt.parser.reasoning_parser import ReasoningParser
-        except ImportError as exc:
-            raise ImportError(
-                f"the sglang parser backend needs sglang importable here ({exc}); "
-                "use backend 'builtin' or 'http'"
-            ) from exc
-        self._tool_cls, self._function_cls = Tool, Function
-        self._fc_cls, self._rp_cls = FunctionCallParser, ReasoningParser
+        check_parser_names(tool_parser, reasoning_parser, "sglang")
+        self._fc_cls = sglang_compat.load(
+            "srt.function_call.function_call_parser"
+        ).FunctionCallParser
+        self._rp_cls = sglang_compat.load("srt.parser.reasoning_parser").ReasoningParser
+        protocol = sglang_compat.load("srt.entrypoints.openai.protocol")
+        self._tool_cls, self._function_cls = protocol.Tool, protocol.Function
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
         self.force_reasoning = force_reasoning
+        self.label = _label("sglang", sglang_compat.version(), tool_parser, reasoning_parser)
+        self._check_builds()
+
+    def _check_builds(self) -> None:
+        """Build each SGLang parser once now, so a name that cannot work fails at startup."""
+        try:
+            if self.tool_parser:
+                self._fc_cls(tools=[], tool_call_parser=self.tool_parser)
+            if self.reasoning_parser:
+                self._rp_cls(self.reasoning_parser, stream_reasoning=False)
+        except ValueError as exc:  # e.g. response_template without the model's template
+            raise ValueError(
+                f"SGLang cannot build the parser {self.tool_parser or self.reasoning_parser!r} "
+                f"here: {exc}"
+            ) from exc
 
     def parse_sync(self, text: str, tools: list[dict[str, Any]] | None) -> ParsedOutput:
         reasoning: str | None = None
@@ -316,9 +369,9 @@ class SglangParser:
                 {} if self.force_reasoning is None else {"force_reasoning": self.force_reasoning}
             )
             parser = self._rp_cls(self.reasoning_parser, stream_reasoning=False, **kwargs)
-            reasoning, text = parser.parse_non_stream(text)
-            reasoning = reasoning or None
-            text = text or ""
+            raw_reasoning, rest = parser.parse_non_stream(text)
+            start = getattr(parser.detector, "think_start_token", None)
+            reasoning, text = settle_reasoning(raw_reasoning, rest or "", start, output=text)
         calls: list[ToolCall] = []
         if self.tool_parser and tools:
             sg_tools = [
@@ -326,43 +379,38 @@ class SglangParser:
                 for t in _openai_tools(tools)
             ]
             fc = self._fc_cls(tools=sg_tools, tool_call_parser=self.tool_parser)
-            if fc.has_tool_call(text):
+            try:
                 normal, items = fc.parse_non_stream(text)
-                raw = {
-                    "normal_text": normal,
-                    "calls": [{"name": i.name, "parameters": i.parameters} for i in items],
-                }
-                text, calls = _calls_from_engine(text, raw, tool_names(tools))
+            except Exception:  # a detector that trips on odd output: the output stays text
+                log.warning("sglang %s parser failed; the output is kept as text", self.tool_parser)
+                normal, items = text, []
+            raw = [(item.name, item.parameters) for item in items]
+            text, calls = settle_calls(self.tool_parser, text, normal, raw, tools)
         return ParsedOutput(reasoning=reasoning, text=text, tool_calls=calls)
 
     async def parse(self, text: str, tools: list[dict[str, Any]]) -> ParsedOutput:
         return self.parse_sync(text, tools)
 
 
-def sglang_available() -> bool:
-    try:
-        import sglang.srt.function_call.function_call_parser
-        import sglang.srt.parser.reasoning_parser  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def default_backend() -> Backend:
+    """SGLang in-process when its parsers import here, else the built-in parsers."""
+    return "sglang" if sglang_compat.available() else "builtin"
 
 
 def make_parser(
     tool_parser: str | None,
     reasoning_parser: str | None,
-    backend: Backend = "auto",
+    backend: Backend,
     engine_url: str | None = None,
     *,
     force_reasoning: bool | None = None,
 ) -> OutputParser:
-    """A parser for the given SGLang parser names.
+    """A parser for the given SGLang parser names on the chosen backend.
 
-    "auto" uses sglang in-process when it imports, else the built-in parsers.
     `force_reasoning`: the output starts inside `<think>` (see `prefills_reasoning`).
+    Raises ValueError for an unknown name (naming the valid ones) or backend,
+    and `sglang_compat.SglangUnavailable` when backend 'sglang' cannot import.
     """
-    if backend == "auto":
-        backend = "sglang" if sglang_available() else "builtin"
     if backend == "builtin":
         return BuiltinParser(tool_parser, reasoning_parser, force_reasoning=force_reasoning)
     if backend == "sglang":
@@ -371,4 +419,4 @@ def make_parser(
         if not engine_url:
             raise ValueError("the http parser backend needs engine_url")
         return HttpParser(engine_url, tool_parser, reasoning_parser)
-    raise ValueError(f"unknown parser backend {backend!r}: auto, builtin, http or sglang")
+    raise ValueError(f"unknown parser backend {backend!r}: {', '.join(BACKENDS)}")

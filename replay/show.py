@@ -101,7 +101,8 @@ def describe(ev: Any) -> str:
                 f"tool_use {b.get('name')}" if b.get("type") == "tool_use" else str(b.get("type"))
                 for b in ev.content
             )
-            return f"{ev.stop_reason}: [{blocks}]"
+            parser = f"; parser {ev.parser}" if ev.parser else ""
+            return f"{ev.stop_reason}: [{blocks}]{parser}"
         case RequestRejected():
             return f"{ev.status} {ev.error_type}: {ev.message}"
         case RewardAssigned():

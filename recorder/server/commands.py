@@ -55,9 +55,10 @@ log = logging.getLogger("recorder.server")
 @click.option("--reasoning-parser", default=None, help="Reasoning parser name (e.g. qwen3).")
 @click.option(
     "--parser-backend",
-    type=click.Choice(["auto", "builtin", "http", "sglang"]),
-    default="auto",
-    show_default=True,
+    type=click.Choice(["builtin", "http", "sglang"]),
+    default=None,
+    help="Who parses the output: SGLang in-process, the engine's HTTP parsers, or the "
+    "built-in ones. Default: sglang when installed, else builtin (the log says which).",
 )
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8080, show_default=True)
@@ -132,7 +133,7 @@ def serve(
     context_length: int | None,
     tool_parser: str | None,
     reasoning_parser: str | None,
-    parser_backend: str,
+    parser_backend: str | None,
     host: str,
     port: int,
     admin_token: str | None,
@@ -152,9 +153,15 @@ def serve(
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from recorder.parsers import check_parser_names, default_backend
     from recorder.tokenizer import TokenizerLoadError, load_tokenizer
     from replay.rules import RulesError, load_rules
 
+    backend = parser_backend or default_backend()
+    try:
+        check_parser_names(tool_parser, reasoning_parser, backend)  # fail before any work
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
     try:
         tokenizer = load_tokenizer(tokenizer_path, chat_template)
         rules = load_rules(rules_spec)
@@ -166,7 +173,8 @@ def serve(
         "context_length": context_length,
         "tool_parser": tool_parser,
         "reasoning_parser": reasoning_parser,
-        "parser_backend": parser_backend,
+        "parser_backend": backend,
+        "parser_given": parser_backend is not None,
         "host": host,
         "port": port,
         "admin_token": admin_token,
@@ -214,13 +222,18 @@ async def _serve(tokenizer, rules, **s) -> None:  # type: ignore[no-untyped-def]
             engine_url=engine.urls[0],
             force_reasoning=force if s["reasoning_parser"] else None,
         )
+        log.info(
+            "output parser: %s%s",
+            parser.label,
+            "" if s["parser_given"] else " (default backend: sglang when installed, else builtin)",
+        )
         options = StoreOptions(
             piece_cache_bytes=s["piece_cache_bytes"],
             writer_page_cache_bytes=s["sqlite_cache_bytes"],
             reader_page_cache_bytes=s["sqlite_cache_bytes"] // 4,
         )
         store = await open_store(s["db_url"], create=True, options=options)
-    except (StoreError, ValueError, OSError) as exc:
+    except (StoreError, ValueError, OSError, ImportError) as exc:
         await engine.close()
         raise _StartupError(str(exc)) from exc
     except BaseException:

@@ -232,6 +232,7 @@ async def _answer(
             stop_reason=answer.stop_reason,
             usage=answer.usage,
             reasoning=answer.hidden_reasoning,
+            parser=ctx.parser.label,
         )
     )
     return answer

@@ -1,34 +1,37 @@
-"""Output parsers: built-in formats, the engine's HTTP parsers, SGLang in-process (faked)."""
+"""Output parsers without SGLang: the built-in backend, the engine's HTTP parsers, the policy,
+parser names at startup. Real SGLang is tested in test_sglang_parsers.py."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
-import types
-from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
+from recorder.parse_policy import opened_calls, settle_calls, settle_reasoning
 from recorder.parsers import (
-    BuiltinParser,
+    SGLANG_REASONING_PARSERS,
+    SGLANG_TOOL_PARSERS,
     HttpParser,
     ParsedOutput,
     ParserError,
-    SglangParser,
     ToolCall,
+    check_parser_names,
     make_parser,
-    parse_tool_calls,
     prefills_reasoning,
-    split_reasoning,
+    split_reasoning_for,
 )
+from recorder.server.commands import serve
 from recorder.tokenizer import load_tokenizer
+from tests.conftest import REPO
 from tools.test_engine import ScriptedEngine, free_port
 
 from .conftest import FIXTURE_TOKENIZER
+from .parser_corpus import FAMILIES, TOOLS, corpus
 
-TOOLS = [
-    {"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}},
-    {"name": "read_file", "input_schema": {"type": "object"}},  # Anthropic-style
-]
+BUILTIN_FAMILIES = [f for f in FAMILIES.values() if f.builtin]
 
 
 def call(name: str, args: str) -> str:
@@ -36,88 +39,112 @@ def call(name: str, args: str) -> str:
 
 
 @pytest.mark.parametrize(
-    ("text", "force", "expected"),
+    ("name", "text", "force", "expected"),
     [
-        ("<think>\nplan\n</think>\n\nanswer", False, ("plan", "answer")),
-        ("plain answer", False, (None, "plain answer")),
-        ("plan\n</think>\n\nanswer", True, ("plan", "answer")),
-        ("still thinking", True, ("still thinking", "")),
-        ("<think>\nunfinished", False, ("unfinished", "")),
-        ("\n<think>a</think>b", False, ("a", "b")),
-        ("text then <think>x</think>", False, (None, "text then <think>x</think>")),
-        ("<think>\n\n</think>\n\nok", True, ("", "ok")),
+        ("qwen3", "<think>\nplan\n</think>\n\nanswer", False, ("plan", "answer")),
+        ("qwen3", "plain answer", False, (None, "plain answer")),
+        ("qwen3", "plan\n</think>\n\nanswer", True, ("plan", "answer")),
+        ("qwen3", "still thinking", True, ("still thinking", "")),
+        ("qwen3", "<think>\nunfinished", False, ("unfinished", "")),
+        # Whitespace and repeated openers at the head of the reasoning go (policy rule 2).
+        ("qwen3", "\n<think>a</think>b", False, ("a", "b")),
+        # SGLang's rule: a `<think>` anywhere puts the output in reasoning.
+        ("qwen3", "text then <think>x</think>", False, ("text then <think>x", "")),
+        ("qwen3", "<think>\n\n</think>\n\nok", True, (None, "ok")),
+        # A call opening inside unfinished reasoning ends it (qwen3), not for deepseek-r1.
+        ("qwen3", "<think>plan\n<tool_call>x", False, ("plan", "<tool_call>x")),
+        ("deepseek-r1", "plan\n<tool_call>x", False, ("plan\n<tool_call>x", "")),
+        # These two always start inside their reasoning.
+        ("qwen3-thinking", "a</think>b", False, ("a", "b")),
+        ("deepseek-r1", "plain", False, ("plain", "")),
     ],
 )
-def test_split_reasoning(text: str, force: bool, expected: tuple[str | None, str]) -> None:
-    assert split_reasoning(text, force_reasoning=force) == expected
+def test_builtin_reasoning_split(
+    name: str, text: str, force: bool, expected: tuple[str | None, str]
+) -> None:
+    raw, rest = split_reasoning_for(name, text, force_reasoning=force)
+    assert settle_reasoning(raw, rest, "<think>", output=text) == expected
 
 
-def test_tool_calls_parse_and_keep_text() -> None:
-    text = "Let me look.\n" + call("bash", '{"cmd": "ls -la"}') + "\n" + call("read_file", "{}")
-    out, calls = parse_tool_calls(text, TOOLS)
-    assert out == "Let me look."
-    assert calls == [ToolCall("bash", {"cmd": "ls -la"}), ToolCall("read_file", {})]
+@pytest.mark.parametrize("family", BUILTIN_FAMILIES, ids=lambda f: f.tool_parser)
+async def test_builtin_corpus(family) -> None:  # type: ignore[no-untyped-def]
+    for case in corpus(family):
+        parser = make_parser(
+            family.tool_parser,
+            family.reasoning_parser,
+            "builtin",
+            force_reasoning=case.force_reasoning,
+        )
+        assert await parser.parse(case.output, TOOLS) == case.expected, case.name
+
+
+def test_policy_all_or_nothing_and_arguments() -> None:
+    text = call("bash", '{"cmd": "ls"}')
+    assert settle_calls("qwen25", text, "", [("bash", '{"cmd": "ls"}')], TOOLS) == (
+        "",
+        [ToolCall("bash", {"cmd": "ls"})],
+    )
+    # Arguments written as a JSON string holding an object are that object.
+    assert settle_calls("qwen25", text, "", [("bash", '"{\\"cmd\\": 1}"')], TOOLS)[1] == [
+        ToolCall("bash", {"cmd": 1})
+    ]
+    # A parser that found fewer calls than the model opened: everything is text.
+    two = text + "\n" + text
+    assert settle_calls("qwen25", two, "", [("bash", "{}")], TOOLS) == (two, [])
+    # Arguments that are not an object, an undeclared tool, no tools at all.
+    assert settle_calls("qwen25", text, "", [("bash", "[1]")], TOOLS) == (text, [])
+    assert settle_calls("qwen25", text, "", [("rm", "{}")], TOOLS) == (text, [])
+    assert settle_calls("qwen25", text, "", [("bash", "{}")], []) == (text, [])
+    assert opened_calls("qwen25", "x " + text + " y") is None
+    assert opened_calls("llama3", '{"name": "a"}; {"name": "b"}') == 2
+    assert opened_calls("mistral", '[TOOL_CALLS] [{"name": "a"}] trailing') is None
+    assert opened_calls("mistral", '[TOOL_CALLS]a[ARGS]{"x": 1}[TOOL_CALLS]b[ARGS]{}') == 2
+
+
+async def test_no_tools_means_no_calls() -> None:
+    parser = make_parser("qwen25", None, "builtin")
+    text = call("bash", "{}")
+    assert await parser.parse(text, []) == ParsedOutput(None, text, [])
+
+
+def test_parser_names_are_checked_for_every_backend() -> None:
+    with pytest.raises(ValueError, match=r"unknown tool parser 'llama3'.*valid: hermes, qwen"):
+        make_parser("llama3", None, "builtin")
+    with pytest.raises(ValueError, match="unknown reasoning parser 'kimi'"):
+        make_parser(None, "kimi", "builtin")
+    with pytest.raises(ValueError, match=r"unknown tool parser 'qwen2\.5'.*deepseekv3.*SGLang"):
+        make_parser("qwen2.5", None, "http", engine_url="http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="needs engine_url"):
+        make_parser("qwen25", None, "http")
+    with pytest.raises(ValueError, match="unknown parser backend"):
+        make_parser("qwen25", None, "grpc")  # type: ignore[arg-type]
+    for name in SGLANG_TOOL_PARSERS:
+        check_parser_names(name, None, "http")
+    for name in SGLANG_REASONING_PARSERS:
+        check_parser_names(None, name, "sglang")
 
 
 @pytest.mark.parametrize(
-    "bad",
+    ("args", "needle"),
     [
-        "<tool_call>\n{not json}\n</tool_call>",
-        '<tool_call>\n{"arguments": {}}\n</tool_call>',  # no name
-        call("rm_rf", "{}"),  # unknown tool
-        call("bash", "[1, 2]"),  # arguments not an object
-        call("bash", '"{broken"'),  # arguments a broken JSON string
-        '<tool_call>\n{"name": "bash", "arguments": {}}',  # unclosed (max_tokens)
+        (["--tool-parser", "qwen2.5"], "unknown tool parser 'qwen2.5'"),
+        (["--reasoning-parser", "qwen-3", "--parser-backend", "builtin"], "valid: deepseek-r1"),
     ],
 )
-def test_malformed_tool_calls_come_back_as_text(bad: str) -> None:
-    good = call("bash", '{"cmd": "pwd"}')
-    out, calls = parse_tool_calls(good + "\n" + bad, TOOLS)
-    assert calls == [ToolCall("bash", {"cmd": "pwd"})]
-    assert out == bad.strip()
-    alone, none = parse_tool_calls(bad, TOOLS)
-    assert (alone, none) == (bad, [])
-
-
-def test_string_arguments_and_parameters_key() -> None:
-    text = (
-        '<tool_call>\n{"name": "bash", "arguments": "{\\"cmd\\": \\"ls\\"}"}\n</tool_call>'
-        '<tool_call>{"name": "bash", "parameters": {"cmd": "pwd"}}</tool_call>'
+def test_serve_refuses_an_unknown_parser_name_at_startup(args: list[str], needle: str) -> None:
+    """Before any engine or store is touched: the engine URL here is never dialled."""
+    result = CliRunner().invoke(
+        serve,
+        [
+            "--engine",
+            f"http://127.0.0.1:{free_port()}",
+            "--tokenizer",
+            str(FIXTURE_TOKENIZER),
+            *args,
+        ],
     )
-    _, calls = parse_tool_calls(text, TOOLS)
-    assert calls == [ToolCall("bash", {"cmd": "ls"}), ToolCall("bash", {"cmd": "pwd"})]
-    # Without a tool list (None) every well-formed call is accepted...
-    _, calls = parse_tool_calls(call("anything", "{}"), None)
-    assert calls == [ToolCall("anything", {})]
-    # ...but `tools: []` offers none: no calls, the text stays text.
-    text, calls = parse_tool_calls(call("anything", "{}"), [])
-    assert calls == [] and text == call("anything", "{}")
-
-
-async def test_builtin_parser_combines_reasoning_and_calls() -> None:
-    parser = make_parser("qwen25", "qwen3", backend="builtin", force_reasoning=True)
-    out = await parser.parse(
-        "I need ls\n</think>\n\nRunning.\n" + call("bash", '{"cmd": "ls"}'), TOOLS
-    )
-    assert out == ParsedOutput("I need ls", "Running.", [ToolCall("bash", {"cmd": "ls"})])
-    none = await make_parser(None, None, backend="builtin").parse(
-        "<think>x</think>" + call("bash", "{}"), TOOLS
-    )
-    assert none == ParsedOutput(None, "<think>x</think>" + call("bash", "{}"), [])
-    # qwen3-thinking forces reasoning by default.
-    forced = await make_parser(None, "qwen3-thinking", backend="builtin").parse("a</think>b", [])
-    assert (forced.reasoning, forced.text) == ("a", "b")
-
-
-def test_unknown_parser_names_and_backends() -> None:
-    with pytest.raises(ValueError, match="knows tool parsers"):
-        make_parser("llama3", None, backend="builtin")
-    with pytest.raises(ValueError, match="knows reasoning parsers"):
-        make_parser(None, "kimi", backend="builtin")
-    with pytest.raises(ValueError, match="needs engine_url"):
-        make_parser("qwen25", None, backend="http")
-    with pytest.raises(ValueError, match="unknown parser backend"):
-        make_parser("qwen25", None, backend="grpc")  # type: ignore[arg-type]
+    assert result.exit_code != 0
+    assert needle in result.output
 
 
 def test_prefills_reasoning_from_templates() -> None:
@@ -129,16 +156,15 @@ def test_prefills_reasoning_from_templates() -> None:
     assert not prefills_reasoning(plain.render(msgs))
 
 
-async def test_http_backend_against_test_engine(tokenizer) -> None:
+async def test_http_backend_against_test_engine(tokenizer) -> None:  # type: ignore[no-untyped-def]
     async with ScriptedEngine(tokenizer) as engine:
-        parser = make_parser("qwen25", "qwen3", backend="http", engine_url=engine.url)
+        parser = make_parser("qwen25", "qwen3", "http", engine_url=engine.url)
         assert isinstance(parser, HttpParser)
         try:
-            text = "<think>plan</think>\n\nOK.\n" + call("read_file", '{"path": "a"}')
-            out = await parser.parse(text, TOOLS)
-            assert out == ParsedOutput("plan", "OK.", [ToolCall("read_file", {"path": "a"})])
-            bad = await parser.parse("<tool_call>\n{oops}\n</tool_call>", TOOLS)
-            assert bad == ParsedOutput(None, "<tool_call>\n{oops}\n</tool_call>", [])
+            for case in corpus(FAMILIES["qwen25"]):
+                if case.force_reasoning:
+                    continue  # /separate_reasoning takes no force flag
+                assert await parser.parse(case.output, TOOLS) == case.expected, case.name
         finally:
             await parser.close()
     down = HttpParser(f"http://127.0.0.1:{free_port()}", "qwen25", None)
@@ -149,78 +175,26 @@ async def test_http_backend_against_test_engine(tokenizer) -> None:
         await down.close()
 
 
-def _fake_sglang(monkeypatch) -> dict[str, Any]:
-    """A stand-in for sglang's parser modules (sglang is not installed here)."""
-    seen: dict[str, Any] = {}
-
-    class Function:
-        def __init__(self, name: str, **kw: Any) -> None:
-            self.name = name
-
-    class Tool:
-        def __init__(self, type: str, function: Function) -> None:
-            self.function = function
-
-    class Item:
-        def __init__(self, name: str, parameters: str) -> None:
-            self.name, self.parameters, self.tool_index = name, parameters, 0
-
-    class FunctionCallParser:
-        def __init__(self, tools: list[Tool], tool_call_parser: str) -> None:
-            seen["tools"] = [t.function.name for t in tools]
-            seen["tool_call_parser"] = tool_call_parser
-            self._builtin = BuiltinParser("qwen25", None)
-
-        def has_tool_call(self, text: str) -> bool:
-            return "<tool_call>" in text
-
-        def parse_non_stream(self, text: str) -> tuple[str, list[Item]]:
-            parsed = self._builtin.parse_sync(text, None)
-            import json
-
-            return parsed.text, [Item(c.name, json.dumps(c.arguments)) for c in parsed.tool_calls]
-
-    class ReasoningParser:
-        def __init__(self, model_type: str, stream_reasoning: bool = True, **kw: Any) -> None:
-            seen["reasoning"] = (model_type, stream_reasoning, kw)
-            self._force = kw.get("force_reasoning", False)
-
-        def parse_non_stream(self, text: str) -> tuple[str, str]:
-            reasoning, rest = split_reasoning(text, force_reasoning=self._force)
-            return reasoning or "", rest
-
-    modules = {
-        "sglang": types.ModuleType("sglang"),
-        "sglang.srt": types.ModuleType("sglang.srt"),
-        "sglang.srt.entrypoints": types.ModuleType("sglang.srt.entrypoints"),
-        "sglang.srt.entrypoints.openai": types.ModuleType("sglang.srt.entrypoints.openai"),
-        "sglang.srt.entrypoints.openai.protocol": types.ModuleType("p"),
-        "sglang.srt.function_call": types.ModuleType("sglang.srt.function_call"),
-        "sglang.srt.function_call.function_call_parser": types.ModuleType("f"),
-        "sglang.srt.parser": types.ModuleType("sglang.srt.parser"),
-        "sglang.srt.parser.reasoning_parser": types.ModuleType("r"),
-    }
-    modules["sglang.srt.entrypoints.openai.protocol"].Tool = Tool  # type: ignore[attr-defined]
-    modules["sglang.srt.entrypoints.openai.protocol"].Function = Function  # type: ignore[attr-defined]
-    modules["sglang.srt.function_call.function_call_parser"].FunctionCallParser = FunctionCallParser  # type: ignore[attr-defined]
-    modules["sglang.srt.parser.reasoning_parser"].ReasoningParser = ReasoningParser  # type: ignore[attr-defined]
-    for name, module in modules.items():
-        monkeypatch.setitem(sys.modules, name, module)
-    return seen
-
-
-async def test_sglang_backend_through_its_api(monkeypatch) -> None:
-    seen = _fake_sglang(monkeypatch)
-    parser = make_parser("qwen25", "qwen3", backend="auto", force_reasoning=True)
-    assert isinstance(parser, SglangParser)
-    out = await parser.parse("plan</think>Go.\n" + call("bash", '{"cmd": "ls"}'), TOOLS)
-    assert out == ParsedOutput("plan", "Go.", [ToolCall("bash", {"cmd": "ls"})])
-    assert seen["tools"] == ["bash", "read_file"] and seen["tool_call_parser"] == "qwen25"
-    assert seen["reasoning"] == ("qwen3", False, {"force_reasoning": True})
-
-
-def test_sglang_backend_missing_says_what_to_use(monkeypatch) -> None:
-    monkeypatch.setitem(sys.modules, "sglang", None)
-    with pytest.raises(ImportError, match="use backend 'builtin' or 'http'"):
-        make_parser("qwen25", None, backend="sglang")
-    assert isinstance(make_parser("qwen25", None, backend="auto"), BuiltinParser)
+def test_a_broken_sglang_install_is_reported_not_crashed_on(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Anything SGLang raises on import (not only ImportError) means 'unavailable', with the fix."""
+    broken = tmp_path / "sglang" / "srt" / "function_call"
+    broken.mkdir(parents=True)
+    (tmp_path / "sglang" / "__init__.py").write_text("raise SystemError('never run')\n")
+    (broken / "function_call_parser.py").write_text("raise AttributeError('triton.language')\n")
+    code = (
+        "from recorder import sglang_compat\n"
+        "from recorder.parsers import default_backend, make_parser\n"
+        "assert not sglang_compat.available()\n"
+        "assert default_backend() == 'builtin'\n"
+        "try:\n"
+        "    make_parser('qwen25', None, 'sglang')\n"
+        "except sglang_compat.SglangUnavailable as exc:\n"
+        "    print(exc)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "AttributeError: triton.language" in out.stdout
+    assert "tools/requirements-sglang-cpu.txt" in out.stdout

@@ -177,7 +177,7 @@ async def test_http_parsers(engine) -> None:
     status, body = await _post(
         engine.url, "/separate_reasoning", {"text": "x", "reasoning_parser": "nope"}
     )
-    assert status == 400 and "reasoning parsers" in body["error"]["message"]
+    assert status == 400 and "unknown reasoning parser 'nope'" in body["error"]["message"]
 
 
 def test_script_file_formats(tmp_path: Path) -> None:

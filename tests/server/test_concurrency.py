@@ -21,6 +21,8 @@ TURNS = 10
 class ExplodingParser:
     """Raises on one marker: an unexpected bug inside one session's turn."""
 
+    label = "exploding test parser"
+
     def __init__(self, inner: Any) -> None:
         self.inner = inner
 

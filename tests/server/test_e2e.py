@@ -656,6 +656,8 @@ async def test_unexpected_error_is_contained_to_its_session(harness: Harness) ->
     h = harness
 
     class Exploding:
+        label = "exploding test parser"
+
         def __init__(self, inner: Any) -> None:
             self.inner = inner
 
@@ -690,6 +692,8 @@ async def test_a_failure_while_recording_a_failure_still_answers(harness: Harnes
     message = "bad {json} %s %(x)s"
 
     class Exploding:
+        label = "exploding test parser"
+
         def __init__(self, inner: Any) -> None:
             self.inner = inner
 

@@ -23,19 +23,10 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
-from recorder.parsers import BuiltinParser
+from recorder.parsers import check_parser_names, parse_tool_calls, split_reasoning_for
 from recorder.tokenizer import Tokenizer
 
-# Sampling keys SGLang accepts; any other key is a 400 (as in SGLang 0.5.23).
-KNOWN_SAMPLING_KEYS = frozenset(
-    {
-        "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
-        "stop", "stop_token_ids", "stop_regex", "ignore_eos", "skip_special_tokens",
-        "spaces_between_special_tokens", "no_stop_trim", "repetition_penalty",
-        "frequency_penalty", "presence_penalty", "n", "json_schema", "regex", "ebnf",
-        "structural_tag", "custom_params", "stream_interval", "logit_bias", "sampling_seed",
-    }
-)  # fmt: skip
+from .contract import contract_error
 
 
 class Fault(msgspec.Struct, kw_only=True):
@@ -227,40 +218,37 @@ class EngineCore:
     # -- /generate ----------------------------------------------------------
 
     def parse_request(self, body: Any) -> GenRequest:
-        if isinstance(body, dict) and "text" in body and "input_ids" not in body:
+        """The request, or BadRequest for what SGLang refuses (its contract, see contract.py)
+        and for what a test engine cannot do (text prompts, streaming)."""
+        error = contract_error(body)
+        if error is not None:
+            raise BadRequest(error)
+        if "text" in body and "input_ids" not in body:
             raise BadRequest("the test engine takes input_ids, not text")
-        if not isinstance(body, dict) or not isinstance(body.get("input_ids"), list):
-            raise BadRequest("body must be a JSON object with input_ids")
+        ids = body.get("input_ids")
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            raise BadRequest("the test engine takes one prompt: input_ids as a list of ints")
         if body.get("stream"):
             raise BadRequest("the test engine does not stream; send stream=false")
         sp = body.get("sampling_params") or {}
         if not isinstance(sp, dict):
-            raise BadRequest("sampling_params must be an object")
-        unknown = sorted(set(sp) - KNOWN_SAMPLING_KEYS)
-        if unknown:
-            raise BadRequest(f"unknown sampling_params: {', '.join(unknown)}")
+            raise BadRequest("the test engine takes one sampling_params object")
+        # `null` means SGLang's default, as the contract says.
         stop = sp.get("stop") or ()
-        try:
-            return msgspec.convert(
-                {
-                    "rid": str(body.get("rid") or uuid.uuid4().hex),
-                    "input_ids": body["input_ids"],
-                    "max_new_tokens": sp.get("max_new_tokens", 128),
-                    "temperature": sp.get("temperature", 1.0),
-                    "top_p": sp.get("top_p", 1.0),
-                    "top_k": sp.get("top_k", -1),
-                    "stop": [stop] if isinstance(stop, str) else list(stop),
-                    "stop_token_ids": list(sp.get("stop_token_ids") or ()),
-                    "ignore_eos": bool(sp.get("ignore_eos", False)),
-                    "return_logprob": bool(body.get("return_logprob", False)),
-                    "return_routed_experts": bool(body.get("return_routed_experts", False)),
-                    "json_schema": sp.get("json_schema"),
-                },
-                GenRequest,
-                strict=False,
-            )
-        except msgspec.ValidationError as exc:
-            raise BadRequest(f"invalid request: {exc}") from exc
+        return GenRequest(
+            rid=str(body.get("rid") or uuid.uuid4().hex),
+            input_ids=ids,
+            max_new_tokens=_given(sp, "max_new_tokens", 128),
+            temperature=float(_given(sp, "temperature", 1.0)),
+            top_p=float(_given(sp, "top_p", 1.0)),
+            top_k=_given(sp, "top_k", -1),
+            stop=(stop,) if isinstance(stop, str) else tuple(stop),
+            stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
+            ignore_eos=_given(sp, "ignore_eos", False),
+            return_logprob=bool(body.get("return_logprob")),
+            return_routed_experts=bool(body.get("return_routed_experts")),
+            json_schema=sp.get("json_schema"),
+        )
 
     def check_context(self, req: GenRequest) -> None:
         n = len(req.input_ids)
@@ -446,6 +434,11 @@ async def _sleep_unless(event: asyncio.Event, seconds: float) -> None:
         await asyncio.wait_for(event.wait(), seconds)
 
 
+def _given(params: dict[str, Any], key: str, default: Any) -> Any:
+    value = params.get(key)
+    return default if value is None else value
+
+
 # --------------------------------------------------------------------------
 # aiohttp application
 # --------------------------------------------------------------------------
@@ -536,26 +529,27 @@ class _Endpoints:
     # -- output parsers ---------------------------------------------------------
 
     async def parse_function_call(self, request: web.Request) -> web.Response:
+        """SGLang's raw split (text before the calls, calls of known tools); policy is the
+        recorder's job (recorder.parse_policy)."""
         body = await _json_body(request)
         tools = body.get("tools") or []
-        parser = BuiltinParser(body.get("tool_call_parser") or self.core.tool_call_parser, None)
-        parsed = parser.parse_sync(str(body.get("text") or ""), tools)
+        parser = body.get("tool_call_parser") or self.core.tool_call_parser or "hermes"
+        check_parser_names(parser, None, "builtin")
+        normal, raw = parse_tool_calls(str(body.get("text") or ""), parser)
         index = {name: i for i, name in enumerate(_tool_name_list(tools))}
         calls = [
-            {
-                "tool_index": index.get(c.name, -1),
-                "name": c.name,
-                "parameters": json.dumps(c.arguments, ensure_ascii=False),
-            }
-            for c in parsed.tool_calls
+            {"tool_index": index[name], "name": name, "parameters": json.dumps(args)}
+            for name, args in raw
+            if isinstance(name, str) and name in index
         ]
-        return web.json_response({"normal_text": parsed.text, "calls": calls})
+        return web.json_response({"normal_text": normal.strip(), "calls": calls})
 
     async def separate_reasoning(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
-        parser = BuiltinParser(None, body.get("reasoning_parser") or self.core.reasoning_parser)
-        parsed = parser.parse_sync(str(body.get("text") or ""), None)
-        return web.json_response({"reasoning_text": parsed.reasoning or "", "text": parsed.text})
+        name = body.get("reasoning_parser") or self.core.reasoning_parser
+        check_parser_names(None, name, "builtin")
+        reasoning, text = split_reasoning_for(name, str(body.get("text") or ""))
+        return web.json_response({"reasoning_text": reasoning or "", "text": text})
 
 
 def build_app(core: EngineCore) -> web.Application:
