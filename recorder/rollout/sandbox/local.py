@@ -1,0 +1,345 @@
+"""The local sandbox backend (the default): a temporary directory and process groups.
+
+A sandbox is a fresh directory (its `workdir`) that `kill` removes. Every
+command runs in its own process group (`start_new_session`), so a timeout or a
+kill reaches the command and everything it started. Every process also carries
+`TR_SANDBOX_ID` in its environment; `kill` sweeps the process table for that
+mark, so even a process that left its group (`setsid`, a daemon) dies with the
+sandbox: nothing is left behind.
+
+Semantics shared with the E2B backend (`tests/rollout/test_sandbox_suite.py`):
+`exec` ends when its command ends, and whatever the command left running in
+its group is killed then (use `start` for a server). Commands inherit the
+host's environment, then the spec's `env`, then the command's own `env`.
+
+This is isolation by directory and process group, not a security boundary: a
+command can read and write anything the user running the driver can.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import contextlib
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO
+
+from recorder.rollout.sandbox.base import (
+    CommandHandle,
+    CommandTimeout,
+    ExecResult,
+    OutputCallback,
+    Sandbox,
+    SandboxBootError,
+    SandboxGone,
+    SandboxSpec,
+)
+
+MARK = "TR_SANDBOX_ID"  # in every command's environment; `kill` sweeps for it
+COMMAND_MARK = "TR_SANDBOX_COMMAND"  # one per command: what a finished `exec` left is swept
+_CHUNK = 65536
+# How long a finished command's pipes may take to close once its group is killed,
+# before the process table is searched for an escaped holder (a few ms in practice).
+_PIPE_GRACE_S = 0.2
+
+
+class _Output:
+    """One output pipe read in order: each chunk goes to the callback, then to the total."""
+
+    def __init__(self, pipe: IO[bytes], callback: OutputCallback | None) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._parts: list[str] = []
+        self._callback = callback
+        self.task = asyncio.ensure_future(self._pump(pipe))
+
+    async def _pump(self, pipe: IO[bytes]) -> None:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=_CHUNK)
+        transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), pipe
+        )
+        try:
+            while chunk := await reader.read(_CHUNK):
+                self._emit(self._decoder.decode(chunk))
+            self._emit(self._decoder.decode(b"", final=True))
+        finally:
+            transport.close()
+
+    def _emit(self, text: str) -> None:
+        if not text:
+            return
+        self._parts.append(text)
+        if self._callback is not None:
+            self._callback(text)
+
+    def text(self) -> str:
+        return "".join(self._parts)
+
+
+def _exited(proc: subprocess.Popen[bytes]) -> asyncio.Future[int]:
+    """A future of the exit code that resolves when the process ends, pipes or not.
+
+    asyncio's own `Process.wait()` also waits for the pipes to close, which a
+    grandchild that outlives the command keeps open; a pidfd (Linux >= 5.3)
+    tells the exit alone. Elsewhere a dedicated thread waits.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[int] = loop.create_future()
+
+    def resolve(code: int) -> None:
+        if not future.done():
+            future.set_result(code)
+
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        threading.Thread(
+            target=lambda: loop.call_soon_threadsafe(resolve, proc.wait()), daemon=True
+        ).start()
+        return future
+
+    def ready() -> None:
+        loop.remove_reader(fd)
+        os.close(fd)
+        resolve(proc.wait())
+
+    loop.add_reader(fd, ready)
+    return future
+
+
+class LocalHandle(CommandHandle):
+    """A running command: its process is the leader of its own process group."""
+
+    def __init__(
+        self,
+        cmd: str,
+        mark: str,
+        proc: subprocess.Popen[bytes],
+        on_stdout: OutputCallback | None,
+        on_stderr: OutputCallback | None,
+    ) -> None:
+        assert proc.stdout is not None and proc.stderr is not None
+        self._cmd = cmd
+        self._mark = mark
+        self._proc = proc
+        self._started = time.monotonic()
+        self._out = _Output(proc.stdout, on_stdout)
+        self._err = _Output(proc.stderr, on_stderr)
+        self._done = asyncio.ensure_future(self._finish(_exited(proc)))
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def running(self) -> bool:
+        return not self._done.done()
+
+    async def _finish(self, exited: asyncio.Future[int]) -> ExecResult:
+        code = await exited
+        # What the command left running would hold the pipes open forever: kill its
+        # group, and if a process escaped the group (setsid), find it by its mark.
+        self._signal_group()
+        readers = (self._out.task, self._err.task)
+        _, pending = await asyncio.wait(readers, timeout=_PIPE_GRACE_S)
+        if pending:
+            await asyncio.to_thread(_sweep, COMMAND_MARK, self._mark)
+        await asyncio.gather(*readers)
+        return ExecResult(
+            exit_code=code,
+            stdout=self._out.text(),
+            stderr=self._err.text(),
+            duration_s=time.monotonic() - self._started,
+        )
+
+    def _signal_group(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._proc.pid, signal.SIGKILL)
+
+    async def wait(self, timeout_s: float | None = None) -> ExecResult:
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._done), timeout_s)
+        except TimeoutError:
+            await self.kill()
+            raise CommandTimeout(self._cmd, timeout_s or 0.0) from None
+
+    async def kill(self) -> None:
+        if self._done.done():
+            return
+        self._signal_group()
+        with contextlib.suppress(Exception):
+            await asyncio.shield(self._done)
+
+
+class LocalSandbox(Sandbox):
+    """A temporary directory plus the process groups of the commands run in it."""
+
+    def __init__(self, spec: SandboxSpec, workdir: Path) -> None:
+        self.id = workdir.name
+        self.workdir = str(workdir)
+        self._spec = spec
+        self._handles: list[LocalHandle] = []
+        self._commands = 0
+        self._gone = False
+        self._expiry = asyncio.get_running_loop().call_later(spec.timeout_s, self._expire)
+        self._reaper: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def create(cls, spec: SandboxSpec) -> LocalSandbox:
+        """A fresh directory under `options["root"]` (default: the system's temp dir)."""
+        root = spec.options.get("root")
+        try:
+            workdir = Path(tempfile.mkdtemp(prefix=f"tr-sbx-{uuid.uuid4().hex[:8]}-", dir=root))
+        except OSError as exc:
+            raise SandboxBootError(
+                f"cannot create a local sandbox directory under {root or tempfile.gettempdir()}: "
+                f"{exc}; set options['root'] to a writable directory"
+            ) from exc
+        return cls(spec, workdir)
+
+    # -- commands ---------------------------------------------------------------------------
+
+    def _check(self) -> None:
+        if self._gone:
+            raise SandboxGone(f"local sandbox {self.id} was killed or expired; open a new one")
+
+    def _env(self, env: Mapping[str, str] | None, mark: str) -> dict[str, str]:
+        return {**os.environ, **self._spec.env, **(env or {}), MARK: self.id, COMMAND_MARK: mark}
+
+    def _cwd(self, cwd: str | None) -> str:
+        return str(Path(self.workdir, cwd)) if cwd else self.workdir
+
+    async def start(
+        self,
+        cmd: str,
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+    ) -> LocalHandle:
+        self._check()
+        self._commands += 1
+        mark = f"{self.id}.{self._commands}"
+        try:
+            proc = subprocess.Popen(
+                ["/bin/sh", "-c", cmd],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=self._cwd(cwd),
+                env=self._env(env, mark),
+                start_new_session=True,
+            )
+        except FileNotFoundError as exc:  # the cwd does not exist
+            raise FileNotFoundError(f"cannot run in {self._cwd(cwd)}: {exc}") from exc
+        handle = LocalHandle(cmd, mark, proc, on_stdout, on_stderr)
+        self._handles = [h for h in self._handles if h.running]
+        self._handles.append(handle)
+        return handle
+
+    async def exec(
+        self,
+        cmd: str,
+        *,
+        timeout_s: float = 120.0,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+    ) -> ExecResult:
+        handle = await self.start(cmd, cwd=cwd, env=env, on_stdout=on_stdout, on_stderr=on_stderr)
+        return await handle.wait(timeout_s)
+
+    # -- files ------------------------------------------------------------------------------
+
+    def _path(self, path: str) -> Path:
+        return Path(self.workdir, path)  # an absolute `path` stays as it is
+
+    async def write_file(self, path: str, data: bytes | str) -> None:
+        self._check()
+        raw = data.encode() if isinstance(data, str) else data
+        await asyncio.to_thread(_write, self._path(path), raw)
+
+    async def read_file(self, path: str) -> bytes:
+        self._check()
+        return await asyncio.to_thread(self._path(path).read_bytes)
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    def _expire(self) -> None:
+        """The spec's lifetime ran out: remove the sandbox as E2B would."""
+        self._reaper = asyncio.ensure_future(self.kill())
+
+    async def kill(self) -> None:
+        if self._gone:
+            return
+        self._gone = True
+        self._expiry.cancel()
+        handles, self._handles = self._handles, []
+        await asyncio.gather(*(h.kill() for h in handles))
+        await asyncio.to_thread(_sweep, MARK, self.id)
+        await asyncio.to_thread(_remove_tree, Path(self.workdir))
+
+
+def _write(path: Path, raw: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(raw)
+
+
+def marked_pids(sandbox_id: str, name: str = MARK) -> list[int]:
+    """Processes whose environment has `name=sandbox_id` (Linux /proc; [] elsewhere)."""
+    needle = f"{name}={sandbox_id}".encode()
+    found: list[int] = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/environ", "rb") as f:
+                    environ = f.read()
+            except OSError:  # gone meanwhile, or not ours
+                continue
+            if needle in environ.split(b"\0"):
+                found.append(int(entry.name))
+    return found
+
+
+def _sweep(name: str, value: str) -> None:
+    """Kill every process that still carries the mark, until none is left (they may fork)."""
+    for _ in range(20):
+        pids = marked_pids(value, name)
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+
+
+def _remove_tree(path: Path) -> None:
+    """rmtree that also removes what a command made read-only (e.g. a Go module cache)."""
+
+    def retry(func, p, _exc):  # type: ignore[no-untyped-def]
+        with contextlib.suppress(OSError):
+            os.chmod(os.path.dirname(p), stat.S_IRWXU)
+            os.chmod(p, stat.S_IRWXU)
+        func(p)
+
+    if not path.exists():
+        return
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=retry)
+    else:
+        shutil.rmtree(path, onerror=retry)
