@@ -24,12 +24,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import msgspec
 
 from recorder.rollout.sandbox.base import SandboxSpec
+from recorder.rollout.tasks import DEFAULT_TEST_CMD
 from replay.samples import Sample
 
 log = logging.getLogger(__name__)
@@ -158,15 +160,21 @@ _ROW_KEYS: dict[str, tuple[str, ...]] = {
     "repo": ("repo",),
     "base_commit": ("base_commit",),
     "problem_statement": ("problem_statement",),
-    "image": ("image", "image_url"),
-    "workdir": ("workdir",),
     "setup": ("setup", "pre_commands"),
     "eval_cmd": ("eval_cmd",),
     "eval_script": ("eval_script",),
     "FAIL_TO_PASS": ("FAIL_TO_PASS",),
     "PASS_TO_PASS": ("PASS_TO_PASS",),
+    "test_cmd": ("test_cmd",),
     "test_patch": ("test_patch",),
+    "f2p_script": ("f2p_script",),
+    "reward": ("reward_mode",),
+    "eval_timeout_s": ("eval_timeout_s",),
+    "setup_timeout_s": ("setup_timeout_s",),
+    "image": ("image", "image_url"),
+    "workdir": ("workdir",),
 }
+_GITHUB_SLUG = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
 def prompt_text(prompt: Any) -> str:
@@ -186,6 +194,53 @@ def prompt_text(prompt: Any) -> str:
     return ""
 
 
+def _lookup(row: Mapping[str, Any]) -> dict[str, Any]:
+    remote = row.get("remote_env_info")
+    remote = remote if isinstance(remote, Mapping) else {}
+    found: dict[str, Any] = {}
+    for field, keys in _ROW_KEYS.items():
+        for source in (row, remote):
+            value = next((source[k] for k in keys if source.get(k) not in (None, "")), None)
+            if value is not None:
+                found[field] = value
+                break
+    return found
+
+
+def _as_list(value: Any) -> list[str]:
+    """A list of strings from a list, a JSON-encoded list (SWE-bench) or lines of text."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            return [str(v) for v in json.loads(text)]
+        return [line for line in text.replace("\\n", "\n").splitlines() if line.strip()]
+    return [str(v) for v in value]
+
+
+def _grader(f: dict[str, Any]) -> dict[str, Any]:
+    """Exactly one grader, by precedence: eval_cmd, eval_script, tests, f2p_script."""
+    if f.get("eval_cmd"):
+        return {"eval_cmd": str(f["eval_cmd"])}
+    if f.get("eval_script"):
+        return {"eval_script": str(f["eval_script"])}
+    if f.get("FAIL_TO_PASS") or f.get("PASS_TO_PASS"):
+        cmd = str(f.get("test_cmd") or DEFAULT_TEST_CMD)
+        if f.get("test_patch"):
+            # SWE-bench's tests arrive as a patch applied on top of the agent's diff.
+            cmd = f"git apply - <<'TR_TEST_PATCH'\n{f['test_patch']}\nTR_TEST_PATCH\n{cmd}"
+        return {
+            "tests": {
+                "FAIL_TO_PASS": _as_list(f.get("FAIL_TO_PASS") or []),
+                "PASS_TO_PASS": _as_list(f.get("PASS_TO_PASS") or []),
+                "cmd": cmd,
+            }
+        }
+    if f.get("f2p_script"):
+        # A self-contained pytest file ending in sys.exit(pytest.main(...)).
+        return {"eval_script": f"python3 - <<'TR_F2P'\n{f['f2p_script']}\nTR_F2P\n"}
+    return {}
+
+
 def task_row(
     row: Mapping[str, Any] | None, *, prompt: Any = None, label: Any = None
 ) -> dict[str, Any]:
@@ -193,27 +248,35 @@ def task_row(
 
     Three layouts, compatible with slime's coding-agent datasets:
     - `row["task"]`: a dict in task_from_dict's own layout, used as is;
-    - flat: the task fields at the row's top level (scaleswe shape);
-    - `row["remote_env_info"]`: the same fields one level down (SWE-bench shape;
-      `image_url` for `image`, `pre_commands` for `setup`).
+    - flat: the fields at the row's top level (scaleswe shape): instance_id,
+      repo, base_commit, problem_statement, setup | pre_commands, one grader
+      (eval_cmd | eval_script | FAIL_TO_PASS + PASS_TO_PASS [+ test_cmd,
+      test_patch]), image | image_url, workdir;
+    - `row["remote_env_info"]`: the same fields one level down (SWE-bench
+      shape; `f2p_script`, a self-contained pytest file, is a grader too).
     Flat keys win over remote_env_info. A missing problem statement falls back
-    to the prompt's user text; a missing instance id to a short string label.
+    to the prompt's user text, a missing instance id to a short string label; a
+    `owner/name` repo is a GitHub URL. `image` and `workdir` go to the task's
+    metadata (`sandbox_template` picks the image up).
     """
     row = dict(row or {})
     if isinstance(row.get("task"), Mapping):
         out = dict(row["task"])
     else:
-        remote = row.get("remote_env_info")
-        remote = remote if isinstance(remote, Mapping) else {}
-        out = {}
-        for field, keys in _ROW_KEYS.items():
-            for source in (row, remote):
-                value = next((source[k] for k in keys if source.get(k) not in (None, "")), None)
-                if value is not None:
-                    out[field] = value
-                    break
-        if "eval_script" not in out and remote.get("f2p_script"):
-            out["eval_script"] = remote["f2p_script"]
+        f = _lookup(row)
+        out = {
+            k: f[k] for k in ("instance_id", "repo", "base_commit", "problem_statement") if k in f
+        }
+        out = {k: str(v) for k, v in out.items()}
+        if _GITHUB_SLUG.match(out.get("repo", "")):
+            out["repo"] = f"https://github.com/{out['repo']}.git"
+        if "setup" in f:
+            out["setup"] = _as_list(f["setup"])
+        for k in ("reward", "eval_timeout_s", "setup_timeout_s"):
+            if k in f:
+                out[k] = f[k]
+        out.update(_grader(f))
+        out["metadata"] = {k: f[k] for k in ("image", "workdir") if k in f}
     if not out.get("problem_statement"):
         text = prompt_text(prompt)
         if text:
@@ -221,6 +284,14 @@ def task_row(
     if not out.get("instance_id") and isinstance(label, str) and 0 < len(label) < 256:
         out["instance_id"] = label
     return out
+
+
+def sandbox_for(settings: HookSettings, task: Mapping[str, Any]) -> SandboxSpec:
+    """The settings' sandbox, booted from the row's own image when it names one."""
+    image = (task.get("metadata") or {}).get("image")
+    if image and settings.sandbox.backend != "local":
+        return msgspec.structs.replace(settings.sandbox, template=str(image))
+    return settings.sandbox
 
 
 # -- one rollout --------------------------------------------------------------------
@@ -280,7 +351,8 @@ async def run_one(
     the trainer cancelled us. `run` replaces `run_rollout` (tests only).
     """
     try:
-        from recorder.rollout.driver import AgentSpec, RolloutRequest, run_rollout
+        from recorder.rollout.agent import AgentSpec
+        from recorder.rollout.driver import RolloutRequest
         from recorder.rollout.tasks import task_from_dict
 
         request = RolloutRequest(
@@ -291,13 +363,15 @@ async def run_one(
             recorder_url=settings.recorder_url,
             agent_base_url=settings.agent_base_url,
             admin_token=settings.admin_token,
-            sandbox=settings.sandbox,
+            sandbox=sandbox_for(settings, task),
             agent=msgspec.convert(settings.agent, AgentSpec),
             wall_budget_s=settings.wall_budget_s,
             turn_budget=settings.turn_budget,
             session_metadata={**settings.session_metadata, **session_metadata},
         )
-        return await (run or run_rollout)(request)
+        if run is None:
+            from recorder.rollout.driver import run_rollout as run
+        return await run(request)
     except Exception as exc:  # a hook must never raise into the trainer
         cause = f"{type(exc).__name__}: {exc}"[:500]
         log.warning("rollout not run (%s); returning an infrastructure failure", cause)
