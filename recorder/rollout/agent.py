@@ -1,11 +1,34 @@
-"""The agent: a CLI coding agent (Claude Code by default) run headless in the sandbox."""
+"""The agent: a CLI coding agent (Claude Code by default) run headless in the sandbox.
+
+The agent is pointed at the recorder (`ANTHROPIC_BASE_URL` = the recorder as
+the *sandbox* reaches it, `ANTHROPIC_AUTH_TOKEN` = the session id), with
+nonessential traffic, telemetry and the auto-updater off, `IS_SANDBOX=1` (so
+`--dangerously-skip-permissions` runs as root) and a `HOME` inside the sandbox
+(parallel agents never share a config file). The CLI is found in the sandbox
+or npm-installed there, pinned. `command` is a template, so another CLI agent
+can be dropped in.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import posixpath
+import shlex
+from pathlib import Path
+from typing import Any
+
 import msgspec
+
+from recorder.rollout.errors import InfraError
+from recorder.rollout.sandbox import CommandTimeout, Sandbox
+from recorder.rollout.workspace import tail
 
 CLAUDE_CODE_PACKAGE = "@anthropic-ai/claude-code"
 CLAUDE_CODE_VERSION = "2.1.197"
+# The repository's own pinned install (tools/setup.sh): the local sandbox's default.
+REPO_CLI = Path(__file__).resolve().parents[2] / "tools" / "claude-code" / "node_modules" / ".bin"
+NO_TURN_LIMIT = 100_000
 
 
 class AgentSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -21,3 +44,139 @@ class AgentSpec(msgspec.Struct, frozen=True, kw_only=True):
     version: str = CLAUDE_CODE_VERSION
     install: bool = True  # npm-install `package@version` when the CLI is missing
     env: dict[str, str] = {}
+    # The agent's own retries of a failed API call (Claude Code retries a 529 ten
+    # times with backoff by default: minutes before a dead engine is noticed).
+    max_retries: int = 2
+
+
+class AgentRun(msgspec.Struct, frozen=True, kw_only=True):
+    """How the agent ended: `stop` is "exited" or "wall_budget" (killed at the deadline)."""
+
+    stop: str
+    exit_code: int | None
+    duration_s: float
+    result: dict[str, Any] = {}  # the CLI's final `result` record (stream-json), if any
+    output_tail: str = ""
+
+    @property
+    def api_error(self) -> str | None:
+        """The API error the agent ended on, if it ended on one."""
+        text = str(self.result.get("result", ""))
+        if self.result.get("is_error") and "API Error" in text:
+            return text
+        return None
+
+
+def local_binary() -> str | None:
+    """The CLI for the local sandbox: $TR_CLAUDE_BIN, else the repository's tools/claude-code."""
+    found = os.environ.get("TR_CLAUDE_BIN")
+    if found:
+        return found
+    cli = REPO_CLI / "claude"
+    return str(cli) if cli.exists() else None
+
+
+async def ensure_agent(sb: Sandbox, spec: AgentSpec) -> str:
+    """The agent CLI's path in the sandbox, installing `package@version` when it is missing."""
+    name = posixpath.basename(spec.binary or "claude")
+    probe = f"test -x {shlex.quote(spec.binary)}" if spec.binary else f"command -v {name}"
+    found = await sb.exec(probe, timeout_s=60)
+    if found.exit_code == 0:
+        return spec.binary or found.stdout.strip()
+    if not spec.install:
+        raise InfraError(
+            "agent_install", f"the agent CLI {spec.binary or name} is not in the sandbox"
+        )
+    prefix = posixpath.join(sb.workdir, ".agent")
+    installed = await sb.exec(
+        f"npm install --silent --no-audit --no-fund --prefix {shlex.quote(prefix)} "
+        f"{shlex.quote(f'{spec.package}@{spec.version}')}",
+        timeout_s=900,
+    )
+    binary = posixpath.join(prefix, "node_modules", ".bin", name)
+    if installed.exit_code != 0:
+        raise InfraError(
+            "agent_install",
+            f"npm install {spec.package}@{spec.version} failed: {tail(installed.stderr, 800)}; "
+            "use a sandbox image with node/npm, or set AgentSpec.binary",
+        )
+    return binary
+
+
+def agent_env(sb: Sandbox, spec: AgentSpec, *, base_url: str, session_id: str) -> dict[str, str]:
+    home = posixpath.join(sb.workdir, "home")
+    return {
+        "HOME": home,
+        "ANTHROPIC_BASE_URL": base_url,
+        "ANTHROPIC_AUTH_TOKEN": session_id,
+        # Either header carries the session id (a host key must never leak through).
+        "ANTHROPIC_API_KEY": session_id,
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_TELEMETRY": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "DISABLE_ERROR_REPORTING": "1",
+        "IS_SANDBOX": "1",
+        "CLAUDE_CODE_MAX_RETRIES": str(spec.max_retries),
+        **spec.env,
+    }
+
+
+def agent_command(spec: AgentSpec, *, binary: str, prompt_file: str, max_turns: int | None) -> str:
+    return spec.command.format(
+        agent=shlex.quote(binary),
+        prompt_file=shlex.quote(prompt_file),
+        max_turns=max_turns if max_turns is not None else NO_TURN_LIMIT,
+    )
+
+
+def parse_agent_result(stdout: str) -> dict[str, Any]:
+    """The last `{"type": "result", ...}` record of a stream-json transcript ({} if none)."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith("{") and '"result"' in line:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and record.get("type") == "result":
+                return {k: record.get(k) for k in ("subtype", "is_error", "num_turns", "result")}
+    return {}
+
+
+async def run_agent(
+    sb: Sandbox,
+    spec: AgentSpec,
+    *,
+    binary: str,
+    repo: str,
+    prompt: str,
+    env: dict[str, str],
+    timeout_s: float,
+    max_turns: int | None,
+) -> AgentRun:
+    """Run the agent to its end, or kill it when `timeout_s` runs out."""
+    prompt_file = posixpath.join(sb.workdir, "prompt.txt")
+    await sb.write_file(prompt_file, prompt)
+    await sb.exec(f"mkdir -p {shlex.quote(env['HOME'])}", timeout_s=30)
+    cmd = agent_command(spec, binary=binary, prompt_file=prompt_file, max_turns=max_turns)
+    out: list[str] = []
+    handle = await sb.start(cmd, cwd=repo, env=env, on_stdout=out.append)
+    try:
+        result = await handle.wait(max(timeout_s, 0.0))
+    except CommandTimeout:
+        text = "".join(out)
+        return AgentRun(
+            stop="wall_budget",
+            exit_code=None,
+            duration_s=timeout_s,
+            result=parse_agent_result(text),
+            output_tail=tail(text),
+        )
+    finally:
+        await handle.kill()
+    return AgentRun(
+        stop="exited",
+        exit_code=result.exit_code,
+        duration_s=result.duration_s,
+        result=parse_agent_result(result.stdout),
+        output_tail=tail(result.stdout + result.stderr),
+    )

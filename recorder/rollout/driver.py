@@ -2,20 +2,53 @@
 
 `run_rollout(RolloutRequest) -> RolloutResult` takes and returns plain,
 serialisable msgspec Structs, so a trainer's workers (Ray actors in slime and
-verl) can run it anywhere that reaches the recorder over HTTP. `run_group`
-runs a GRPO group's samples concurrently with per-trajectory isolation.
+verl) can run it anywhere that reaches the recorder over HTTP. The story of
+one rollout, each step also appended to the session's log as a SandboxEvent
+(`replay show` prints it):
+
+    open session (sampling forced, turn cap)   sandbox_created (agent)
+    repo checked out at base_commit, setup     agent_started ... agent_finished
+    diff_taken, agent sandbox killed           sandbox_created (eval): a FRESH one
+    patch applied, grader run: eval_result     close with reward and evidence
+
+`run_rollout` never raises (except CancelledError, after cleanup): a policy
+failure is reward 0, an infrastructure failure (`errors.InfraError`) closes
+the session `aborted`, whose samples are the reducer's same-shape
+placeholders. `run_group` runs a GRPO group with per-trajectory isolation.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import re
+import time
+import traceback
+import uuid
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import msgspec
 
-from recorder.rollout.agent import AgentSpec
-from recorder.rollout.sandbox import SandboxSpec
+from recorder.rollout.agent import AgentRun, AgentSpec, agent_env, ensure_agent, run_agent
+from recorder.rollout.client import RecorderClient, RecorderError, RolloutEvent
+from recorder.rollout.errors import InfraError
+from recorder.rollout.evaluate import Grade, run_grader
+from recorder.rollout.sandbox import (
+    CommandTimeout,
+    Sandbox,
+    SandboxBootError,
+    SandboxError,
+    SandboxSpec,
+    open_sandbox,
+)
 from recorder.rollout.tasks import Task
+from recorder.rollout.workspace import apply_patch, checkout, run_setup, tail, take_diff
+from replay.placeholders import minimal_sample
 from replay.samples import Sample
+
+log = logging.getLogger("recorder.rollout")
 
 Outcome = str  # "passed" | "failed" | "infra_error"
 
@@ -47,3 +80,334 @@ class RolloutResult(msgspec.Struct, frozen=True, kw_only=True):
     evidence: dict[str, Any] = {}  # tests passed/failed, exit code, output tail
     turns: int = 0
     timings: dict[str, float] = {}  # agent_s, eval_s, total_s, ...
+
+
+def session_id_for(req: RolloutRequest) -> str:
+    """A readable, unique session id (it travels as a bearer token: a safe alphabet)."""
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", req.task.instance_id)[:120].strip("-") or "task"
+    return f"ro-{slug}-g{req.group_index}-s{req.sample_index}-{uuid.uuid4().hex[:8]}"
+
+
+def placeholder_result(
+    req: RolloutRequest, session_id: str | None, cause: str, message: str, **kw: Any
+) -> RolloutResult:
+    """The result of a rollout whose recorder could not even close it: one minimal sample."""
+    sample = minimal_sample(
+        0,
+        session_id=session_id or "",
+        rollout_id=session_id or "",
+        reason=cause,
+        metadata={"instance_id": req.task.instance_id, "group_index": req.group_index},
+    )
+    return RolloutResult(
+        session_id=session_id,
+        outcome="infra_error",
+        reward=0.0,
+        samples=[sample],
+        infra_cause=cause,
+        evidence={"error": message[-2000:]},
+        **kw,
+    )
+
+
+class _Rollout:
+    """One rollout's state: its session, sandboxes, pending events and timings."""
+
+    def __init__(self, req: RolloutRequest, client: RecorderClient) -> None:
+        self.req = req
+        self.client = client
+        self.sid = session_id_for(req)
+        self.opened = False
+        self.sandboxes: list[Sandbox] = []
+        self.events: list[RolloutEvent] = []
+        self.timings: dict[str, float] = {}
+        self.turns = 0
+        self.started = time.perf_counter()
+        self.deadline = time.monotonic() + req.wall_budget_s
+
+    # -- bookkeeping ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t
+
+    def note(self, kind: str, **detail: Any) -> None:
+        self.events.append(RolloutEvent(kind, detail))
+
+    async def flush(self) -> None:
+        events, self.events = self.events, []
+        with self.timed("recorder_s"):
+            await self.client.append_events(self.sid, events)
+
+    # -- steps ------------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        req = self.req
+        metadata = {
+            "instance_id": req.task.instance_id,
+            "sample_index": req.sample_index,
+            "group_index": req.group_index,
+            **req.session_metadata,
+        }
+        config: dict[str, Any] = {"sampling": req.sampling}
+        if req.turn_budget is not None:
+            config["max_turns"] = req.turn_budget
+        with self.timed("recorder_s"):
+            await self.client.open_session(self.sid, metadata, config)
+        self.opened = True
+
+    async def boot(self, role: str) -> Sandbox:
+        spec = self.req.sandbox
+        spec = msgspec.structs.replace(
+            spec, metadata={**spec.metadata, "session_id": self.sid, "role": role}
+        )
+        t = time.perf_counter()
+        try:
+            with self.timed("boot_s"):
+                sb = await open_sandbox(spec)
+        except SandboxBootError as exc:
+            raise InfraError("sandbox_boot", f"{role} sandbox ({spec.backend}): {exc}") from exc
+        self.sandboxes.append(sb)
+        self.note(
+            "sandbox_created",
+            role=role,
+            backend=spec.backend,
+            sandbox_id=sb.id,
+            boot_s=round(time.perf_counter() - t, 3),
+        )
+        return sb
+
+    async def kill(self, sb: Sandbox, role: str) -> None:
+        with self.timed("cleanup_s"):
+            await sb.kill()
+        if sb in self.sandboxes:
+            self.sandboxes.remove(sb)
+        self.note("sandbox_killed", role=role, sandbox_id=sb.id)
+
+    async def prepare(self, sb: Sandbox, role: str) -> str:
+        task = self.req.task
+        with self.timed("checkout_s"):
+            repo = await checkout(sb, task)
+        with self.timed("setup_s"):
+            results = await run_setup(sb, task, repo)
+        for cmd, result in zip(task.setup, results, strict=True):
+            self.note(
+                "command_run",
+                role=role,
+                cmd=cmd[:500],
+                exit_code=result.exit_code,
+                duration_s=round(result.duration_s, 3),
+            )
+        return repo
+
+    async def agent_phase(self) -> bytes:
+        req = self.req
+        sb = await self.boot("agent")
+        repo = await self.prepare(sb, "agent")
+        with self.timed("install_s"):
+            binary = await ensure_agent(sb, req.agent)
+        env = agent_env(
+            sb, req.agent, base_url=req.agent_base_url or req.recorder_url, session_id=self.sid
+        )
+        budget = self.deadline - time.monotonic()
+        self.note("agent_started", binary=binary, wall_budget_s=round(budget, 3))
+        await self.flush()
+        with self.timed("agent_s"):
+            run = await run_agent(
+                sb,
+                req.agent,
+                binary=binary,
+                repo=repo,
+                prompt=req.task.problem_statement,
+                env=env,
+                timeout_s=budget,
+                max_turns=req.turn_budget,
+            )
+        await self.after_agent(run)
+        with self.timed("diff_s"):
+            patch = await take_diff(sb, repo, req.task.base_commit)
+        self.note(
+            "diff_taken",
+            bytes=len(patch),
+            files=patch.count(b"diff --git "),
+            empty=not patch.strip(),
+        )
+        await self.kill(sb, "agent")
+        return patch
+
+    async def after_agent(self, run: AgentRun) -> None:
+        """Record how the agent ended; raise InfraError when that was not the model's doing."""
+        with self.timed("recorder_s"):
+            info = await self.client.inspect(self.sid)
+        self.turns = int(info.get("turns_completed", 0))
+        started = int(info.get("turns", 0))
+        budget_spent = "turn budget spent" in str(run.result.get("result", "")) or (
+            run.result.get("subtype") == "error_max_turns"
+        )
+        stop = "turn_budget" if budget_spent else run.stop
+        self.note(
+            "agent_finished",
+            stop=stop,
+            exit_code=run.exit_code,
+            duration_s=round(run.duration_s, 3),
+            turns=self.turns,
+            result={k: v for k, v in run.result.items() if k != "result"},
+            output_tail=tail(run.output_tail, 1000),
+        )
+        if self.turns == 0 and run.stop == "wall_budget":
+            raise InfraError(
+                "budget_before_answer",
+                f"the wall-clock budget ({self.req.wall_budget_s:g} s) ran out before any answer",
+            )
+        if (
+            run.api_error
+            and not budget_spent
+            and (
+                started > self.turns or re.search(r"\b5\d\d\b|overloaded|onnection", run.api_error)
+            )
+        ):
+            raise InfraError(
+                "engine_error", f"the agent ended on an engine failure: {run.api_error}"
+            )
+        if self.turns == 0 and run.stop == "exited" and run.exit_code != 0:
+            raise InfraError(
+                "agent_failed",
+                f"the agent exited {run.exit_code} before any model answer: "
+                f"{tail(run.output_tail, 800)}",
+            )
+
+    async def eval_phase(self, patch: bytes) -> Grade:
+        if not patch.strip():
+            grade = Grade(reward=0.0, passed=False, exit_code=None, output_tail="empty diff")
+            self.note("eval_result", **grade.evidence(), empty_diff=True)
+            return grade
+        with self.timed("eval_s"):
+            sb = await self.boot("eval")
+            repo = await self.prepare(sb, "eval")
+            await apply_patch(sb, repo, patch)
+            self.note("patch_applied", bytes=len(patch))
+            t = time.perf_counter()
+            grade = await run_grader(sb, self.req.task, repo)
+            self.timings["grader_s"] = time.perf_counter() - t
+        self.note("eval_result", **grade.evidence())
+        await self.kill(sb, "eval")
+        return grade
+
+    async def finish(self, grade: Grade) -> RolloutResult:
+        await self.flush()
+        with self.timed("recorder_s"):
+            result = await self.client.close_session(
+                self.sid, reward=grade.reward, reward_detail=grade.evidence()
+            )
+        return RolloutResult(
+            session_id=self.sid,
+            outcome="passed" if grade.passed else "failed",
+            reward=grade.reward,
+            samples=result.samples,
+            evidence=grade.evidence(),
+            turns=self.turns,
+            timings=self.total_timings(),
+        )
+
+    def total_timings(self) -> dict[str, float]:
+        return {**self.timings, "total_s": time.perf_counter() - self.started}
+
+    async def cleanup(self) -> None:
+        for sb in list(self.sandboxes):
+            with contextlib.suppress(Exception):
+                await self.kill(sb, "leftover")
+
+    async def fail(self, cause: str, message: str) -> RolloutResult:
+        """Close the session aborted: its samples are the reducer's same-shape placeholders."""
+        log.warning("rollout %s: infrastructure failure %s: %s", self.sid, cause, message)
+        await self.cleanup()
+        if not self.opened:
+            return placeholder_result(self.req, None, cause, message, timings=self.total_timings())
+        self.note("failed", cause=cause, message=message[-2000:])
+        try:
+            await self.flush()
+            with self.timed("recorder_s"):
+                result = await self.client.close_session(
+                    self.sid, status="aborted", reason=f"{cause}: {message[:500]}"
+                )
+        except RecorderError as exc:
+            log.warning("rollout %s: cannot close the session: %s", self.sid, exc)
+            return placeholder_result(
+                self.req, self.sid, cause, message, turns=self.turns, timings=self.total_timings()
+            )
+        return RolloutResult(
+            session_id=self.sid,
+            outcome="infra_error",
+            reward=0.0,
+            samples=result.samples,
+            infra_cause=cause,
+            evidence={"error": message[-2000:]},
+            turns=self.turns,
+            timings=self.total_timings(),
+        )
+
+    async def run(self) -> RolloutResult:
+        try:
+            await self.open()
+            patch = await self.agent_phase()
+            grade = await self.eval_phase(patch)
+            return await self.finish(grade)
+        except InfraError as exc:
+            return await self.fail(exc.cause, exc.message)
+        except RecorderError as exc:
+            return await self.fail("recorder_unreachable", str(exc))
+        except CommandTimeout as exc:
+            return await self.fail("setup_failed", str(exc))
+        except SandboxError as exc:
+            return await self.fail("sandbox_gone", f"{type(exc).__name__}: {exc}")
+        except Exception:
+            trace = traceback.format_exc()
+            log.error("rollout %s: driver error\n%s", self.sid, trace)
+            return await self.fail("driver_error", trace)
+
+
+async def run_rollout(req: RolloutRequest) -> RolloutResult:
+    """Run one rollout to its samples. Never raises; CancelledError passes through after
+    the agent is killed, the sandboxes are removed and the session is closed aborted."""
+    try:
+        async with RecorderClient(req.recorder_url, req.admin_token) as client:
+            rollout = _Rollout(req, client)
+            try:
+                return await rollout.run()
+            except asyncio.CancelledError:
+                cleanup = asyncio.ensure_future(
+                    rollout.fail("cancelled", "the rollout was stopped")
+                )
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(asyncio.shield(cleanup), timeout=60)
+                raise
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        log.error("rollout of %s failed outside its steps", req.task.instance_id, exc_info=True)
+        return placeholder_result(req, None, "driver_error", f"{type(exc).__name__}: {exc}")
+
+
+async def run_group(
+    reqs: Sequence[RolloutRequest], *, concurrency: int | None = None
+) -> list[RolloutResult]:
+    """Run rollouts concurrently (at most `concurrency` at once), results in `reqs` order.
+
+    One rollout's exception never cancels its siblings: its real traceback is
+    logged and it yields a placeholder result of the same shape.
+    """
+    gate = asyncio.Semaphore(concurrency) if concurrency else None
+
+    async def one(req: RolloutRequest) -> RolloutResult:
+        async with gate if gate is not None else contextlib.nullcontext():
+            try:
+                return await run_rollout(req)
+            except Exception as exc:  # run_rollout does not raise; this is the last guard
+                log.error("rollout of %s raised", req.task.instance_id, exc_info=exc)
+                return placeholder_result(req, None, "driver_error", traceback.format_exc())
+
+    return list(await asyncio.gather(*(one(r) for r in reqs)))

@@ -10,17 +10,18 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from aiohttp import web
 
-from recorder.events import RewardAssigned, SessionClosed, SessionOpened
+from recorder.events import RewardAssigned, SandboxEvent, SessionClosed, SessionOpened
 from recorder.server.auth import require_admin
 from recorder.server.context import CTX, ServerContext
 from recorder.server.deltas import BodyPrefixes
 from recorder.server.errors import ApiError
 from recorder.server.journal import Journal, finish_even_if_cancelled
+from recorder.server.overrides import InvalidOverride, SessionOverrides, overrides_from_config
 from recorder.server.sessions import SESSION_ID_RE, SessionState
 from recorder.store.base import ConcurrencyConflict
 
@@ -34,6 +35,7 @@ def routes() -> list[web.RouteDef]:
     return [
         web.post("/sessions", open_session),
         web.get("/sessions/{session_id}", inspect_session),
+        web.post("/sessions/{session_id}/events", append_events),
         web.post("/sessions/{session_id}/close", close_session),
         web.get("/sessions/{session_id}/samples", session_samples),
     ]
@@ -90,6 +92,10 @@ async def open_session(request: web.Request) -> web.Response:
     metadata = dict(_field(data, "metadata", dict, {}))
     metadata.update({k: v for k, v in data.items() if k not in _OPEN_KEYS})
     config = _field(data, "config", dict, {})
+    try:
+        overrides = overrides_from_config(config)
+    except InvalidOverride as exc:
+        raise ApiError("invalid_request_error", str(exc)) from None
     reopen = _field(data, "reopen", bool, False)
     if session_id is None:
         session_id = "sess_" + uuid.uuid4().hex
@@ -99,7 +105,7 @@ async def open_session(request: web.Request) -> web.Response:
             "session_id: 1-200 characters of letters, digits and ._:@+=- "
             "(it travels as an HTTP bearer token), starting with a letter or digit",
         )
-    state = await _open(ctx, session_id, metadata, config, reopen=reopen)
+    state = await _open(ctx, session_id, metadata, config, overrides, reopen=reopen)
     log.info(
         "session %s opened (attempt %d, engine %s)", session_id, state.attempt, state.engine_url
     )
@@ -111,12 +117,13 @@ async def _open(
     session_id: str,
     metadata: dict[str, Any],
     config: dict[str, Any],
+    overrides: SessionOverrides,
     *,
     reopen: bool,
 ) -> SessionState:
     existing = await ctx.registry.acquire(session_id)
     if existing is None:
-        return await _open_new(ctx, session_id, metadata, config)
+        return await _open_new(ctx, session_id, metadata, config, overrides)
     try:
         if not reopen:
             raise ApiError(
@@ -126,7 +133,7 @@ async def _open(
                 status=409,
             )
         state = _fresh_state(
-            ctx, session_id, existing.journal, metadata, attempt=existing.attempt + 1
+            ctx, session_id, existing.journal, metadata, overrides, attempt=existing.attempt + 1
         )
         state.next_turn = existing.next_turn
         state.lock = existing.lock
@@ -142,10 +149,14 @@ async def _open(
 
 
 async def _open_new(
-    ctx: ServerContext, session_id: str, metadata: dict[str, Any], config: dict[str, Any]
+    ctx: ServerContext,
+    session_id: str,
+    metadata: dict[str, Any],
+    config: dict[str, Any],
+    overrides: SessionOverrides,
 ) -> SessionState:
     journal = Journal(ctx.store, session_id, next_seq=0)
-    state = _fresh_state(ctx, session_id, journal, metadata, attempt=0)
+    state = _fresh_state(ctx, session_id, journal, metadata, overrides, attempt=0)
 
     async def open_() -> None:
         await journal.write(_opened_event(ctx, state, config))
@@ -168,6 +179,7 @@ def _fresh_state(
     session_id: str,
     journal: Journal,
     metadata: dict[str, Any],
+    overrides: SessionOverrides,
     *,
     attempt: int,
 ) -> SessionState:
@@ -181,6 +193,7 @@ def _fresh_state(
         attempt=attempt,
         opened_ts=time.time(),
         chains=SessionChains(),
+        overrides=overrides,
     )
 
 
@@ -236,6 +249,53 @@ async def inspect_session(request: web.Request) -> web.Response:
     require_admin(request, ctx.config.admin_token)
     state = await _known(ctx, request.match_info["session_id"])
     return _json(_describe(state))
+
+
+# --------------------------------------------------------------------------
+# The rollout's own events
+# --------------------------------------------------------------------------
+
+
+class RolloutEventIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    kind: Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9_.]{0,63}$")]
+    detail: dict[str, Any] = {}
+
+
+class RolloutEventsIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    events: Annotated[list[RolloutEventIn], msgspec.Meta(min_length=1, max_length=1000)]
+
+
+async def append_events(request: web.Request) -> web.Response:
+    """POST /sessions/{id}/events: `{"events": [{"kind", "detail"}...]}` -> SandboxEvents.
+
+    The rollout driver's facts (sandbox created, command run, agent started and
+    finished, diff taken, eval result, killed, failed) join the session's log,
+    so `replay show` tells the whole rollout. Appended under the session lock,
+    after any turn in flight; an open session only.
+    """
+    ctx = request.app[CTX]
+    require_admin(request, ctx.config.admin_token)
+    session_id = request.match_info["session_id"]
+    try:
+        body = msgspec.json.decode(await request.read(), type=RolloutEventsIn)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        message = str(exc).replace("- at `$.", "- at `").replace("- at `$`", "- at `body`")
+        raise ApiError("invalid_request_error", f"body: {message}") from None
+    state = await ctx.registry.acquire(session_id)
+    if state is None:
+        raise ApiError("not_found_error", f"no session {session_id!r} in this log")
+    try:
+        if state.status == "closed":
+            raise ApiError(
+                "invalid_request_error",
+                f"session {session_id!r} is closed; events go to an open session",
+                status=409,
+            )
+        events = [SandboxEvent(kind=e.kind, detail=e.detail) for e in body.events]
+        await finish_even_if_cancelled(state.journal.write(*events))
+    finally:
+        state.lock.release()
+    return _json({"appended": len(events), "events": state.next_seq}, status=201)
 
 
 # --------------------------------------------------------------------------

@@ -94,6 +94,15 @@ async def _serve(
             return await responder.fail(
                 ApiError("invalid_request_error", _closed_session(session_id), status=409)
             )
+        cap = state.overrides.max_turns
+        if cap is not None and state.next_turn >= cap and invalid is None:
+            return await reject(
+                state,
+                message_id,
+                responder,
+                "invalid_request_error",
+                f"turn budget spent: this session allows {cap} turns (config.max_turns)",
+            )
         if invalid is not None or chat is None:
             try:
                 return await reject(

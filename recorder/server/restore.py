@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from recorder import events as ev
 from recorder.events import ArrayRef, RecordedEvent
 from recorder.server.deltas import remember_refs
 from recorder.server.journal import Journal
+from recorder.server.overrides import InvalidOverride, SessionOverrides, overrides_from_config
 from recorder.server.sessions import SessionState
 from recorder.tokens import SessionChains, commit_turn, note_dispatch, plan_turn, token_array
 from recorder.translate import find_dispatches, parse_request, response_message_digest
@@ -56,6 +57,7 @@ async def load_session_state(ctx: ServerContext, session_id: str) -> SessionStat
         attempt=opened.attempt,
         opened_ts=events[opened_at].ts,
         next_turn=_next_turn(events),
+        overrides=_overrides(opened.config),
     )
     closed = next((r.event for r in tail if isinstance(r.event, ev.SessionClosed)), None)
     if closed is not None:
@@ -65,6 +67,14 @@ async def load_session_state(ctx: ServerContext, session_id: str) -> SessionStat
     state.chains = SessionChains()
     await _rebuild_chains(ctx, state, tail)
     return state
+
+
+def _overrides(config: dict[str, Any]) -> SessionOverrides:
+    try:
+        return overrides_from_config(config)
+    except InvalidOverride:  # validated at open; a hand-written log may hold anything
+        log.warning("ignoring an invalid session config in the log: %s", config)
+        return SessionOverrides()
 
 
 def _last_opened(events: list[RecordedEvent]) -> int | None:

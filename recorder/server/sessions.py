@@ -21,6 +21,7 @@ from typing import Any, Literal
 from recorder.events import ArrayRef
 from recorder.server.deltas import BodyPrefixes
 from recorder.server.journal import Journal
+from recorder.server.overrides import SessionOverrides
 from recorder.translate import ParseCache
 
 SessionStatus = Literal["open", "closed"]
@@ -45,6 +46,8 @@ class SessionState:
     next_turn: int = 0
     turns_completed: int = 0
     close_status: str = ""
+    # Forced sampling and the turn cap from the session's config (overrides.py).
+    overrides: SessionOverrides = field(default_factory=SessionOverrides)
     # Token chains (recorder.tokens.SessionChains) and, per chain id, the refs
     # of stored prefixes of its tokens (length -> ref), so the next input is
     # stored as a delta (see deltas.remember_refs).

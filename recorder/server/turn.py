@@ -144,7 +144,8 @@ async def _run(
     input_task = _record_request(ctx, state, chat, body, path, plan, record, max_new)
     model = chat.model or ctx.config.model_name
     await responder.started(record.request_id, model, usage_for(len(plan.input_ids), 0, 0))
-    output = await _generate(ctx, state, plan, _sampling_params(ctx, chat, max_new), record)
+    params = state.overrides.sampling.apply(_sampling_params(ctx, chat, max_new))
+    output = await _generate(ctx, state, plan, params, record)
     answer = await _answer(ctx, state, chat, plan, output, record, model)
 
     async def finish() -> None:

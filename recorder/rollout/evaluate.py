@@ -1,0 +1,102 @@
+"""Grading a patch: run the task's grader in a fresh sandbox and turn its output into a reward.
+
+The parsing and the reward are pure functions (`parse_test_report`,
+`grade_tests`, `grade_exit`); `run_grader` is the one I/O step. A grader that
+cannot run at all (exit 126/127: command not found or not executable) is
+infrastructure (`eval_crashed`); any other outcome, a timeout included, is the
+patch's result.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+import shlex
+from typing import Any
+
+import msgspec
+
+from recorder.rollout.errors import InfraError
+from recorder.rollout.sandbox import CommandTimeout, ExecResult, Sandbox
+from recorder.rollout.tasks import Task, TestSpec
+from recorder.rollout.workspace import tail
+
+_REPORT_LINE = re.compile(r"^(PASSED|FAILED|ERROR|XPASS|XFAIL|SKIPPED)\s+(\S+)")
+_CANNOT_RUN = (126, 127)
+
+
+class Grade(msgspec.Struct, frozen=True, kw_only=True):
+    reward: float
+    passed: bool
+    exit_code: int | None
+    tests_passed: list[str] = []
+    tests_failed: list[str] = []
+    timed_out: bool = False
+    output_tail: str = ""
+
+    def evidence(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+
+def parse_test_report(text: str) -> dict[str, str]:
+    """test id -> PASSED/FAILED/... from a pytest `-rA` style report (the last word wins)."""
+    outcomes: dict[str, str] = {}
+    for line in text.splitlines():
+        m = _REPORT_LINE.match(line.strip())
+        if m:
+            outcomes[m.group(2)] = m.group(1)
+    return outcomes
+
+
+def grade_tests(spec: TestSpec, result: ExecResult, mode: str) -> Grade:
+    """Every listed test must be reported PASSED (or XPASS); one not reported has failed."""
+    report = parse_test_report(result.stdout + "\n" + result.stderr)
+    passed = [t for t in spec.all if report.get(t) in ("PASSED", "XPASS")]
+    failed = [t for t in spec.all if t not in passed]
+    all_passed = not failed
+    reward = len(passed) / len(spec.all) if mode == "fraction" else float(all_passed)
+    return Grade(
+        reward=reward,
+        passed=all_passed,
+        exit_code=result.exit_code,
+        tests_passed=passed,
+        tests_failed=failed,
+        output_tail=tail(result.stdout + result.stderr),
+    )
+
+
+def grade_exit(result: ExecResult) -> Grade:
+    ok = result.exit_code == 0
+    return Grade(
+        reward=float(ok),
+        passed=ok,
+        exit_code=result.exit_code,
+        output_tail=tail(result.stdout + result.stderr),
+    )
+
+
+def grader_command(task: Task, workdir: str) -> str:
+    if task.tests is not None:
+        return task.tests.cmd.replace("{tests}", " ".join(shlex.quote(t) for t in task.tests.all))
+    if task.eval_script is not None:
+        return f"bash {shlex.quote(posixpath.join(workdir, 'eval.sh'))}"
+    assert task.eval_cmd is not None
+    return task.eval_cmd
+
+
+async def run_grader(sb: Sandbox, task: Task, repo: str) -> Grade:
+    if task.eval_script is not None:
+        await sb.write_file(posixpath.join(sb.workdir, "eval.sh"), task.eval_script)
+    cmd = grader_command(task, sb.workdir)
+    try:
+        result = await sb.exec(cmd, timeout_s=task.eval_timeout_s, cwd=repo)
+    except CommandTimeout:
+        return Grade(reward=0.0, passed=False, exit_code=None, timed_out=True)
+    if result.exit_code in _CANNOT_RUN:
+        raise InfraError(
+            "eval_crashed",
+            f"the grader could not run (exit {result.exit_code}): {tail(result.stderr, 500)}",
+        )
+    if task.tests is not None:
+        return grade_tests(task.tests, result, task.reward)
+    return grade_exit(result)
