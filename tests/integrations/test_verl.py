@@ -278,3 +278,39 @@ async def test_a_trainer_mode_contradicting_the_config_is_a_clear_error(
     assert isinstance(info.value, HookConfigError) or isinstance(
         info.value.__cause__, HookConfigError
     )
+
+
+@pytest.mark.slow
+async def test_end_to_end_group_against_a_remote_recorder(
+    verl: Any, tokenizer: Any, stack: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """verl's legacy worker runs a group (rollout.n = 3, one broken row) through the real driver."""
+    import asyncio
+
+    import msgspec
+
+    agent_loop, _ = verl
+    for k, v in stack.env().items():
+        monkeypatch.setenv(k, v)
+    w = worker(agent_loop.AgentLoopWorker, config(use_v1=False, prompt_length=1024,
+                                                  response_length=512), tokenizer)  # fmt: skip
+    task = msgspec.to_builtins(stack.tasks["greet-punctuation"])
+    row = {
+        "raw_prompt": [{"role": "user", "content": "-"}],
+        "extra_info": {"task": task},
+        "index": 0,
+    }
+    broken = {**row, "extra_info": {"task": {**task, "repo": "/nonexistent/repo"}}}
+    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": True}
+    outs = await asyncio.gather(
+        *(w._run_agent_loop(params, trajectory(i), agent_name="recorder", **row) for i in range(2)),
+        w._run_agent_loop(params, trajectory(2), agent_name="recorder", **broken),
+    )
+    batch = w._postprocess(list(outs))
+    assert batch.batch["responses"].shape == (3, 512)
+    assert batch.batch["rm_scores"].sum(dim=1).tolist() == [1.0, 1.0, 0.0]
+    assert list(batch.non_tensor_batch["recorder_failed"]) == [False, False, True]
+    assert batch.batch["response_mask"][:2].sum().item() > 0
+    assert not batch.batch["response_mask"][2].any()
+    sessions = set(batch.non_tensor_batch["recorder_session_id"][:2])
+    assert len(sessions) == 2
