@@ -77,5 +77,9 @@ from recorder.server.commands import serve  # noqa: E402  (the live middleware)
 
 main.add_command(serve)
 
+from recorder.rollout.cli import rollout  # noqa: E402  (the rollout driver)
+
+main.add_command(rollout)
+
 if __name__ == "__main__":
     main()

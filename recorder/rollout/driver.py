@@ -26,7 +26,7 @@ import re
 import time
 import traceback
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -191,10 +191,12 @@ class _Rollout:
     async def prepare(self, sb: Sandbox, role: str) -> str:
         task = self.req.task
         with self.timed("checkout_s"):
-            repo = await checkout(sb, task)
+            repo, cloned = await checkout(sb, task)
         with self.timed("setup_s"):
             results = await run_setup(sb, task, repo)
-        for cmd, result in zip(task.setup, results, strict=True):
+        for cmd, result in zip(
+            ["git clone + checkout", *task.setup], [cloned, *results], strict=True
+        ):
             self.note(
                 "command_run",
                 role=role,
@@ -256,7 +258,7 @@ class _Rollout:
             duration_s=round(run.duration_s, 3),
             turns=self.turns,
             result={k: v for k, v in run.result.items() if k != "result"},
-            output_tail=tail(run.output_tail, 1000),
+            output_tail=tail(run.output_tail, 400),
         )
         if self.turns == 0 and run.stop == "wall_budget":
             raise InfraError(
@@ -293,7 +295,7 @@ class _Rollout:
             t = time.perf_counter()
             grade = await run_grader(sb, self.req.task, repo)
             self.timings["grader_s"] = time.perf_counter() - t
-        self.note("eval_result", **grade.evidence())
+        self.note("eval_result", **grade.evidence(), duration_s=round(self.timings["grader_s"], 3))
         await self.kill(sb, "eval")
         return grade
 
@@ -393,21 +395,39 @@ async def run_rollout(req: RolloutRequest) -> RolloutResult:
 
 
 async def run_group(
-    reqs: Sequence[RolloutRequest], *, concurrency: int | None = None
+    reqs: Sequence[RolloutRequest],
+    *,
+    concurrency: int | None = None,
+    on_start: Callable[[int], None] | None = None,
+    on_result: Callable[[int, RolloutResult], None] | None = None,
 ) -> list[RolloutResult]:
     """Run rollouts concurrently (at most `concurrency` at once), results in `reqs` order.
 
     One rollout's exception never cancels its siblings: its real traceback is
-    logged and it yields a placeholder result of the same shape.
+    logged and it yields a placeholder result of the same shape. `on_start` /
+    `on_result` (index into `reqs`) feed a progress display.
     """
     gate = asyncio.Semaphore(concurrency) if concurrency else None
 
-    async def one(req: RolloutRequest) -> RolloutResult:
+    async def one(i: int, req: RolloutRequest) -> RolloutResult:
         async with gate if gate is not None else contextlib.nullcontext():
+            _notify(on_start, i)
             try:
-                return await run_rollout(req)
+                result = await run_rollout(req)
             except Exception as exc:  # run_rollout does not raise; this is the last guard
                 log.error("rollout of %s raised", req.task.instance_id, exc_info=exc)
-                return placeholder_result(req, None, "driver_error", traceback.format_exc())
+                result = placeholder_result(req, None, "driver_error", traceback.format_exc())
+        _notify(on_result, i, result)
+        return result
 
-    return list(await asyncio.gather(*(one(r) for r in reqs)))
+    return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs))))
+
+
+def _notify(callback: Callable[..., None] | None, *args: Any) -> None:
+    """Call a progress callback; its failure is logged, never a rollout's."""
+    if callback is None:
+        return
+    try:
+        callback(*args)
+    except Exception:
+        log.exception("a rollout progress callback failed")

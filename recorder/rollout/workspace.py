@@ -48,8 +48,8 @@ async def bundle(repo: str, commit: str) -> bytes:
     return await asyncio.shield(task)
 
 
-async def checkout(sb: Sandbox, task: Task) -> str:
-    """Put the task's repository at `base_commit` in the sandbox; returns its path there."""
+async def checkout(sb: Sandbox, task: Task) -> tuple[str, ExecResult]:
+    """Put the task's repository at `base_commit` in the sandbox: (its path there, the run)."""
     dest = repo_path(sb)
     if task.is_local_repo:
         source = posixpath.join(sb.workdir, "repo.bundle")
@@ -66,7 +66,7 @@ async def checkout(sb: Sandbox, task: Task) -> str:
             "repo_checkout",
             f"cannot check out {task.repo} at {task.base_commit}: {tail(result.stderr)}",
         )
-    return dest
+    return dest, result
 
 
 async def run_setup(sb: Sandbox, task: Task, repo: str) -> list[ExecResult]:

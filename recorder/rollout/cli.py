@@ -1,0 +1,320 @@
+"""`recorder rollout`: run every task of a JSONL file N times through the driver.
+
+    recorder rollout --tasks tasks.jsonl --engine URL [--recorder URL | --db runs.db]
+        --sandbox local|e2b --samples-per-task 4 --concurrency 8 --out samples.jsonl
+
+Without `--recorder` it starts its own `recorder serve` on `--db` as a
+subprocess (a random admin token, a free loopback port) and stops it at the
+end. Each finished rollout is appended to `--out` at once (one JSON object a
+line: the task, the outcome and the samples), so an interrupted run keeps
+what it finished. Ctrl-C (or SIGTERM) stops cleanly: agents are killed,
+sandboxes removed and open sessions closed `aborted`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import aiohttp
+import click
+import msgspec
+
+from recorder.rollout.agent import AgentSpec, local_binary
+from recorder.rollout.driver import RolloutRequest, RolloutResult, run_group
+from recorder.rollout.sandbox import SandboxSpec
+from recorder.rollout.tasks import Task, load_tasks
+
+
+class OutputLine(msgspec.Struct, kw_only=True):
+    """One line of `--out`: a finished rollout."""
+
+    instance_id: str
+    group_index: int
+    sample_index: int
+    result: RolloutResult
+
+
+@dataclass
+class Tally:
+    """Counts for the progress bar and the summary."""
+
+    total: int
+    running: int = 0
+    results: list[RolloutResult] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def infra(self) -> int:
+        return sum(r.outcome == "infra_error" for r in self.results)
+
+    @property
+    def mean_reward(self) -> float:
+        return statistics.fmean(r.reward for r in self.results) if self.results else 0.0
+
+    @property
+    def tokens(self) -> int:
+        return sum(trained_tokens(r) for r in self.results)
+
+    def line(self) -> str:
+        return (
+            f"done {len(self.results)}/{self.total}  infra {self.infra}  running {self.running}  "
+            f"mean reward {self.mean_reward:.3f}  trained tokens {self.tokens}"
+        )
+
+
+def trained_tokens(result: RolloutResult) -> int:
+    return sum(sum(s.loss_mask) for s in result.samples)
+
+
+def build_requests(
+    tasks: Sequence[Task], samples_per_task: int, base: RolloutRequest
+) -> list[RolloutRequest]:
+    """Task i is GRPO group i; its samples are 0..N-1."""
+    return [
+        msgspec.structs.replace(base, task=task, group_index=g, sample_index=s)
+        for g, task in enumerate(tasks)
+        for s in range(samples_per_task)
+    ]
+
+
+# --------------------------------------------------------------------------
+# Its own recorder, as a subprocess
+# --------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.asynccontextmanager
+async def own_recorder(
+    db: str, engines: Sequence[str], serve_args: Sequence[str], log_file: IO[bytes]
+) -> AsyncIterator[tuple[str, str]]:
+    """`recorder serve` on a free port; yields (url, admin token); SIGTERM at the end."""
+    port, token = _free_port(), secrets.token_hex(16)
+    cmd = [sys.executable, "-m", "recorder.cli", "serve", "--db", db, "--port", str(port)]
+    for engine in engines:
+        cmd += ["--engine", engine]
+    cmd += list(serve_args)
+    env = {**os.environ, "TR_ADMIN_TOKEN": token}  # not on the command line (ps shows it)
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await _wait_healthy(proc, url, timeout_s=120)
+        yield url, token
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.to_thread(proc.wait, 60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                await asyncio.to_thread(proc.wait)
+
+
+async def _wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise click.ClickException(
+                    f"recorder serve exited with code {proc.returncode}; see its log"
+                )
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
+                async with http.get(url + "/health") as resp:
+                    if resp.status == 200:
+                        return
+            await asyncio.sleep(0.2)
+    raise click.ClickException(f"recorder serve did not answer {url}/health in {timeout_s:g}s")
+
+
+# --------------------------------------------------------------------------
+# Running and reporting
+# --------------------------------------------------------------------------
+
+
+async def run_all(
+    reqs: list[RolloutRequest], concurrency: int, out: IO[bytes], tally: Tally, show: bool
+) -> Tally:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(
+        TextColumn("rollouts"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+        disable=not show,
+        transient=False,
+    )
+    bar = progress.add_task(tally.line(), total=len(reqs))
+
+    def started(i: int) -> None:
+        tally.running += 1
+        progress.update(bar, description=tally.line())
+
+    def finished(i: int, result: RolloutResult) -> None:
+        tally.running -= 1
+        tally.results.append(result)
+        req = reqs[i]
+        line = OutputLine(
+            instance_id=req.task.instance_id,
+            group_index=req.group_index,
+            sample_index=req.sample_index,
+            result=result,
+        )
+        out.write(msgspec.json.encode(line) + b"\n")
+        out.flush()
+        progress.update(bar, advance=1, description=tally.line())
+
+    with progress:
+        await run_group(reqs, concurrency=concurrency, on_start=started, on_result=finished)
+    return tally
+
+
+def summary(tally: Tally, interrupted: bool) -> Any:
+    from rich.table import Table
+
+    results = tally.results
+    table = Table(title="rollout summary" + (" (interrupted)" if interrupted else ""))
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    table.add_row("rollouts finished", f"{len(results)} of {tally.total}")
+    outcomes = Counter(r.outcome for r in results)
+    for outcome in ("passed", "failed", "infra_error"):
+        table.add_row(f"  {outcome}", str(outcomes.get(outcome, 0)))
+    for cause, n in sorted(Counter(r.infra_cause for r in results if r.infra_cause).items()):
+        table.add_row(f"    infra: {cause}", str(n))
+    rewards = Counter(r.reward for r in results)
+    table.add_row(
+        "reward distribution", "  ".join(f"{v:g}: {n}" for v, n in sorted(rewards.items())) or "-"
+    )
+    table.add_row("mean reward", f"{tally.mean_reward:.3f}")
+    if results:
+        table.add_row("turns / rollout (mean)", f"{statistics.fmean(r.turns for r in results):.1f}")
+        tokens = [trained_tokens(r) for r in results]
+        table.add_row("trained tokens / rollout (mean)", f"{statistics.fmean(tokens):.0f}")
+        table.add_row("samples", str(sum(len(r.samples) for r in results)))
+    table.add_row("wall time", f"{time.perf_counter() - tally.started:.1f} s")
+    return table
+
+
+@click.command("rollout")
+@click.option("--tasks", "tasks_file", required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--engine", "engines", multiple=True, help="SGLang URL (for its own recorder).")
+@click.option("--recorder", "recorder_url", help="A running recorder (else one starts on --db).")
+@click.option("--db", default="runs.db", show_default=True, help="Event log of its own recorder.")
+@click.option("--admin-token", envvar="TR_ADMIN_TOKEN", help="The --recorder's admin token.")
+@click.option("--agent-base-url", help="The recorder as the sandbox reaches it (e2b: public).")
+@click.option("--sandbox", type=click.Choice(["local", "e2b"]), default="local", show_default=True)
+@click.option("--e2b-template", default=None, help="E2B template (needs node/npm and git).")
+@click.option("--samples-per-task", type=int, default=4, show_default=True)
+@click.option("--concurrency", type=int, default=8, show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False), default="samples.jsonl", show_default=True)
+@click.option("--wall-budget", type=float, default=1800.0, show_default=True, help="s / rollout")
+@click.option("--turn-budget", type=int, default=None, help="Engine calls per rollout.")
+@click.option("--temperature", type=float, default=None)
+@click.option("--top-p", type=float, default=None)
+@click.option("--top-k", type=int, default=None)
+@click.option("--max-new-tokens", type=int, default=None)
+@click.option("--agent-command", default=None, help="Agent command template (see AgentSpec).")
+@click.option("--agent-binary", default=None, help="The agent CLI inside the sandbox.")
+@click.option("--tokenizer", default=None, help="Own recorder: tokenizer (recorder serve).")
+@click.option("--chat-template", default=None, help="Own recorder: chat template.")
+@click.option("--tool-parser", default=None, help="Own recorder: tool-call parser.")
+@click.option("--reasoning-parser", default=None, help="Own recorder: reasoning parser.")
+@click.option("--context-length", type=int, default=None, help="Own recorder: context length.")
+@click.option("--no-progress", is_flag=True, help="No progress bar (logs only).")
+def rollout(**o: Any) -> None:
+    """Run agent rollouts of a task file through the recorder; write their samples."""
+    tasks, errors = load_tasks(o["tasks_file"])
+    for err in errors:
+        click.echo(click.style("skipping ", fg="yellow") + f"{o['tasks_file']}: {err}", err=True)
+    if not tasks:
+        raise click.ClickException(f"no valid task in {o['tasks_file']}")
+    if o["recorder_url"] is None and not o["engines"]:
+        raise click.ClickException("give --recorder URL, or --engine URL to start a recorder")
+    if o["recorder_url"] is None and o["tokenizer"] is None:
+        raise click.ClickException("its own recorder needs --tokenizer (as recorder serve does)")
+    sampling = {
+        k: o[k] for k in ("temperature", "top_p", "top_k", "max_new_tokens") if o[k] is not None
+    }
+    agent = AgentSpec(
+        **({"command": o["agent_command"]} if o["agent_command"] else {}),
+        binary=o["agent_binary"] or (local_binary() if o["sandbox"] == "local" else None),
+    )
+    sandbox = SandboxSpec(backend=o["sandbox"], template=o["e2b_template"])
+    interrupted = False
+    tally: Tally | None = None
+
+    async def main() -> Tally:
+        serve_args = [
+            arg
+            for name in ("tokenizer", "chat_template", "tool_parser", "reasoning_parser")
+            if o[name]
+            for arg in (f"--{name.replace('_', '-')}", o[name])
+        ]
+        if o["context_length"]:
+            serve_args += ["--context-length", str(o["context_length"])]
+        with open(o["out"], "ab") as out, contextlib.ExitStack() as stack:
+            if o["recorder_url"]:
+                url, token = o["recorder_url"], o["admin_token"]
+                return await _run(url, token, out)
+            log_path = Path(o["db"]).with_suffix(".serve.log")
+            log_file = stack.enter_context(open(log_path, "ab"))
+            click.echo(f"starting recorder serve on {o['db']} (log: {log_path})", err=True)
+            async with own_recorder(o["db"], o["engines"], serve_args, log_file) as (url, token):
+                return await _run(url, token, out)
+
+    async def _run(url: str, token: str | None, out: IO[bytes]) -> Tally:
+        nonlocal tally
+        base = RolloutRequest(
+            task=tasks[0],
+            recorder_url=url,
+            agent_base_url=o["agent_base_url"],
+            admin_token=token,
+            sampling=sampling,
+            sandbox=sandbox,
+            agent=agent,
+            wall_budget_s=o["wall_budget"],
+            turn_budget=o["turn_budget"],
+        )
+        reqs = build_requests(tasks, o["samples_per_task"], base)
+        tally = Tally(total=len(reqs))
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        return await run_all(reqs, o["concurrency"], out, tally, not o["no_progress"])
+
+    try:
+        tally = asyncio.run(main())
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        interrupted = True
+        click.echo(
+            "interrupted: agents killed, sandboxes removed, sessions closed aborted", err=True
+        )
+    from rich.console import Console
+
+    if tally is not None:
+        Console(stderr=False).print(summary(tally, interrupted))
+    click.echo(f"samples: {os.path.abspath(o['out'])}")
+    if interrupted:
+        sys.exit(130)

@@ -1,0 +1,138 @@
+"""End to end with the real Claude Code CLI in the local sandbox, driven by a scripted
+engine that answers with the tool calls of a correct (or a wrong) fix."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from rollout_harness import chat_tokenizer, leftovers, policy_recorder, sandbox_ids, shipped_tasks
+
+from recorder import events as ev
+from recorder.rollout.agent import AgentSpec
+from recorder.rollout.driver import RolloutRequest, RolloutResult, run_group, run_rollout
+from recorder.rollout.sandbox import SandboxSpec
+from recorder.rollout.tasks import Task
+from replay.samples import Sample
+from tests.conftest import claude_code_binary
+from tests.server.conftest import Harness
+from tools.tasks.policy import MARKER, task_policy
+
+pytestmark = pytest.mark.claude
+
+
+def request(h: Harness, root: Path, task: Task, **kw: Any) -> RolloutRequest:
+    return RolloutRequest(
+        task=task,
+        recorder_url=h.url,
+        sandbox=SandboxSpec(options={"root": str(root)}),
+        agent=AgentSpec(binary=claude_code_binary(), max_retries=0),
+        sampling={"temperature": 0.7, "max_new_tokens": 2048},
+        wall_budget_s=240,
+        **kw,
+    )
+
+
+async def engine_tokens(h: Harness, session_id: str) -> list[int]:
+    """Every token the engine emitted in the session, in order."""
+    out: list[int] = []
+    for r in await h.payloads(session_id, ev.GenerateResult):
+        out.extend(int(t) for t in np.asarray(await h.array(r.output_ids)))
+    return out
+
+
+def trained_tokens(samples: list[Sample]) -> list[int]:
+    return [
+        t for s in samples for t, m in zip(s.tokens[s.prompt_len :], s.loss_mask, strict=True) if m
+    ]
+
+
+async def assert_trained_on_engine_output(h: Harness, result: RolloutResult) -> None:
+    assert result.session_id is not None and result.turns == 2, result
+    assert result.samples and all(s.status != "aborted" for s in result.samples)
+    assert all(s.reward == result.reward for s in result.samples)
+    assert trained_tokens(result.samples) == await engine_tokens(h, result.session_id)
+    attempts = await h.payloads(result.session_id, ev.GenerateAttempt)
+    assert {a.sampling_params["temperature"] for a in attempts} == {0.7}  # forced every turn
+
+
+async def test_correct_fix_passes_and_failures_stay_in_their_rollout(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """One GRPO group: two good rollouts, a sandbox that cannot boot, an agent that hangs
+    past its budget, and one whose engine dies mid-rollout (on a recorder of its own)."""
+    tokenizer = chat_tokenizer()
+    h = await policy_recorder(tokenizer, sqlite_url)
+    dying = await policy_recorder(tokenizer, f"sqlite+aiosqlite:///{tmp_path / 'dying.db'}")
+    policy = task_policy(tokenizer)
+
+    def die_mid_rollout(req: Any) -> Any:
+        reply = policy(req)
+        if MARKER in tokenizer.decode(req.input_ids):  # the second turn: the engine dies
+            asyncio.get_running_loop().call_later(0.05, asyncio.ensure_future, dying.engine.stop())
+            reply.token_delay_s = 0.05
+        return reply
+
+    dying.engine.backend.default_reply = die_mid_rollout
+    root = tmp_path / "sbx"
+    root.mkdir()
+    task = shipped_tasks()["calc-add"]
+    try:
+        reqs = [
+            request(h, root, task, sample_index=0, group_index=3),
+            request(h, root, task, sample_index=1, group_index=3),
+            RolloutRequest(
+                task=task, sample_index=2, group_index=3, recorder_url=h.url,
+                sandbox=SandboxSpec(options={"root": str(tmp_path / "missing" / "root")}),
+            ),
+            RolloutRequest(
+                task=task, sample_index=3, group_index=3, recorder_url=h.url,
+                sandbox=SandboxSpec(options={"root": str(root)}),
+                agent=AgentSpec(command="sleep 600"), wall_budget_s=2.0,
+            ),
+            request(dying, root, task, sample_index=4, group_index=3),
+        ]  # fmt: skip
+        results = await run_group(reqs, concurrency=5)
+        assert [(r.outcome, r.infra_cause) for r in results] == [
+            ("passed", None),
+            ("passed", None),
+            ("infra_error", "sandbox_boot"),
+            ("infra_error", "budget_before_answer"),
+            ("infra_error", "engine_error"),
+        ], [r.evidence for r in results]
+        for good in results[:2]:
+            assert good.reward == 1.0
+            assert good.evidence["tests_passed"] == [
+                "tests/test_calc.py::test_add",
+                "tests/test_calc.py::test_sub",
+            ]
+            await assert_trained_on_engine_output(h, good)
+        for bad, rec in zip(results[2:], (h, h, dying), strict=True):
+            (closed,) = await rec.payloads(bad.session_id, ev.SessionClosed)
+            assert closed.status == "aborted"
+            assert all(s.status == "aborted" and not any(s.loss_mask) for s in bad.samples)
+        engine_dead = results[4]
+        assert len(await dying.payloads(engine_dead.session_id, ev.ResponseSent)) == 1
+        ids = [i for r, rec in zip(results, (h, h, h, h, dying), strict=True)
+               for i in await sandbox_ids(rec, r.session_id)]  # fmt: skip
+        assert leftovers(root, ids) == []
+    finally:
+        await h.close()
+        await dying.close()
+
+
+async def test_wrong_fix_is_reward_zero_and_trained(sqlite_url: str, tmp_path: Path) -> None:
+    h = await policy_recorder(chat_tokenizer(), sqlite_url, wrong=True)
+    try:
+        task = shipped_tasks()["calc-add"]
+        result = await run_rollout(request(h, tmp_path, task))
+        assert (result.outcome, result.reward, result.infra_cause) == ("failed", 0.0, None)
+        assert result.evidence["tests_failed"] == ["tests/test_calc.py::test_add"]
+        await assert_trained_on_engine_output(h, result)
+        (closed,) = await h.payloads(result.session_id, ev.SessionClosed)
+        assert closed.status == "completed"
+    finally:
+        await h.close()
