@@ -25,6 +25,13 @@ exception would sink every rollout of the step. Any infrastructure failure
 reward 0, a fully masked one-token response and the reason in
 `metadata["recorder"]["reason"]`; the list shape is always a list.
 
+Fan-out and GRPO: slime's default reward normalisation reshapes the rewards
+by `n_samples_per_prompt`; with a varying number of segments per rollout that
+reshape fails and everything collapses into one group. Pass
+`--custom-reward-post-process-path recorder.integrations.slime.reward_post_process`:
+it normalises per prompt (`group_index`) over rollouts (`rollout_id`), not
+over segments, and gives every segment its rollout's advantage.
+
 `evaluation=True` returns only the final segment, with the task's reward, so
 eval metrics count each prompt once.
 
@@ -254,3 +261,40 @@ async def generate(
         return from_result(result, sample, routing=routing, evaluation=evaluation)
     except Exception as exc:  # a hook must never raise into slime's gather
         return aborted(sample, f"{type(exc).__name__}: {exc}"[:500], routing=routing)
+
+
+def _trajectory_reward(s: Any) -> float:
+    rec = (getattr(s, "metadata", None) or {}).get("recorder") or {}
+    value = rec.get("task_reward", s.reward)
+    return float(value or 0.0)
+
+
+def reward_post_process(args: Any, samples: list[Any]) -> tuple[list[float], list[float]]:
+    """slime's `--custom-reward-post-process-path` for fan-out: (raw, normalised) per sample.
+
+    Statistics are taken per prompt (`group_index`) over ROLLOUTS (one value per
+    `rollout_id`: the task's reward), so a rollout with K segments counts once;
+    removed samples (infrastructure failures) are left out of them and get 0.
+    Like slime's default: centred, and divided by the std when
+    `args.grpo_std_normalization`; raw rewards pass through when
+    `args.rewards_normalization` is off.
+    """
+    raw = [float(s.reward or 0.0) for s in samples]
+    if not getattr(args, "rewards_normalization", True):
+        return raw, raw
+    use_std = bool(getattr(args, "grpo_std_normalization", True))
+    rollouts: dict[Any, dict[Any, float]] = {}
+    for s in samples:
+        if not s.remove_sample:
+            rollouts.setdefault(s.group_index, {})[s.rollout_id] = _trajectory_reward(s)
+    advantage: dict[tuple[Any, Any], float] = {}
+    for group, values in rollouts.items():
+        xs = list(values.values())
+        mean = sum(xs) / len(xs)
+        std = (sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else 0.0
+        for rid, x in values.items():
+            advantage[(group, rid)] = (x - mean) / (std + 1e-6) if use_std else x - mean
+    normalised = [
+        0.0 if s.remove_sample else advantage[(s.group_index, s.rollout_id)] for s in samples
+    ]
+    return raw, normalised

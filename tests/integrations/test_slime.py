@@ -183,3 +183,26 @@ def test_aborted_survives_a_sample_it_cannot_copy() -> None:
 def test_hook_failure_without_samples_is_an_infra_failure() -> None:
     (out,) = hook.from_result(HookFailure(infra_cause="TaskError: x"), slime_sample(), routing=None)
     assert out.status is slime.Sample.Status.ABORTED
+
+
+def test_reward_post_process_normalises_over_rollouts_not_segments() -> None:
+    def rollout(index: int, reward: float, segments: int) -> list[slime.Sample]:
+        log = fan_out_log(f"r{index}")
+        out = hook.from_result(
+            result_of(log, reward=reward), slime_sample(index=index), routing=None
+        )
+        return out[-segments:]
+
+    group = [*rollout(0, 1.0, 3), *rollout(1, 0.0, 1), *rollout(2, 1.0, 2)]
+    group += hook.from_result(infra_failure(), slime_sample(index=3), routing=None)
+    raw, adv = hook.reward_post_process(slime.make_args(grpo_std_normalization=False), group)
+
+    assert raw[:3] == pytest.approx([1 / 3] * 3) and raw[-1] == 0.0
+    mean = 2 / 3  # over the three rollouts, whatever their segment counts
+    assert adv[:3] == pytest.approx([1 - mean] * 3)  # every segment: its rollout's advantage
+    assert adv[3] == pytest.approx(0 - mean)
+    assert adv[4:6] == pytest.approx([1 - mean] * 2)
+    assert adv[6] == 0.0  # the removed sample is out of the statistics
+
+    _, scaled = hook.reward_post_process(slime.make_args(grpo_std_normalization=True), group)
+    assert scaled[0] == pytest.approx((1 - mean) / ((1 / 3) ** 0.5 + 1e-6))
