@@ -127,24 +127,12 @@ def resolve_settings(
     return HookSettings(**values)
 
 
-# SGLang sampling keys a trainer may hand over that are worth forcing on every
-# turn; anything else (verl's `logprobs`, slime's `skip_special_tokens`, ...) is
-# the recorder's business and SGLang 0.5.23 rejects unknown keys with a 400.
-SAMPLING_KEYS = frozenset(
-    {
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "max_new_tokens",
-        "repetition_penalty",
-        "frequency_penalty",
-        "presence_penalty",
-        "stop",
-        "stop_token_ids",
-        "sampling_seed",
-    }
-)
+# What a session's config may force on every turn (the recorder's session
+# `config.sampling`, which rejects any other key). Everything else a trainer
+# hands over (verl's `logprobs` and `repetition_penalty`, slime's
+# `stop_token_ids`, `skip_special_tokens`, ...) is the recorder's own business:
+# its tokenizer knows the stop tokens, and it always asks for logprobs.
+SAMPLING_KEYS = frozenset({"temperature", "top_p", "top_k", "max_new_tokens"})
 
 
 def engine_sampling(params: Mapping[str, Any]) -> dict[str, Any]:

@@ -35,6 +35,10 @@ over segments, and gives every segment its rollout's advantage.
 `evaluation=True` returns only the final segment, with the task's reward, so
 eval metrics count each prompt once.
 
+The engine is the recorder's (`recorder serve --engine`): point it at slime's
+SGLang router (fixed `--sglang-router-ip/--sglang-router-port`); the hook
+records the router's address in the session's metadata.
+
 Settings: `args.recorder_url` / `args.recorder_<name>` (set by a custom
 argument or by `--custom-config-path`), else the `TR_*` environment variable
 (see `recorder.integrations.common`; pass them to Ray workers in the job's
@@ -229,6 +233,12 @@ def from_result(
     ]
 
 
+def _engine_of(args: Any) -> str | None:
+    """slime's router: `recorder serve --engine` must point at it (recorded for the log)."""
+    ip, port = getattr(args, "sglang_router_ip", None), getattr(args, "sglang_router_port", None)
+    return f"http://{ip}:{port}" if ip and port else None
+
+
 def _index(value: Any) -> int:
     return int(value) if value is not None else 0
 
@@ -246,6 +256,7 @@ async def generate(
             "trainer": "slime",
             "evaluation": evaluation,
             "slime_index": sample.index,
+            "slime_engine": _engine_of(args),
             "rollout_id": str(rollout_id_for(sample, None))
             if sample.rollout_id is not None or sample.index is not None
             else None,

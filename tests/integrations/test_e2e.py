@@ -54,7 +54,16 @@ async def test_groups_of_hooks_run_concurrently_against_one_remote_recorder(
         sample(4, 1, remote(greet), prompt=greet.problem_statement),
         sample(5, 1, {"task": as_row(wc)}),
     ]
-    params = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 256, "skip_special_tokens": False}
+    params = {  # what slime's rollout passes (--rollout-stop-token-ids adds stop_token_ids)
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "max_new_tokens": 256,
+        "stop_token_ids": [2],
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+        "spaces_between_special_tokens": False,
+    }
     done = await asyncio.gather(
         slime.generate_and_rm_group(args, group_a, params, hook.generate),
         slime.generate_and_rm_group(args, group_b, params, hook.generate),

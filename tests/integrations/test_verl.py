@@ -301,7 +301,8 @@ async def test_end_to_end_group_against_a_remote_recorder(
         "index": 0,
     }
     broken = {**row, "extra_info": {"task": {**task, "repo": "/nonexistent/repo"}}}
-    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": True}
+    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0,
+              "logprobs": True}  # fmt: skip  # exactly what verl's worker passes
     outs = await asyncio.gather(
         *(w._run_agent_loop(params, trajectory(i), agent_name="recorder", **row) for i in range(2)),
         w._run_agent_loop(params, trajectory(2), agent_name="recorder", **broken),
