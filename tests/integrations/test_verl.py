@@ -63,7 +63,9 @@ def tokenizer() -> Any:
     return tok
 
 
-def config(*, use_v1: bool, prompt_length: int = 16, response_length: int = 8) -> Any:
+def config(
+    *, use_v1: bool, prompt_length: int = 16, response_length: int = 8, routing: bool = False
+) -> Any:
     from omegaconf import OmegaConf
 
     return OmegaConf.create(
@@ -73,7 +75,7 @@ def config(*, use_v1: bool, prompt_length: int = 16, response_length: int = 8) -
                 "rollout": {
                     "prompt_length": prompt_length,
                     "response_length": response_length,
-                    "enable_rollout_routing_replay": False,
+                    "enable_rollout_routing_replay": routing,
                 }
             },
             "data": {},
@@ -176,6 +178,32 @@ async def test_legacy_clips_what_would_crash_verls_padding(
     assert batch.batch["responses"][0].tolist() == final.tokens[final.prompt_len :][:3]
     assert batch.non_tensor_batch["recorder_truncated"][0] is True
     assert batch.batch["rm_scores"][0, 2].item() == 1.0
+
+
+async def test_legacy_routing_replay_rows_land_under_the_tokens(
+    verl: Any, tokenizer: Any, rollouts: dict[int, Any]
+) -> None:
+    agent_loop, _ = verl
+    agent_loop._agent_loop_registry["recorder-moe"] = {
+        "_target_": "recorder.integrations.verl.RecorderAgentLoop",
+        "routed_experts": [3, 2],
+    }
+    w = worker(agent_loop.AgentLoopWorker, config(use_v1=False, routing=True), tokenizer)
+    rollouts[3] = result_of(fan_out_log("moe", routed=(3, 2)), rules=Rules(routed_experts=(3, 2)))
+    rollouts[4] = infra_failure()
+    good = await w._run_agent_loop({}, trajectory(0), agent_name="recorder-moe", **ROW)
+    bad = await w._run_agent_loop(
+        {}, trajectory(1), agent_name="recorder-moe", **{**ROW, "index": 4}
+    )
+    batch = w._postprocess([good, bad])
+
+    final = rollouts[3].samples[-1]
+    experts = batch.batch["routed_experts"]
+    assert experts.shape == (2, 16 + 8, 3, 2)
+    start = 16 - final.prompt_len  # left padding
+    want = final.routed_experts.to_array()
+    assert experts[0, start : start + len(final.tokens)].tolist() == want.tolist()
+    assert not experts[0, :start].any() and not experts[1].any()
 
 
 async def test_v1_list_final_last_reward_copied_to_all(
