@@ -282,6 +282,29 @@ def sandbox_for(settings: HookSettings, task: Mapping[str, Any]) -> SandboxSpec:
     return settings.sandbox
 
 
+# -- MoE routing replay ------------------------------------------------------------
+
+Routing = tuple[int, int]  # (num_layers, top_k)
+
+
+def routing_problem(samples: Sequence[Sample], routing: Routing | None) -> str | None:
+    """Why these samples cannot feed a trainer that replays routing (None: they can)."""
+    if routing is None:
+        return None
+    for s in samples:
+        if s.routed_experts is None and s.status not in ("aborted", "failed"):
+            return (
+                "routing replay is on but the recorder returned no routed experts: "
+                f"start it with rules routed_experts = [{routing[0]}, {routing[1]}]"
+            )
+        if s.routed_experts is not None and tuple(s.routed_experts.shape[1:]) != routing:
+            return (
+                f"routed experts shape {s.routed_experts.shape} does not match "
+                f"(num_layers, top_k) = {routing}: fix the recorder's rules"
+            )
+    return None
+
+
 # -- one rollout --------------------------------------------------------------------
 
 

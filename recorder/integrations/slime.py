@@ -50,7 +50,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -58,17 +57,17 @@ import numpy as np
 from recorder.integrations.common import (
     HookSettings,
     RolloutOutcome,
+    Routing,
     describe_failure,
     is_infra_failure,
     resolve_settings,
+    routing_problem,
     run_one,
     task_row,
 )
 from replay.samples import Sample
 
 log = logging.getLogger(__name__)
-
-Routing = tuple[int, int]  # (num_layers, top_k)
 
 
 def slime_settings(args: Any) -> HookSettings:
@@ -193,23 +192,6 @@ def aborted(
     return [out]
 
 
-def _routing_problem(samples: Sequence[Sample], routing: Routing | None) -> str | None:
-    if routing is None:
-        return None
-    for s in samples:
-        if s.routed_experts is None and s.status not in ("aborted", "failed"):
-            return (
-                "routing replay is on but the recorder returned no routed experts: "
-                f"start it with rules routed_experts = [{routing[0]}, {routing[1]}]"
-            )
-        if s.routed_experts is not None and tuple(s.routed_experts.shape[1:]) != routing:
-            return (
-                f"routed experts shape {s.routed_experts.shape} does not match "
-                f"(num_layers, moe_router_topk) = {routing}: fix the recorder's rules"
-            )
-    return None
-
-
 def from_result(
     result: RolloutOutcome, like: Any, *, routing: Routing | None, evaluation: bool = False
 ) -> list[Any]:
@@ -218,7 +200,7 @@ def from_result(
         return aborted(
             like, describe_failure(result), routing=routing, session_id=result.session_id
         )
-    problem = _routing_problem(result.samples, routing)
+    problem = routing_problem(result.samples, routing)
     if problem is not None:
         return aborted(like, problem, routing=routing, session_id=result.session_id)
     rid = rollout_id_for(like, result.session_id)

@@ -9,7 +9,8 @@ from these; keeping the conversion here lets it be tested without verl's
     response_mask     loss_mask (clipped alike)
     response_logprobs rollout_logprobs (clipped alike)
     routed_experts    (len(prompt_ids) + len(response_ids), layers, top_k) int32, the
-                      rows of the kept tokens; None when routing replay is off
+                      rows of the kept tokens; None when routing replay is off (with it
+                      on, samples without routing are an infrastructure failure)
     reward_score      the segment's reward (legacy: the task's reward, see below)
     num_turns         2 per engine turn of the segment (the user/tool message + the answer)
     metrics           agent time as generate_sequences, eval time as compute_score
@@ -42,11 +43,16 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
-from recorder.integrations.common import RolloutOutcome, describe_failure, is_infra_failure
+from recorder.integrations.common import (
+    RolloutOutcome,
+    Routing,
+    describe_failure,
+    is_infra_failure,
+    routing_problem,
+)
 from replay.samples import Sample
 
 Mode = Literal["v1", "legacy"]
-Routing = tuple[int, int]  # (num_layers, top_k)
 
 
 class OutputFields(msgspec.Struct, kw_only=True):
@@ -167,10 +173,11 @@ def outputs_for(
     routing: Routing | None = None,
 ) -> list[OutputFields]:
     """The outputs verl gets for one rollout: v1 a list (final last), legacy exactly one."""
-    if is_infra_failure(result):
+    problem = routing_problem(result.samples, routing)
+    if is_infra_failure(result) or problem is not None:
         if mode == "v1":
             return []
-        reason = describe_failure(result)
+        reason = problem or describe_failure(result)
         return [
             failed_fields(
                 reason, pad_token_id=pad_token_id, routing=routing, session_id=result.session_id

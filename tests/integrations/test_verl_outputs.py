@@ -62,3 +62,11 @@ def test_infrastructure_failure(mode: str) -> None:
     assert o.reward_score == 0.0 and o.extra_fields["recorder_failed"] is True
     assert o.extra_fields["recorder_reason"] == "sandbox_boot"
     assert o.routed_experts.shape == (2, 2, 2)
+
+
+def test_routing_replay_without_recorder_routing_is_a_failure_not_zeros() -> None:
+    result = result_of(fan_out_log())  # the recorder was not asked for routing
+    assert outputs_for(result, mode="v1", limits=WIDE, pad_token_id=0, routing=(2, 2)) == []
+    (o,) = outputs_for(result, mode="legacy", limits=WIDE, pad_token_id=0, routing=(2, 2))
+    assert o.extra_fields["recorder_failed"] is True
+    assert "routed_experts = [2, 2]" in o.extra_fields["recorder_reason"]
