@@ -77,7 +77,10 @@ def local_binary() -> str | None:
 
 
 async def ensure_agent(sb: Sandbox, spec: AgentSpec) -> str:
-    """The agent CLI's path in the sandbox, installing `package@version` when it is missing."""
+    """The agent CLI's path in the sandbox, installing `package@version` when it is missing
+    ("" when the command does not name `{agent}`: another agent, nothing to install)."""
+    if "{agent}" not in spec.command:
+        return ""
     name = posixpath.basename(spec.binary or "claude")
     probe = f"test -x {shlex.quote(spec.binary)}" if spec.binary else f"command -v {name}"
     found = await sb.exec(probe, timeout_s=60)

@@ -48,6 +48,10 @@ class OutputLine(msgspec.Struct, kw_only=True):
     result: RolloutResult
 
 
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM: the rollouts were stopped and cleaned up."""
+
+
 @dataclass
 class Tally:
     """Counts for the progress bar and the summary."""
@@ -70,9 +74,11 @@ class Tally:
         return sum(trained_tokens(r) for r in self.results)
 
     def line(self) -> str:
+        failed = sum(r.outcome == "failed" for r in self.results)
         return (
-            f"done {len(self.results)}/{self.total}  infra {self.infra}  running {self.running}  "
-            f"mean reward {self.mean_reward:.3f}  trained tokens {self.tokens}"
+            f"done {len(self.results)}/{self.total}  failed {failed}  infra {self.infra}  "
+            f"running {self.running}  mean reward {self.mean_reward:.3f}  "
+            f"trained tokens {self.tokens}"
         )
 
 
@@ -113,7 +119,11 @@ async def own_recorder(
         cmd += ["--engine", engine]
     cmd += list(serve_args)
     env = {**os.environ, "TR_ADMIN_TOKEN": token}  # not on the command line (ps shows it)
-    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    # Its own session: a terminal's Ctrl-C must reach only this CLI, which closes the
+    # sessions through the recorder first and stops it last.
+    proc = subprocess.Popen(
+        cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         await _wait_healthy(proc, url, timeout_s=120)
@@ -224,6 +234,13 @@ def summary(tally: Tally, interrupted: bool) -> Any:
 @click.option("--agent-base-url", help="The recorder as the sandbox reaches it (e2b: public).")
 @click.option("--sandbox", type=click.Choice(["local", "e2b"]), default="local", show_default=True)
 @click.option("--e2b-template", default=None, help="E2B template (needs node/npm and git).")
+@click.option(
+    "--sandbox-option",
+    "sandbox_options",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Backend option (local: root=DIR; e2b: api_url=..., domain=...).",
+)
 @click.option("--samples-per-task", type=int, default=4, show_default=True)
 @click.option("--concurrency", type=int, default=8, show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False), default="samples.jsonl", show_default=True)
@@ -259,7 +276,10 @@ def rollout(**o: Any) -> None:
         **({"command": o["agent_command"]} if o["agent_command"] else {}),
         binary=o["agent_binary"] or (local_binary() if o["sandbox"] == "local" else None),
     )
-    sandbox = SandboxSpec(backend=o["sandbox"], template=o["e2b_template"])
+    options = dict(opt.split("=", 1) for opt in o["sandbox_options"] if "=" in opt)
+    if len(options) != len(o["sandbox_options"]):
+        raise click.ClickException("--sandbox-option takes KEY=VALUE")
+    sandbox = SandboxSpec(backend=o["sandbox"], template=o["e2b_template"], options=options)
     interrupted = False
     tally: Tally | None = None
 
@@ -297,16 +317,26 @@ def rollout(**o: Any) -> None:
         )
         reqs = build_requests(tasks, o["samples_per_task"], base)
         tally = Tally(total=len(reqs))
-        task = asyncio.current_task()
-        assert task is not None
+        stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, task.cancel)
-        return await run_all(reqs, o["concurrency"], out, tally, not o["no_progress"])
+            loop.add_signal_handler(sig, stop.set)
+        work = asyncio.ensure_future(
+            run_all(reqs, o["concurrency"], out, tally, not o["no_progress"])
+        )
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not work.done():
+            click.echo("stopping: killing agents, removing sandboxes, closing sessions", err=True)
+            work.cancel()  # run_group waits for every rollout's cleanup
+            await asyncio.wait({work})
+            raise Interrupted
+        return work.result()
 
     try:
         tally = asyncio.run(main())
-    except (asyncio.CancelledError, KeyboardInterrupt):
+    except (Interrupted, KeyboardInterrupt):
         interrupted = True
         click.echo(
             "interrupted: agents killed, sandboxes removed, sessions closed aborted", err=True

@@ -119,6 +119,7 @@ class _Rollout:
         self.sid = session_id_for(req)
         self.opened = False
         self.sandboxes: list[Sandbox] = []
+        self.killing: list[asyncio.Future[None]] = []
         self.events: list[RolloutEvent] = []
         self.timings: dict[str, float] = {}
         self.turns = 0
@@ -181,12 +182,23 @@ class _Rollout:
         )
         return sb
 
-    async def kill(self, sb: Sandbox, role: str) -> None:
-        with self.timed("cleanup_s"):
-            await sb.kill()
+    def release(self, sb: Sandbox, role: str) -> None:
+        """Kill a sandbox in the background (off the critical path: the agent's sandbox
+        goes while the eval runs, the eval's while the session closes); `reap` waits."""
         if sb in self.sandboxes:
             self.sandboxes.remove(sb)
         self.note("sandbox_killed", role=role, sandbox_id=sb.id)
+        self.killing.append(asyncio.ensure_future(sb.kill()))
+
+    async def reap(self) -> None:
+        """Wait for every sandbox kill (so nothing outlives the rollout)."""
+        with self.timed("cleanup_s"):
+            for sb in list(self.sandboxes):
+                self.release(sb, "leftover")
+            killing, self.killing = self.killing, []
+            for done in await asyncio.gather(*killing, return_exceptions=True):
+                if isinstance(done, BaseException):
+                    log.warning("rollout %s: a sandbox kill failed: %r", self.sid, done)
 
     async def prepare(self, sb: Sandbox, role: str) -> str:
         task = self.req.task
@@ -238,7 +250,7 @@ class _Rollout:
             files=patch.count(b"diff --git "),
             empty=not patch.strip(),
         )
-        await self.kill(sb, "agent")
+        self.release(sb, "agent")
         return patch
 
     async def after_agent(self, run: AgentRun) -> None:
@@ -258,7 +270,8 @@ class _Rollout:
             duration_s=round(run.duration_s, 3),
             turns=self.turns,
             result={k: v for k, v in run.result.items() if k != "result"},
-            output_tail=tail(run.output_tail, 400),
+            # The transcript's tail only when the agent did not end cleanly.
+            **({"output_tail": tail(run.output_tail, 1000)} if run.exit_code != 0 else {}),
         )
         if self.turns == 0 and run.stop == "wall_budget":
             raise InfraError(
@@ -296,15 +309,20 @@ class _Rollout:
             grade = await run_grader(sb, self.req.task, repo)
             self.timings["grader_s"] = time.perf_counter() - t
         self.note("eval_result", **grade.evidence(), duration_s=round(self.timings["grader_s"], 3))
-        await self.kill(sb, "eval")
+        self.release(sb, "eval")
         return grade
 
     async def finish(self, grade: Grade) -> RolloutResult:
         await self.flush()
         with self.timed("recorder_s"):
-            result = await self.client.close_session(
+            closing = self.client.close_session(
                 self.sid, reward=grade.reward, reward_detail=grade.evidence()
             )
+            reaping = asyncio.ensure_future(self.reap())
+            try:
+                result = await closing
+            finally:
+                await asyncio.shield(reaping)
         return RolloutResult(
             session_id=self.sid,
             outcome="passed" if grade.passed else "failed",
@@ -318,15 +336,10 @@ class _Rollout:
     def total_timings(self) -> dict[str, float]:
         return {**self.timings, "total_s": time.perf_counter() - self.started}
 
-    async def cleanup(self) -> None:
-        for sb in list(self.sandboxes):
-            with contextlib.suppress(Exception):
-                await self.kill(sb, "leftover")
-
     async def fail(self, cause: str, message: str) -> RolloutResult:
         """Close the session aborted: its samples are the reducer's same-shape placeholders."""
         log.warning("rollout %s: infrastructure failure %s: %s", self.sid, cause, message)
-        await self.cleanup()
+        await self.reap()
         if not self.opened:
             return placeholder_result(self.req, None, cause, message, timings=self.total_timings())
         self.note("failed", cause=cause, message=message[-2000:])
@@ -384,8 +397,7 @@ async def run_rollout(req: RolloutRequest) -> RolloutResult:
                 cleanup = asyncio.ensure_future(
                     rollout.fail("cancelled", "the rollout was stopped")
                 )
-                with contextlib.suppress(BaseException):
-                    await asyncio.wait_for(asyncio.shield(cleanup), timeout=60)
+                await _finish_despite_cancel([cleanup])
                 raise
     except asyncio.CancelledError:
         raise
@@ -420,7 +432,28 @@ async def run_group(
         _notify(on_result, i, result)
         return result
 
-    return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs))))
+    tasks = [asyncio.ensure_future(one(i, r)) for i, r in enumerate(reqs)]
+    try:
+        await asyncio.wait(tasks)
+    except asyncio.CancelledError:
+        # Not gather: it re-raises the first child's CancelledError at once, while its
+        # siblings are still killing agents and closing sessions.
+        for task in tasks:
+            task.cancel()
+        await _finish_despite_cancel(tasks)
+        raise
+    return [task.result() for task in tasks]
+
+
+async def _finish_despite_cancel(tasks: Sequence[asyncio.Future[Any]]) -> None:
+    """Wait until every task is done, even if this waiter is cancelled again meanwhile
+    (cleanup — agents killed, sandboxes removed, sessions closed — always completes)."""
+    pending = set(tasks)
+    while pending:
+        try:
+            _, pending = await asyncio.wait(pending)
+        except asyncio.CancelledError:
+            continue
 
 
 def _notify(callback: Callable[..., None] | None, *args: Any) -> None:

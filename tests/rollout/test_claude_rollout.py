@@ -136,3 +136,22 @@ async def test_wrong_fix_is_reward_zero_and_trained(sqlite_url: str, tmp_path: P
         assert closed.status == "completed"
     finally:
         await h.close()
+
+
+async def test_turn_budget_stops_the_agent_and_the_session_says_so(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    h = await policy_recorder(chat_tokenizer(), sqlite_url)
+    try:
+        task = shipped_tasks()["greet-punctuation"]
+        result = await run_rollout(request(h, tmp_path, task, turn_budget=1))
+        assert result.infra_cause is None and result.turns == 1, result.evidence
+        assert result.outcome == "passed"  # the one turn's tool call fixed it: graded as usual
+        (finished,) = [
+            e for e in await h.payloads(result.session_id, ev.SandboxEvent)
+            if e.kind == "agent_finished"
+        ]  # fmt: skip
+        assert finished.detail["stop"] == "turn_budget"
+        assert len(await h.payloads(result.session_id, ev.GenerateResult)) == 1
+    finally:
+        await h.close()

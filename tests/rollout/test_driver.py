@@ -181,3 +181,16 @@ async def test_unreachable_recorder_is_an_infrastructure_failure(tmp_path: Path)
     )
     (sample,) = result.samples
     assert sample.status == "aborted" and sample.loss_mask == [0]
+
+
+async def test_a_grader_that_cannot_run_is_infrastructure(
+    recorder: Harness, tmp_path: Path
+) -> None:
+    task = msgspec.structs.replace(
+        shipped_tasks()["greet-punctuation"], eval_cmd="no-such-grader --run"
+    )
+    fix = AgentSpec(command="echo '# touched' >> greet.py")
+    result = await run_rollout(request(recorder, tmp_path, task, agent=fix))
+    assert (result.outcome, result.infra_cause) == ("infra_error", "eval_crashed")
+    (closed,) = await recorder.payloads(result.session_id, ev.SessionClosed)
+    assert closed.status == "aborted"

@@ -4,8 +4,8 @@ A sandbox is an isolated place to run commands and keep files for one
 rollout: the agent's workspace, or the fresh one its patch is graded in.
 Backends: `recorder.rollout.sandbox.local` (a temporary directory and a process
 group per sandbox; the default) and `recorder.rollout.sandbox.e2b` (the real
-`e2b` SDK). `tests/rollout/sandbox_suite.py` is the one suite every backend
-must pass.
+`e2b` SDK). `tests/rollout/test_sandbox_suite.py` is the one suite every
+backend must pass.
 
 Errors (everything a sandbox raises on purpose derives from `SandboxError`):
 

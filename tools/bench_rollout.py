@@ -1,0 +1,253 @@
+"""Rollout driver overhead: `python -m tools.bench_rollout [--rollouts 32] [--concurrency 8]`.
+
+Runs the shipped tasks (tools/tasks) through `run_group` on the local sandbox
+with the real Claude Code CLI, against `recorder serve` and the scripted task
+engine (both subprocesses, as in production). Per rollout, the driver's
+overhead is the time spent in neither the agent (which includes the engine)
+nor the evaluation: total - agent - eval, i.e. sandbox boot, checkout, CLI
+probe, diff, events and close over HTTP, and cleanup. Target: under 5% of the
+rollout's wall time.
+
+Peer column, measured in the same run: a bare pipeline doing the same work
+with plain subprocesses (git clone, the same CLI and env, git diff, a fresh
+clone, git apply, the grader) and no recorder events, sandbox abstraction or
+session bookkeeping. Its "overhead" is the same total - agent - eval.
+
+Afterwards it counts leaks: sandbox directories left under the bench's root
+and processes whose working directory is still inside it (target: 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from recorder.rollout.agent import AgentSpec, agent_command, local_binary, parse_agent_result
+from recorder.rollout.cli import own_recorder
+from recorder.rollout.driver import RolloutRequest, RolloutResult, run_group
+from recorder.rollout.evaluate import grader_command
+from recorder.rollout.sandbox import SandboxSpec
+from recorder.rollout.tasks import Task, load_tasks
+from tools.tasks.build import build_all
+from tools.tasks.engine import CHAT_TEMPLATE, CONTEXT_LENGTH, TOKENIZER_DIR
+from tools.test_engine.launch import REPO_ROOT, free_port
+
+
+async def _start_engine(log: IO[bytes]) -> tuple[asyncio.subprocess.Process, str]:
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tools.tasks.engine", "--port", str(port),
+        stdout=log, stderr=asyncio.subprocess.STDOUT, env=env, cwd=REPO_ROOT,
+    )  # fmt: skip
+    return proc, f"http://127.0.0.1:{port}"
+
+
+# --------------------------------------------------------------------------
+# The bare peer: the same work with plain subprocesses
+# --------------------------------------------------------------------------
+
+
+async def _sh(cmd: str, cwd: Path, env: dict[str, str] | None = None) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_shell(
+        cmd, cwd=cwd, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    out, _ = await proc.communicate()
+    return proc.returncode or 0, out.decode(errors="replace")
+
+
+async def bare_rollout(
+    task: Task, recorder: str, token: str, binary: str, root: Path
+) -> dict[str, float]:
+    import aiohttp
+
+    t0 = time.perf_counter()
+    work = Path(tempfile.mkdtemp(dir=root))
+    headers = {"Authorization": f"Bearer {token}"}
+    async with aiohttp.ClientSession(headers=headers) as http:
+        async with http.post(recorder + "/sessions", json={}) as resp:
+            sid = (await resp.json())["session_id"]
+        clone = f"git clone -q {shlex.quote(task.repo)} repo && cd repo && git checkout -q {task.base_commit}"
+        await _sh(clone, work)
+        (work / "prompt.txt").write_text(task.problem_statement)
+        (work / "home").mkdir()
+        env = {
+            **os.environ,
+            "HOME": str(work / "home"),
+            "ANTHROPIC_BASE_URL": recorder,
+            "ANTHROPIC_AUTH_TOKEN": sid,
+            "ANTHROPIC_API_KEY": sid,
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "IS_SANDBOX": "1",
+        }
+        cmd = agent_command(
+            AgentSpec(), binary=binary, prompt_file=str(work / "prompt.txt"), max_turns=None
+        )
+        t_agent = time.perf_counter()
+        _, out = await _sh(cmd, work / "repo", env)
+        agent_s = time.perf_counter() - t_agent
+        if parse_agent_result(out).get("subtype") != "success":
+            raise RuntimeError(f"the bare pipeline's agent failed: {out[-2000:]}")
+        await _sh(
+            f"git add -A && git diff --cached --binary {task.base_commit} > ../d.patch",
+            work / "repo",
+        )
+        t_eval = time.perf_counter()
+        await _sh(f"git clone -q {shlex.quote(task.repo)} eval && cd eval && git checkout -q "
+                  f"{task.base_commit} && git apply ../d.patch", work)  # fmt: skip
+        if task.eval_script:
+            (work / "eval.sh").write_text(task.eval_script)
+        await _sh(grader_command(task, str(work)), work / "eval")
+        eval_s = time.perf_counter() - t_eval
+        async with http.post(recorder + f"/sessions/{sid}/close", json={"reward": 1.0}) as resp:
+            await resp.read()
+    await _sh(f"rm -rf {shlex.quote(str(work))}", root)
+    total = time.perf_counter() - t0
+    return {"total_s": total, "agent_s": agent_s, "eval_s": eval_s}
+
+
+# --------------------------------------------------------------------------
+# Measuring
+# --------------------------------------------------------------------------
+
+
+def overhead(t: dict[str, float]) -> float:
+    return t["total_s"] - t.get("agent_s", 0.0) - t.get("eval_s", 0.0)
+
+
+def leaks(root: Path) -> tuple[int, int]:
+    """(directories left under root, processes whose cwd is inside root)."""
+    dirs = len(list(root.iterdir()))
+    procs = 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if os.readlink(f"/proc/{entry.name}/cwd").startswith(str(root)):
+                    procs += 1
+            except OSError:
+                continue
+    return dirs, procs
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+async def bench(rollouts: int, concurrency: int, skip_bare: bool) -> None:
+    binary = local_binary()
+    if binary is None:
+        raise click.ClickException("Claude Code CLI missing: bash tools/setup.sh")
+    tasks, errors = load_tasks(build_all())
+    assert not errors, errors
+    scratch = Path(tempfile.mkdtemp(prefix="bench-rollout-"))
+    root = scratch / "sandboxes"
+    root.mkdir()
+    engine_log = open(scratch / "engine.log", "wb")  # noqa: SIM115  (closed below)
+    engine, engine_url = await _start_engine(engine_log)
+    serve_args = ["--tokenizer", str(TOKENIZER_DIR), "--chat-template", str(CHAT_TEMPLATE),
+                  "--tool-parser", "qwen25", "--context-length", str(CONTEXT_LENGTH)]  # fmt: skip
+    try:
+        await asyncio.sleep(3)  # the engine loads its tokenizer
+        log = open(scratch / "serve.log", "wb")  # noqa: SIM115
+        async with own_recorder(str(scratch / "runs.db"), [engine_url], serve_args, log) as (
+            url,
+            token,
+        ):
+            reqs = [
+                RolloutRequest(
+                    task=tasks[i % len(tasks)],
+                    sample_index=i // len(tasks),
+                    group_index=i % len(tasks),
+                    recorder_url=url,
+                    admin_token=token,
+                    sandbox=SandboxSpec(options={"root": str(root)}),
+                    agent=AgentSpec(binary=binary),
+                )
+                for i in range(rollouts)
+            ]
+            t = time.perf_counter()
+            results: list[RolloutResult] = await run_group(reqs, concurrency=concurrency)
+            wall = time.perf_counter() - t
+            bare: list[dict[str, float]] = []
+            bare_wall = float("nan")
+            if not skip_bare:
+                gate = asyncio.Semaphore(concurrency)
+
+                async def one(task: Task) -> dict[str, float]:
+                    async with gate:
+                        return await bare_rollout(task, url, token, binary, root)
+
+                t = time.perf_counter()
+                bare = list(await asyncio.gather(*(one(r.task) for r in reqs)))
+                bare_wall = time.perf_counter() - t
+        report(results, wall, bare, bare_wall, leaks(root), concurrency)
+    finally:
+        engine.terminate()
+        await engine.wait()
+        engine_log.close()
+
+
+def report(
+    results: list[RolloutResult],
+    wall: float,
+    bare: list[dict[str, float]],
+    bare_wall: float,
+    leaked: tuple[int, int],
+    concurrency: int,
+) -> None:
+    timings = [r.timings for r in results]
+    outcomes = statistics.multimode(r.outcome for r in results)
+    table = Table(title=f"{len(results)} rollouts, concurrency {concurrency} (medians)")
+    table.add_column("metric")
+    table.add_column("driver", justify="right")
+    table.add_column("bare peer", justify="right")
+
+    def row(name: str, ours: Any, peer: Any = "") -> None:
+        table.add_row(name, str(ours), str(peer))
+
+    row("rollouts passed", sum(r.outcome == "passed" for r in results), len(bare) or "-")
+    row("wall time, all rollouts (s)", f"{wall:.1f}", f"{bare_wall:.1f}")
+    row("rollout total (s)", f"{_median([t['total_s'] for t in timings]):.3f}",
+        f"{_median([b['total_s'] for b in bare]):.3f}")  # fmt: skip
+    row("  agent incl. engine (s)", f"{_median([t.get('agent_s', 0) for t in timings]):.3f}",
+        f"{_median([b['agent_s'] for b in bare]):.3f}")  # fmt: skip
+    row("  eval (s)", f"{_median([t.get('eval_s', 0) for t in timings]):.3f}",
+        f"{_median([b['eval_s'] for b in bare]):.3f}")  # fmt: skip
+    ours = [overhead(t) for t in timings]
+    peers = [overhead(b) for b in bare]
+    row("  driver overhead (s)", f"{_median(ours):.3f}", f"{_median(peers):.3f}")
+    share = [overhead(t) / t["total_s"] for t in timings]
+    peer_share = [overhead(b) / b["total_s"] for b in bare]
+    row("  overhead share of rollout wall (target < 5%)", f"{100 * _median(share):.2f}%",
+        f"{100 * _median(peer_share):.2f}%")  # fmt: skip
+    for part in ("boot_s", "checkout_s", "install_s", "diff_s", "recorder_s", "cleanup_s"):
+        row(f"    of which {part[:-2]} (s)", f"{_median([t.get(part, 0.0) for t in timings]):.3f}")
+    row("leaked sandbox directories", leaked[0])
+    row("leaked processes", leaked[1])
+    Console().print(table)
+    if outcomes != ["passed"]:
+        click.echo(f"not every rollout passed: {[r.infra_cause or r.outcome for r in results]}")
+
+
+@click.command()
+@click.option("--rollouts", type=int, default=32, show_default=True)
+@click.option("--concurrency", type=int, default=8, show_default=True)
+@click.option("--skip-bare", is_flag=True, help="Skip the bare peer column.")
+def main(rollouts: int, concurrency: int, skip_bare: bool) -> None:
+    """Measure the rollout driver's overhead per rollout and count leaks."""
+    asyncio.run(bench(rollouts, concurrency, skip_bare))
+
+
+if __name__ == "__main__":
+    main()
