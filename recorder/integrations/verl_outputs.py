@@ -1,0 +1,190 @@
+"""Recorder samples -> the fields of verl's `AgentLoopOutput` (pure; verl not imported).
+
+`recorder.integrations.verl.RecorderAgentLoop` builds `AgentLoopOutput(**fields)`
+from these; keeping the conversion here lets it be tested without verl's
+1.7 GB install. Per sample:
+
+    prompt_ids        tokens[:prompt_len], left-clipped to rollout.prompt_length
+    response_ids      tokens[prompt_len:], right-clipped to rollout.response_length
+    response_mask     loss_mask (clipped alike)
+    response_logprobs rollout_logprobs (clipped alike)
+    routed_experts    (len(prompt_ids) + len(response_ids), layers, top_k) int32, the
+                      rows of the kept tokens; None when routing replay is off (with it
+                      on, samples without routing are an infrastructure failure)
+    reward_score      the segment's reward (legacy: the task's reward, see below)
+    num_turns         2 per engine turn of the segment (the user/tool message + the answer)
+    metrics           agent time as generate_sequences, eval time as compute_score
+    extra_fields      recorder_session_id, recorder_rollout_id, segment_kind,
+                      segment_index, segment_count, recorder_status, recorder_outcome,
+                      recorder_truncated, recorder_clipped, recorder_failed,
+                      reward_extra_info ({}: verl v1 copies it from the final output)
+
+Clipping: verl's legacy postprocess pads to exactly prompt_length and
+response_length and crashes on anything longer; verl's own prompt cap keeps
+the prompt's tail, so we do too, and keep the response's head. A clipped
+sample says so (`recorder_truncated`, `recorder_clipped`).
+
+Trainer modes:
+- v1 (`trainer.use_v1`, verl 0.9's default): one output per segment,
+  chronological, the final segment LAST: verl copies the last output's reward
+  to every output of the trajectory. An infrastructure failure is `[]` (verl
+  drops the trajectory and keeps the group).
+- legacy: exactly one output, the final segment (pick `collapse-final` rules
+  on the recorder so the other segments are not built at all), with the
+  task's reward; `recorder_dropped_segments` counts what was left out. An
+  infrastructure failure is one fully masked output with reward 0 and
+  `recorder_failed = True`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+
+from recorder.integrations.common import (
+    RolloutOutcome,
+    Routing,
+    describe_failure,
+    is_infra_failure,
+    routing_problem,
+)
+from replay.samples import Sample
+
+Mode = Literal["v1", "legacy"]
+
+
+class OutputFields(msgspec.Struct, kw_only=True):
+    """Keyword arguments of verl's `AgentLoopOutput`."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    response_logprobs: list[float]
+    routed_experts: Any = None  # np.ndarray (length, layers, top_k) int32
+    reward_score: float
+    num_turns: int
+    metrics: dict[str, float]
+    extra_fields: dict[str, Any]
+
+
+class Limits(msgspec.Struct, frozen=True, kw_only=True):
+    prompt_length: int
+    response_length: int
+
+
+def _metrics(result: RolloutOutcome) -> dict[str, float]:
+    t = result.timings
+    return {
+        "generate_sequences": float(t.get("agent_s", 0.0)),
+        "tool_calls": 0.0,
+        "compute_score": float(t.get("eval_s", 0.0)),
+        "num_preempted": -1,
+    }
+
+
+def to_fields(
+    s: Sample,
+    result: RolloutOutcome,
+    limits: Limits,
+    *,
+    reward: float | None = None,
+    routing: Routing | None = None,
+) -> OutputFields:
+    """One recorder sample as AgentLoopOutput fields, clipped to verl's lengths."""
+    p0 = max(0, s.prompt_len - limits.prompt_length)
+    keep = min(s.response_len, limits.response_length)
+    prompt = s.tokens[p0 : s.prompt_len]
+    response = s.tokens[s.prompt_len : s.prompt_len + keep]
+    clipped = {"prompt": p0, "response": s.response_len - keep}
+    experts = None
+    if routing is not None:
+        if s.routed_experts is not None:
+            experts = s.routed_experts.to_array()[p0 : s.prompt_len + keep].astype(np.int32)
+        else:
+            experts = np.zeros((len(prompt) + len(response), *routing), dtype=np.int32)
+    meta = s.metadata
+    return OutputFields(
+        prompt_ids=list(prompt),
+        response_ids=list(response),
+        response_mask=list(s.loss_mask[:keep]),
+        response_logprobs=list(s.rollout_logprobs[:keep]),
+        routed_experts=experts,
+        reward_score=float(s.reward if reward is None else reward),
+        num_turns=2 * len(meta.get("turns") or [None]),
+        metrics=_metrics(result),
+        extra_fields={
+            "recorder_session_id": s.session_id,
+            "recorder_rollout_id": s.rollout_id,
+            "segment_kind": meta.get("segment_kind"),
+            "segment_index": meta.get("segment_index"),
+            "segment_count": meta.get("segment_count"),
+            "recorder_status": s.status,
+            "recorder_outcome": result.outcome,
+            "recorder_truncated": s.status == "truncated" or any(clipped.values()),
+            "recorder_clipped": clipped,
+            "recorder_failed": False,
+            "reward_extra_info": {},
+        },
+    )
+
+
+def failed_fields(
+    reason: str,
+    *,
+    pad_token_id: int,
+    routing: Routing | None = None,
+    session_id: str | None = None,
+) -> OutputFields:
+    """Legacy trainer's placeholder: one pad prompt token, one masked pad response token."""
+    return OutputFields(
+        prompt_ids=[pad_token_id],
+        response_ids=[pad_token_id],
+        response_mask=[0],
+        response_logprobs=[0.0],
+        routed_experts=None if routing is None else np.zeros((2, *routing), dtype=np.int32),
+        reward_score=0.0,
+        num_turns=0,
+        metrics={"generate_sequences": 0.0, "tool_calls": 0.0, "compute_score": 0.0},
+        extra_fields={
+            "recorder_session_id": session_id,
+            "recorder_rollout_id": None,
+            "segment_kind": None,
+            "segment_index": None,
+            "segment_count": None,
+            "recorder_status": "aborted",
+            "recorder_outcome": "infra_error",
+            "recorder_truncated": False,
+            "recorder_clipped": {"prompt": 0, "response": 0},
+            "recorder_failed": True,
+            "recorder_reason": reason,
+            "reward_extra_info": {},
+        },
+    )
+
+
+def outputs_for(
+    result: RolloutOutcome,
+    *,
+    mode: Mode,
+    limits: Limits,
+    pad_token_id: int,
+    routing: Routing | None = None,
+) -> list[OutputFields]:
+    """The outputs verl gets for one rollout: v1 a list (final last), legacy exactly one."""
+    problem = routing_problem(result.samples, routing)
+    if is_infra_failure(result) or problem is not None:
+        if mode == "v1":
+            return []
+        reason = problem or describe_failure(result)
+        return [
+            failed_fields(
+                reason, pad_token_id=pad_token_id, routing=routing, session_id=result.session_id
+            )
+        ]
+    if mode == "v1":
+        return [to_fields(s, result, limits, routing=routing) for s in result.samples]
+    final = to_fields(result.samples[-1], result, limits, reward=result.reward, routing=routing)
+    final.extra_fields["recorder_dropped_segments"] = len(result.samples) - 1
+    return [final]
