@@ -32,6 +32,15 @@ FinishReason = Literal["stop", "length", "abort", "unknown"]
 ErrorKind = Literal["unreachable", "http", "timeout", "protocol"]
 
 
+# Sampling fields sent to SGLang only when they differ from their neutral value.
+_NEUTRAL_PENALTIES = (
+    ("min_p", 0.0),
+    ("repetition_penalty", 1.0),
+    ("frequency_penalty", 0.0),
+    ("presence_penalty", 0.0),
+)
+
+
 class SamplingParams(msgspec.Struct, frozen=True):
     """Sampling settings; only keys SGLang knows (0.5.23 rejects unknown ones)."""
 
@@ -41,6 +50,11 @@ class SamplingParams(msgspec.Struct, frozen=True):
     top_k: int = -1
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    # Trainer-forced settings (a session's `config.sampling`); sent only when set.
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     # A JSON schema (as JSON text) the output must follow: SGLang's constrained decoding.
     json_schema: str | None = None
 
@@ -61,6 +75,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
             params["stop_token_ids"] = list(self.stop_token_ids)
         if self.json_schema is not None:
             params["json_schema"] = self.json_schema
+        for name, neutral in _NEUTRAL_PENALTIES:
+            if (value := getattr(self, name)) != neutral:
+                params[name] = value
         return params
 
     def with_max_new_tokens(self, n: int) -> SamplingParams:

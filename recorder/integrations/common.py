@@ -129,10 +129,21 @@ def resolve_settings(
 
 # What a session's config may force on every turn (the recorder's session
 # `config.sampling`, which rejects any other key). Everything else a trainer
-# hands over (verl's `logprobs` and `repetition_penalty`, slime's
-# `stop_token_ids`, `skip_special_tokens`, ...) is the recorder's own business:
-# its tokenizer knows the stop tokens, and it always asks for logprobs.
-SAMPLING_KEYS = frozenset({"temperature", "top_p", "top_k", "max_new_tokens"})
+# hands over (verl's `logprobs`, slime's `skip_special_tokens`, ...) is the
+# recorder's own business: it always asks for logprobs and exact tokens.
+SAMPLING_KEYS = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+        "max_new_tokens",
+        "stop_token_ids",
+    }
+)
 
 
 def engine_sampling(params: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """Per-session settings a trainer forces at open (`POST /sessions {"config": {...}}`).
 
-`config.sampling` ({temperature, top_p, top_k, max_new_tokens}) replaces what
+`config.sampling` ({temperature, top_p, top_k, min_p, repetition_penalty,
+frequency_penalty, presence_penalty, max_new_tokens, stop_token_ids}) replaces what
 the agent asks for on every turn of the session: a rollout samples with the
 trainer's settings, whatever the agent's CLI sends. `config.max_turns` caps the
 session's engine calls; a request past it is refused (400, recorded as
@@ -16,20 +17,37 @@ import msgspec
 
 from recorder.engine import SamplingParams
 
+_FORCED = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
+
 
 class SamplingOverride(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     temperature: Annotated[float, msgspec.Meta(ge=0)] | None = None
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
     top_k: int | None = None
+    min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0, le=2)] | None = None
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] | None = None
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] | None = None
     max_new_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    # Added to the stop tokens the tokenizer already knows (never replaces them).
+    stop_token_ids: list[Annotated[int, msgspec.Meta(ge=0)]] | None = None
 
     def apply(self, params: SamplingParams) -> SamplingParams:
         """`params` with the forced fields; max_new_tokens only ever lowers the clamped value."""
         changes: dict[str, Any] = {
-            name: value
-            for name in ("temperature", "top_p", "top_k")
-            if (value := getattr(self, name)) is not None
+            name: value for name in _FORCED if (value := getattr(self, name)) is not None
         }
+        if self.stop_token_ids:
+            extra = [t for t in self.stop_token_ids if t not in params.stop_token_ids]
+            changes["stop_token_ids"] = (*params.stop_token_ids, *extra)
         if self.max_new_tokens is not None:
             changes["max_new_tokens"] = min(params.max_new_tokens, self.max_new_tokens)
         return msgspec.structs.replace(params, **changes) if changes else params

@@ -76,8 +76,9 @@ def test_only_what_a_session_may_force_is_passed() -> None:
         "top_p": 1.0,
         "top_k": -1,
         "max_new_tokens": 512,
+        "stop_token_ids": [2],
     }
-    assert engine_sampling(verl) == {"temperature": 1.0, "top_p": 0.9}
+    assert engine_sampling(verl) == {"temperature": 1.0, "top_p": 0.9, "repetition_penalty": 1.0}
 
 
 def test_flat_row() -> None:

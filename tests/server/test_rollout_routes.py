@@ -85,6 +85,24 @@ async def test_forced_sampling_wins_over_the_request(guarded: Harness) -> None:
     assert (req.temperature, req.top_p, req.top_k, req.max_new_tokens) == (0.25, 0.5, 7, 40)
 
 
+async def test_forced_penalties_and_stop_tokens_reach_the_engine(guarded: Harness) -> None:
+    """What verl and slime hand over beyond temperature (penalties, extra stop ids) is forced
+    too; neutral penalties are not sent at all (SGLang's defaults)."""
+    h = guarded
+    plain = await h.open_session()
+    await ask(h.client(plain), [{"role": "user", "content": "hi"}], stream=False)
+    (attempt,) = await h.payloads(plain, ev.GenerateAttempt)
+    assert "repetition_penalty" not in attempt.sampling_params
+    forced = {"repetition_penalty": 1.1, "min_p": 0.05, "presence_penalty": 0.5}
+    sid = await h.open_session(config={"sampling": {**forced, "stop_token_ids": [7]}})
+    await ask(h.client(sid), [{"role": "user", "content": "hi"}], stream=False)
+    (attempt,) = await h.payloads(sid, ev.GenerateAttempt)
+    params = attempt.sampling_params
+    assert {k: params[k] for k in forced} == forced
+    assert 7 in params["stop_token_ids"]
+    assert set(h.ctx.tokenizer.eos_token_ids) <= set(params["stop_token_ids"])
+
+
 async def test_turn_cap_refuses_the_next_turn_and_survives_a_restart(guarded: Harness) -> None:
     h = guarded
     sid = await h.open_session(config={"max_turns": 1})
@@ -106,6 +124,8 @@ async def test_turn_cap_refuses_the_next_turn_and_survives_a_restart(guarded: Ha
         ({"sampling": {"temperature": -1}}, "config.sampling.temperature"),
         ({"sampling": {"top_p": 0}}, "config.sampling.top_p"),
         ({"sampling": {"seed": 1}}, "seed"),
+        ({"sampling": {"repetition_penalty": 0}}, "config.sampling.repetition_penalty"),
+        ({"sampling": {"stop_token_ids": [-1]}}, "config.sampling.stop_token_ids"),
         ({"max_turns": 0}, "config.max_turns"),
     ],
 )
