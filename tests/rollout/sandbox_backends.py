@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from e2b_doubles import E2BDoubles
+from typing import TYPE_CHECKING, Any
 
 from recorder.rollout.sandbox import Sandbox, SandboxSpec
 from recorder.rollout.sandbox.local import marked_pids
+
+if TYPE_CHECKING:
+    from e2b_doubles import E2BDoubles
 
 
 @dataclass

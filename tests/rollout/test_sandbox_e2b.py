@@ -8,12 +8,11 @@ behaviour of every backend is in test_sandbox_suite.py.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 from typing import Any
 
 import pytest
-from e2b import AsyncSandbox
-from e2b_doubles import E2BDoubles
 
 from recorder.rollout.sandbox import (
     SandboxBootError,
@@ -21,7 +20,16 @@ from recorder.rollout.sandbox import (
     SandboxSpec,
     open_sandbox,
 )
-from recorder.rollout.sandbox.e2b import backoff_s
+
+try:
+    from e2b import AsyncSandbox
+    from e2b_doubles import E2BDoubles
+
+    from recorder.rollout.sandbox.e2b import backoff_s
+except ImportError:  # the e2b extra; CI installs it, so there a missing SDK fails collection
+    if os.environ.get("CI"):
+        raise
+    pytest.skip("the E2B SDK is not installed (pip install -e '.[e2b]')", allow_module_level=True)
 
 
 def spec(doubles: E2BDoubles, **options: Any) -> SandboxSpec:
