@@ -176,3 +176,23 @@ async def test_options_given_as_strings_work(e2b_doubles: E2BDoubles) -> None:
     async with await open_sandbox(spec(e2b_doubles, **options)) as sb:
         assert (await sb.exec("echo ok")).stdout == "ok\n"
     assert e2b_doubles.create_statuses == [503, 201]
+
+
+async def test_the_sdk_uses_the_filesystem_service(e2b_doubles: E2BDoubles) -> None:
+    """The envd double's filesystem RPCs, which the backend does not use, for the SDK directly."""
+    sdk = await AsyncSandbox.create(**connection(e2b_doubles))
+    try:
+        assert await sdk.files.make_dir("a/b")
+        assert not await sdk.files.make_dir("a/b")  # already there
+        await sdk.files.write("a/b/f.txt", "12345")
+        assert await sdk.files.exists("a/b/f.txt")
+        info = await sdk.files.get_info("a/b/f.txt")
+        assert (info.name, info.size, info.type.value) == ("f.txt", 5, "file")
+        listed = await sdk.files.list("a", depth=2)
+        assert sorted(e.name for e in listed) == ["b", "f.txt"]
+        await sdk.files.rename("a/b/f.txt", "a/g.txt")
+        assert await sdk.files.read("a/g.txt") == "12345"
+        await sdk.files.remove("a")
+        assert not await sdk.files.exists("a")
+    finally:
+        await sdk.kill()
