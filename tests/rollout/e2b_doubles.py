@@ -478,12 +478,19 @@ class E2BDoubles:
             await runner.cleanup()
 
     async def _end(self, sandbox: DoubleSandbox) -> None:
+        """The VM stops: its streams drop at once, then its processes and files go."""
         sandbox.alive = False
         for proc in list(sandbox.processes.values()):
             proc.publish(GONE)
         if sandbox.expiry is not None:
             sandbox.expiry.cancel()
         await sandbox.local.kill()
+
+    async def settled(self) -> None:
+        """Wait until every ended sandbox is fully removed (an expiry removes in the background)."""
+        for sandbox in self.sandboxes.values():
+            if not sandbox.alive:
+                await sandbox.local.kill()
 
     def _schedule_expiry(self, sandbox: DoubleSandbox, timeout_s: float) -> None:
         if sandbox.expiry is not None:

@@ -159,6 +159,9 @@ class E2BHandle(CommandHandle):
         self._handle = handle
         self._started = time.monotonic()
         self._result = asyncio.ensure_future(self._collect())
+        # A background command nobody waits for may end in an error (its sandbox was
+        # killed): that is no news, so it must not be logged as never retrieved.
+        self._result.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     @property
     def pid(self) -> int:
