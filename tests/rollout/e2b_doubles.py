@@ -395,6 +395,7 @@ class E2BDoubles:
         self.create_statuses: list[int] = []  # what each creation was answered with
         self._scripted: list[int] = []
         self._envd_down = 0
+        self._lost_answers = 0
         self.gate: asyncio.Event | None = None  # when set up, creations wait for it
         self.in_flight = 0
         self.max_in_flight = 0
@@ -417,6 +418,10 @@ class E2BDoubles:
     def fail_creates(self, *statuses: int) -> None:
         """Answer the next creations with these HTTP statuses, in order."""
         self._scripted.extend(statuses)
+
+    def lose_create_answers(self, count: int) -> None:
+        """Make the next creations succeed but drop the connection before answering."""
+        self._lost_answers += count
 
     def envd_down(self, sandboxes: int) -> None:
         """The next sandboxes boot with envd unreachable (the VM is up, its port not open)."""
@@ -555,6 +560,12 @@ class E2BDoubles:
         self.sandboxes[sandbox.id] = sandbox
         if key:
             self._by_key[key] = sandbox.id
+        if self._lost_answers:
+            self._lost_answers -= 1
+            self.create_statuses.append(0)
+            assert request.transport is not None
+            request.transport.close()  # the VM exists; its creator never hears of it
+            return web.Response(status=500)
         self.create_statuses.append(201)
         return web.json_response(self._created(sandbox), status=201)
 

@@ -196,3 +196,11 @@ async def test_the_sdk_uses_the_filesystem_service(e2b_doubles: E2BDoubles) -> N
         assert not await sdk.files.exists("a")
     finally:
         await sdk.kill()
+
+
+async def test_a_creation_whose_answer_is_lost_leaves_no_orphan(e2b_doubles: E2BDoubles) -> None:
+    e2b_doubles.lose_create_answers(1)
+    async with await open_sandbox(spec(e2b_doubles)) as sb:
+        assert (await sb.exec("echo up")).stdout == "up\n"
+        assert e2b_doubles.create_statuses == [0, 201]  # the retry reused the idempotency key
+        assert [s.id for s in e2b_doubles.live()] == [sb.id]
