@@ -29,7 +29,10 @@ Each sandbox really runs its commands: it is a `LocalSandbox` (a temp directory,
 a process group per command), so the shared suite's semantics hold for real.
 
 Faults for the tests: `fail_creates(429, 500, ...)` answers the next creations
-with those statuses; `expire(id)` ends a sandbox as its timeout would.
+with those statuses, `lose_create_answers(n)` creates but drops the connection
+before answering, `envd_down(n)` boots VMs whose envd port is not open,
+`hold_creates()` makes creations queue, and `expire(id)` ends a sandbox as its
+timeout would (its open streams drop mid-flight).
 """
 
 from __future__ import annotations

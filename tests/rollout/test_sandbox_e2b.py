@@ -204,3 +204,16 @@ async def test_a_creation_whose_answer_is_lost_leaves_no_orphan(e2b_doubles: E2B
         assert (await sb.exec("echo up")).stdout == "up\n"
         assert e2b_doubles.create_statuses == [0, 201]  # the retry reused the idempotency key
         assert [s.id for s in e2b_doubles.live()] == [sb.id]
+
+
+async def test_the_sdk_lists_sandboxes_and_extends_their_lifetime(e2b_doubles: E2BDoubles) -> None:
+    """The API double's list and timeout routes, for the SDK directly."""
+    async with await open_sandbox(spec(e2b_doubles)) as sb:
+        page = AsyncSandbox.list(**connection(e2b_doubles))
+        assert [s.sandbox_id for s in await page.next_items()] == [sb.id]
+        await AsyncSandbox.set_timeout(sb.id, 7200, **connection(e2b_doubles))
+        info = await AsyncSandbox.get_info(sb.id, **connection(e2b_doubles))
+        remaining = (info.end_at - info.started_at).total_seconds()
+        assert remaining >= 7200
+    page = AsyncSandbox.list(**connection(e2b_doubles))
+    assert await page.next_items() == []
