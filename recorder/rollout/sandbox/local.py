@@ -7,10 +7,11 @@ kill reaches the command and everything it started. Every process also carries
 mark, so even a process that left its group (`setsid`, a daemon) dies with the
 sandbox: nothing is left behind.
 
-Semantics shared with the E2B backend (`tests/rollout/test_sandbox_suite.py`):
-`exec` ends when its command ends, and whatever the command left running in
-its group is killed then (use `start` for a server). Commands inherit the
-host's environment, then the spec's `env`, then the command's own `env`.
+The contract is the shared suite's (`tests/rollout/test_sandbox_suite.py`). On top
+of it, here: `exec` (and a background command) ends when its command ends, and
+whatever the command left running, even outside its group, is killed then, since
+it would hold the output pipes open forever (use `start` for a server). Commands
+inherit the host's environment, then the spec's `env`, then the command's own.
 
 This is isolation by directory and process group, not a security boundary: a
 command can read and write anything the user running the driver can.
