@@ -8,10 +8,11 @@ mark, so even a process that left its group (`setsid`, a daemon) dies with the
 sandbox: nothing is left behind.
 
 The contract is the shared suite's (`tests/rollout/test_sandbox_suite.py`). On top
-of it, here: `exec` (and a background command) ends when its command ends, and
-whatever the command left running, even outside its group, is killed then, since
-it would hold the output pipes open forever (use `start` for a server). Commands
-inherit the host's environment, then the spec's `env`, then the command's own.
+of it, here: `exec` (and a background command) ends when its command ends; what
+the command left in its group is killed then, and so is a process that left the
+group still holding the command's output (it would keep the pipes open forever).
+Use `start` for a server; a daemon with its own output lives until `kill`.
+Commands inherit the host's environment, then the spec's `env`, then their own.
 
 This is isolation by directory and process group, not a security boundary: a
 command can read and write anything the user running the driver can.
