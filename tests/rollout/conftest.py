@@ -10,12 +10,28 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-from e2b_doubles import E2BDoubles
 from sandbox_backends import Backend
 
 from recorder.rollout.sandbox import Sandbox, open_sandbox
+from tests.conftest import missing
+
+if TYPE_CHECKING:
+    from e2b_doubles import E2BDoubles
+
+
+async def _start_doubles(root: Path) -> E2BDoubles:
+    """The doubles, imported on demand: the E2B SDK is an extra (dev and CI install it)."""
+    try:
+        from e2b_doubles import E2BDoubles
+    except ImportError as exc:
+        missing(f"the E2B SDK is not installed ({exc})", "pip install -e '.[e2b]'")
+
+    doubles = E2BDoubles(root)
+    await doubles.start()
+    return doubles
 
 
 @pytest.fixture(params=["local", "e2b"])
@@ -25,8 +41,7 @@ async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
     if request.param == "local":
         yield Backend("local", tmp_path)
         return
-    doubles = E2BDoubles(tmp_path / "local")
-    await doubles.start()
+    doubles = await _start_doubles(tmp_path / "local")
     try:
         yield Backend("e2b", tmp_path, doubles)
     finally:
@@ -45,8 +60,7 @@ async def sandbox(backend: Backend) -> AsyncIterator[Sandbox]:
 @pytest.fixture
 async def e2b_doubles(tmp_path: Path) -> AsyncIterator[E2BDoubles]:
     """E2B's API and envd doubles alone, for the E2B-only tests."""
-    doubles = E2BDoubles(tmp_path)
-    await doubles.start()
+    doubles = await _start_doubles(tmp_path)
     try:
         yield doubles
     finally:

@@ -16,9 +16,11 @@ header as E2B's edge proxy does; auth `X-Access-Token`):
     GET  /health
     GET  /files?path=                    download
     POST /files?path=                    upload (multipart/form-data or octet-stream)
-    /process.Process/{Start,Connect,List,SendSignal}   Connect RPC, served by the
-         server half of envd's generated service definitions that the SDK ships
-         (`ProcessASGIApplication`), through a small aiohttp-to-ASGI bridge
+    /process.Process/{Start,Connect,List,SendSignal}            Connect RPC, served by
+    /filesystem.Filesystem/{Stat,MakeDir,ListDir,Remove,Move}   the server half of
+         envd's generated service definitions that the SDK ships
+         (`ProcessASGIApplication`, `FilesystemASGIApplication`) through a small
+         aiohttp-to-ASGI bridge; stdin, PTY and directory watches are not doubled
 A request for a sandbox that was killed or expired gets the edge proxy's answer,
 502 "The sandbox ... was not found", which the SDK turns into
 `SandboxNotRunningException`.
@@ -27,7 +29,10 @@ Each sandbox really runs its commands: it is a `LocalSandbox` (a temp directory,
 a process group per command), so the shared suite's semantics hold for real.
 
 Faults for the tests: `fail_creates(429, 500, ...)` answers the next creations
-with those statuses; `expire(id)` ends a sandbox as its timeout would.
+with those statuses, `lose_create_answers(n)` creates but drops the connection
+before answering, `envd_down(n)` boots VMs whose envd port is not open,
+`hold_creates()` makes creations queue, and `expire(id)` ends a sandbox as its
+timeout would (its open streams drop mid-flight).
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ import datetime as dt
 import os
 import secrets
 import shlex
+import shutil
 import signal
+import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +55,7 @@ from aiohttp import web
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
+from e2b.envd.filesystem import filesystem_connect, filesystem_pb
 from e2b.envd.process import process_connect, process_pb
 from protobuf import Oneof
 
@@ -226,6 +234,91 @@ class ProcessService:
         raise ConnectError(Code.UNIMPLEMENTED, "the envd double has no stdin")
 
 
+class FilesystemService:
+    """envd's filesystem.Filesystem service (no watchers): Stat, MakeDir, ListDir, Remove, Move."""
+
+    def __init__(self, doubles: E2BDoubles) -> None:
+        self._doubles = doubles
+
+    def _path(self, ctx: RequestContext[Any, Any], path: str) -> Path:
+        sandbox = self._doubles.sandboxes[ctx.request_headers["e2b-sandbox-id"]]
+        return Path(sandbox.local.workdir, path)
+
+    async def stat(self, request: Any, ctx: RequestContext[Any, Any]) -> Any:
+        return filesystem_pb.StatResponse(entry=_entry(self._path(ctx, request.path)))
+
+    async def make_dir(self, request: Any, ctx: RequestContext[Any, Any]) -> Any:
+        path = self._path(ctx, request.path)
+        if path.exists():
+            raise ConnectError(Code.ALREADY_EXISTS, f"directory {path} already exists")
+        path.mkdir(parents=True)
+        return filesystem_pb.MakeDirResponse(entry=_entry(path))
+
+    async def list_dir(self, request: Any, ctx: RequestContext[Any, Any]) -> Any:
+        root = self._path(ctx, request.path)
+        if not root.is_dir():
+            raise ConnectError(Code.NOT_FOUND, f"directory {root} not found")
+        depth = request.depth or 1
+        found = [p for p in sorted(root.rglob("*")) if len(p.relative_to(root).parts) <= depth]
+        return filesystem_pb.ListDirResponse(entries=[_entry(p) for p in found])
+
+    async def remove(self, request: Any, ctx: RequestContext[Any, Any]) -> Any:
+        path = self._path(ctx, request.path)
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+        else:
+            raise ConnectError(Code.NOT_FOUND, f"path {path} not found")
+        return filesystem_pb.RemoveResponse()
+
+    async def move(self, request: Any, ctx: RequestContext[Any, Any]) -> Any:
+        source = self._path(ctx, request.source)
+        if not source.exists():
+            raise ConnectError(Code.NOT_FOUND, f"path {source} not found")
+        target = self._path(ctx, request.destination)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        source.rename(target)
+        return filesystem_pb.MoveResponse(entry=_entry(target))
+
+    # Directory watches are not doubled.
+    async def watch_dir(self, request: Any, ctx: Any) -> AsyncIterator[Any]:
+        raise ConnectError(Code.UNIMPLEMENTED, "the envd double does not watch directories")
+        yield  # an async generator, as a server stream must be
+
+    async def create_watcher(self, request: Any, ctx: Any) -> Any:
+        raise ConnectError(Code.UNIMPLEMENTED, "the envd double does not watch directories")
+
+    async def get_watcher_events(self, request: Any, ctx: Any) -> Any:
+        raise ConnectError(Code.UNIMPLEMENTED, "the envd double does not watch directories")
+
+    async def remove_watcher(self, request: Any, ctx: Any) -> Any:
+        raise ConnectError(Code.UNIMPLEMENTED, "the envd double does not watch directories")
+
+
+def _entry(path: Path) -> Any:
+    if not path.exists() and not path.is_symlink():
+        raise ConnectError(Code.NOT_FOUND, f"path {path} not found")
+    info = path.lstat()
+    kind = (
+        filesystem_pb.FileType.SYMLINK
+        if path.is_symlink()
+        else filesystem_pb.FileType.DIRECTORY
+        if path.is_dir()
+        else filesystem_pb.FileType.FILE
+    )
+    return filesystem_pb.EntryInfo(
+        name=path.name,
+        type=kind,
+        path=str(path),
+        size=info.st_size,
+        mode=stat.S_IMODE(info.st_mode),
+        permissions=stat.filemode(info.st_mode),
+        owner="user",
+        group="user",
+    )
+
+
 async def _drain(
     proc: DoubleProcess, queue: asyncio.Queue[Followed]
 ) -> AsyncIterator[ProcessEvent]:
@@ -305,6 +398,7 @@ class E2BDoubles:
         self.create_statuses: list[int] = []  # what each creation was answered with
         self._scripted: list[int] = []
         self._envd_down = 0
+        self._lost_answers = 0
         self.gate: asyncio.Event | None = None  # when set up, creations wait for it
         self.in_flight = 0
         self.max_in_flight = 0
@@ -327,6 +421,10 @@ class E2BDoubles:
     def fail_creates(self, *statuses: int) -> None:
         """Answer the next creations with these HTTP statuses, in order."""
         self._scripted.extend(statuses)
+
+    def lose_create_answers(self, count: int) -> None:
+        """Make the next creations succeed but drop the connection before answering."""
+        self._lost_answers += count
 
     def envd_down(self, sandboxes: int) -> None:
         """The next sandboxes boot with envd unreachable (the VM is up, its port not open)."""
@@ -359,12 +457,14 @@ class E2BDoubles:
         )
         envd = web.Application(middlewares=[self._edge_proxy])
         rpc = asgi_handler(process_connect.ProcessASGIApplication(ProcessService(self)))
+        fs = asgi_handler(filesystem_connect.FilesystemASGIApplication(FilesystemService(self)))
         envd.add_routes(
             [
                 web.get("/health", self._health),
                 web.get("/files", self._download),
                 web.post("/files", self._upload),
                 web.post("/process.Process/{method}", rpc),
+                web.post("/filesystem.Filesystem/{method}", fs),
             ]
         )
         self.api_url = await self._serve(api)
@@ -386,12 +486,19 @@ class E2BDoubles:
             await runner.cleanup()
 
     async def _end(self, sandbox: DoubleSandbox) -> None:
+        """The VM stops: its streams drop at once, then its processes and files go."""
         sandbox.alive = False
         for proc in list(sandbox.processes.values()):
             proc.publish(GONE)
         if sandbox.expiry is not None:
             sandbox.expiry.cancel()
         await sandbox.local.kill()
+
+    async def settled(self) -> None:
+        """Wait until every ended sandbox is fully removed (an expiry removes in the background)."""
+        for sandbox in self.sandboxes.values():
+            if not sandbox.alive:
+                await sandbox.local.kill()
 
     def _schedule_expiry(self, sandbox: DoubleSandbox, timeout_s: float) -> None:
         if sandbox.expiry is not None:
@@ -456,6 +563,12 @@ class E2BDoubles:
         self.sandboxes[sandbox.id] = sandbox
         if key:
             self._by_key[key] = sandbox.id
+        if self._lost_answers:
+            self._lost_answers -= 1
+            self.create_statuses.append(0)
+            assert request.transport is not None
+            request.transport.close()  # the VM exists; its creator never hears of it
+            return web.Response(status=500)
         self.create_statuses.append(201)
         return web.json_response(self._created(sandbox), status=201)
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from e2b_doubles import E2BDoubles
+from typing import TYPE_CHECKING, Any
 
 from recorder.rollout.sandbox import Sandbox, SandboxSpec
 from recorder.rollout.sandbox.local import marked_pids
+
+if TYPE_CHECKING:
+    from e2b_doubles import E2BDoubles
 
 
 @dataclass
@@ -36,10 +37,11 @@ class Backend:
             return self.spec(options={"boot_attempts": 2})
         return self.spec(options={"root": str(self.tmp / "no" / "such" / "dir")})
 
-    def leftovers(self, sb: Sandbox) -> list[str]:
+    async def leftovers(self, sb: Sandbox) -> list[str]:
         """What a killed sandbox left behind: live processes, directories, cloud sandboxes."""
         found: list[str] = []
         if self.doubles is not None:
+            await self.doubles.settled()  # E2B removes an expired VM after it stops answering
             found += [f"E2B sandbox {s.id} still running" for s in self.doubles.live()]
             locals_ = [s.local for s in self.doubles.sandboxes.values() if s.id == sb.id]
         else:

@@ -8,12 +8,11 @@ behaviour of every backend is in test_sandbox_suite.py.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 from typing import Any
 
 import pytest
-from e2b import AsyncSandbox
-from e2b_doubles import E2BDoubles
 
 from recorder.rollout.sandbox import (
     SandboxBootError,
@@ -21,7 +20,16 @@ from recorder.rollout.sandbox import (
     SandboxSpec,
     open_sandbox,
 )
-from recorder.rollout.sandbox.e2b import backoff_s
+
+try:
+    from e2b import AsyncSandbox
+    from e2b_doubles import E2BDoubles
+
+    from recorder.rollout.sandbox.e2b import backoff_s
+except ImportError:  # the e2b extra; CI installs it, so there a missing SDK fails collection
+    if os.environ.get("CI"):
+        raise
+    pytest.skip("the E2B SDK is not installed (pip install -e '.[e2b]')", allow_module_level=True)
 
 
 def spec(doubles: E2BDoubles, **options: Any) -> SandboxSpec:
@@ -168,3 +176,44 @@ async def test_options_given_as_strings_work(e2b_doubles: E2BDoubles) -> None:
     async with await open_sandbox(spec(e2b_doubles, **options)) as sb:
         assert (await sb.exec("echo ok")).stdout == "ok\n"
     assert e2b_doubles.create_statuses == [503, 201]
+
+
+async def test_the_sdk_uses_the_filesystem_service(e2b_doubles: E2BDoubles) -> None:
+    """The envd double's filesystem RPCs, which the backend does not use, for the SDK directly."""
+    sdk = await AsyncSandbox.create(**connection(e2b_doubles))
+    try:
+        assert await sdk.files.make_dir("a/b")
+        assert not await sdk.files.make_dir("a/b")  # already there
+        await sdk.files.write("a/b/f.txt", "12345")
+        assert await sdk.files.exists("a/b/f.txt")
+        info = await sdk.files.get_info("a/b/f.txt")
+        assert (info.name, info.size, info.type.value) == ("f.txt", 5, "file")
+        listed = await sdk.files.list("a", depth=2)
+        assert sorted(e.name for e in listed) == ["b", "f.txt"]
+        await sdk.files.rename("a/b/f.txt", "a/g.txt")
+        assert await sdk.files.read("a/g.txt") == "12345"
+        await sdk.files.remove("a")
+        assert not await sdk.files.exists("a")
+    finally:
+        await sdk.kill()
+
+
+async def test_a_creation_whose_answer_is_lost_leaves_no_orphan(e2b_doubles: E2BDoubles) -> None:
+    e2b_doubles.lose_create_answers(1)
+    async with await open_sandbox(spec(e2b_doubles)) as sb:
+        assert (await sb.exec("echo up")).stdout == "up\n"
+        assert e2b_doubles.create_statuses == [0, 201]  # the retry reused the idempotency key
+        assert [s.id for s in e2b_doubles.live()] == [sb.id]
+
+
+async def test_the_sdk_lists_sandboxes_and_extends_their_lifetime(e2b_doubles: E2BDoubles) -> None:
+    """The API double's list and timeout routes, for the SDK directly."""
+    async with await open_sandbox(spec(e2b_doubles)) as sb:
+        page = AsyncSandbox.list(**connection(e2b_doubles))
+        assert [s.sandbox_id for s in await page.next_items()] == [sb.id]
+        await AsyncSandbox.set_timeout(sb.id, 7200, **connection(e2b_doubles))
+        info = await AsyncSandbox.get_info(sb.id, **connection(e2b_doubles))
+        remaining = (info.end_at - info.started_at).total_seconds()
+        assert remaining >= 7200
+    page = AsyncSandbox.list(**connection(e2b_doubles))
+    assert await page.next_items() == []

@@ -186,7 +186,7 @@ async def test_kill_is_idempotent_and_leaves_nothing_behind(backend: Backend) ->
     await sb.write_file("data/file.txt", "x")
     await sb.kill()
     await sb.kill()
-    assert backend.leftovers(sb) == []
+    assert await backend.leftovers(sb) == []
     with pytest.raises(SandboxGone):
         await sb.exec("true")
     with pytest.raises(SandboxGone):
@@ -202,7 +202,7 @@ async def test_a_sandbox_past_its_lifetime_is_gone(backend: Backend) -> None:
             break
         await asyncio.sleep(0.1)
     await sb.kill()  # no error for a sandbox that is already gone
-    assert backend.leftovers(sb) == []
+    assert await backend.leftovers(sb) == []
 
 
 async def test_a_boot_that_fails_is_a_boot_error(backend: Backend) -> None:

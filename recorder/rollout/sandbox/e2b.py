@@ -18,8 +18,8 @@ connection settings (`api_key`, `api_url`, `sandbox_url`, `domain`,
 Booting: at most `max_concurrent_boots` creations run at once in a process
 (E2B rate-limits creation per team), and a creation that fails for a transient
 reason (429, 5xx, a transport error, envd not answering) is retried with
-exponential backoff; one idempotency key per attempt stops a retried request from
-leaving a second, orphaned sandbox behind. A boot is complete once envd has run
+exponential backoff; the retries of one creation share an idempotency key, so a
+creation whose answer was lost is not left running, orphaned, beside its retry. A boot is complete once envd has run
 a first command (it tells the workdir), so a VM whose daemon never came up
 counts as a failed boot, not as a broken rollout.
 
@@ -86,6 +86,7 @@ DEFAULT_BOOT_BACKOFF_S = 1.0
 MAX_BOOT_BACKOFF_S = 30.0
 DEFAULT_MAX_CONCURRENT_BOOTS = 8
 KILL_RETRIES = 3  # the SDK's own retries (429/5xx) for the DELETE that removes a sandbox
+PROBE_TIMEOUT_S = 60.0  # the first command of a boot; a VM whose envd hangs is a failed boot
 
 # Sandbox gone: the control plane does not know it, or the proxy before envd says so.
 _GONE = (e2bx.SandboxNotFoundException, e2bx.SandboxNotRunningException)
@@ -159,6 +160,9 @@ class E2BHandle(CommandHandle):
         self._handle = handle
         self._started = time.monotonic()
         self._result = asyncio.ensure_future(self._collect())
+        # A background command nobody waits for may end in an error (its sandbox was
+        # killed): that is no news, so it must not be logged as never retrieved.
+        self._result.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     @property
     def pid(self) -> int:
@@ -213,12 +217,17 @@ class E2BSandbox(Sandbox):
         base_s = float(opts.get("boot_backoff_s", DEFAULT_BOOT_BACKOFF_S))
         slot = _boot_slot(int(opts.get("max_concurrent_boots", DEFAULT_MAX_CONCURRENT_BOOTS)))
         last: BaseException | None = None
+        # One key for every attempt at the same VM: when a creation's answer is lost, the
+        # retry gets the sandbox the API already made instead of leaving it orphaned.
+        key = str(uuid.uuid4())
         for attempt in range(attempts):
             if attempt:
                 await asyncio.sleep(backoff_s(attempt - 1, base_s))
             try:
                 async with slot:
-                    return await cls._boot_once(spec)
+                    sdk = await cls._create_vm(spec, key)
+                    key = str(uuid.uuid4())  # that VM is ours; another attempt needs another
+                    return await cls._ready(sdk, spec)
             except _SDK_FAILURES as exc:
                 if not is_transient(exc):
                     raise SandboxBootError(_boot_message(spec, exc, attempt + 1)) from exc
@@ -226,26 +235,30 @@ class E2BSandbox(Sandbox):
         assert last is not None
         raise SandboxBootError(_boot_message(spec, last, attempts)) from last
 
-    @classmethod
-    async def _boot_once(cls, spec: SandboxSpec) -> E2BSandbox:
-        opts = spec.options
-        sdk = await AsyncSandbox.create(
+    @staticmethod
+    async def _create_vm(spec: SandboxSpec, key: str) -> Any:
+        return await AsyncSandbox.create(
             template=spec.template,
             timeout=max(1, math.ceil(spec.timeout_s)),
             metadata=dict(spec.metadata),
             envs=dict(spec.env),
-            idempotency_key=str(uuid.uuid4()),
+            idempotency_key=key,
             retries=0,
-            **_sdk_options(opts),
+            **_sdk_options(spec.options),
         )
-        user = opts.get("user")
+
+    @classmethod
+    async def _ready(cls, sdk: Any, spec: SandboxSpec) -> E2BSandbox:
+        """A first command through envd (it tells the workdir); a VM that fails it is removed."""
+        user = spec.options.get("user")
+        workdir = spec.options.get("workdir")
         try:
-            workdir = opts.get("workdir")
-            if workdir is None:  # also proves envd answers: a boot is not done before that
-                done = await sdk.commands.run("pwd", user=user, timeout=0)
+            if workdir is None:
+                done = await sdk.commands.run("pwd", user=user, timeout=PROBE_TIMEOUT_S)
                 workdir = done.stdout.strip()
             else:
-                await sdk.commands.run(f"mkdir -p {shlex.quote(workdir)}", user=user, timeout=0)
+                mkdir = f"mkdir -p {shlex.quote(workdir)}"
+                await sdk.commands.run(mkdir, user=user, timeout=PROBE_TIMEOUT_S)
         except BaseException:
             with contextlib.suppress(Exception):
                 await sdk.kill(retries=KILL_RETRIES)

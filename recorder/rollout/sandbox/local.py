@@ -7,10 +7,12 @@ kill reaches the command and everything it started. Every process also carries
 mark, so even a process that left its group (`setsid`, a daemon) dies with the
 sandbox: nothing is left behind.
 
-Semantics shared with the E2B backend (`tests/rollout/test_sandbox_suite.py`):
-`exec` ends when its command ends, and whatever the command left running in
-its group is killed then (use `start` for a server). Commands inherit the
-host's environment, then the spec's `env`, then the command's own `env`.
+The contract is the shared suite's (`tests/rollout/test_sandbox_suite.py`). On top
+of it, here: `exec` (and a background command) ends when its command ends; what
+the command left in its group is killed then, and so is a process that left the
+group still holding the command's output (it would keep the pipes open forever).
+Use `start` for a server; a daemon with its own output lives until `kill`.
+Commands inherit the host's environment, then the spec's `env`, then their own.
 
 This is isolation by directory and process group, not a security boundary: a
 command can read and write anything the user running the driver can.
@@ -193,7 +195,7 @@ class LocalSandbox(Sandbox):
         self._commands = 0
         self._gone = False
         self._expiry = asyncio.get_running_loop().call_later(spec.timeout_s, self._expire)
-        self._reaper: asyncio.Task[None] | None = None
+        self._teardown: asyncio.Future[None] | None = None
 
     @classmethod
     async def create(cls, spec: SandboxSpec) -> LocalSandbox:
@@ -280,17 +282,26 @@ class LocalSandbox(Sandbox):
 
     def _expire(self) -> None:
         """The spec's lifetime ran out: remove the sandbox as E2B would."""
-        self._reaper = asyncio.ensure_future(self.kill())
+        self._tear_down()
 
-    async def kill(self) -> None:
-        if self._gone:
-            return
-        self._gone = True
-        self._expiry.cancel()
+    def _tear_down(self) -> asyncio.Future[None]:
+        """Start removing the sandbox, once; every later call gets the same removal."""
+        if self._teardown is None:
+            self._gone = True
+            self._expiry.cancel()
+            self._teardown = asyncio.ensure_future(self._remove())
+        return self._teardown
+
+    async def _remove(self) -> None:
         handles, self._handles = self._handles, []
         await asyncio.gather(*(h.kill() for h in handles))
         await asyncio.to_thread(_sweep, MARK, self.id)
         await asyncio.to_thread(_remove_tree, Path(self.workdir))
+
+    async def kill(self) -> None:
+        """Returns once every process and the directory are gone, also when the sandbox's
+        lifetime had already started the removal (a cancelled caller does not stop it)."""
+        await asyncio.shield(self._tear_down())
 
 
 def _write(path: Path, raw: bytes) -> None:
