@@ -46,3 +46,16 @@ def test_replay_cli_loads_no_server_or_engine() -> None:
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == ""
+
+
+def test_samples_and_reducer_load_no_storage_stack() -> None:
+    """Trainer hooks read `replay.samples` inside Ray workers: no SQLAlchemy, no store."""
+    code = (
+        "import sys, replay.samples, replay.reducer, replay.placeholders\n"
+        "bad = [m for m in ('sqlalchemy', 'recorder.store', 'aiohttp') if m in sys.modules]\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == ""
