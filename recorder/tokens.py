@@ -329,18 +329,41 @@ def _continue(
     input_ids.extend(glue_ids)
     input_ids.extend(tok.encode(glue_text + full[len(head) :]))
     extend = match.is_end
+    summary = not extend and _drops_only_last_answer(chain, req)
     return TurnPlan(
         chain_id=chain.chain_id if extend else _reserve_id(chains),
         action="extend" if extend else "new",
-        reason="extends" if extend else "diverged",
+        reason="extends" if extend else "compaction" if summary else "diverged",
         parent_chain_id=None if extend else chain.chain_id,
         input_ids=input_ids,
         prefix_len=boundary.end_len,
         new_messages=len(new_messages),
         closing_inserted=len(glue_ids),
         main_line=chain.main_line,
+        dispatch_tool_use_id=chain.dispatch_tool_use_id if summary else None,
         returned_dispatch_ids=returned,
         **common,
+    )
+
+
+def _drops_only_last_answer(chain: Chain, req: ChatRequest) -> bool:
+    """Does `req` re-send all of the chain's last input, then user text, without its answer?
+
+    Claude Code's compaction right after a tool result does this: the summary
+    request appends its instruction to the tool results and leaves out the
+    last answer. That answer was received and acted on, so the request is a
+    new chain beside the old one (reason "compaction"), not a fork of it:
+    the old chain keeps its last turn. The reducer recognises the same shape
+    from the recorded facts (`replay.chains`): same trailing tool results,
+    more chat messages, tokens shared up to the last turn.
+    """
+    last = chain.boundaries[-1]
+    n = last.n_input_messages
+    return (
+        bool(req.tool_result_ids)
+        and len(req.message_digests) > n
+        and _common_prefix(chain.message_digests, req.message_digests) >= n
+        and all(m["role"] == "user" for m in req.messages[n:])
     )
 
 

@@ -78,6 +78,27 @@ def _extends(inp: np.ndarray, seq: np.ndarray) -> bool:
     )
 
 
+def _drops_only_last_answer(t: Turn, c: Chain, kept: int) -> bool:
+    """Does `t` re-send all of `c`'s last turn but its answer, then more user text?
+
+    Recognised from facts: `t` diverges from `c` within its last turn's input,
+    carries the same trailing tool results and more chat messages. The live
+    planner's twin is `recorder.tokens._drops_only_last_answer`; v1 logs
+    (no message counts) never match.
+    """
+    last = c.turns[-1]
+    if kept != len(c.turns) - 1 or t.request is None or last.request is None:
+        return False
+    ours, theirs = t.request, last.request
+    return (
+        bool(ours.tool_result_ids)
+        and ours.tool_result_ids == theirs.tool_result_ids
+        and ours.n_chat_messages is not None
+        and theirs.n_chat_messages is not None
+        and ours.n_chat_messages > theirs.n_chat_messages
+    )
+
+
 class ChainBuilder:
     """Walks turns in order, assigning each usable one to a chain."""
 
@@ -121,7 +142,12 @@ class ChainBuilder:
             self._note_decision(t, "extend", best)
         else:
             fork = self._fork_point(t)
-            best = self._fork(t, *fork) if fork is not None else self._new_chain(t)
+            if fork is None:
+                best = self._new_chain(t)
+            elif _drops_only_last_answer(t, *fork):
+                best = self._fork(t, fork[0], 0, beside=True)
+            else:
+                best = self._fork(t, *fork)
             self._note_decision(t, "new", best)
         if best.line == "main":
             self.last_main = best
@@ -148,8 +174,12 @@ class ChainBuilder:
             best, best_len = (c, kept), shared
         return best
 
-    def _fork(self, t: Turn, parent: Chain, kept: int) -> Chain:
-        """A new branch of `parent`: its first `kept` turns, then `t`."""
+    def _fork(self, t: Turn, parent: Chain, kept: int, *, beside: bool = False) -> Chain:
+        """A new branch of `parent`: its first `kept` turns, then `t`.
+
+        `beside`: a chain on `parent`'s line that is no branch of it (a
+        compaction summary that left out the last answer): both yield segments.
+        """
         assert t.input is not None and t.output is not None
         chain = Chain(
             chain_id=len(self.chains),
@@ -159,7 +189,7 @@ class ChainBuilder:
             turns=[*parent.turns[:kept], t],
             dispatch_id=parent.dispatch_id,
             owner=parent.owner,
-            forked_from=parent,
+            forked_from=None if beside else parent,
         )
         self.chains.append(chain)
         pending = self.main_pending.get(chain.dispatch_id or "")

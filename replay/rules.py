@@ -21,7 +21,7 @@ from typing import Any, Literal
 import msgspec
 
 # Bump when the reducer changes what it builds from the same log and rules.
-REDUCER_VERSION = "2"  # 2: retries and edited history fork chains (see replay.chains)
+REDUCER_VERSION = "3"  # 3: a compaction summary that leaves out the last answer is no fork
 
 SampleMode = Literal["fan_out", "collapse_to_final"]
 RewardMode = Literal["uniform", "copy", "final_only"]

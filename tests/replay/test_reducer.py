@@ -677,3 +677,46 @@ def test_main_system_prompt_is_the_first_requests() -> None:
     log.turn(m0.then([4]), [5, 2], system=MAIN)
     log.close()
     assert kinds(reduce(log)) == ["final"]
+
+
+def test_compaction_summary_without_the_last_answer_is_no_fork() -> None:
+    """Claude Code's summary request after a tool result leaves out the last answer."""
+    log = Log("summary").open()
+    t0 = log.turn([1, 2, 3], [10, 2], tool_uses=[("tu1", "Bash")], n_chat_messages=2)
+    last_input = t0.then([4, 5, 6])  # tool result + generation prompt
+    t1 = log.turn(last_input, [11, 2], tool_results=["tu1"], n_chat_messages=4)
+    summary = log.turn(
+        [*t0.then([4, 5]), 7, 8, 6],  # tool result + compact instruction + generation prompt
+        [12, 2],
+        tool_results=["tu1"],
+        n_chat_messages=5,
+        decision=("new", "compaction"),
+    )
+    log.turn([1, 2, 9], [13, 2], decision=("new", "compaction"), n_chat_messages=2)
+    log.reward(1.0).close()
+    r = reduce(log)
+    assert [(s.kind, s.turns) for s in r.segments] == [
+        ("wipe", [t0.turn, t1.turn]),
+        ("wipe", [summary.turn]),
+        ("final", [3]),
+    ]
+    assert sum(trainable_tokens(s) for s in r.samples) == 8
+    assert not [d for d in r.diagnostics if "abandoned" in d or "live decision" in d]
+
+
+def test_a_retry_of_the_last_tool_result_turn_still_forks() -> None:
+    """Same tool results but no added message: a retry, the first answer is abandoned."""
+    log = Log("retry-tool").open()
+    t0 = log.turn([1, 2, 3], [10, 2], tool_uses=[("tu1", "Bash")], n_chat_messages=2)
+    log.turn(t0.then([4, 5]), [11, 2], tool_results=["tu1"], n_chat_messages=4)
+    log.turn(
+        t0.then([4, 5]),
+        [12, 2],
+        tool_results=["tu1"],
+        n_chat_messages=4,
+        decision=("new", "diverged"),
+    )
+    log.close()
+    r = reduce(log)
+    assert kinds(r) == ["final"]
+    assert any("abandoned branch" in d for d in r.diagnostics)

@@ -1,0 +1,186 @@
+"""Which chain and segment a request lands in, live and replayed (issue 16), on both stores.
+
+Each test drives `recorder serve` with the official SDK and a scripted
+engine, then reduces the recorded log offline: the live chain decisions and
+the replayed segments must agree (the reducer notes any disagreement as a
+"live decision was ..." diagnostic) and every engine output token must be
+trained or masked for a reason the sample states.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from recorder import events as ev
+from replay.load import load_session
+from replay.reducer import reduce_session
+from replay.rules import Rules
+from replay.samples import SessionResult
+from tests.server.conftest import Harness, tool_call_text
+from tests.server.test_e2e import ask, echo, tool_result
+
+
+async def replayed(h: Harness, sid: str, rules: Rules | None = None) -> SessionResult:
+    log = await load_session(h.store, sid)
+    return reduce_session(log.events, log.arrays, rules or Rules())
+
+
+async def engine_output_tokens(h: Harness, sid: str) -> int:
+    return sum(r.output_ids.length for r in await h.payloads(sid, ev.GenerateResult))
+
+
+def assert_live_equals_offline(result: SessionResult) -> None:
+    disagreements = [d for d in result.diagnostics if "live decision was" in d]
+    assert not disagreements, disagreements
+
+
+# (tool, input the model emitted, the input as the client re-sends it)
+NORMALISATIONS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+    # Seen in Claude Code 2.1.197 and 2.1.330 traffic: the schema default first.
+    (
+        "Edit",
+        {"file_path": "/w/a.py", "old_string": "helo", "new_string": "hello"},
+        {"replace_all": False, "file_path": "/w/a.py", "old_string": "helo", "new_string": "hello"},
+    ),
+    (
+        "MultiEdit",
+        {"file_path": "/w/a.py", "edits": [{"old_string": "a", "new_string": "b"}]},
+        {
+            "file_path": "/w/a.py",
+            "edits": [{"replace_all": False, "old_string": "a", "new_string": "b"}],
+        },
+    ),
+    (
+        "Write",
+        {"file_path": "/w/b.py", "content": "x = 1\n"},
+        {"content": "x = 1\n", "file_path": "/w/b.py"},
+    ),
+    (
+        "Bash",
+        {"command": "pytest -q", "description": "Run the tests"},
+        {"description": "Run the tests", "command": "pytest -q", "timeout": 120000},
+    ),
+    (
+        "Read",
+        {"file_path": "/w/a.py", "offset": "10", "limit": "5"},
+        {"file_path": "/w/a.py", "offset": 10, "limit": 5},
+    ),
+    (
+        "Agent",
+        {"description": "Count", "prompt": "Count the lines", "subagent_type": "general-purpose"},
+        {
+            "run_in_background": True,
+            "description": "Count",
+            "prompt": "Count the lines",
+            "subagent_type": "general-purpose",
+        },
+    ),
+    (
+        "TodoWrite",
+        {"todos": [{"content": "Fix", "status": "pending", "activeForm": "Fixing"}]},
+        {"todos": [{"activeForm": "Fixing", "content": "Fix", "status": "pending", "id": "1"}]},
+    ),
+]
+
+
+BUILT_IN_TOOLS = [
+    {"name": name, "description": name, "input_schema": {"type": "object"}}
+    for name in dict.fromkeys(n[0] for n in NORMALISATIONS)
+]
+
+
+@pytest.mark.parametrize(
+    ("tool", "emitted", "resent"), NORMALISATIONS, ids=[n[0] for n in NORMALISATIONS]
+)
+async def test_a_normalised_tool_input_extends_the_chain(
+    any_harness: Harness, tool: str, emitted: dict[str, Any], resent: dict[str, Any]
+) -> None:
+    """The client re-sends our tool call with its input normalised: still our answer."""
+    h = any_harness
+    sid = await h.open_session(instance_id="identity")
+    client = h.client(sid)
+    h.engine.push(tool_call_text(tool, emitted, preface="On it.\n"), "Done.")
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Fix the typo."}]
+    first = await ask(client, messages, stream=False, tools=BUILT_IN_TOOLS)
+    call = first.content[-1]
+    assert call.type == "tool_use" and call.input == emitted
+    echoed = echo(first)
+    echoed["content"][-1]["input"] = copy.deepcopy(resent)
+    echoed["content"][0]["text"] = "  " + echoed["content"][0]["text"] + "\n"
+    messages += [echoed, tool_result(call.id, "ok")]
+    await ask(client, messages, stream=False, tools=BUILT_IN_TOOLS)
+    await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
+
+    decisions = await h.payloads(sid, ev.ChainDecision)
+    assert [(d.action, d.reason) for d in decisions] == [("new", "first"), ("extend", "extends")]
+    result = await replayed(h, sid)
+    assert_live_equals_offline(result)
+    assert [s.kind for s in result.segments] == ["final"]
+    assert not [d for d in result.diagnostics if "abandoned" in d]
+    (sample,) = result.samples
+    assert sum(sample.loss_mask) == await engine_output_tokens(h, sid)
+
+
+async def test_another_answer_under_other_ids_still_forks(any_harness: Harness) -> None:
+    """Only our own call ids are our answer: a different call is a real change of history."""
+    h = any_harness
+    sid = await h.open_session(instance_id="identity-fork")
+    client = h.client(sid)
+    h.engine.push(tool_call_text("Bash", {"command": "ls"}), "Done.")
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Look around."}]
+    first = await ask(client, messages, stream=False)
+    other = echo(first)
+    other["content"][-1]["id"] = "toolu_someone_else"
+    messages += [other, tool_result("toolu_someone_else", "ok")]
+    await ask(client, messages, stream=False)
+    decisions = await h.payloads(sid, ev.ChainDecision)
+    assert [d.action for d in decisions] == ["new", "new"]
+
+
+COMPACT = "CRITICAL: Respond with TEXT ONLY. Summarise the conversation so far."
+
+
+async def test_compaction_right_after_a_tool_result_trains_the_last_answer(
+    any_harness: Harness,
+) -> None:
+    """The summary request re-sends history without the last answer: not a fork of it."""
+    h = any_harness
+    sid = await h.open_session(instance_id="compact")
+    client = h.client(sid)
+    h.engine.push(
+        tool_call_text("Bash", {"command": "echo compact-marker"}),
+        "The marker was printed. Done.",
+        "Summary: the user ran echo compact-marker.",
+        "Continuing.",
+    )
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Say the marker."}]
+    first = await ask(client, messages, stream=False)
+    messages += [echo(first), tool_result(first.content[-1].id, "compact-marker")]
+    await ask(client, messages, stream=False)  # the last answer before compaction
+    summary_request = copy.deepcopy(messages)
+    summary_request[-1]["content"].append({"type": "text", "text": COMPACT})
+    await ask(client, summary_request, stream=False)
+    continued = [{"role": "user", "content": "This session continues from a summary: ..."}]
+    await ask(client, continued, stream=False)
+    await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
+
+    decisions = await h.payloads(sid, ev.ChainDecision)
+    assert [(d.action, d.reason) for d in decisions] == [
+        ("new", "first"),
+        ("extend", "extends"),
+        ("new", "compaction"),
+        ("new", "compaction"),
+    ]
+    result = await replayed(h, sid)
+    assert_live_equals_offline(result)
+    assert [(s.kind, s.turns) for s in result.segments] == [
+        ("wipe", [0, 1]),
+        ("wipe", [2]),
+        ("final", [3]),
+    ]
+    assert not [d for d in result.diagnostics if "abandoned" in d]
+    trained = sum(sum(s.loss_mask) for s in result.samples)
+    assert trained == await engine_output_tokens(h, sid)
