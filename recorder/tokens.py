@@ -129,11 +129,15 @@ class PendingDispatch(msgspec.Struct, array_like=True, frozen=True):
     """An Agent/Task dispatch whose tool_result has not come back to the main line yet.
 
     `chain_id` is the subagent chain it started, None until its first request.
+    `returned`: the tool_result came back before any subagent request (a
+    background agent, "Async agent launched"); its first request still
+    claims it, and then the dispatch is done.
     """
 
     tool_use_id: str
     prompt: str = ""
     chain_id: int | None = None
+    returned: bool = False
 
 
 class SessionChains(msgspec.Struct, kw_only=True):
@@ -540,11 +544,16 @@ def _settle_dispatches(chains: SessionChains, plan: TurnPlan) -> None:
     """A subagent chain claims its dispatch; a tool_result on the main line ends it."""
     done = set(plan.returned_dispatch_ids)
     started = plan.dispatch_tool_use_id if plan.reason == "subagent" else None
-    chains.pending_dispatches = [
-        msgspec.structs.replace(d, chain_id=plan.chain_id) if d.tool_use_id == started else d
-        for d in chains.pending_dispatches
-        if d.tool_use_id not in done
-    ]
+    kept: list[PendingDispatch] = []
+    for d in chains.pending_dispatches:
+        if d.tool_use_id == started:
+            if not d.returned:
+                kept.append(msgspec.structs.replace(d, chain_id=plan.chain_id))
+        elif d.tool_use_id not in done:
+            kept.append(d)
+        elif d.chain_id is None:  # a background agent: its subagent has not started yet
+            kept.append(msgspec.structs.replace(d, returned=True))
+    chains.pending_dispatches = kept
 
 
 def _evict(chains: SessionChains) -> None:

@@ -56,8 +56,16 @@ class Chain:
 
 @dataclass(slots=True, eq=False)
 class Dispatch:
+    """A main-line dispatch still waiting for its subagent or its tool_result.
+
+    `returned`: its tool_result came back before any chain claimed it (a
+    background agent: "Async agent launched"); the next subagent chain does,
+    then the dispatch is done.
+    """
+
     tool_use_id: str
     chains: list[Chain] = field(default_factory=list)
+    returned: bool = False
 
 
 def _shared_len(a: np.ndarray, b: np.ndarray) -> int:
@@ -125,8 +133,12 @@ class ChainBuilder:
         if t.request is None:
             return
         for tid in t.request.tool_result_ids:
-            if tid in self.main_pending and self._is_main_system(t.system_digest):
-                del self.main_pending[tid]
+            pending = self.main_pending.get(tid)
+            if pending is not None and self._is_main_system(t.system_digest):
+                if pending.chains:
+                    del self.main_pending[tid]
+                else:
+                    pending.returned = True
             self.nested_pending.pop(tid, None)
 
     def _assign(self, t: Turn) -> Chain:
@@ -243,7 +255,10 @@ class ChainBuilder:
         )
         self.chains.append(chain)
         if line == "subagent":
-            self.main_pending[dispatch].chains.append(chain)  # type: ignore[index]
+            claimed = self.main_pending[dispatch]  # type: ignore[index]
+            claimed.chains.append(chain)
+            if claimed.returned:
+                del self.main_pending[claimed.tool_use_id]
         return chain
 
     def _pick_dispatch(self, sysd: str | None) -> Dispatch | None:

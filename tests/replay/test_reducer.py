@@ -232,17 +232,20 @@ def test_task_tool_name_also_dispatches_and_parallel_subagents_pair_in_order() -
     assert [s.metadata["dispatch_tool_use_id"] for s in r.samples[:2]] == ["b", "a"]
 
 
-def test_foreign_chain_after_return_is_not_a_subagent() -> None:
+def test_background_subagent_after_its_dispatch_returned_is_still_a_subagent() -> None:
+    """A background agent: the tool_result ("Async agent launched") comes back first."""
     log2 = Log("sub2").open()
     m0 = log2.turn([1, 2, 3], [10], tool_uses=[("agent-1", "Agent")])
-    log2.turn(m0.then([4]), [11], tool_results=["agent-1"])  # returned without a subagent
-    log2.turn([50, 51], [60], system=SUB)  # late foreign chain: orphan
+    log2.turn(m0.then([4]), [11], tool_results=["agent-1"])  # launched, not finished
+    log2.turn([50, 51], [60], system=SUB)  # the background subagent's first request
+    log2.turn([50, 52], [61], system=SUB)  # a later foreign chain: the dispatch is taken
     log2.close()
-    main = reduce(log2)
-    assert "subagent" not in kinds(main)
+    main = reduce(log2, orphan_chains="drop")
+    assert [(s.kind, s.dispatch_tool_use_id) for s in main.segments] == [
+        ("subagent", "agent-1"),
+        ("final", None),
+    ]
     assert any("no pending dispatch" in d for d in main.diagnostics)
-    dropped = reduce(log2, orphan_chains="drop")
-    assert kinds(dropped) == ["final"]
 
 
 def test_non_dispatch_tool_does_not_open_a_subagent() -> None:

@@ -184,3 +184,50 @@ async def test_compaction_right_after_a_tool_result_trains_the_last_answer(
     assert not [d for d in result.diagnostics if "abandoned" in d]
     trained = sum(sum(s.loss_mask) for s in result.samples)
     assert trained == await engine_output_tokens(h, sid)
+
+
+SUB_SYSTEM = "You are a subagent. Report briefly."
+
+
+async def test_background_subagent_is_linked_to_its_dispatch(any_harness: Harness) -> None:
+    """Claude Code 2.1.330: the dispatch's tool_result arrives before the subagent's request."""
+    h = any_harness
+    sid = await h.open_session(instance_id="background")
+    client = h.client(sid)
+    prompt = "SUBTASK: count the lines of hello.py"
+    h.engine.push(
+        tool_call_text("Agent", {"description": "Count lines", "prompt": prompt}),
+        "The agent runs in the background; I will wait.",
+        "SUBRESULT: 5 lines.",
+        "hello.py has 5 lines. Done.",
+    )
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Count the lines."}]
+    first = await ask(client, messages, stream=False)
+    dispatch = first.content[-1].id
+    launched = f"Async agent launched successfully. agentId: a1b2 (dispatch {dispatch})"
+    messages += [echo(first), tool_result(dispatch, launched)]
+    waiting = await ask(client, messages, stream=False)
+    await ask(client, [{"role": "user", "content": prompt}], stream=False, system=SUB_SYSTEM)
+    notification = (
+        "<task-notification>agent a1b2 completed: SUBRESULT: 5 lines.</task-notification>"
+    )
+    messages += [echo(waiting), {"role": "user", "content": notification}]
+    await ask(client, messages, stream=False)
+    await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
+
+    decisions = await h.payloads(sid, ev.ChainDecision)
+    assert [(d.action, d.reason, d.dispatch_tool_use_id) for d in decisions] == [
+        ("new", "first", None),
+        ("extend", "extends", None),
+        ("new", "subagent", dispatch),
+        ("extend", "extends", None),
+    ]
+    result = await replayed(h, sid)
+    assert_live_equals_offline(result)
+    assert [(s.kind, s.dispatch_tool_use_id) for s in result.segments] == [
+        ("subagent", dispatch),
+        ("final", None),
+    ]
+    assert not [d for d in result.diagnostics if "foreign system prompt" in d]
+    trained = sum(sum(s.loss_mask) for s in result.samples)
+    assert trained == await engine_output_tokens(h, sid)
