@@ -253,13 +253,18 @@ class RewardAssigned(Event, frozen=True, kw_only=True, tag="reward_assigned"):
 
 
 class ChainDecision(Decision, frozen=True, kw_only=True, tag="chain_decision"):
-    """Which chain a request extended, or why it started a new one."""
+    """Which chain a request extended, or why it started a new one.
 
+    v2 added the reason "side" (a title or classification request); v1
+    payloads read unchanged.
+    """
+
+    VERSION: ClassVar[int] = 2
     request_id: str
     turn: int
     chain_id: int
     action: Literal["extend", "new"]
-    reason: Literal["first", "extends", "compaction", "subagent", "diverged"] = "extends"
+    reason: Literal["first", "extends", "compaction", "subagent", "diverged", "side"] = "extends"
     parent_chain_id: int | None = None
     dispatch_tool_use_id: str | None = None
 
@@ -373,6 +378,11 @@ def _reward_v1_to_v2(raw: dict[str, Any]) -> dict[str, Any]:
 def _messages_request_v1_to_v2(raw: dict[str, Any]) -> dict[str, Any]:
     """v1 did not record the chat message and tool counts: unknown (None)."""
     return {**raw, "n_chat_messages": None, "n_tools": None}
+
+
+@upcaster("chain_decision", 1)
+def _chain_decision_v1_to_v2(raw: dict[str, Any]) -> dict[str, Any]:
+    return raw
 
 
 class UnknownEventType(ValueError):

@@ -34,7 +34,7 @@ DEFAULT_MAX_CHAINS = 32
 MAX_PENDING_DISPATCHES = 64
 
 Action = Literal["extend", "new"]
-Reason = Literal["first", "extends", "compaction", "subagent", "diverged"]
+Reason = Literal["first", "extends", "compaction", "subagent", "diverged", "side"]
 
 # Content for the assistant message of the fixed render prefix: the text after
 # it in the template's output is the assistant turn's closing.
@@ -115,6 +115,7 @@ class Chain(msgspec.Struct, kw_only=True):
     parent_chain_id: int | None = None
     dispatch_tool_use_id: str | None = None
     last_used: int = 0
+    n_tools: int = -1  # tools its requests offer (-1: not known)
 
     @property
     def n_tokens(self) -> int:
@@ -179,6 +180,7 @@ class TurnPlan(msgspec.Struct, kw_only=True):
     request_digests: tuple[str, ...] = ()
     system_digest: str = ""
     render_digest: str = ""
+    n_tools: int = -1
     returned_dispatch_ids: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     fallback: str = ""
@@ -214,6 +216,7 @@ def plan_turn(chains: SessionChains, req: ChatRequest, tok: Tokenizer) -> TurnPl
         "request_digests": req.message_digests,
         "system_digest": req.system_digest,
         "render_digest": req.render_digest,
+        "n_tools": len(req.tools),
         "eos_token_ids": tuple(tok.eos_token_ids),
     }
     if match is None:
@@ -416,10 +419,14 @@ def _fresh(
     """A new chain from a full render, classified by how it relates to the main line."""
     input_ids = token_array(full_input_ids(req, tok))
     main = chains.main
+    if main is not None and req.tools and is_side_request(main.n_tools, main.system_digest, req):
+        main = None  # the session began with a side request: this is its real main line
     dispatch = _dispatch_for(chains, req)
     reason: Reason
     if main is None:
         reason, main_line = "first", True
+    elif is_side_request(len(req.tools), req.system_digest, main):
+        reason, main_line, dispatch = "side", False, None
     elif dispatch is not None and (
         req.system_digest != main.system_digest or _prompt_matches(dispatch, req)
     ):
@@ -442,6 +449,16 @@ def _fresh(
         returned_dispatch_ids=_returned_dispatches(chains, req),
         **common,
     )
+
+
+def is_side_request(n_tools: int, system_digest: str, other: Any) -> bool:
+    """A title, topic or classification request beside the agent's conversation?
+
+    It offers no tools and has its own system prompt, unlike `other` (the
+    main line: a `Chain`, `ChatRequest` or anything with `system_digest`).
+    The reducer applies the same test to recorded facts (`replay.chains`).
+    """
+    return n_tools == 0 and system_digest != other.system_digest
 
 
 def _dispatch_for(chains: SessionChains, req: ChatRequest) -> PendingDispatch | None:
@@ -526,6 +543,7 @@ def commit_turn(
             tokens=plan.input_ids[:],
             boundaries=[b for b in inherited if b.end_len <= plan.prefix_len] + [boundary],
             main_line=plan.main_line,
+            n_tools=plan.n_tools,
             parent_chain_id=plan.parent_chain_id,
             dispatch_tool_use_id=plan.dispatch_tool_use_id
             or (parent.dispatch_tool_use_id if parent is not None else None),

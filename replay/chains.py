@@ -12,6 +12,7 @@ Part of the pure reducer (see `replay.reducer` for the rules it implements).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -21,7 +22,7 @@ from replay.rules import Rules
 from replay.samples import SegmentKind
 from replay.turns import Turn
 
-Line = Literal["main", "subagent", "nested", "orphan"]
+Line = Literal["main", "subagent", "nested", "orphan", "side"]
 
 
 @dataclass(slots=True, eq=False)
@@ -107,14 +108,38 @@ def _drops_only_last_answer(t: Turn, c: Chain, kept: int) -> bool:
     )
 
 
+def _is_side(t: Turn, main_digest: str | None) -> bool:
+    """A title or classification request: no tools and its own system prompt.
+
+    The same test as the live planner's (`recorder.tokens.is_side_request`).
+    """
+    return (
+        t.request is not None
+        and t.request.n_tools == 0
+        and main_digest is not None
+        and t.system_digest != main_digest
+    )
+
+
+def main_system_digest(turns: Sequence[Turn]) -> str | None:
+    """The main line's system digest: the first request's, unless that one offered no
+    tools and a later one with tools has another system prompt (a title request came first).
+    """
+    first = next((t.system_digest for t in turns if t.request is not None), None)
+    for t in turns:
+        if t.request is not None and t.request.n_tools != 0:
+            return t.system_digest
+    return first
+
+
 class ChainBuilder:
     """Walks turns in order, assigning each usable one to a chain."""
 
-    def __init__(self, rules: Rules, diags: list[str]) -> None:
+    def __init__(self, rules: Rules, diags: list[str], main_digest: str | None = None) -> None:
         self.rules = rules
         self.diags = diags
         self.chains: list[Chain] = []
-        self.main_digest: str | None = None
+        self.main_digest: str | None = main_digest
         self.main_pending: dict[str, Dispatch] = {}
         self.nested_pending: dict[str, Chain] = {}
         self.last_main: Chain | None = None
@@ -215,7 +240,13 @@ class ChainBuilder:
         dispatch: str | None = None
         owner: Chain | None = None
         sysd = t.system_digest
-        if self._is_main_system(sysd):
+        claimed = self._claimed_by_live_decision(t)
+        if _is_side(t, self.main_digest):
+            line = "side"
+        elif claimed is not None:
+            line = "subagent"
+            dispatch = claimed.tool_use_id
+        elif self._is_main_system(sysd):
             line = "main"
         elif self.nested_pending:
             line = "nested"
@@ -260,6 +291,18 @@ class ChainBuilder:
             if claimed.returned:
                 del self.main_pending[claimed.tool_use_id]
         return chain
+
+    def _claimed_by_live_decision(self, t: Turn) -> Dispatch | None:
+        """The pending dispatch the recorder linked `t` to when `t` shares the main system prompt.
+
+        Such a subagent is told apart from the main line by its dispatch's
+        prompt in its first user message, which the recorder saw in the body
+        and the reducer does not read: the recorded decision carries it.
+        """
+        d = t.decision
+        if d is None or d.reason != "subagent" or not self._is_main_system(t.system_digest):
+            return None
+        return self.main_pending.get(d.dispatch_tool_use_id or "")
 
     def _pick_dispatch(self, sysd: str | None) -> Dispatch | None:
         for d in self.main_pending.values():
@@ -316,8 +359,8 @@ def classify_chains(
         if c is not branch:
             if diags is not None and c.line in ("main", "subagent"):
                 diags.append(_abandoned(c, branch))
-        elif c.line == "subagent":
-            out.append(("subagent", c))
+        elif c.line in ("subagent", "side"):
+            out.append((c.line, c))
         elif c.line == "main":
             out.append(("final" if c is last_main else "wipe", c))
     out.sort(key=lambda kc: (kc[0] == "final", kc[1].last_seq, kc[1].chain_id))

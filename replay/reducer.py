@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from recorder.events import RecordedEvent, SessionOpened
-from replay.chains import ChainBuilder, classify_chains
+from replay.chains import ChainBuilder, classify_chains, main_system_digest
 from replay.placeholders import placeholders_for
 from replay.rules import Rules
 from replay.samples import Sample, SampleStatus, SessionResult
@@ -74,7 +74,7 @@ def _reduce(
     events: Sequence[RecordedEvent], arrays: Mapping[bytes, np.ndarray], rules: Rules
 ) -> SessionResult:
     s = collect_session(events)
-    builder = ChainBuilder(rules, s.diagnostics)
+    builder = ChainBuilder(rules, s.diagnostics, main_system_digest(s.turns))
     for t in s.turns:
         prepare_turn(t, arrays, rules)
         if t.unusable is not None:
@@ -137,6 +137,8 @@ def _build_segments(
         b = build_segment(kind, chain, rules)
         if b.tokens.size - b.prompt_len == 0:
             b.dropped = "no response tokens"
+        elif kind == "side" and rules.side_requests == "drop":
+            b.dropped = "side request (rules: side_requests = drop)"
         elif rules.max_segment_tokens is not None and b.tokens.size > rules.max_segment_tokens:
             if rules.over_segment_cap == "drop":
                 b.dropped = f"{b.tokens.size} tokens over max_segment_tokens"

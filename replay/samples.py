@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 
 SampleStatus = Literal["completed", "truncated", "aborted", "failed"]
-SegmentKind = Literal["subagent", "wipe", "final"]
+SegmentKind = Literal["subagent", "wipe", "final", "side"]
 
 
 class Tensor(msgspec.Struct, frozen=True, array_like=True):

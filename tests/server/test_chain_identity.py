@@ -231,3 +231,83 @@ async def test_background_subagent_is_linked_to_its_dispatch(any_harness: Harnes
     assert not [d for d in result.diagnostics if "foreign system prompt" in d]
     trained = sum(sum(s.loss_mask) for s in result.samples)
     assert trained == await engine_output_tokens(h, sid)
+
+
+TITLE_SYSTEM = "Generate a concise, sentence-case title (3-7 words) for this coding session."
+
+
+async def test_side_requests_are_their_own_kind_first_or_last(any_harness: Harness) -> None:
+    """A title request before the main line and a check after it: `side`, never `final`."""
+    h = any_harness
+    sid = await h.open_session(instance_id="side")
+    client = h.client(sid)
+    h.engine.push(
+        '{"title": "Say the marker"}',
+        tool_call_text("Bash", {"command": "echo side-marker"}),
+        "Printed side-marker. Done.",
+        '{"safe": true}',
+    )
+    title = [{"role": "user", "content": "<session>\nSay the marker.\n</session>"}]
+    await ask(client, title, stream=False, system=TITLE_SYSTEM, tools=[], max_tokens=64)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Say the marker."}]
+    first = await ask(client, messages, stream=False)
+    messages += [echo(first), tool_result(first.content[-1].id, "side-marker")]
+    await ask(client, messages, stream=False)
+    check = [{"role": "user", "content": "Is `echo side-marker` safe?"}]
+    await ask(client, check, stream=False, system="Classify commands.", tools=[], max_tokens=32)
+    await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
+
+    decisions = await h.payloads(sid, ev.ChainDecision)
+    assert [(d.action, d.reason) for d in decisions] == [
+        ("new", "first"),
+        ("new", "first"),  # the main line begins: the first request was a side request
+        ("extend", "extends"),
+        ("new", "side"),
+    ]
+    result = await replayed(h, sid)
+    assert_live_equals_offline(result)
+    assert [(s.kind, s.turns, s.dropped is not None) for s in result.segments] == [
+        ("side", [0], True),
+        ("side", [3], True),
+        ("final", [1, 2], False),
+    ]
+    (main,) = result.samples
+    assert main.reward == 1.0
+    trained = await replayed(h, sid, Rules(side_requests="train"))
+    assert [s.metadata["segment_kind"] for s in trained.samples] == ["side", "side", "final"]
+    total = sum(sum(s.loss_mask) for s in trained.samples)
+    assert total == await engine_output_tokens(h, sid)
+
+
+async def test_subagent_sharing_the_main_system_prompt_agrees_live_and_offline(
+    any_harness: Harness,
+) -> None:
+    h = any_harness
+    sid = await h.open_session(instance_id="same-system")
+    client = h.client(sid)
+    prompt = "SUBTASK: list the files"
+    h.engine.push(
+        tool_call_text("Agent", {"description": "List", "prompt": prompt}),
+        "a.txt b.txt",
+        "There are two files. Done.",
+    )
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "What files are there?"}]
+    first = await ask(client, messages, stream=False)
+    dispatch = first.content[-1].id
+    await ask(client, [{"role": "user", "content": prompt}], stream=False)
+    messages += [echo(first), tool_result(dispatch, "a.txt b.txt")]
+    await ask(client, messages, stream=False)
+    await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
+
+    decisions = await h.payloads(sid, ev.ChainDecision)
+    assert [(d.reason, d.dispatch_tool_use_id) for d in decisions] == [
+        ("first", None),
+        ("subagent", dispatch),
+        ("extends", None),
+    ]
+    result = await replayed(h, sid)
+    assert_live_equals_offline(result)
+    assert [(s.kind, s.dispatch_tool_use_id) for s in result.segments] == [
+        ("subagent", dispatch),
+        ("final", None),
+    ]
