@@ -219,7 +219,7 @@ def plan_turn(chains: SessionChains, req: ChatRequest, tok: Tokenizer) -> TurnPl
         "n_tools": len(req.tools),
         "eos_token_ids": tuple(tok.eos_token_ids),
     }
-    if match is None:
+    if match is None or _another_subagent(chains, match):
         return _fresh(chains, req, tok, common)
     plan = _continue(chains, match, req, tok, common)
     if plan is not None:
@@ -234,6 +234,23 @@ def plan_turn(chains: SessionChains, req: ChatRequest, tok: Tokenizer) -> TurnPl
     )
 
 
+def _another_subagent(chains: SessionChains, match: _Match) -> bool:
+    """Is a re-sent first request of a subagent another subagent rather than a retry?
+
+    The agent dispatched the same task twice (in parallel or one after the
+    other): the second subagent's first request is byte-identical to the
+    first's. While a dispatch waits for its subagent, such a request starts
+    that one (`_fresh` claims it); otherwise it is a retry. The reducer
+    applies the same rule (`replay.chains`).
+    """
+    return (
+        match.is_retry
+        and not match.chain.main_line
+        and match.boundary is match.chain.boundaries[0]
+        and any(d.chain_id is None for d in chains.pending_dispatches)
+    )
+
+
 def render_chars(chains: SessionChains, req: ChatRequest, tok: Tokenizer, body_len: int) -> int:
     """About how much text `plan_turn(chains, req, tok)` will render and tokenize.
 
@@ -244,7 +261,7 @@ def render_chars(chains: SessionChains, req: ChatRequest, tok: Tokenizer, body_l
     work on a thread, by the work itself rather than the body size.
     """
     match = _best_match(chains, req)
-    if match is None or _template_pieces(tok, req) is None:
+    if match is None or _another_subagent(chains, match) or _template_pieces(tok, req) is None:
         return body_len
     if match.is_retry:
         return 0

@@ -311,3 +311,75 @@ async def test_subagent_sharing_the_main_system_prompt_agrees_live_and_offline(
         ("subagent", dispatch),
         ("final", None),
     ]
+
+
+async def test_the_same_task_dispatched_twice_in_parallel_is_two_subagents(
+    any_harness: Harness,
+) -> None:
+    h = any_harness
+    sid = await h.open_session(instance_id="twins")
+    client = h.client(sid)
+    task = {"description": "Check", "prompt": "SUBTASK: check the build"}
+    h.engine.push(
+        tool_call_text("Agent", task) + "\n" + tool_call_text("Agent", task),
+        "The build is green.",
+        "Green as well.",
+        "Both checks agree. Done.",
+    )
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Check the build twice."}]
+    first = await ask(client, messages, stream=False)
+    d1, d2 = (b.id for b in first.content if b.type == "tool_use")
+    sub = [{"role": "user", "content": task["prompt"]}]
+    await ask(client, sub, stream=False, system=SUB_SYSTEM)
+    await ask(client, sub, stream=False, system=SUB_SYSTEM)  # byte-identical first request
+    messages += [
+        echo(first),
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": d1, "content": "green"},
+                {"type": "tool_result", "tool_use_id": d2, "content": "green"},
+            ],
+        },
+    ]
+    await ask(client, messages, stream=False)
+    await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
+
+    decisions = await h.payloads(sid, ev.ChainDecision)
+    assert [(d.reason, d.dispatch_tool_use_id) for d in decisions] == [
+        ("first", None),
+        ("subagent", d1),
+        ("subagent", d2),
+        ("extends", None),
+    ]
+    result = await replayed(h, sid)
+    assert_live_equals_offline(result)
+    assert [(s.kind, s.dispatch_tool_use_id) for s in result.segments] == [
+        ("subagent", d1),
+        ("subagent", d2),
+        ("final", None),
+    ]
+    trained = sum(sum(s.loss_mask) for s in result.samples)
+    assert trained == await engine_output_tokens(h, sid)
+
+
+async def test_a_resent_subagent_request_with_no_dispatch_waiting_is_a_retry(
+    any_harness: Harness,
+) -> None:
+    h = any_harness
+    sid = await h.open_session(instance_id="sub-retry")
+    client = h.client(sid)
+    task = {"description": "Check", "prompt": "SUBTASK: check the build"}
+    h.engine.push(tool_call_text("Agent", task), "green (lost)", "green", "Done.")
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Check the build."}]
+    first = await ask(client, messages, stream=False)
+    sub = [{"role": "user", "content": task["prompt"]}]
+    await ask(client, sub, stream=False, system=SUB_SYSTEM)
+    await ask(client, sub, stream=False, system=SUB_SYSTEM)  # the client retried
+    messages += [echo(first), tool_result(first.content[-1].id, "green")]
+    await ask(client, messages, stream=False)
+    await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
+    result = await replayed(h, sid)
+    assert_live_equals_offline(result)
+    assert [s.kind for s in result.segments] == ["subagent", "final"]
+    assert any("abandoned branch" in d for d in result.diagnostics)
