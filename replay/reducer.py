@@ -43,6 +43,7 @@ from replay.rules import Rules
 from replay.samples import Sample, SampleStatus, SessionResult
 from replay.segments import (
     BuiltSegment,
+    account_tokens,
     allocate_rewards,
     build_segment,
     cap_count,
@@ -107,6 +108,7 @@ def _reduce(
         rules_version=rules.version,
         status=status,
         reward=reward,
+        token_accounting=account_tokens(s.turns, built, dropped, placeholder_reason),
         segments=[segment_record(b) for b in sorted(built + dropped, key=_completion_order)],
         samples=samples,
         placeholder=placeholder_reason is not None,
@@ -140,9 +142,9 @@ def _build_segments(
         elif kind == "side" and rules.side_requests == "drop":
             b.dropped = "side request (rules: side_requests = drop)"
         elif rules.max_segment_tokens is not None and b.tokens.size > rules.max_segment_tokens:
-            if rules.over_segment_cap == "drop":
+            if rules.over_segment_cap == "drop" and kind != "final":
                 b.dropped = f"{b.tokens.size} tokens over max_segment_tokens"
-            else:
+            else:  # the final segment is never dropped: it carries the outcome
                 trim_to(b, rules.max_segment_tokens, "max_segment_tokens")
         if b.dropped is None and budget is not None:
             trim_to(b, budget, "context budget")

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import msgspec
 
 # Bump when the reducer changes what it builds from the same log and rules.
-REDUCER_VERSION = "3"  # 3: a compaction summary that leaves out the last answer is no fork
+REDUCER_VERSION = "3"  # 3: no false forks, side segments, final never dropped (replay.chains)
 
 SampleMode = Literal["fan_out", "collapse_to_final"]
 RewardMode = Literal["uniform", "copy", "final_only"]

@@ -573,16 +573,23 @@ def test_reward_modes(mode: str, expected: list[float]) -> None:
     assert [s.reward for s in r.samples] == expected
 
 
-def test_final_only_without_final_gives_no_reward() -> None:
+def test_segment_cap_never_drops_the_final_segment() -> None:
     log = Log("nofinal").open()
     m0 = log.turn(list(range(1, 10)), [3], tool_uses=[("a", "Agent")])
     log.turn([50], [60], system=SUB)
     log.turn(m0.then([4]), [5], tool_results=["a"])
     log.reward(1.0).close()
-    # The final chain is over the segment cap and dropped: only the subagent is left.
+    # The final chain is over the segment cap: truncated (here to nothing), never dropped.
     r = reduce(log, reward_mode="final_only", max_segment_tokens=5)
-    assert kinds(r) == ["subagent"] and r.samples[0].reward == 0.0
-    assert any("no final segment" in d for d in r.diagnostics)
+    assert kinds(r) == ["subagent", "final"]
+    sub, fin = r.samples
+    assert len(fin.tokens) == 5 and fin.reward == 1.0 and sub.reward == 0.0
+    assert fin.metadata["fully_masked"] is True and sub.metadata["fully_masked"] is False
+    assert r.token_accounting == {
+        "engine output": 3,
+        "trained": 1,
+        "truncated (segment cap or context budget)": 2,
+    }
 
 
 def test_segment_count_cap_keeps_head_and_final() -> None:
