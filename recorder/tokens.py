@@ -219,7 +219,7 @@ def plan_turn(chains: SessionChains, req: ChatRequest, tok: Tokenizer) -> TurnPl
         "n_tools": len(req.tools),
         "eos_token_ids": tuple(tok.eos_token_ids),
     }
-    if match is None or _another_subagent(chains, match):
+    if match is None or _another_conversation(chains, match):
         return _fresh(chains, req, tok, common)
     plan = _continue(chains, match, req, tok, common)
     if plan is not None:
@@ -234,21 +234,26 @@ def plan_turn(chains: SessionChains, req: ChatRequest, tok: Tokenizer) -> TurnPl
     )
 
 
-def _another_subagent(chains: SessionChains, match: _Match) -> bool:
-    """Is a re-sent first request of a subagent another subagent rather than a retry?
+def _another_conversation(chains: SessionChains, match: _Match) -> bool:
+    """Does a re-sent first request of a chain start another conversation (not a retry)?
 
-    The agent dispatched the same task twice (in parallel or one after the
+    A side request asked again (a title, a check) is another side request.
+    The agent may dispatch the same task twice (in parallel or one after the
     other): the second subagent's first request is byte-identical to the
-    first's. While a dispatch waits for its subagent, such a request starts
-    that one (`_fresh` claims it); otherwise it is a retry. The reducer
-    applies the same rule (`replay.chains`).
+    first's; while a dispatch waits for its subagent, it starts that one
+    (`_fresh` claims it). Otherwise it is a retry. The reducer applies the
+    same rule (`replay.chains`).
     """
-    return (
-        match.is_retry
-        and not match.chain.main_line
-        and match.boundary is match.chain.boundaries[0]
-        and any(d.chain_id is None for d in chains.pending_dispatches)
-    )
+    chain, main = match.chain, chains.main
+    if not match.is_retry or match.boundary is not chain.boundaries[0]:
+        return False
+    if (
+        main is not None
+        and chain is not main
+        and is_side_request(chain.n_tools, chain.system_digest, main)
+    ):
+        return True
+    return not chain.main_line and any(d.chain_id is None for d in chains.pending_dispatches)
 
 
 def render_chars(chains: SessionChains, req: ChatRequest, tok: Tokenizer, body_len: int) -> int:
@@ -261,7 +266,7 @@ def render_chars(chains: SessionChains, req: ChatRequest, tok: Tokenizer, body_l
     work on a thread, by the work itself rather than the body size.
     """
     match = _best_match(chains, req)
-    if match is None or _another_subagent(chains, match) or _template_pieces(tok, req) is None:
+    if match is None or _another_conversation(chains, match) or _template_pieces(tok, req) is None:
         return body_len
     if match.is_retry:
         return 0

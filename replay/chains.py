@@ -179,7 +179,7 @@ class ChainBuilder:
             self._note_decision(t, "extend", best)
         else:
             fork = self._fork_point(t)
-            if fork is None or self._another_subagent(t, *fork):
+            if fork is None or self._another_conversation(t, *fork):
                 best = self._new_chain(t)
             elif _drops_only_last_answer(t, *fork):
                 best = self._fork(t, fork[0], 0, beside=True)
@@ -292,20 +292,25 @@ class ChainBuilder:
                 del self.main_pending[claimed.tool_use_id]
         return chain
 
-    def _another_subagent(self, t: Turn, c: Chain, kept: int) -> bool:
-        """`t` re-sends the first request of subagent `c` while a dispatch waits for its
-        subagent: the same task dispatched again, a new subagent, not a retry of `c`
-        (the live planner's twin: `recorder.tokens._another_subagent`)."""
+    def _another_conversation(self, t: Turn, c: Chain, kept: int) -> bool:
+        """Does `t`, re-sending the first request of `c`, start another conversation?
+
+        A side request asked again (a title, a check) is another side request;
+        a subagent's first request re-sent while a dispatch waits for its
+        subagent is the same task dispatched again. Otherwise it is a retry
+        (the live planner's twin: `recorder.tokens._another_conversation`).
+        """
         first = c.turns[0].input
-        return (
+        if not (
             kept == 0
-            and c.line == "subagent"
             and c.forked_from is None
             and first is not None
             and t.input is not None
             and bool(np.array_equal(t.input, first))
-            and any(not d.chains for d in self.main_pending.values())
-        )
+        ):
+            return False
+        waiting = any(not d.chains for d in self.main_pending.values())
+        return c.line == "side" or (c.line == "subagent" and waiting)
 
     def _claimed_by_live_decision(self, t: Turn) -> Dispatch | None:
         """The pending dispatch the recorder linked `t` to when `t` shares the main system prompt.
