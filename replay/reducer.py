@@ -24,9 +24,23 @@ How a session is read (see DESIGN.md "Chains, segments, samples"):
   (never folded into another chain's tokens, never a segment of their own);
   the enclosing subagent's sample records how many turns were dropped.
 - A foreign chain with no pending dispatch follows `rules.orphan_chains`.
+- A background agent's dispatch whose tool_result came back before any
+  subagent request ("Async agent launched") is still claimed by the next
+  subagent chain. A subagent sharing the main system prompt is linked by the
+  live decision (the recorder matched its dispatch's prompt in the body).
+- A new chain whose request offers no tools and has its own system prompt is
+  a `side` request (title, classification): its own segment kind, left out
+  unless `rules.side_requests = "train"`, never `final`. The main line's
+  system prompt is that of the first request that offers tools.
+- A fork is not a fork when the request re-sends the chain's last input
+  with more user text but not its answer (a compaction summary after a tool
+  result): a chain beside it. A re-sent first request of a side chain, or of
+  a subagent while a dispatch waits, is another conversation, not a retry.
 - Main-line chains: the one holding the last main-line turn is `final`, every
   other one was replaced by a non-extending request (compaction): `wipe`.
-  Segments are ordered by completion (last event), `final` last.
+  Segments are ordered by completion (last event), `final` last. The
+  segment cap never drops `final` (it is truncated); `token_accounting`
+  says where every engine output token went.
 """
 
 from __future__ import annotations
