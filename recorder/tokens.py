@@ -250,7 +250,7 @@ def _another_conversation(chains: SessionChains, match: _Match) -> bool:
     if (
         main is not None
         and chain is not main
-        and is_side_request(chain.n_tools, chain.system_digest, main)
+        and is_side_request(chain.n_tools, chain.system_digest, main.system_digest)
     ):
         return True
     return not chain.main_line and any(d.chain_id is None for d in chains.pending_dispatches)
@@ -441,13 +441,17 @@ def _fresh(
     """A new chain from a full render, classified by how it relates to the main line."""
     input_ids = token_array(full_input_ids(req, tok))
     main = chains.main
-    if main is not None and req.tools and is_side_request(main.n_tools, main.system_digest, req):
+    if (
+        main is not None
+        and req.tools
+        and is_side_request(main.n_tools, main.system_digest, req.system_digest)
+    ):
         main = None  # the session began with a side request: this is its real main line
     dispatch = _dispatch_for(chains, req)
     reason: Reason
     if main is None:
         reason, main_line = "first", True
-    elif is_side_request(len(req.tools), req.system_digest, main):
+    elif is_side_request(len(req.tools), req.system_digest, main.system_digest):
         reason, main_line, dispatch = "side", False, None
     elif dispatch is not None and (
         req.system_digest != main.system_digest or _prompt_matches(dispatch, req)
@@ -473,14 +477,14 @@ def _fresh(
     )
 
 
-def is_side_request(n_tools: int, system_digest: str, other: Any) -> bool:
+def is_side_request(n_tools: int, system_digest: str, main_system_digest: str) -> bool:
     """A title, topic or classification request beside the agent's conversation?
 
-    It offers no tools and has its own system prompt, unlike `other` (the
-    main line: a `Chain`, `ChatRequest` or anything with `system_digest`).
-    The reducer applies the same test to recorded facts (`replay.chains`).
+    It offers no tools and has a system prompt of its own (not the main
+    line's). The reducer applies the same test to recorded facts
+    (`replay.chains`).
     """
-    return n_tools == 0 and system_digest != other.system_digest
+    return n_tools == 0 and system_digest != main_system_digest
 
 
 def _dispatch_for(chains: SessionChains, req: ChatRequest) -> PendingDispatch | None:

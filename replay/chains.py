@@ -18,6 +18,7 @@ from typing import Literal
 
 import numpy as np
 
+from recorder.tokens import is_side_request
 from replay.rules import Rules
 from replay.samples import SegmentKind
 from replay.turns import Turn
@@ -111,14 +112,12 @@ def _drops_only_last_answer(t: Turn, c: Chain, kept: int) -> bool:
 def _is_side(t: Turn, main_digest: str | None) -> bool:
     """A title or classification request: no tools and its own system prompt.
 
-    The same test as the live planner's (`recorder.tokens.is_side_request`).
+    v1 logs did not record the tool count: never side.
     """
-    return (
-        t.request is not None
-        and t.request.n_tools == 0
-        and main_digest is not None
-        and t.system_digest != main_digest
-    )
+    r = t.request
+    if r is None or r.n_tools is None or main_digest is None:
+        return False
+    return is_side_request(r.n_tools, r.system_digest, main_digest)
 
 
 def main_system_digest(turns: Sequence[Turn]) -> str | None:
