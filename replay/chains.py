@@ -312,16 +312,22 @@ class ChainBuilder:
         return c.line == "side" or (c.line == "subagent" and waiting)
 
     def _claimed_by_live_decision(self, t: Turn) -> Dispatch | None:
-        """The pending dispatch the recorder linked `t` to when `t` shares the main system prompt.
+        """The waiting dispatch the recorder linked `t`'s new chain to, if any.
 
-        Such a subagent is told apart from the main line by its dispatch's
-        prompt in its first user message, which the recorder saw in the body
-        and the reducer does not read: the recorded decision carries it.
+        The recorder matched the dispatch's prompt in the request body, which
+        the reducer does not read: that tells apart a subagent sharing the
+        main system prompt from the main line, and labels parallel subagents
+        whose first requests come in another order than their dispatches.
+        Without such a decision (or while a nested dispatch is pending) the
+        oldest waiting dispatch is taken (`_pick_dispatch`).
         """
         d = t.decision
-        if d is None or d.reason != "subagent" or not self._is_main_system(t.system_digest):
+        if d is None or d.reason != "subagent" or not d.dispatch_tool_use_id:
             return None
-        return self.main_pending.get(d.dispatch_tool_use_id or "")
+        if self.nested_pending and not self._is_main_system(t.system_digest):
+            return None
+        pending = self.main_pending.get(d.dispatch_tool_use_id)
+        return pending if pending is not None and not pending.chains else None
 
     def _pick_dispatch(self, sysd: str | None) -> Dispatch | None:
         for d in self.main_pending.values():

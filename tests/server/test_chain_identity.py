@@ -383,3 +383,47 @@ async def test_a_resent_subagent_request_with_no_dispatch_waiting_is_a_retry(
     assert_live_equals_offline(result)
     assert [s.kind for s in result.segments] == ["subagent", "final"]
     assert any("abandoned branch" in d for d in result.diagnostics)
+
+
+async def test_parallel_subagents_starting_out_of_order_keep_their_dispatch_labels(
+    any_harness: Harness,
+) -> None:
+    h = any_harness
+    sid = await h.open_session(instance_id="out-of-order")
+    client = h.client(sid)
+    alpha = {"description": "Alpha", "prompt": "SUBTASK: inspect module alpha"}
+    beta = {"description": "Beta", "prompt": "SUBTASK: inspect module beta"}
+    h.engine.push(
+        tool_call_text("Agent", alpha) + "\n" + tool_call_text("Agent", beta),
+        "beta has a bug.",
+        "alpha is fine.",
+        "Beta needs a fix. Done.",
+    )
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Inspect both modules."}]
+    first = await ask(client, messages, stream=False)
+    d_alpha, d_beta = (b.id for b in first.content if b.type == "tool_use")
+    for task in (beta, alpha):  # beta's subagent asks first
+        await ask(
+            client, [{"role": "user", "content": task["prompt"]}], stream=False, system=SUB_SYSTEM
+        )
+    messages += [
+        echo(first),
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": d_alpha, "content": "fine"},
+                {"type": "tool_result", "tool_use_id": d_beta, "content": "bug"},
+            ],
+        },
+    ]
+    await ask(client, messages, stream=False)
+    await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
+    decisions = await h.payloads(sid, ev.ChainDecision)
+    assert [d.dispatch_tool_use_id for d in decisions][1:3] == [d_beta, d_alpha]
+    result = await replayed(h, sid)
+    assert_live_equals_offline(result)
+    assert [(s.kind, s.dispatch_tool_use_id, s.turns) for s in result.segments] == [
+        ("subagent", d_beta, [1]),
+        ("subagent", d_alpha, [2]),
+        ("final", None, [0, 3]),
+    ]
