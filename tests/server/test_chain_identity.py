@@ -427,3 +427,40 @@ async def test_parallel_subagents_starting_out_of_order_keep_their_dispatch_labe
         ("subagent", d_alpha, [2]),
         ("final", None, [0, 3]),
     ]
+
+
+async def test_compaction_with_the_altered_system_prompt_of_2_1_197_trains_the_last_answer(
+    any_harness: Harness,
+) -> None:
+    """Claude Code 2.1.197's summary request drops "(1M context)" from the system prompt."""
+    h = any_harness
+    sid = await h.open_session(instance_id="compact-197")
+    client = h.client(sid)
+    h.engine.push(
+        tool_call_text("Bash", {"command": "echo compact-marker"}),
+        "The marker was printed. Done.",
+        "Summary: the user ran echo compact-marker.",
+        "Continuing.",
+    )
+    system_1m = "You are a careful coding agent. You are powered by model-x (1M context)."
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Say the marker."}]
+    first = await ask(client, messages, stream=False, system=system_1m)
+    messages += [echo(first), tool_result(first.content[-1].id, "compact-marker")]
+    await ask(client, messages, stream=False, system=system_1m)
+    summary_request = copy.deepcopy(messages)
+    summary_request[-1]["content"].append({"type": "text", "text": COMPACT})
+    system = system_1m.replace(" (1M context)", "")
+    await ask(client, summary_request, stream=False, system=system)
+    continued = [{"role": "user", "content": "This session continues from a summary: ..."}]
+    await ask(client, continued, stream=False, system=system_1m)
+    await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
+
+    result = await replayed(h, sid)
+    assert_live_equals_offline(result)
+    assert [(s.kind, s.turns) for s in result.segments] == [
+        ("wipe", [0, 1]),
+        ("wipe", [2]),
+        ("final", [3]),
+    ]
+    acc = result.token_accounting
+    assert acc["trained"] == acc["engine output"] == await engine_output_tokens(h, sid)
