@@ -103,8 +103,13 @@ class SessionFailed(Event, frozen=True, kw_only=True, tag="session_failed"):
 
 class MessagesRequest(Event, frozen=True, kw_only=True, tag="messages_request"):
     """The client's request, kept whole (raw body as a uint8 array ref),
-    plus a small digest the reducer needs without re-parsing the body."""
+    plus a small digest the reducer needs without re-parsing the body.
 
+    v2 added `n_chat_messages` (messages after translation, system included)
+    and `n_tools`; None = not recorded (a v1 event).
+    """
+
+    VERSION: ClassVar[int] = 2
     request_id: str
     turn: int
     body: ArrayRef
@@ -114,6 +119,8 @@ class MessagesRequest(Event, frozen=True, kw_only=True, tag="messages_request"):
     n_messages: int = 0
     tool_result_ids: tuple[str, ...] = ()
     model: str = ""
+    n_chat_messages: int | None = None
+    n_tools: int | None = None
 
 
 class RenderedInput(Event, frozen=True, kw_only=True, tag="rendered_input"):
@@ -251,13 +258,18 @@ class RewardAssigned(Event, frozen=True, kw_only=True, tag="reward_assigned"):
 
 
 class ChainDecision(Decision, frozen=True, kw_only=True, tag="chain_decision"):
-    """Which chain a request extended, or why it started a new one."""
+    """Which chain a request extended, or why it started a new one.
 
+    v2 added the reason "side" (a title or classification request); v1
+    payloads read unchanged.
+    """
+
+    VERSION: ClassVar[int] = 2
     request_id: str
     turn: int
     chain_id: int
     action: Literal["extend", "new"]
-    reason: Literal["first", "extends", "compaction", "subagent", "diverged"] = "extends"
+    reason: Literal["first", "extends", "compaction", "subagent", "diverged", "side"] = "extends"
     parent_chain_id: int | None = None
     dispatch_tool_use_id: str | None = None
 
@@ -364,6 +376,17 @@ def _reward_v1_to_v2(raw: dict[str, Any]) -> dict[str, Any]:
     raw = dict(raw)
     raw["reward"] = raw.pop("value")
     raw.setdefault("detail", {})
+    return raw
+
+
+@upcaster("messages_request", 1)
+def _messages_request_v1_to_v2(raw: dict[str, Any]) -> dict[str, Any]:
+    """v1 did not record the chat message and tool counts: unknown (None)."""
+    return {**raw, "n_chat_messages": None, "n_tools": None}
+
+
+@upcaster("chain_decision", 1)
+def _chain_decision_v1_to_v2(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 

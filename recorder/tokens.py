@@ -34,7 +34,7 @@ DEFAULT_MAX_CHAINS = 32
 MAX_PENDING_DISPATCHES = 64
 
 Action = Literal["extend", "new"]
-Reason = Literal["first", "extends", "compaction", "subagent", "diverged"]
+Reason = Literal["first", "extends", "compaction", "subagent", "diverged", "side"]
 
 # Content for the assistant message of the fixed render prefix: the text after
 # it in the template's output is the assistant turn's closing.
@@ -115,6 +115,7 @@ class Chain(msgspec.Struct, kw_only=True):
     parent_chain_id: int | None = None
     dispatch_tool_use_id: str | None = None
     last_used: int = 0
+    n_tools: int = -1  # tools its requests offer (-1: not known)
 
     @property
     def n_tokens(self) -> int:
@@ -129,11 +130,15 @@ class PendingDispatch(msgspec.Struct, array_like=True, frozen=True):
     """An Agent/Task dispatch whose tool_result has not come back to the main line yet.
 
     `chain_id` is the subagent chain it started, None until its first request.
+    `returned`: the tool_result came back before any subagent request (a
+    background agent, "Async agent launched"); its first request still
+    claims it, and then the dispatch is done.
     """
 
     tool_use_id: str
     prompt: str = ""
     chain_id: int | None = None
+    returned: bool = False
 
 
 class SessionChains(msgspec.Struct, kw_only=True):
@@ -175,6 +180,7 @@ class TurnPlan(msgspec.Struct, kw_only=True):
     request_digests: tuple[str, ...] = ()
     system_digest: str = ""
     render_digest: str = ""
+    n_tools: int = -1
     returned_dispatch_ids: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     fallback: str = ""
@@ -210,9 +216,10 @@ def plan_turn(chains: SessionChains, req: ChatRequest, tok: Tokenizer) -> TurnPl
         "request_digests": req.message_digests,
         "system_digest": req.system_digest,
         "render_digest": req.render_digest,
+        "n_tools": len(req.tools),
         "eos_token_ids": tuple(tok.eos_token_ids),
     }
-    if match is None:
+    if match is None or _another_conversation(chains, match):
         return _fresh(chains, req, tok, common)
     plan = _continue(chains, match, req, tok, common)
     if plan is not None:
@@ -227,6 +234,28 @@ def plan_turn(chains: SessionChains, req: ChatRequest, tok: Tokenizer) -> TurnPl
     )
 
 
+def _another_conversation(chains: SessionChains, match: _Match) -> bool:
+    """Does a re-sent first request of a chain start another conversation (not a retry)?
+
+    A side request asked again (a title, a check) is another side request.
+    The agent may dispatch the same task twice (in parallel or one after the
+    other): the second subagent's first request is byte-identical to the
+    first's; while a dispatch waits for its subagent, it starts that one
+    (`_fresh` claims it). Otherwise it is a retry. The reducer applies the
+    same rule (`replay.chains`).
+    """
+    chain, main = match.chain, chains.main
+    if not match.is_retry or match.boundary is not chain.boundaries[0]:
+        return False
+    if (
+        main is not None
+        and chain is not main
+        and is_side_request(chain.n_tools, chain.system_digest, main.system_digest)
+    ):
+        return True
+    return not chain.main_line and any(d.chain_id is None for d in chains.pending_dispatches)
+
+
 def render_chars(chains: SessionChains, req: ChatRequest, tok: Tokenizer, body_len: int) -> int:
     """About how much text `plan_turn(chains, req, tok)` will render and tokenize.
 
@@ -237,7 +266,7 @@ def render_chars(chains: SessionChains, req: ChatRequest, tok: Tokenizer, body_l
     work on a thread, by the work itself rather than the body size.
     """
     match = _best_match(chains, req)
-    if match is None or _template_pieces(tok, req) is None:
+    if match is None or _another_conversation(chains, match) or _template_pieces(tok, req) is None:
         return body_len
     if match.is_retry:
         return 0
@@ -329,18 +358,41 @@ def _continue(
     input_ids.extend(glue_ids)
     input_ids.extend(tok.encode(glue_text + full[len(head) :]))
     extend = match.is_end
+    summary = not extend and _drops_only_last_answer(chain, req)
     return TurnPlan(
         chain_id=chain.chain_id if extend else _reserve_id(chains),
         action="extend" if extend else "new",
-        reason="extends" if extend else "diverged",
+        reason="extends" if extend else "compaction" if summary else "diverged",
         parent_chain_id=None if extend else chain.chain_id,
         input_ids=input_ids,
         prefix_len=boundary.end_len,
         new_messages=len(new_messages),
         closing_inserted=len(glue_ids),
         main_line=chain.main_line,
+        dispatch_tool_use_id=chain.dispatch_tool_use_id if summary else None,
         returned_dispatch_ids=returned,
         **common,
+    )
+
+
+def _drops_only_last_answer(chain: Chain, req: ChatRequest) -> bool:
+    """Does `req` re-send all of the chain's last input, then user text, without its answer?
+
+    Claude Code's compaction right after a tool result does this: the summary
+    request appends its instruction to the tool results and leaves out the
+    last answer. That answer was received and acted on, so the request is a
+    new chain beside the old one (reason "compaction"), not a fork of it:
+    the old chain keeps its last turn. The reducer recognises the same shape
+    from the recorded facts (`replay.chains`): same trailing tool results,
+    more chat messages, tokens shared up to the last turn.
+    """
+    last = chain.boundaries[-1]
+    n = last.n_input_messages
+    return (
+        bool(req.tool_result_ids)
+        and len(req.message_digests) > n
+        and _common_prefix(chain.message_digests, req.message_digests) >= n
+        and all(m["role"] == "user" for m in req.messages[n:])
     )
 
 
@@ -389,10 +441,18 @@ def _fresh(
     """A new chain from a full render, classified by how it relates to the main line."""
     input_ids = token_array(full_input_ids(req, tok))
     main = chains.main
+    if (
+        main is not None
+        and req.tools
+        and is_side_request(main.n_tools, main.system_digest, req.system_digest)
+    ):
+        main = None  # the session began with a side request: this is its real main line
     dispatch = _dispatch_for(chains, req)
     reason: Reason
     if main is None:
         reason, main_line = "first", True
+    elif is_side_request(len(req.tools), req.system_digest, main.system_digest):
+        reason, main_line, dispatch = "side", False, None
     elif dispatch is not None and (
         req.system_digest != main.system_digest or _prompt_matches(dispatch, req)
     ):
@@ -415,6 +475,16 @@ def _fresh(
         returned_dispatch_ids=_returned_dispatches(chains, req),
         **common,
     )
+
+
+def is_side_request(n_tools: int, system_digest: str, main_system_digest: str) -> bool:
+    """A title, topic or classification request beside the agent's conversation?
+
+    It offers no tools and has a system prompt of its own (not the main
+    line's). The reducer applies the same test to recorded facts
+    (`replay.chains`).
+    """
+    return n_tools == 0 and system_digest != main_system_digest
 
 
 def _dispatch_for(chains: SessionChains, req: ChatRequest) -> PendingDispatch | None:
@@ -499,6 +569,7 @@ def commit_turn(
             tokens=plan.input_ids[:],
             boundaries=[b for b in inherited if b.end_len <= plan.prefix_len] + [boundary],
             main_line=plan.main_line,
+            n_tools=plan.n_tools,
             parent_chain_id=plan.parent_chain_id,
             dispatch_tool_use_id=plan.dispatch_tool_use_id
             or (parent.dispatch_tool_use_id if parent is not None else None),
@@ -517,11 +588,16 @@ def _settle_dispatches(chains: SessionChains, plan: TurnPlan) -> None:
     """A subagent chain claims its dispatch; a tool_result on the main line ends it."""
     done = set(plan.returned_dispatch_ids)
     started = plan.dispatch_tool_use_id if plan.reason == "subagent" else None
-    chains.pending_dispatches = [
-        msgspec.structs.replace(d, chain_id=plan.chain_id) if d.tool_use_id == started else d
-        for d in chains.pending_dispatches
-        if d.tool_use_id not in done
-    ]
+    kept: list[PendingDispatch] = []
+    for d in chains.pending_dispatches:
+        if d.tool_use_id == started:
+            if not d.returned:
+                kept.append(msgspec.structs.replace(d, chain_id=plan.chain_id))
+        elif d.tool_use_id not in done:
+            kept.append(d)
+        elif d.chain_id is None:  # a background agent: its subagent has not started yet
+            kept.append(msgspec.structs.replace(d, returned=True))
+    chains.pending_dispatches = kept
 
 
 def _evict(chains: SessionChains) -> None:

@@ -784,6 +784,10 @@ def _digest_text(text: str) -> str:
 def message_digest(message: dict[str, Any]) -> str:
     """Digest of what the model sees of a chat message, ignoring surrounding whitespace.
 
+    A tool call is identified by its id and name, not its arguments: the ids
+    of our answers are ours (random, unique), and clients re-send a call's
+    input normalised (Claude Code adds schema defaults such as
+    `"replace_all": false` first, reorders keys), which is still our answer.
     An assistant message with reasoning gets `<digest>+<reasoning digest>`, so
     that `same_message` can also match an echo from which the client dropped
     the thinking (clients may strip thinking from earlier turns).
@@ -792,10 +796,7 @@ def message_digest(message: dict[str, Any]) -> str:
     normalized = (
         message["role"],
         message.get("content", "").strip(),
-        [
-            (c["id"], c["function"]["name"], c["function"]["arguments"])
-            for c in calls  # type: ignore[union-attr]
-        ]
+        [(c["id"], c["function"]["name"]) for c in calls]  # type: ignore[union-attr]
         if calls
         else None,
         message.get("tool_call_id"),

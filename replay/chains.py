@@ -12,16 +12,18 @@ Part of the pure reducer (see `replay.reducer` for the rules it implements).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
 
+from recorder.tokens import is_side_request
 from replay.rules import Rules
 from replay.samples import SegmentKind
 from replay.turns import Turn
 
-Line = Literal["main", "subagent", "nested", "orphan"]
+Line = Literal["main", "subagent", "nested", "orphan", "side"]
 
 
 @dataclass(slots=True, eq=False)
@@ -56,8 +58,16 @@ class Chain:
 
 @dataclass(slots=True, eq=False)
 class Dispatch:
+    """A main-line dispatch still waiting for its subagent or its tool_result.
+
+    `returned`: its tool_result came back before any chain claimed it (a
+    background agent: "Async agent launched"); the next subagent chain does,
+    then the dispatch is done.
+    """
+
     tool_use_id: str
     chains: list[Chain] = field(default_factory=list)
+    returned: bool = False
 
 
 def _shared_len(a: np.ndarray, b: np.ndarray) -> int:
@@ -78,14 +88,57 @@ def _extends(inp: np.ndarray, seq: np.ndarray) -> bool:
     )
 
 
+def _drops_only_last_answer(t: Turn, c: Chain, kept: int) -> bool:
+    """Does `t` re-send all of `c`'s last turn but its answer, then more user text?
+
+    Recognised from facts: `t` diverges from `c` within its last turn's input,
+    carries the same trailing tool results and more chat messages. The live
+    planner's twin is `recorder.tokens._drops_only_last_answer`; v1 logs
+    (no message counts) never match.
+    """
+    last = c.turns[-1]
+    if kept != len(c.turns) - 1 or t.request is None or last.request is None:
+        return False
+    ours, theirs = t.request, last.request
+    return (
+        bool(ours.tool_result_ids)
+        and ours.tool_result_ids == theirs.tool_result_ids
+        and ours.n_chat_messages is not None
+        and theirs.n_chat_messages is not None
+        and ours.n_chat_messages > theirs.n_chat_messages
+    )
+
+
+def _is_side(t: Turn, main_digest: str | None) -> bool:
+    """A title or classification request: no tools and its own system prompt.
+
+    v1 logs did not record the tool count: never side.
+    """
+    r = t.request
+    if r is None or r.n_tools is None or main_digest is None:
+        return False
+    return is_side_request(r.n_tools, r.system_digest, main_digest)
+
+
+def main_system_digest(turns: Sequence[Turn]) -> str | None:
+    """The main line's system digest: the first request's, unless that one offered no
+    tools and a later one with tools has another system prompt (a title request came first).
+    """
+    first = next((t.system_digest for t in turns if t.request is not None), None)
+    for t in turns:
+        if t.request is not None and t.request.n_tools != 0:
+            return t.system_digest
+    return first
+
+
 class ChainBuilder:
     """Walks turns in order, assigning each usable one to a chain."""
 
-    def __init__(self, rules: Rules, diags: list[str]) -> None:
+    def __init__(self, rules: Rules, diags: list[str], main_digest: str | None = None) -> None:
         self.rules = rules
         self.diags = diags
         self.chains: list[Chain] = []
-        self.main_digest: str | None = None
+        self.main_digest: str | None = main_digest
         self.main_pending: dict[str, Dispatch] = {}
         self.nested_pending: dict[str, Chain] = {}
         self.last_main: Chain | None = None
@@ -104,8 +157,12 @@ class ChainBuilder:
         if t.request is None:
             return
         for tid in t.request.tool_result_ids:
-            if tid in self.main_pending and self._is_main_system(t.system_digest):
-                del self.main_pending[tid]
+            pending = self.main_pending.get(tid)
+            if pending is not None and self._is_main_system(t.system_digest):
+                if pending.chains:
+                    del self.main_pending[tid]
+                else:
+                    pending.returned = True
             self.nested_pending.pop(tid, None)
 
     def _assign(self, t: Turn) -> Chain:
@@ -121,7 +178,12 @@ class ChainBuilder:
             self._note_decision(t, "extend", best)
         else:
             fork = self._fork_point(t)
-            best = self._fork(t, *fork) if fork is not None else self._new_chain(t)
+            if fork is None or self._another_conversation(t, *fork):
+                best = self._new_chain(t)
+            elif _drops_only_last_answer(t, *fork):
+                best = self._fork(t, fork[0], 0, beside=True)
+            else:
+                best = self._fork(t, *fork)
             self._note_decision(t, "new", best)
         if best.line == "main":
             self.last_main = best
@@ -148,8 +210,12 @@ class ChainBuilder:
             best, best_len = (c, kept), shared
         return best
 
-    def _fork(self, t: Turn, parent: Chain, kept: int) -> Chain:
-        """A new branch of `parent`: its first `kept` turns, then `t`."""
+    def _fork(self, t: Turn, parent: Chain, kept: int, *, beside: bool = False) -> Chain:
+        """A new branch of `parent`: its first `kept` turns, then `t`.
+
+        `beside`: a chain on `parent`'s line that is no branch of it (a
+        compaction summary that left out the last answer): both yield segments.
+        """
         assert t.input is not None and t.output is not None
         chain = Chain(
             chain_id=len(self.chains),
@@ -159,7 +225,7 @@ class ChainBuilder:
             turns=[*parent.turns[:kept], t],
             dispatch_id=parent.dispatch_id,
             owner=parent.owner,
-            forked_from=parent,
+            forked_from=None if beside else parent,
         )
         self.chains.append(chain)
         pending = self.main_pending.get(chain.dispatch_id or "")
@@ -173,7 +239,13 @@ class ChainBuilder:
         dispatch: str | None = None
         owner: Chain | None = None
         sysd = t.system_digest
-        if self._is_main_system(sysd):
+        claimed = self._claimed_by_live_decision(t)
+        if _is_side(t, self.main_digest):
+            line = "side"
+        elif claimed is not None:
+            line = "subagent"
+            dispatch = claimed.tool_use_id
+        elif self._is_main_system(sysd):
             line = "main"
         elif self.nested_pending:
             line = "nested"
@@ -213,8 +285,49 @@ class ChainBuilder:
         )
         self.chains.append(chain)
         if line == "subagent":
-            self.main_pending[dispatch].chains.append(chain)  # type: ignore[index]
+            claimed = self.main_pending[dispatch]  # type: ignore[index]
+            claimed.chains.append(chain)
+            if claimed.returned:
+                del self.main_pending[claimed.tool_use_id]
         return chain
+
+    def _another_conversation(self, t: Turn, c: Chain, kept: int) -> bool:
+        """Does `t`, re-sending the first request of `c`, start another conversation?
+
+        A side request asked again (a title, a check) is another side request;
+        a subagent's first request re-sent while a dispatch waits for its
+        subagent is the same task dispatched again. Otherwise it is a retry
+        (the live planner's twin: `recorder.tokens._another_conversation`).
+        """
+        first = c.turns[0].input
+        if not (
+            kept == 0
+            and c.forked_from is None
+            and first is not None
+            and t.input is not None
+            and bool(np.array_equal(t.input, first))
+        ):
+            return False
+        waiting = any(not d.chains for d in self.main_pending.values())
+        return c.line == "side" or (c.line == "subagent" and waiting)
+
+    def _claimed_by_live_decision(self, t: Turn) -> Dispatch | None:
+        """The waiting dispatch the recorder linked `t`'s new chain to, if any.
+
+        The recorder matched the dispatch's prompt in the request body, which
+        the reducer does not read: that tells apart a subagent sharing the
+        main system prompt from the main line, and labels parallel subagents
+        whose first requests come in another order than their dispatches.
+        Without such a decision (or while a nested dispatch is pending) the
+        oldest waiting dispatch is taken (`_pick_dispatch`).
+        """
+        d = t.decision
+        if d is None or d.reason != "subagent" or not d.dispatch_tool_use_id:
+            return None
+        if self.nested_pending and not self._is_main_system(t.system_digest):
+            return None
+        pending = self.main_pending.get(d.dispatch_tool_use_id)
+        return pending if pending is not None and not pending.chains else None
 
     def _pick_dispatch(self, sysd: str | None) -> Dispatch | None:
         for d in self.main_pending.values():
@@ -271,8 +384,8 @@ def classify_chains(
         if c is not branch:
             if diags is not None and c.line in ("main", "subagent"):
                 diags.append(_abandoned(c, branch))
-        elif c.line == "subagent":
-            out.append(("subagent", c))
+        elif c.line in ("subagent", "side"):
+            out.append((c.line, c))
         elif c.line == "main":
             out.append(("final" if c is last_main else "wipe", c))
     out.sort(key=lambda kc: (kc[0] == "final", kc[1].last_seq, kc[1].chain_id))

@@ -324,8 +324,9 @@ def export(db: str, fmt: str, out: Path, rules_spec: str | None, page_size: int)
 @rules_option
 @page_option
 def stats(db: str, rules_spec: str | None, page_size: int) -> None:
-    """Sessions, turns, tokens, TITO failure rate, aborts, segment kinds."""
-    from replay.stats import log_stats, stats_table
+    """Sessions, turns, tokens, TITO failure rate, aborts, segment kinds, and per session
+    where the engine's output tokens went (trained, or untrained and why)."""
+    from replay.stats import accounting_table, log_stats, stats_table
 
     rules = _rules(rules_spec)
 
@@ -333,7 +334,9 @@ def stats(db: str, rules_spec: str | None, page_size: int) -> None:
         with _progress("reading", len(await store.session_ids())) as advance:
             return await log_stats(store, rules, page_size=page_size, on_session=advance)
 
-    console.print(stats_table(_run(db, go, streaming=True)))
+    st = _run(db, go, streaming=True)
+    console.print(stats_table(st))
+    console.print(accounting_table(st))
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ def masked_copy(sample: Sample, *, reason: str, routed_experts: tuple[int, int] 
         reward=0.0,
         rollout_id=sample.rollout_id,
         session_id=sample.session_id,
-        metadata={**sample.metadata, "placeholder": reason},
+        metadata={**sample.metadata, "placeholder": reason, "fully_masked": True},
         routed_experts=zero_routed_experts(len(sample.tokens), routed_experts),
     )
 
@@ -67,7 +67,7 @@ def minimal_sample(
         reward=0.0,
         rollout_id=rollout_id,
         session_id=session_id,
-        metadata={**(metadata or {}), "placeholder": reason or "failed"},
+        metadata={**(metadata or {}), "placeholder": reason or "failed", "fully_masked": True},
         routed_experts=experts,
     )
 

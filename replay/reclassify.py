@@ -35,7 +35,13 @@ SUMMARY_PREFIX = "summary/"
 
 
 class SessionSummary(msgspec.Struct, frozen=True, kw_only=True):
-    """What `reclassify` compares between runs for one session."""
+    """What `reclassify` compares between runs for one session.
+
+    `content_digest` covers what a trainer sees of the samples (tokens,
+    masks, logprobs, rewards, statuses, kinds) but not the rules version
+    stamped into them, so a new rules version changes only the sessions
+    whose samples really change. Empty in summaries written before it.
+    """
 
     digest: str
     status: str
@@ -44,6 +50,7 @@ class SessionSummary(msgspec.Struct, frozen=True, kw_only=True):
     sample_statuses: list[str]
     trainable_tokens: int
     placeholder: bool
+    content_digest: str = ""
 
 
 class ReclassifyReport(msgspec.Struct, kw_only=True):
@@ -81,7 +88,32 @@ def summarize(result: SessionResult, digest: str) -> SessionSummary:
         sample_statuses=[s.status for s in result.samples],
         trainable_tokens=sum(sum(s.loss_mask) for s in result.samples),
         placeholder=result.placeholder,
+        content_digest=content_digest(result),
     )
+
+
+def content_digest(result: SessionResult) -> str:
+    """Digest of the samples' training content (see `SessionSummary`)."""
+    content = [
+        (
+            s.tokens,
+            s.prompt_len,
+            s.loss_mask,
+            s.rollout_logprobs,
+            s.reward,
+            s.status,
+            _kind(s.metadata),
+            s.routed_experts,
+        )
+        for s in result.samples
+    ]
+    return digest_bytes(_summary_encoder.encode(content))
+
+
+def _samples_changed(before: SessionSummary, after: SessionSummary) -> bool:
+    if before.content_digest and after.content_digest:
+        return before.content_digest != after.content_digest
+    return before.digest != after.digest
 
 
 def _kind(metadata: dict[str, object]) -> str:
@@ -356,7 +388,7 @@ def _report(
         if before is None:
             report.new_sessions += 1
             continue
-        if before.digest != summary.digest:
+        if _samples_changed(before, summary):
             report.changed_samples.append(sid)
         if before.segmentation != summary.segmentation:
             report.changed_segmentation.append(sid)

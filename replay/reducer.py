@@ -24,9 +24,23 @@ How a session is read (see DESIGN.md "Chains, segments, samples"):
   (never folded into another chain's tokens, never a segment of their own);
   the enclosing subagent's sample records how many turns were dropped.
 - A foreign chain with no pending dispatch follows `rules.orphan_chains`.
+- A background agent's dispatch whose tool_result came back before any
+  subagent request ("Async agent launched") is still claimed by the next
+  subagent chain. A subagent sharing the main system prompt is linked by the
+  live decision (the recorder matched its dispatch's prompt in the body).
+- A new chain whose request offers no tools and has its own system prompt is
+  a `side` request (title, classification): its own segment kind, left out
+  unless `rules.side_requests = "train"`, never `final`. The main line's
+  system prompt is that of the first request that offers tools.
+- A fork is not a fork when the request re-sends the chain's last input
+  with more user text but not its answer (a compaction summary after a tool
+  result): a chain beside it. A re-sent first request of a side chain, or of
+  a subagent while a dispatch waits, is another conversation, not a retry.
 - Main-line chains: the one holding the last main-line turn is `final`, every
   other one was replaced by a non-extending request (compaction): `wipe`.
-  Segments are ordered by completion (last event), `final` last.
+  Segments are ordered by completion (last event), `final` last. The
+  segment cap never drops `final` (it is truncated); `token_accounting`
+  says where every engine output token went.
 """
 
 from __future__ import annotations
@@ -37,12 +51,13 @@ from typing import Any
 import numpy as np
 
 from recorder.events import RecordedEvent, SessionOpened
-from replay.chains import ChainBuilder, classify_chains
+from replay.chains import ChainBuilder, classify_chains, main_system_digest
 from replay.placeholders import placeholders_for
 from replay.rules import Rules
 from replay.samples import Sample, SampleStatus, SessionResult
 from replay.segments import (
     BuiltSegment,
+    account_tokens,
     allocate_rewards,
     build_segment,
     cap_count,
@@ -74,7 +89,7 @@ def _reduce(
     events: Sequence[RecordedEvent], arrays: Mapping[bytes, np.ndarray], rules: Rules
 ) -> SessionResult:
     s = collect_session(events)
-    builder = ChainBuilder(rules, s.diagnostics)
+    builder = ChainBuilder(rules, s.diagnostics, main_system_digest(s.turns))
     for t in s.turns:
         prepare_turn(t, arrays, rules)
         if t.unusable is not None:
@@ -107,6 +122,7 @@ def _reduce(
         rules_version=rules.version,
         status=status,
         reward=reward,
+        token_accounting=account_tokens(s.turns, built, dropped, placeholder_reason),
         segments=[segment_record(b) for b in sorted(built + dropped, key=_completion_order)],
         samples=samples,
         placeholder=placeholder_reason is not None,
@@ -137,10 +153,12 @@ def _build_segments(
         b = build_segment(kind, chain, rules)
         if b.tokens.size - b.prompt_len == 0:
             b.dropped = "no response tokens"
+        elif kind == "side" and rules.side_requests == "drop":
+            b.dropped = "side request (rules: side_requests = drop)"
         elif rules.max_segment_tokens is not None and b.tokens.size > rules.max_segment_tokens:
-            if rules.over_segment_cap == "drop":
+            if rules.over_segment_cap == "drop" and kind != "final":
                 b.dropped = f"{b.tokens.size} tokens over max_segment_tokens"
-            else:
+            else:  # the final segment is never dropped: it carries the outcome
                 trim_to(b, rules.max_segment_tokens, "max_segment_tokens")
         if b.dropped is None and budget is not None:
             trim_to(b, budget, "context budget")

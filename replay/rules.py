@@ -21,13 +21,14 @@ from typing import Any, Literal
 import msgspec
 
 # Bump when the reducer changes what it builds from the same log and rules.
-REDUCER_VERSION = "2"  # 2: retries and edited history fork chains (see replay.chains)
+REDUCER_VERSION = "3"  # 3: no false forks, side segments, final never dropped (replay.chains)
 
 SampleMode = Literal["fan_out", "collapse_to_final"]
 RewardMode = Literal["uniform", "copy", "final_only"]
 StaleWeightTokens = Literal["keep", "mask"]
 OverCap = Literal["drop", "truncate"]
 OrphanChains = Literal["main", "drop"]
+SideRequests = Literal["drop", "train"]
 
 
 class Rules(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -64,6 +65,9 @@ class Rules(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     # A new chain with a foreign system prompt and no pending dispatch:
     # treat it as main line (seed 004's fallback) or leave it out.
     orphan_chains: OrphanChains = "main"
+    # Side requests (a title or classification request: no tools, its own
+    # system prompt) are `side` segments: left out, or trained like the rest.
+    side_requests: SideRequests = "drop"
     # Sessions without SessionClosed (crashed server, still open at the end of
     # the log) yield placeholders when True; otherwise they are reduced as is.
     placeholder_unclosed: bool = True

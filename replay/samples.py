@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 
 SampleStatus = Literal["completed", "truncated", "aborted", "failed"]
-SegmentKind = Literal["subagent", "wipe", "final"]
+SegmentKind = Literal["subagent", "wipe", "final", "side"]
 
 
 class Tensor(msgspec.Struct, frozen=True, array_like=True):
@@ -87,6 +87,9 @@ class SessionResult(msgspec.Struct, frozen=True, kw_only=True):
     tito_failed_turns: int
     aborts: int
     diagnostics: list[str]
+    # Where the engine's output tokens went: "engine output", "trained", and
+    # the untrained ones by reason; engine output = trained + the reasons.
+    token_accounting: dict[str, int] = {}
 
 
 class InvariantViolation(AssertionError):

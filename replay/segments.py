@@ -5,6 +5,8 @@ Part of the pure reducer (see `replay.reducer`).
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +15,7 @@ import numpy as np
 from replay.chains import Chain
 from replay.rules import Rules
 from replay.samples import Sample, SampleStatus, Segment, SegmentKind, Tensor
+from replay.turns import Turn
 
 
 @dataclass(slots=True, eq=False)
@@ -126,6 +129,8 @@ def to_sample(
         "stale_weight_masked_tokens": sum(t.stale_masked for t in c.turns),
         "nested_dropped_turns": c.nested_dropped_turns,
         "truncated": list(b.truncated),
+        # No token to train (TITO-masked, stale, cut): a trainer may skip it.
+        "fully_masked": not bool(b.mask.any()),
         "rules_version": rules.version,
         "rules_name": rules.name,
         "source_seqs": sorted(s for t in c.turns for s in t.seqs),
@@ -176,3 +181,49 @@ def segment_record(b: BuiltSegment) -> Segment:
         dispatch_tool_use_id=c.dispatch_id,
         dropped=b.dropped,
     )
+
+
+def account_tokens(
+    turns: Sequence[Turn],
+    built: list[BuiltSegment],
+    dropped: list[BuiltSegment],
+    placeholder: str | None,
+) -> dict[str, int]:
+    """Every engine output token of the session: trained, or untrained for a stated reason.
+
+    Keys: "engine output", "trained", then one per reason; the reasons and
+    "trained" add up to "engine output" (the reducer's tests check it).
+    """
+    out: Counter[str] = Counter({"engine output": 0, "trained": 0})
+    segment_of = {id(t): b for b in (*built, *dropped) for t in b.chain.turns}
+    for t in turns:
+        n = sum(r.output_ids.length for r in t.results.values())
+        out["engine output"] += n
+        if placeholder is not None:
+            out["placeholder session"] += n
+            continue
+        b = segment_of.get(id(t))
+        if t.unusable is not None:
+            out["unusable turn"] += n
+        elif b is None:
+            out["in no segment (abandoned branch, nested or orphan chain)"] += n
+        elif b.dropped is not None:
+            out[f"{b.kind} segment left out: {b.dropped}"] += n
+        else:
+            _account_kept(out, t, b, n)
+    return dict(sorted(out.items()))
+
+
+def _account_kept(out: Counter[str], t: Turn, b: BuiltSegment, n: int) -> None:
+    first = b.chain.turns[0].input
+    assert t.input is not None and first is not None
+    start = int(t.input.size) - int(first.size)
+    kept = b.mask[start : start + n] if b.prompt_len == first.size else b.mask[:0]
+    out["trained"] += int(kept.sum())
+    masked = int(kept.size - kept.sum())
+    if n > kept.size:
+        out["truncated (segment cap or context budget)"] += n - int(kept.size)
+    if masked and t.tito_masked:
+        out["masked: TITO failed"] += masked
+    elif masked:
+        out["masked: stale weight version"] += masked

@@ -43,6 +43,8 @@ class SessionStats(msgspec.Struct, kw_only=True):
     sample_statuses: list[str] = []
     trainable_tokens: int = 0
     placeholder: bool = False
+    fully_masked_samples: int = 0
+    token_accounting: dict[str, int] = {}
 
 
 class LogStats(msgspec.Struct, kw_only=True):
@@ -65,6 +67,10 @@ class LogStats(msgspec.Struct, kw_only=True):
     samples: int = 0
     trainable_tokens: int = 0
     placeholders: int = 0
+    fully_masked_samples: int = 0
+    token_accounting: dict[str, int] = {}
+    # session id -> its accounting (engine output = trained + untrained by reason)
+    session_accounting: dict[str, dict[str, int]] = {}
 
     @property
     def tito_failure_rate(self) -> float | None:
@@ -103,6 +109,8 @@ def session_stats(log: SessionLog, result: SessionResult) -> SessionStats:
     st.sample_statuses = [s.status for s in result.samples]
     st.trainable_tokens = sum(sum(s.loss_mask) for s in result.samples)
     st.placeholder = result.placeholder
+    st.fully_masked_samples = sum(1 for s in result.samples if not any(s.loss_mask))
+    st.token_accounting = dict(result.token_accounting)
     return st
 
 
@@ -111,7 +119,11 @@ def combine(per_session: dict[str, SessionStats], rules: Rules) -> LogStats:
     close: Counter[str] = Counter()
     kinds: Counter[str] = Counter()
     statuses: Counter[str] = Counter()
-    for st in per_session.values():
+    accounting: Counter[str] = Counter()
+    for sid, st in per_session.items():
+        accounting.update(st.token_accounting)
+        out.session_accounting[sid] = st.token_accounting
+        out.fully_masked_samples += st.fully_masked_samples
         for name in (
             "turns",
             "input_tokens",
@@ -135,6 +147,7 @@ def combine(per_session: dict[str, SessionStats], rules: Rules) -> LogStats:
     out.close_status = dict(sorted(close.items()))
     out.segment_kinds = dict(sorted(kinds.items()))
     out.sample_statuses = dict(sorted(statuses.items()))
+    out.token_accounting = dict(sorted(accounting.items()))
     return out
 
 
@@ -177,11 +190,43 @@ def stats_table(st: LogStats) -> Table:
         ("samples", st.samples),
         ("samples by status", _fmt(st.sample_statuses)),
         ("placeholder sessions", st.placeholders),
+        ("fully masked samples (nothing to train)", st.fully_masked_samples),
         ("trainable tokens", st.trainable_tokens),
+        ("engine output tokens = trained + untrained", _balance(st.token_accounting)),
     ]
+    rows += [(f"  untrained: {k}", v) for k, v in _untrained(st.token_accounting).items()]
     for name, value in rows:
         table.add_row(name, str(value))
     return table
+
+
+SESSION_ROWS = 50
+
+
+def accounting_table(st: LogStats) -> Table:
+    """Per session: engine output tokens = trained + untrained, with the reasons."""
+    table = Table(title="engine output tokens per session (trained + untrained by reason)")
+    for name, justify in (("session", "left"), ("engine output", "right"), ("trained", "right")):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    table.add_column("untrained by reason")
+    for sid in sorted(st.session_accounting)[:SESSION_ROWS]:
+        acc = st.session_accounting[sid]
+        untrained = "; ".join(f"{k} {v}" for k, v in _untrained(acc).items()) or "—"
+        table.add_row(sid, str(acc.get("engine output", 0)), str(acc.get("trained", 0)), untrained)
+    if len(st.session_accounting) > SESSION_ROWS:
+        table.caption = f"… and {len(st.session_accounting) - SESSION_ROWS} more sessions"
+    return table
+
+
+def _untrained(acc: dict[str, int]) -> dict[str, int]:
+    return {k: v for k, v in acc.items() if k not in ("engine output", "trained") and v}
+
+
+def _balance(acc: dict[str, int]) -> str:
+    total, trained = acc.get("engine output", 0), acc.get("trained", 0)
+    untrained = sum(_untrained(acc).values())
+    mark = "ok" if total == trained + untrained else "MISMATCH"
+    return f"{total} = {trained} + {untrained} ({mark})"
 
 
 def _fmt(counts: dict[str, int]) -> str:

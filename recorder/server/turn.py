@@ -261,6 +261,8 @@ def _request_events(
             n_messages=chat.n_input_messages,
             tool_result_ids=chat.tool_result_ids,
             model=chat.model,
+            n_chat_messages=len(chat.messages),
+            n_tools=len(chat.tools),
         ),
         ev.ChainDecision(
             rules_version=LIVE_RULES_VERSION,

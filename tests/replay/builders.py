@@ -182,6 +182,8 @@ class Log:
         prefix_len: int = 0,
         body: bytes | None = None,
         reencoded: Sequence[int] | None = None,
+        n_chat_messages: int | None = None,
+        n_tools: int | None = None,
     ) -> TurnRef:
         """One engine call. `tool_uses` = (id, name) blocks in the response."""
         turn = self._turn
@@ -197,6 +199,8 @@ class Log:
                 system_digest=system,
                 tool_result_ids=tuple(tool_results),
                 n_messages=turn * 2 + 1,
+                n_chat_messages=n_chat_messages,
+                n_tools=n_tools,
             )
         )
         action, reason = decision or (("new", "first") if turn == 0 else ("extend", "extends"))

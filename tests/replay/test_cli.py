@@ -109,6 +109,11 @@ def test_stats(db: str) -> None:
     assert "14.29%" in out
     assert "final 5, subagent 1, wipe 2" in out
     assert "completed 4, failed 1" in out and "aborted 1, completed 7" in out
+    assert "fully masked samples (nothing to train)" in out
+    assert "engine output tokens = trained + untrained" in out and "(ok)" in out
+    assert "MISMATCH" not in out
+    # Per session: c-subagent trains every engine token, d-failed none (a placeholder).
+    assert "c-subagent" in out and "placeholder session 2" in out
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])

@@ -59,13 +59,15 @@ async def test_changed_rules_report_what_changed(sqlite_store: EventStore) -> No
     masked = await reclassify(sqlite_store, Rules(mask_tito_failed=False))
     assert masked.previous == base.summary_projection
     assert masked.changed_segmentation == []
+    assert masked.changed_samples == ["a-linear"]  # only its TITO-failed turn is unmasked
     assert masked.trainable_after == base.trainable_after + 2  # a-linear's TITO-failed turn
     collapsed = await reclassify(sqlite_store, PRESETS["collapse-final"])
     assert collapsed.previous == masked.summary_projection  # the latest other run
     assert collapsed.projection != base.projection
     assert sorted(collapsed.changed_segmentation) == ["b-compact", "c-subagent"]
-    # Every session's bytes changed: the rules version is stamped into each sample.
-    assert len(collapsed.changed_samples) == 4
+    # Only sessions whose samples changed (against the masked run: a-linear's TITO turn is
+    # masked again), though every one carries the new rules version; not d's placeholder.
+    assert sorted(collapsed.changed_samples) == ["a-linear", "b-compact", "c-subagent"]
     assert collapsed.kinds_before == {"final": 3, "placeholder": 1, "subagent": 1, "wipe": 1}
     assert collapsed.kinds_after == {"final": 3, "placeholder": 1}
 

@@ -232,17 +232,20 @@ def test_task_tool_name_also_dispatches_and_parallel_subagents_pair_in_order() -
     assert [s.metadata["dispatch_tool_use_id"] for s in r.samples[:2]] == ["b", "a"]
 
 
-def test_foreign_chain_after_return_is_not_a_subagent() -> None:
+def test_background_subagent_after_its_dispatch_returned_is_still_a_subagent() -> None:
+    """A background agent: the tool_result ("Async agent launched") comes back first."""
     log2 = Log("sub2").open()
     m0 = log2.turn([1, 2, 3], [10], tool_uses=[("agent-1", "Agent")])
-    log2.turn(m0.then([4]), [11], tool_results=["agent-1"])  # returned without a subagent
-    log2.turn([50, 51], [60], system=SUB)  # late foreign chain: orphan
+    log2.turn(m0.then([4]), [11], tool_results=["agent-1"])  # launched, not finished
+    log2.turn([50, 51], [60], system=SUB)  # the background subagent's first request
+    log2.turn([50, 52], [61], system=SUB)  # a later foreign chain: the dispatch is taken
     log2.close()
-    main = reduce(log2)
-    assert "subagent" not in kinds(main)
+    main = reduce(log2, orphan_chains="drop")
+    assert [(s.kind, s.dispatch_tool_use_id) for s in main.segments] == [
+        ("subagent", "agent-1"),
+        ("final", None),
+    ]
     assert any("no pending dispatch" in d for d in main.diagnostics)
-    dropped = reduce(log2, orphan_chains="drop")
-    assert kinds(dropped) == ["final"]
 
 
 def test_non_dispatch_tool_does_not_open_a_subagent() -> None:
@@ -570,16 +573,23 @@ def test_reward_modes(mode: str, expected: list[float]) -> None:
     assert [s.reward for s in r.samples] == expected
 
 
-def test_final_only_without_final_gives_no_reward() -> None:
+def test_segment_cap_never_drops_the_final_segment() -> None:
     log = Log("nofinal").open()
     m0 = log.turn(list(range(1, 10)), [3], tool_uses=[("a", "Agent")])
     log.turn([50], [60], system=SUB)
     log.turn(m0.then([4]), [5], tool_results=["a"])
     log.reward(1.0).close()
-    # The final chain is over the segment cap and dropped: only the subagent is left.
+    # The final chain is over the segment cap: truncated (here to nothing), never dropped.
     r = reduce(log, reward_mode="final_only", max_segment_tokens=5)
-    assert kinds(r) == ["subagent"] and r.samples[0].reward == 0.0
-    assert any("no final segment" in d for d in r.diagnostics)
+    assert kinds(r) == ["subagent", "final"]
+    sub, fin = r.samples
+    assert len(fin.tokens) == 5 and fin.reward == 1.0 and sub.reward == 0.0
+    assert fin.metadata["fully_masked"] is True and sub.metadata["fully_masked"] is False
+    assert r.token_accounting == {
+        "engine output": 3,
+        "trained": 1,
+        "truncated (segment cap or context budget)": 2,
+    }
 
 
 def test_segment_count_cap_keeps_head_and_final() -> None:
@@ -677,3 +687,46 @@ def test_main_system_prompt_is_the_first_requests() -> None:
     log.turn(m0.then([4]), [5, 2], system=MAIN)
     log.close()
     assert kinds(reduce(log)) == ["final"]
+
+
+def test_compaction_summary_without_the_last_answer_is_no_fork() -> None:
+    """Claude Code's summary request after a tool result leaves out the last answer."""
+    log = Log("summary").open()
+    t0 = log.turn([1, 2, 3], [10, 2], tool_uses=[("tu1", "Bash")], n_chat_messages=2)
+    last_input = t0.then([4, 5, 6])  # tool result + generation prompt
+    t1 = log.turn(last_input, [11, 2], tool_results=["tu1"], n_chat_messages=4)
+    summary = log.turn(
+        [*t0.then([4, 5]), 7, 8, 6],  # tool result + compact instruction + generation prompt
+        [12, 2],
+        tool_results=["tu1"],
+        n_chat_messages=5,
+        decision=("new", "compaction"),
+    )
+    log.turn([1, 2, 9], [13, 2], decision=("new", "compaction"), n_chat_messages=2)
+    log.reward(1.0).close()
+    r = reduce(log)
+    assert [(s.kind, s.turns) for s in r.segments] == [
+        ("wipe", [t0.turn, t1.turn]),
+        ("wipe", [summary.turn]),
+        ("final", [3]),
+    ]
+    assert sum(trainable_tokens(s) for s in r.samples) == 8
+    assert not [d for d in r.diagnostics if "abandoned" in d or "live decision" in d]
+
+
+def test_a_retry_of_the_last_tool_result_turn_still_forks() -> None:
+    """Same tool results but no added message: a retry, the first answer is abandoned."""
+    log = Log("retry-tool").open()
+    t0 = log.turn([1, 2, 3], [10, 2], tool_uses=[("tu1", "Bash")], n_chat_messages=2)
+    log.turn(t0.then([4, 5]), [11, 2], tool_results=["tu1"], n_chat_messages=4)
+    log.turn(
+        t0.then([4, 5]),
+        [12, 2],
+        tool_results=["tu1"],
+        n_chat_messages=4,
+        decision=("new", "diverged"),
+    )
+    log.close()
+    r = reduce(log)
+    assert kinds(r) == ["final"]
+    assert any("abandoned branch" in d for d in r.diagnostics)

@@ -31,6 +31,7 @@ rules_strategy = st.builds(
     routed_experts=st.one_of(st.none(), st.just((2, 2))),
     orphan_chains=st.sampled_from(["main", "drop"]),
     placeholder_unclosed=st.booleans(),
+    side_requests=st.sampled_from(["drop", "train"]),
 )
 
 
@@ -84,6 +85,7 @@ def random_log(data: st.DataObject) -> Log:
             fail=data.draw(st.sampled_from([None, None, None, "boom"])),
             disconnect=data.draw(st.booleans()) and data.draw(st.booleans()),
             respond=data.draw(st.sampled_from([True, True, True, False])),
+            n_tools=data.draw(st.sampled_from([None, 0, 3])),
         )
         done.append(t)
         if data.draw(st.integers(0, 9)) == 0:
@@ -145,6 +147,14 @@ def test_arbitrary_logs_reduce_to_valid_samples(data: st.DataObject, rules: Rule
     if rules.max_segments is not None:
         assert len(result.samples) <= rules.max_segments
     assert len({s.rollout_id for s in result.samples}) == 1
+
+    # Every engine output token is trained or untrained for a stated reason.
+    acc = dict(result.token_accounting)
+    total = acc.pop("engine output")
+    assert total == sum(acc.values()), result.token_accounting
+    assert acc["trained"] == sum(sum(s.loss_mask) for s in result.samples)
+    for s in result.samples:
+        assert s.metadata["fully_masked"] is (not any(s.loss_mask))
 
     again = reduce_session(list(reversed(events)), arrays, rules)
     assert encode_result(again) == encode_result(result)

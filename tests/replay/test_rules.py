@@ -24,6 +24,7 @@ CHANGED = {
     "dispatch_tool_names": ("Agent",),
     "orphan_chains": "drop",
     "placeholder_unclosed": False,
+    "side_requests": "train",
 }
 
 
@@ -38,6 +39,7 @@ def test_defaults() -> None:
     assert r.context_length is None and r.routed_experts is None and r.pad_token_id is None
     assert r.dispatch_tool_names == ("Agent", "Task")
     assert r.orphan_chains == "main" and r.placeholder_unclosed is True
+    assert r.side_requests == "drop"
 
 
 def test_every_option_is_covered_by_this_test() -> None:

@@ -37,3 +37,38 @@ async def test_reward_v1_row_reads_as_v2(
     assert got.version == 1 and got.event_id == event_id and got.ts == 12.5
     (page,) = await store.read_all()
     assert page == got
+
+
+def test_messages_request_and_chain_decision_v1_read_as_v2() -> None:
+    """v1 MessagesRequest had no chat message / tool counts (unknown: None); v1
+    ChainDecision reads unchanged (v2 only added the reason "side")."""
+    from recorder.events import ArrayRef, ChainDecision, MessagesRequest, decode_event
+
+    assert MessagesRequest.VERSION == 2 and ChainDecision.VERSION == 2
+    body = ArrayRef(digest=b"\x01" * 16, length=3, dtype="uint8")
+    v1 = msgspec.msgpack.encode(
+        {"type": "messages_request", "request_id": "r", "turn": 0, "body": body, "n_messages": 3}
+    )
+    got = decode_event("messages_request", 1, v1)
+    assert isinstance(got, MessagesRequest)
+    assert got.n_messages == 3 and got.n_chat_messages is None and got.n_tools is None
+    decision = {
+        "type": "chain_decision",
+        "rules_version": "live-1",
+        "request_id": "r",
+        "turn": 0,
+        "chain_id": 2,
+        "action": "new",
+        "reason": "subagent",
+        "dispatch_tool_use_id": "toolu_1",
+    }
+    old = decode_event("chain_decision", 1, msgspec.msgpack.encode(decision))
+    assert old == ChainDecision(
+        rules_version="live-1",
+        request_id="r",
+        turn=0,
+        chain_id=2,
+        action="new",
+        reason="subagent",
+        dispatch_tool_use_id="toolu_1",
+    )
