@@ -94,7 +94,6 @@ class Sandbox(abc.ABC):
     id: str
     workdir: str  # where commands run when no `cwd` is given
 
-    @abc.abstractmethod
     async def exec(
         self,
         cmd: str,
@@ -108,8 +107,12 @@ class Sandbox(abc.ABC):
         """Run `cmd` (a shell command line) to completion, streaming output to the callbacks.
 
         Past `timeout_s` the command and its children are killed and
-        `CommandTimeout` is raised; the sandbox stays usable.
+        `CommandTimeout` is raised; the sandbox stays usable. Every backend runs
+        it as `start` + `wait`, so a foreground and a background command share
+        one kill and timeout path.
         """
+        handle = await self.start(cmd, cwd=cwd, env=env, on_stdout=on_stdout, on_stderr=on_stderr)
+        return await handle.wait(timeout_s)
 
     @abc.abstractmethod
     async def start(

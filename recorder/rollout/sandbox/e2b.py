@@ -297,19 +297,6 @@ class E2BSandbox(Sandbox):
             )
         return E2BHandle(self, cmd, handle)
 
-    async def exec(
-        self,
-        cmd: str,
-        *,
-        timeout_s: float = 120.0,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-        on_stdout: OutputCallback | None = None,
-        on_stderr: OutputCallback | None = None,
-    ) -> ExecResult:
-        handle = await self.start(cmd, cwd=cwd, env=env, on_stdout=on_stdout, on_stderr=on_stderr)
-        return await handle.wait(timeout_s)
-
     # -- files ------------------------------------------------------------------------------
 
     async def write_file(self, path: str, data: bytes | str) -> None:

@@ -251,19 +251,6 @@ class LocalSandbox(Sandbox):
         self._handles.append(handle)
         return handle
 
-    async def exec(
-        self,
-        cmd: str,
-        *,
-        timeout_s: float = 120.0,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-        on_stdout: OutputCallback | None = None,
-        on_stderr: OutputCallback | None = None,
-    ) -> ExecResult:
-        handle = await self.start(cmd, cwd=cwd, env=env, on_stdout=on_stdout, on_stderr=on_stderr)
-        return await handle.wait(timeout_s)
-
     # -- files ------------------------------------------------------------------------------
 
     def _path(self, path: str) -> Path:
