@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from recorder.admission import check_fits
 from recorder.server.answer import new_message_id
 from recorder.server.auth import session_id_of
 from recorder.server.context import CTX, ServerContext
@@ -157,6 +158,7 @@ async def count_tokens(request: web.Request) -> web.Response:
         raise ApiError("authentication_error", _unknown_session(session_id))
     try:
         chat = parse_request(body, count_tokens=True)
+        check_fits(chat, ctx.tokenizer, ctx.config.context_length)
         ids = await asyncio.to_thread(full_input_ids, chat, ctx.tokenizer)
     except (InvalidRequest, ValueError) as exc:
         raise ApiError("invalid_request_error", str(exc)) from None

@@ -30,6 +30,7 @@ import numpy as np
 from aiohttp import web
 
 from recorder import events as ev
+from recorder.admission import check_fits
 from recorder.engine import (
     Attempt,
     EngineError,
@@ -163,6 +164,7 @@ async def _plan(
     ctx: ServerContext, state: SessionState, chat: ChatRequest, body_len: int
 ) -> tuple[TurnPlan, int]:
     """(the turn's plan, its clamped max_new_tokens); raises ValueError if it cannot run."""
+    check_fits(chat, ctx.tokenizer, ctx.config.context_length)
     if render_chars(state.chains, chat, ctx.tokenizer, body_len) > _THREAD_PLAN_CHARS:
         plan = await asyncio.to_thread(plan_turn, state.chains, chat, ctx.tokenizer)
     else:
