@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import msgspec
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 log = logging.getLogger("recorder.server")
 
@@ -98,6 +99,14 @@ async def anthropic_errors(request: web.Request, handler: Handler) -> web.Stream
         return await handler(request)
     except ApiError as err:
         return error_response(err)
+    except RequestPayloadError as exc:
+        # A body aiohttp could not read: the usual case is a Content-Encoding
+        # the bytes do not match. The connection is closed after this answer.
+        encoding = request.headers.get("Content-Encoding", "")
+        detail = f"it is not valid {encoding}" if encoding else str(exc.__cause__ or exc)
+        return error_response(
+            ApiError("invalid_request_error", f"the request body could not be read: {detail}")
+        )
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -118,8 +127,12 @@ def _http_exception_message(request: web.Request, exc: web.HTTPException) -> str
     if exc.status == 405:
         return f"method {request.method} not allowed on {request.path}"
     if exc.status == 413:
-        return (
-            f"request body too large ({exc.text or 'over the limit'}); "
-            "raise `recorder serve --max-body-mb` if this is legitimate"
-        )
+        return too_large_message(exc.text or "over the limit")
     return exc.text or exc.reason
+
+
+def too_large_message(detail: str) -> str:
+    return (
+        f"request body too large ({detail}); "
+        "raise `recorder serve --max-body-mb` if this is legitimate"
+    )
