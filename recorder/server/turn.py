@@ -53,10 +53,11 @@ from recorder.server.answer import (
 )
 from recorder.server.context import LIVE_RULES_VERSION, ServerContext
 from recorder.server.deltas import put_body, put_input, remember_refs
-from recorder.server.errors import ApiError
+from recorder.server.errors import ApiError, storage_error
 from recorder.server.journal import Journal, finish_even_if_cancelled
 from recorder.server.responders import Responder
 from recorder.server.sessions import SessionState
+from recorder.store.base import StorageUnavailable
 from recorder.tokens import (
     ContextOverflow,
     TurnPlan,
@@ -111,6 +112,14 @@ async def run_turn(
         raise
     except ApiError as err:
         return await responder.fail(err)
+    except StorageUnavailable as exc:
+        # Nothing more can be recorded; the state is rebuilt from the log next time.
+        state.suspect = True
+        record.outcome = "storage_unavailable"
+        log.warning(
+            "session %s turn %d: %s", state.session_id, record.turn, exc, exc_info=exc.__cause__
+        )
+        return await responder.fail(storage_error(exc))
     except Exception as exc:
         return await _session_failed(state, record, exc, responder)
     finally:
@@ -691,15 +700,17 @@ async def _session_failed(
             traceback="".join(traceback.format_exception(exc))[-8000:],
         )
     )
+    recorded = "it was logged and recorded"
     try:
         await finish_even_if_cancelled(state.journal.write(*events))
     except Exception:
         log.exception("session %s: could not record the failure", state.session_id)
+        recorded = "it is in the server log"
     return await responder.fail(
         ApiError(
             "api_error",
-            f"internal error in this session ({type(exc).__name__}: {str(exc)[:200]}); "
-            "it was logged and recorded, the session can go on",
+            f"internal error in this session ({type(exc).__name__}: {str(exc)[:200]}); {recorded}, "
+            "the session can go on",
         )
     )
 

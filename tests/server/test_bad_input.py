@@ -527,3 +527,22 @@ async def test_admin_token_that_is_not_utf8(tokenizer: Any, sqlite_url: str) -> 
         assert (await h.admin("POST", "/sessions", {}))[0] == 201  # still serving
     finally:
         await h.close()
+
+
+async def test_errors_a_retry_cannot_fix_say_so(small_harness: Harness) -> None:
+    """`x-should-retry: false` stops Claude Code's silent retries of a 400/401/404/409."""
+    h = small_harness
+    assert h.http is not None
+    sid = await h.open_session()
+    assert (await h.admin("POST", f"/sessions/{sid}/close", {"status": "completed"}))[0] == 200
+    cases = [
+        ("unknown_session", {"Authorization": "Bearer sess_nope"}, body(), "/v1/messages", 401),
+        ("closed_session", {"Authorization": f"Bearer {sid}"}, body(), "/v1/messages", 409),
+        ("bad_body", {"Authorization": f"Bearer {sid}"}, b"{", "/v1/messages", 409),
+        ("unknown_path", {}, body(), "/v1/nothing", 404),
+        ("bad_admin_body", h.admin_headers(), b"[", "/sessions", 400),
+    ]
+    for case, headers, raw, path, status in cases:
+        async with h.http.post(h.url + path, data=raw, headers=headers) as resp:
+            assert resp.status == status, (case, resp.status, await resp.text())
+            assert resp.headers.get("x-should-retry") == "false", case
