@@ -1,7 +1,10 @@
 """Storage failures seen from a client (issue 15): a real full disk under a real server.
 
 The SQLite log lives on a small tmpfs; a filler file takes the rest of it.
-While the disk is full every turn answers 529 `overloaded_error` with a plain
+For Postgres the database is taken away from under the store: connections
+to it refused (`ALLOW_CONNECTIONS false`) and the store's own terminated, as
+a stopped server looks to a client, without stopping the cluster other tests
+share. While the disk is full (or the database gone) every turn answers 529 `overloaded_error` with a plain
 message (no driver text, retryable) and `/health` answers 503 naming the
 cause; once space is freed the next turn is served and `/health` is ok again.
 Every answer the client got a 200 for is in the log afterwards.
@@ -19,7 +22,7 @@ import pytest
 
 from recorder import events as ev
 from recorder.tokenizer import Tokenizer
-from tests.conftest import missing
+from tests.conftest import _postgres_admin_url, missing
 from tests.server.conftest import Harness, make_harness
 
 
@@ -121,3 +124,57 @@ async def test_disk_full(harness_on_small_fs: Harness, small_fs: Path) -> None:
     await h.restart()
     sent = [e.request_id for e in await h.payloads(sid, ev.ResponseSent)]
     assert sorted(sent) == sorted(answered)
+
+
+async def _set_database_reachable(url: str, reachable: bool) -> None:
+    import asyncpg
+
+    name = url.rpartition("/")[2]
+    admin = _postgres_admin_url().replace("postgresql+asyncpg", "postgresql")
+    conn = await asyncpg.connect(admin)
+    try:
+        await conn.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS {str(reachable).lower()}')
+        if not reachable:
+            await conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1", name
+            )
+    finally:
+        await conn.close()
+
+
+async def test_database_stopped(tokenizer: Tokenizer, postgres_url: str) -> None:
+    h = await make_harness(tokenizer, postgres_url)
+    try:
+        sid = await h.open_session()
+        status, _, data = await turn(h, sid, "before")
+        assert status == 200
+        answered = [data["id"]]
+
+        await _set_database_reachable(postgres_url, False)
+        status, headers, data = await turn(h, sid, "while stopped")
+        assert status == 529, data
+        message = data["error"]["message"]
+        assert data["error"]["type"] == "overloaded_error"
+        assert "the database is unreachable" in message, message
+        for internal in ("asyncpg", "sqlalchemy", "127.0.0.1", "postgres", "logged and recorded"):
+            assert internal not in message.lower(), message
+        assert headers.get("x-should-retry") != "false"
+        status, data = await health(h)
+        assert status == 503 and data["storage"] == "the database is unreachable", data
+
+        await _set_database_reachable(postgres_url, True)
+        for _ in range(3):  # as a client retries a 529: the pool reconnects
+            status, _, data = await turn(h, sid, "after")
+            if status == 200:
+                break
+        assert status == 200, data
+        answered.append(data["id"])
+        status, data = await health(h)
+        assert status == 200 and data["storage"] == "ok", data
+
+        await h.restart()
+        sent = [e.request_id for e in await h.payloads(sid, ev.ResponseSent)]
+        assert sorted(sent) == sorted(answered)
+    finally:
+        await _set_database_reachable(postgres_url, True)
+        await h.close()
