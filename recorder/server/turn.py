@@ -475,11 +475,27 @@ def _engine_failure(
         status=exc.status,
         message=str(exc),
     )
+    log.warning("session %s turn %d: engine %s: %s", record.session_id, record.turn, exc.url, exc)
+    plain = _engine_problem(exc)
     if exc.kind in ("unreachable", "timeout") or exc.status >= 500 or exc.status == 429:
-        answer = ApiError("overloaded_error", f"inference engine unavailable: {exc}; retry later")
+        answer = ApiError("overloaded_error", f"inference engine unavailable: {plain}; retry later")
     else:
-        answer = ApiError("api_error", f"inference engine failed: {exc}")
+        answer = ApiError("api_error", f"inference engine failed: {plain}")
     return f"engine_{exc.kind}", event, answer
+
+
+def _engine_problem(exc: EngineError) -> str:
+    """What the agent may read: the engine's own error text, never its URL or the
+    transport's (host, port); those are in the server log and the EngineError event."""
+    if exc.kind == "http":
+        return (
+            f"HTTP {exc.status}: {str(exc).replace(exc.url, '<engine>')}" if exc.url else str(exc)
+        )
+    return {
+        "unreachable": "it cannot be reached",
+        "timeout": "it did not answer in time",
+        "protocol": "its answer could not be read",
+    }[exc.kind]
 
 
 def _result_arrays(

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from recorder import events as ev
+from recorder.server.app import free_port
 from tests.server.conftest import Harness, make_harness
 from tools.test_engine.scripted import Reply
 
@@ -546,3 +547,19 @@ async def test_errors_a_retry_cannot_fix_say_so(small_harness: Harness) -> None:
         async with h.http.post(h.url + path, data=raw, headers=headers) as resp:
             assert resp.status == status, (case, resp.status, await resp.text())
             assert resp.headers.get("x-should-retry") == "false", case
+
+
+async def test_engine_errors_keep_the_engine_url_in_the_log(
+    tokenizer: Any, sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    h = await make_harness(tokenizer, sqlite_url, engine_urls=[dead], max_attempts=1)
+    try:
+        sid = await h.open_session()
+        status, data = await post(h, body(), {"Authorization": f"Bearer {sid}"})
+        assert status == 529, data
+        assert_error_shape(data, "overloaded_error", "cannot be reached")
+        assert dead.removeprefix("http://") not in data["error"]["message"], data
+        assert dead in caplog.text  # the operator still sees which engine
+    finally:
+        await h.close()
