@@ -95,8 +95,14 @@ class RecorderServer:
         app = create_app(self.ctx)
         # handler_cancellation: a client that disconnects cancels its handler,
         # which aborts the engine request and records the disconnect.
+        # keepalive_timeout also closes a connection that sent half a header
+        # and stalled (aiohttp counts it idle), which otherwise stays open.
         self._runner = web.AppRunner(
-            app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+            app,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=1.0,
+            keepalive_timeout=self.ctx.config.idle_timeout_s,
         )
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)

@@ -563,3 +563,25 @@ async def test_engine_errors_keep_the_engine_url_in_the_log(
         assert dead in caplog.text  # the operator still sees which engine
     finally:
         await h.close()
+
+
+async def test_stalled_connections_are_closed(tokenizer: Any, sqlite_url: str) -> None:
+    """Half a header, then silence: the server closes it while still serving others."""
+    h = await make_harness(tokenizer, sqlite_url, idle_timeout_s=0.5)
+    try:
+        sid = await h.open_session()
+        host, port = h.url.removeprefix("http://").split(":")
+        stalled = []
+        for _ in range(20):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nX-Half: ")
+            stalled.append((reader, writer))
+        # The others are served meanwhile.
+        status, data = await post(h, body(), {"Authorization": f"Bearer {sid}"})
+        assert status == 200, data
+        for reader, writer in stalled:
+            # EOF, not an answer: the server hung up. (wait_for only guards a hang.)
+            assert await asyncio.wait_for(reader.read(), 60) == b""
+            writer.close()
+    finally:
+        await h.close()
