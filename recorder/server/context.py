@@ -58,6 +58,8 @@ class ServerContext:
     # Handler tasks running a turn; shutdown waits for them, then cancels.
     inflight: set[asyncio.Task[Any]] = field(default_factory=set)
     stopping: bool = False
+    # Held while a plan renders more than ~1 MB of text (see turn._plan).
+    large_plans: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
 
     def __post_init__(self) -> None:
         from recorder.server.restore import load_session_state

@@ -132,6 +132,10 @@ async def run_turn(
 # that would stall every other session); smaller ones inline, cheaper than a
 # hop. Extending a chain renders only the new messages, whatever the context.
 _THREAD_PLAN_CHARS = 32 * 1024
+# Plans that render more than this wait for each other: tokenizing 8 MB of text
+# peaks at ~730 MB of tokenizer state, so a few such bodies at once could take
+# the machine's memory; one at a time bounds it (others' turns are not delayed).
+_LARGE_PLAN_CHARS = 1024 * 1024
 # Outputs longer than this get their TITO check (decode + encode) on a thread.
 _THREAD_TITO_TOKENS = 4096
 
@@ -174,7 +178,11 @@ async def _plan(
 ) -> tuple[TurnPlan, int]:
     """(the turn's plan, its clamped max_new_tokens); raises ValueError if it cannot run."""
     check_fits(chat, ctx.tokenizer, ctx.config.context_length)
-    if render_chars(state.chains, chat, ctx.tokenizer, body_len) > _THREAD_PLAN_CHARS:
+    chars = render_chars(state.chains, chat, ctx.tokenizer, body_len)
+    if chars > _LARGE_PLAN_CHARS:
+        async with ctx.large_plans:  # one at a time: each holds ~90x its text in memory
+            plan = await asyncio.to_thread(plan_turn, state.chains, chat, ctx.tokenizer)
+    elif chars > _THREAD_PLAN_CHARS:
         plan = await asyncio.to_thread(plan_turn, state.chains, chat, ctx.tokenizer)
     else:
         plan = plan_turn(state.chains, chat, ctx.tokenizer)

@@ -171,3 +171,39 @@ def test_long_texts_encode_to_the_same_ids(tokenizer: Tokenizer) -> None:
     text = "def f(x):\n    return x * 2  # ünï 漢字\n" * 2000
     assert len(text) > 16 * 1024
     assert tokenizer.encode(text) == tokenizer._raw.encode(text, add_special_tokens=False).ids
+
+
+class CountingTokenizer:
+    """The real tokenizer, counting how many long texts it encodes at once."""
+
+    def __init__(self, inner: Tokenizer) -> None:
+        self._inner = inner
+        self._lock = threading.Lock()
+        self.running = self.most = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def encode(self, text: str) -> list[int]:
+        if len(text) < 1_000_000:
+            return self._inner.encode(text)
+        with self._lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        try:
+            return self._inner.encode(text)
+        finally:
+            with self._lock:
+                self.running -= 1
+
+
+async def test_big_bodies_are_tokenized_one_at_a_time(wide_harness: Harness) -> None:
+    """Each holds ~90x its text while tokenized: three at once would triple the peak."""
+    h = wide_harness
+    spy = CountingTokenizer(h.ctx.tokenizer)
+    h.ctx.tokenizer = spy  # type: ignore[assignment]
+    sids = [await h.open_session() for _ in range(3)]
+    raw = big_body(5_500_000)  # 1.1M tokens: tokenized, then refused as too long
+    answers = await asyncio.gather(*(_post(h, sid, raw) for sid in sids))
+    assert [status for status, _ in answers] == [400, 400, 400], answers
+    assert spy.most == 1
