@@ -32,6 +32,8 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 
+from recorder.json_limits import json_problem
+
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header"
 DISPATCH_TOOL_NAMES = frozenset({"Agent", "Task"})
 
@@ -265,6 +267,9 @@ def parse_request(
     `cache` (one per session) reuses the translation of messages sent before;
     the result is the same as without it.
     """
+    problem = json_problem(body)
+    if problem is not None:
+        raise InvalidRequest(problem, "body")
     if cache is not None:
         try:
             return _parse_with_cache(body, count_tokens, cache)
@@ -309,6 +314,15 @@ def _check_head(req: _RequestFields, n_messages: int) -> None:
     if not n_messages:
         raise InvalidRequest("at least one message is required", "messages")
     _check_tools(req.tools or [])
+    _check_tool_choice(req.tool_choice, req.tools or [])
+
+
+def _check_tool_choice(choice: ToolChoice | None, tools: list[Tool]) -> None:
+    """As the real API: `any` needs tools, `tool` must name one of them."""
+    if isinstance(choice, ToolChoiceAny) and not tools:
+        raise InvalidRequest("`any` requires at least one tool in `tools`", "tool_choice.type")
+    if isinstance(choice, ToolChoiceTool) and choice.name not in {t.name for t in tools}:
+        raise InvalidRequest(f"tool {choice.name!r} is not in `tools`", "tool_choice.name")
 
 
 def _chat_request(req: _RequestFields, conversation: _Conversation) -> ChatRequest:

@@ -16,6 +16,7 @@ import msgspec
 from aiohttp import web
 
 from recorder.events import RewardAssigned, SandboxEvent, SessionClosed, SessionOpened
+from recorder.json_limits import json_problem
 from recorder.server.auth import require_admin
 from recorder.server.context import CTX, ServerContext
 from recorder.server.deltas import BodyPrefixes
@@ -51,6 +52,7 @@ async def _json_object(request: web.Request) -> dict[str, Any]:
     body = await request.read()
     if not body.strip():
         return {}
+    _check_limits(body)
     try:
         data = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
@@ -58,6 +60,12 @@ async def _json_object(request: web.Request) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ApiError("invalid_request_error", "body: expected a JSON object")
     return data
+
+
+def _check_limits(body: bytes) -> None:
+    problem = json_problem(body)
+    if problem is not None:
+        raise ApiError("invalid_request_error", f"body: {problem}")
 
 
 def _field(data: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any) -> Any:
@@ -276,8 +284,10 @@ async def append_events(request: web.Request) -> web.Response:
     ctx = request.app[CTX]
     require_admin(request, ctx.config.admin_token)
     session_id = request.match_info["session_id"]
+    raw = await request.read()
+    _check_limits(raw)
     try:
-        body = msgspec.json.decode(await request.read(), type=RolloutEventsIn)
+        body = msgspec.json.decode(raw, type=RolloutEventsIn)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         message = str(exc).replace("- at `$.", "- at `").replace("- at `$`", "- at `body`")
         raise ApiError("invalid_request_error", f"body: {message}") from None

@@ -10,12 +10,14 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from recorder.admission import check_fits
 from recorder.server.answer import new_message_id
 from recorder.server.auth import session_id_of
 from recorder.server.context import CTX, ServerContext
-from recorder.server.errors import ApiError
+from recorder.server.errors import ApiError, storage_error
 from recorder.server.responders import JsonResponder, Responder, SseResponder
 from recorder.server.turn import reject, run_turn
+from recorder.store.base import StorageUnavailable
 from recorder.tokens import full_input_ids
 from recorder.translate import ChatRequest, InvalidRequest, parse_request
 
@@ -108,6 +110,9 @@ async def _serve(
                 return await reject(
                     state, message_id, responder, "invalid_request_error", str(invalid)
                 )
+            except StorageUnavailable as exc:
+                state.suspect = True
+                return await responder.fail(storage_error(exc))
             except Exception:
                 log.exception("session %s: could not record a rejected request", session_id)
                 state.suspect = True
@@ -157,6 +162,7 @@ async def count_tokens(request: web.Request) -> web.Response:
         raise ApiError("authentication_error", _unknown_session(session_id))
     try:
         chat = parse_request(body, count_tokens=True)
+        check_fits(chat, ctx.tokenizer, ctx.config.context_length)
         ids = await asyncio.to_thread(full_input_ids, chat, ctx.tokenizer)
     except (InvalidRequest, ValueError) as exc:
         raise ApiError("invalid_request_error", str(exc)) from None
@@ -188,17 +194,24 @@ async def get_model(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """200 while the recorder can serve; 503 when stopping or while its log cannot be written.
+
+    `storage` is the reason the last write failed, until a write succeeds.
+    """
     ctx = request.app[CTX]
+    failure = ctx.store.write_failure
+    status = "stopping" if ctx.stopping else "storage_failing" if failure else "ok"
     return _json(
         {
-            "status": "stopping" if ctx.stopping else "ok",
+            "status": status,
+            "storage": failure or "ok",
             "sessions_cached": len(ctx.registry),
             "sessions_open": ctx.registry.open_count(),
             "turns_in_flight": len(ctx.inflight),
             "engines": list(ctx.engine.urls),
             "context_length": ctx.config.context_length,
         },
-        status=503 if ctx.stopping else 200,
+        status=200 if status == "ok" else 503,
     )
 
 

@@ -12,12 +12,14 @@ import asyncio
 import gc
 import logging
 import socket
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.web_urldispatcher import _default_expect_handler
 
 from recorder.server import admin, api
 from recorder.server.context import CTX, ServerContext
-from recorder.server.errors import anthropic_errors
+from recorder.server.errors import ApiError, anthropic_errors, error_response, too_large_message
 
 log = logging.getLogger("recorder.server")
 
@@ -25,9 +27,36 @@ log = logging.getLogger("recorder.server")
 def create_app(ctx: ServerContext) -> web.Application:
     app = web.Application(middlewares=[anthropic_errors], client_max_size=ctx.config.max_body_bytes)
     app[CTX] = ctx
-    app.add_routes(api.routes())
-    app.add_routes(admin.routes())
+    expect = _expect_handler(ctx.config.max_body_bytes)
+    app.add_routes(
+        web.RouteDef(r.method, r.path, r.handler, {**r.kwargs, "expect_handler": expect})
+        for r in [*api.routes(), *admin.routes()]
+    )
     return app
+
+
+def _expect_handler(max_body_bytes: int) -> Callable[[web.Request], Awaitable[web.Response | None]]:
+    """`Expect: 100-continue`: refuse a declared body over the limit before it is sent.
+
+    aiohttp's default answers `100 Continue` whatever the Content-Length, so
+    the client uploads the whole body only to get the 413 afterwards.
+    """
+
+    async def expect(request: web.Request) -> web.Response | None:
+        length = request.content_length
+        if length is not None and length > max_body_bytes:
+            response = error_response(
+                ApiError(
+                    "request_too_large",
+                    too_large_message(f"Content-Length {length} > {max_body_bytes}"),
+                )
+            )
+            response.force_close()
+            return response
+        await _default_expect_handler(request)
+        return None
+
+    return expect
 
 
 def freeze_startup_heap() -> None:
@@ -66,8 +95,14 @@ class RecorderServer:
         app = create_app(self.ctx)
         # handler_cancellation: a client that disconnects cancels its handler,
         # which aborts the engine request and records the disconnect.
+        # keepalive_timeout also closes a connection that sent half a header
+        # and stalled (aiohttp counts it idle), which otherwise stays open.
         self._runner = web.AppRunner(
-            app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+            app,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=1.0,
+            keepalive_timeout=self.ctx.config.idle_timeout_s,
         )
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)

@@ -35,7 +35,9 @@ def require_admin(request: web.Request, admin_token: str | None) -> None:
     if admin_token is None:
         return
     token = bearer_or_api_key(request)
-    if token is None or not hmac.compare_digest(token.encode(), admin_token.encode()):
+    # surrogateescape: a header byte that is not UTF-8 is a wrong token, not an error.
+    given = None if token is None else token.encode("utf-8", "surrogateescape")
+    if given is None or not hmac.compare_digest(given, admin_token.encode()):
         raise ApiError(
             "authentication_error",
             "admin endpoints need `Authorization: Bearer <admin token>` "

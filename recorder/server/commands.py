@@ -100,9 +100,10 @@ log = logging.getLogger("recorder.server")
 @click.option(
     "--turn-budget",
     type=float,
-    default=3600.0,
+    default=900.0,
     show_default=True,
-    help="Seconds one turn may take with all its attempts; then the engine request is aborted.",
+    help="Seconds one turn may take with all its attempts; then the engine request is aborted "
+    "and the client gets a 529 (a hung engine never holds a training rollout longer).",
 )
 @click.option(
     "--return-routed-experts/--no-return-routed-experts",

@@ -34,7 +34,13 @@ class ServerConfig:
     sse_write_timeout_s: float = 60.0
     shutdown_grace_s: float = 30.0
     max_attempts: int = 8
-    turn_budget_s: float = 3600.0
+    # A training run wants a hung engine noticed in minutes, not an hour: 15 min
+    # covers a 32k-token answer at 36 tokens/s, slower than any healthy engine.
+    turn_budget_s: float = 900.0
+    # A connection idle this long (no request head completed since it opened or
+    # since its last answer; a half-sent header counts as idle) is closed, so
+    # stalled clients cannot pile up and exhaust file descriptors.
+    idle_timeout_s: float = 30.0
     return_routed_experts: bool = False
     # Applied when a request leaves a sampling field unset.
     default_temperature: float = 1.0
@@ -52,6 +58,8 @@ class ServerContext:
     # Handler tasks running a turn; shutdown waits for them, then cancels.
     inflight: set[asyncio.Task[Any]] = field(default_factory=set)
     stopping: bool = False
+    # Held while a plan renders more than ~1 MB of text (see turn._plan).
+    large_plans: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
 
     def __post_init__(self) -> None:
         from recorder.server.restore import load_session_state

@@ -13,6 +13,9 @@ from typing import Any, Literal
 
 import msgspec
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
+
+from recorder.store.base import StorageUnavailable
 
 log = logging.getLogger("recorder.server")
 
@@ -65,16 +68,31 @@ class ApiError(Exception):
         self.status = status if status is not None else DEFAULT_STATUS[error_type]
 
 
+def storage_error(exc: StorageUnavailable) -> ApiError:
+    """529 with the plain reason: the client retries, as for an overloaded API."""
+    return ApiError("overloaded_error", f"{exc}; nothing of this request was kept, retry shortly")
+
+
 def error_payload(error_type: str, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": error_type, "message": message}}
 
 
 def error_response(err: ApiError) -> web.Response:
-    return web.Response(
+    response = web.Response(
         status=err.status,
         body=msgspec.json.encode(error_payload(err.error_type, err.message)),
         content_type="application/json",
     )
+    if not retry_can_fix(err.status):
+        # Claude Code (the Anthropic SDK) otherwise retries a 401 or 409 for
+        # minutes; with this it stops at once and shows the message.
+        response.headers["x-should-retry"] = "false"
+    return response
+
+
+def retry_can_fix(status: int) -> bool:
+    """A timeout, a rate limit or a server-side failure may pass; a client's mistake will not."""
+    return status >= 500 or status in (408, 429)
 
 
 def error_type_for_status(status: int) -> str:
@@ -98,6 +116,17 @@ async def anthropic_errors(request: web.Request, handler: Handler) -> web.Stream
         return await handler(request)
     except ApiError as err:
         return error_response(err)
+    except StorageUnavailable as exc:
+        log.warning("%s %s: %s", request.method, request.path, exc, exc_info=exc.__cause__)
+        return error_response(storage_error(exc))
+    except RequestPayloadError as exc:
+        # A body aiohttp could not read: the usual case is a Content-Encoding
+        # the bytes do not match. The connection is closed after this answer.
+        encoding = request.headers.get("Content-Encoding", "")
+        detail = f"it is not valid {encoding}" if encoding else str(exc.__cause__ or exc)
+        return error_response(
+            ApiError("invalid_request_error", f"the request body could not be read: {detail}")
+        )
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -118,8 +147,12 @@ def _http_exception_message(request: web.Request, exc: web.HTTPException) -> str
     if exc.status == 405:
         return f"method {request.method} not allowed on {request.path}"
     if exc.status == 413:
-        return (
-            f"request body too large ({exc.text or 'over the limit'}); "
-            "raise `recorder serve --max-body-mb` if this is legitimate"
-        )
+        return too_large_message(exc.text or "over the limit")
     return exc.text or exc.reason
+
+
+def too_large_message(detail: str) -> str:
+    return (
+        f"request body too large ({detail}); "
+        "raise `recorder serve --max-body-mb` if this is legitimate"
+    )

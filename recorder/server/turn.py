@@ -30,6 +30,7 @@ import numpy as np
 from aiohttp import web
 
 from recorder import events as ev
+from recorder.admission import check_fits
 from recorder.engine import (
     Attempt,
     EngineError,
@@ -52,10 +53,11 @@ from recorder.server.answer import (
 )
 from recorder.server.context import LIVE_RULES_VERSION, ServerContext
 from recorder.server.deltas import put_body, put_input, remember_refs
-from recorder.server.errors import ApiError
+from recorder.server.errors import ApiError, storage_error
 from recorder.server.journal import Journal, finish_even_if_cancelled
 from recorder.server.responders import Responder
 from recorder.server.sessions import SessionState
+from recorder.store.base import StorageUnavailable
 from recorder.tokens import (
     ContextOverflow,
     TurnPlan,
@@ -110,6 +112,14 @@ async def run_turn(
         raise
     except ApiError as err:
         return await responder.fail(err)
+    except StorageUnavailable as exc:
+        # Nothing more can be recorded; the state is rebuilt from the log next time.
+        state.suspect = True
+        record.outcome = "storage_unavailable"
+        log.warning(
+            "session %s turn %d: %s", state.session_id, record.turn, exc, exc_info=exc.__cause__
+        )
+        return await responder.fail(storage_error(exc))
     except Exception as exc:
         return await _session_failed(state, record, exc, responder)
     finally:
@@ -122,6 +132,10 @@ async def run_turn(
 # that would stall every other session); smaller ones inline, cheaper than a
 # hop. Extending a chain renders only the new messages, whatever the context.
 _THREAD_PLAN_CHARS = 32 * 1024
+# Plans that render more than this wait for each other: tokenizing 8 MB of text
+# peaks at ~730 MB of tokenizer state, so a few such bodies at once could take
+# the machine's memory; one at a time bounds it (others' turns are not delayed).
+_LARGE_PLAN_CHARS = 1024 * 1024
 # Outputs longer than this get their TITO check (decode + encode) on a thread.
 _THREAD_TITO_TOKENS = 4096
 
@@ -163,7 +177,12 @@ async def _plan(
     ctx: ServerContext, state: SessionState, chat: ChatRequest, body_len: int
 ) -> tuple[TurnPlan, int]:
     """(the turn's plan, its clamped max_new_tokens); raises ValueError if it cannot run."""
-    if render_chars(state.chains, chat, ctx.tokenizer, body_len) > _THREAD_PLAN_CHARS:
+    check_fits(chat, ctx.tokenizer, ctx.config.context_length)
+    chars = render_chars(state.chains, chat, ctx.tokenizer, body_len)
+    if chars > _LARGE_PLAN_CHARS:
+        async with ctx.large_plans:  # one at a time: each holds ~90x its text in memory
+            plan = await asyncio.to_thread(plan_turn, state.chains, chat, ctx.tokenizer)
+    elif chars > _THREAD_PLAN_CHARS:
         plan = await asyncio.to_thread(plan_turn, state.chains, chat, ctx.tokenizer)
     else:
         plan = plan_turn(state.chains, chat, ctx.tokenizer)
@@ -466,11 +485,27 @@ def _engine_failure(
         status=exc.status,
         message=str(exc),
     )
+    log.warning("session %s turn %d: engine %s: %s", record.session_id, record.turn, exc.url, exc)
+    plain = _engine_problem(exc)
     if exc.kind in ("unreachable", "timeout") or exc.status >= 500 or exc.status == 429:
-        answer = ApiError("overloaded_error", f"inference engine unavailable: {exc}; retry later")
+        answer = ApiError("overloaded_error", f"inference engine unavailable: {plain}; retry later")
     else:
-        answer = ApiError("api_error", f"inference engine failed: {exc}")
+        answer = ApiError("api_error", f"inference engine failed: {plain}")
     return f"engine_{exc.kind}", event, answer
+
+
+def _engine_problem(exc: EngineError) -> str:
+    """What the agent may read: the engine's own error text, never its URL or the
+    transport's (host, port); those are in the server log and the EngineError event."""
+    if exc.kind == "http":
+        return (
+            f"HTTP {exc.status}: {str(exc).replace(exc.url, '<engine>')}" if exc.url else str(exc)
+        )
+    return {
+        "unreachable": "it cannot be reached",
+        "timeout": "it did not answer in time",
+        "protocol": "its answer could not be read",
+    }[exc.kind]
 
 
 def _result_arrays(
@@ -691,15 +726,17 @@ async def _session_failed(
             traceback="".join(traceback.format_exception(exc))[-8000:],
         )
     )
+    recorded = "it was logged and recorded"
     try:
         await finish_even_if_cancelled(state.journal.write(*events))
     except Exception:
         log.exception("session %s: could not record the failure", state.session_id)
+        recorded = "it is in the server log"
     return await responder.fail(
         ApiError(
             "api_error",
-            f"internal error in this session ({type(exc).__name__}: {str(exc)[:200]}); "
-            "it was logged and recorded, the session can go on",
+            f"internal error in this session ({type(exc).__name__}: {str(exc)[:200]}); {recorded}, "
+            "the session can go on",
         )
     )
 

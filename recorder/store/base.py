@@ -51,6 +51,15 @@ class ArrayNotFound(CorruptArray):
     """A ref (or an `extends=` parent) names an array this database does not hold."""
 
 
+class StorageUnavailable(StoreError):
+    """The log cannot be written now (disk full, database unreachable, store closed).
+
+    Nothing of the write was acknowledged. The message is plain (no driver
+    internals: hosts, ports, links); the driver's error is the `__cause__`,
+    for the server log. Retry once the storage is back.
+    """
+
+
 class SchemaOutOfDate(StoreError):
     """The database is at an older migration revision than this code needs."""
 
@@ -84,6 +93,9 @@ class EventStore(ProjectionStore):
     """
 
     url: str
+    # Why the last write failed for want of storage, or None once a write
+    # succeeds again: what `/health` reports.
+    write_failure: str | None = None
 
     # -- events ---------------------------------------------------------
 

@@ -63,6 +63,7 @@ from recorder.store.base import (
     CorruptArray,
     EventStore,
     IdempotencyConflict,
+    StorageUnavailable,
     StoreError,
 )
 from recorder.store.group_commit import GroupCommitter, WriteRequest
@@ -372,7 +373,7 @@ class SqlEventStore(EventStore):
         if len({ne.event_id.int for ne in events}) != len(rows):
             raise IdempotencyConflict("a batch lists the same event_id twice; ids must be unique")
         pieces, decoded = self._unstored_pieces(arrays)
-        result: list[int] = await self._writer.submit(
+        result: list[int] = await self._submit(
             AppendRequest(session_id, rows, expected_seq, pieces)
         )
         self._learn(decoded)
@@ -399,8 +400,24 @@ class SqlEventStore(EventStore):
     async def _put_encoded(self, arrays: Sequence[arr.EncodedArray]) -> None:
         pieces, decoded = self._unstored_pieces(arrays)
         if pieces:
-            await self._writer.submit(PiecesRequest(pieces))
+            await self._submit(PiecesRequest(pieces))
             self._learn(decoded)
+
+    async def _submit(self, request: GroupRequest) -> Any:
+        """The one seam where a write's storage failure becomes `StorageUnavailable`."""
+        try:
+            result = await self._writer.submit(request)
+        except StoreError:
+            self.write_failure = None  # the database answered: a conflict is not an outage
+            raise
+        except Exception as exc:
+            failure = storage_failure(exc)
+            if failure is None:
+                raise  # a bug or a bad request, not an outage
+            self.write_failure = failure
+            raise StorageUnavailable(f"the event log cannot be written: {failure}") from exc
+        self.write_failure = None
+        return result
 
     async def _commit_group(self, group: list[GroupRequest]) -> None:
         if self.fast_writes:
@@ -869,6 +886,28 @@ class SqlEventStore(EventStore):
         await self.write_engine.dispose()
         if self.read_engine is not self.write_engine:
             await self.read_engine.dispose()
+
+
+def storage_failure(exc: BaseException) -> str | None:
+    """A plain reason if `exc` means the storage cannot take writes now; None for other errors.
+
+    Read from the driver's whole error chain, never shown to clients: it
+    names hosts, ports and SQLAlchemy links.
+    """
+    chain: list[BaseException] = []
+    seen: BaseException | None = exc
+    while seen is not None and len(chain) < 8:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__ or getattr(seen, "orig", None)
+    text = " ".join(f"{type(e).__name__} {e}" for e in chain).lower()
+    if "disk is full" in text or "no space left" in text or "diskfull" in text:
+        return "the disk is full"
+    if "store is closed" in text:
+        return "the store is closed (the recorder is shutting down)"
+    unreachable = ("connect", "shutting down", "starting up", "administrator command")
+    if any(isinstance(e, OSError) for e in chain) or any(w in text for w in unreachable):
+        return "the database is unreachable"
+    return None
 
 
 def _record_outcome(plan: _GroupPlan, i: int, outcome: list[EventRow] | StoreError) -> None:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 from recorder import events as ev
+from recorder.server.app import free_port
 from tests.server.conftest import Harness, make_harness
 from tools.test_engine.scripted import Reply
 
@@ -22,10 +25,13 @@ def body(**fields: Any) -> bytes:
             base.pop(key)
         else:
             base[key] = value
-    return json.dumps(base).encode()
+    return json.dumps(base).encode().replace(json.dumps(DEEP).encode(), DEEP_JSON)
 
 
 _DROP = object()
+DEEP = "<3000 levels>"  # a marker `body` replaces (json.dumps itself cannot nest so deep)
+DEEP_JSON = b'{"a": ' * 3000 + b"1" + b"}" * 3000
+HUGE = 2**70  # beyond 64 bits
 TOOL_USE = {
     "role": "assistant",
     "content": [{"type": "tool_use", "id": "t1", "name": "Bash", "input": {}}],
@@ -225,6 +231,65 @@ BODY_CASES: list[tuple[str, bytes, int, str, str]] = [
     ),
     ("stream_not_bool", body(stream="yes"), 400, "invalid_request_error", "stream"),
     (
+        "deep_tool_use_input",
+        body(
+            messages=[
+                OK_MESSAGE,
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "t", "name": "Bash", "input": DEEP}],
+                },
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": "t", "content": "x"}],
+                },
+            ]
+        ),
+        400,
+        "invalid_request_error",
+        "nested 300",
+    ),
+    (
+        "deep_input_schema",
+        body(tools=[{"name": "Bash", "input_schema": DEEP}]),
+        400,
+        "invalid_request_error",
+        "nested",
+    ),
+    ("deep_metadata", body(metadata=DEEP), 400, "invalid_request_error", "nested"),
+    ("deep_array", b"[" * 100_000 + b"]" * 100_000, 400, "invalid_request_error", "nested"),
+    ("max_tokens_beyond_64_bits", body(max_tokens=HUGE), 400, "invalid_request_error", "64 bits"),
+    ("top_k_beyond_64_bits", body(top_k=HUGE), 400, "invalid_request_error", "64 bits"),
+    ("negative_beyond_64_bits", body(top_k=-HUGE), 400, "invalid_request_error", "64 bits"),
+    (
+        "metadata_int_beyond_64_bits",
+        body(metadata={"user_id": HUGE}),
+        400,
+        "invalid_request_error",
+        "64 bits",
+    ),
+    (
+        "tool_choice_names_unknown_tool",
+        body(tools=[BASH], tool_choice={"type": "tool", "name": "Edit"}),
+        400,
+        "invalid_request_error",
+        "tool_choice.name",
+    ),
+    (
+        "tool_choice_any_without_tools",
+        body(tool_choice={"type": "any"}),
+        400,
+        "invalid_request_error",
+        "tool_choice",
+    ),
+    (
+        "tool_choice_tool_without_tools",
+        body(tool_choice={"type": "tool", "name": "Bash"}),
+        400,
+        "invalid_request_error",
+        "tool_choice",
+    ),
+    (
         "prompt_too_long",
         body(messages=[{"role": "user", "content": "word " * 9000}]),
         400,
@@ -260,31 +325,61 @@ async def post(
         return resp.status, json.loads(await resp.read())
 
 
-async def test_malformed_bodies(small_harness: Harness) -> None:
+@dataclass(frozen=True)
+class Dialect:
+    """One agent-facing API: where its requests go, its bad bodies, its error shape.
+
+    A new dialect adds one entry to DIALECTS: its path, its rows (same
+    columns as BODY_CASES), a well-formed body with the answer text it
+    expects, and the check of its error shape.
+    """
+
+    name: str
+    path: str
+    cases: list[tuple[str, bytes, int, str, str]]
+    good_body: Callable[[], bytes]
+    answer_text: Callable[[Any], str]
+    check_error: Callable[[Any, str, str], None]
+
+
+DIALECTS = [
+    Dialect(
+        name="anthropic",
+        path="/v1/messages",
+        cases=BODY_CASES,
+        good_body=body,
+        answer_text=lambda data: str(data["content"][0]["text"]),
+        check_error=lambda data, error_type, needle: assert_error_shape(data, error_type, needle),
+    ),
+]
+
+
+@pytest.mark.parametrize("dialect", DIALECTS, ids=lambda d: d.name)
+async def test_malformed_bodies(small_harness: Harness, dialect: Dialect) -> None:
     h = small_harness
     sid = await h.open_session()
     auth = {"Authorization": f"Bearer {sid}"}
     failures = []
-    for case, raw, status, error_type, needle in BODY_CASES:
-        got_status, data = await post(h, raw, auth)
+    for case, raw, status, error_type, needle in dialect.cases:
+        got_status, data = await post(h, raw, auth, path=dialect.path)
         try:
             assert got_status == status, (got_status, data)
-            assert_error_shape(data, error_type, needle)
+            dialect.check_error(data, error_type, needle)
         except AssertionError as exc:
             failures.append(f"{case}: {exc}")
     assert not failures, "\n".join(failures)
     # Every refusal is recorded as exactly one RequestRejected, nothing else.
     recorded = await h.payloads(sid)
     assert [type(e).__name__ for e in recorded] == ["SessionOpened"] + ["RequestRejected"] * len(
-        BODY_CASES
+        dialect.cases
     )
     rejected = [e for e in recorded if isinstance(e, ev.RequestRejected)]
     assert all(e.status == 400 and e.error_type == "invalid_request_error" for e in rejected)
     assert not h.engine.requests  # the engine never saw any of them
     # The server keeps serving the same session.
     h.engine.push("still fine")
-    status, data = await post(h, body(), auth)
-    assert status == 200 and data["content"][0]["text"] == "still fine"
+    status, data = await post(h, dialect.good_body(), auth, path=dialect.path)
+    assert status == 200 and dialect.answer_text(data) == "still fine"
 
 
 async def test_malformed_streaming_request_is_a_plain_400(small_harness: Harness) -> None:
@@ -337,3 +432,156 @@ async def test_http_level_errors(small_harness: Harness) -> None:
     h.engine.push(Reply(text="alive"))
     status, data = await post(h, body(), auth)
     assert status == 200 and data["content"][0]["text"] == "alive"
+
+
+async def raw_exchange(h: Harness, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send raw bytes (what aiohttp's client refuses to send); (status, headers, body)."""
+    host, port = h.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(request)
+        await writer.drain()
+        head = await reader.readuntil(b"\r\n\r\n")
+        status_line, *lines = head.decode("latin-1").split("\r\n")
+        headers = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines if ln)}
+        length = int(headers.get("content-length", "0"))
+        return int(status_line.split()[1]), headers, await reader.readexactly(length)
+    finally:
+        writer.close()
+
+
+def raw_post(path: str, headers: dict[str, str], payload: bytes = b"", **extra: bytes) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: x", *(f"{k}: {v}" for k, v in headers.items())]
+    head = "\r\n".join(lines).encode() + b"".join(
+        b"\r\n" + k.encode() + b": " + v for k, v in extra.items()
+    )
+    return head + b"\r\n\r\n" + payload
+
+
+async def test_transport_and_admin_mistakes(small_harness: Harness) -> None:
+    """Mistakes outside the Messages body: each a 4xx in the Anthropic shape."""
+    h = small_harness
+    sid = await h.open_session()
+    auth = {"Authorization": f"Bearer {sid}"}
+    assert h.http is not None
+    cases: list[tuple[str, int, Any, int, str, str]] = []
+
+    # Raw: aiohttp's client gives up on a connection the server closes after answering.
+    not_gzip = b"this is not gzip"
+    headers = {**auth, "Content-Encoding": "gzip", "Content-Length": str(len(not_gzip))}
+    status, _, raw = await raw_exchange(h, raw_post("/v1/messages", headers, not_gzip))
+    cases.append(("bad_gzip", status, json.loads(raw), 400, "invalid_request_error", "gzip"))
+
+    deep = b'{"metadata": ' + DEEP_JSON + b"}"
+    status, data = await post(h, deep, h.admin_headers(), path="/sessions")
+    cases.append(("deep_session_metadata", status, data, 400, "invalid_request_error", "nested"))
+    huge = b'{"metadata": {"seed": ' + str(HUGE).encode() + b"}}"
+    status, data = await post(h, huge, h.admin_headers(), path="/sessions")
+    cases.append(("huge_int_session_metadata", status, data, 400, "invalid_request_error", "64"))
+    events = b'{"events": [{"kind": "x", "detail": ' + DEEP_JSON + b"}]}"
+    status, data = await post(h, events, h.admin_headers(), path=f"/sessions/{sid}/events")
+    cases.append(("deep_rollout_event", status, data, 400, "invalid_request_error", "nested"))
+
+    over = h.config.max_body_bytes + 1
+    status, _, raw = await raw_exchange(
+        h,
+        raw_post(
+            "/v1/messages",
+            {
+                **auth,
+                "Content-Type": "application/json",
+                "Content-Length": str(over),
+                "Expect": "100-continue",
+            },
+        ),
+    )
+    cases.append(("expect_oversize", status, json.loads(raw), 413, "request_too_large", "large"))
+
+    for case, got, data, want, error_type, needle in cases:
+        assert got == want, (case, got, data)
+        assert_error_shape(data, error_type, needle)
+
+    # aiohttp refuses these before any app code runs, in text/plain (documented
+    # in the README): a header over 8,190 bytes; a body shorter than its
+    # Content-Length is a client that left, nobody reads the answer.
+    long_header = {**auth, "Content-Length": "2", "X-Padding": "p" * 9000}
+    status, _, raw = await raw_exchange(h, raw_post("/v1/messages", long_header, b"{}"))
+    assert status == 400 and b"8190" in raw, raw
+    assert [type(e).__name__ for e in await h.payloads(sid)] == ["SessionOpened"]
+    h.engine.push(Reply(text="alive"))
+    status, data = await post(h, body(), auth)
+    assert status == 200 and data["content"][0]["text"] == "alive"
+
+
+async def test_admin_token_that_is_not_utf8(tokenizer: Any, sqlite_url: str) -> None:
+    h = await make_harness(tokenizer, sqlite_url, admin_token="s3cret")
+    try:
+        request = raw_post(
+            "/sessions",
+            {"Content-Type": "application/json", "Content-Length": "2"},
+            b"{}",
+            Authorization=b"Bearer s3cr\xffet",
+        )
+        status, _, raw = await raw_exchange(h, request)
+        assert status == 401, raw
+        assert_error_shape(json.loads(raw), "authentication_error", "admin")
+        assert (await h.admin("POST", "/sessions", {}))[0] == 201  # still serving
+    finally:
+        await h.close()
+
+
+async def test_errors_a_retry_cannot_fix_say_so(small_harness: Harness) -> None:
+    """`x-should-retry: false` stops Claude Code's silent retries of a 400/401/404/409."""
+    h = small_harness
+    assert h.http is not None
+    sid = await h.open_session()
+    assert (await h.admin("POST", f"/sessions/{sid}/close", {"status": "completed"}))[0] == 200
+    cases = [
+        ("unknown_session", {"Authorization": "Bearer sess_nope"}, body(), "/v1/messages", 401),
+        ("closed_session", {"Authorization": f"Bearer {sid}"}, body(), "/v1/messages", 409),
+        ("bad_body", {"Authorization": f"Bearer {sid}"}, b"{", "/v1/messages", 409),
+        ("unknown_path", {}, body(), "/v1/nothing", 404),
+        ("bad_admin_body", h.admin_headers(), b"[", "/sessions", 400),
+    ]
+    for case, headers, raw, path, status in cases:
+        async with h.http.post(h.url + path, data=raw, headers=headers) as resp:
+            assert resp.status == status, (case, resp.status, await resp.text())
+            assert resp.headers.get("x-should-retry") == "false", case
+
+
+async def test_engine_errors_keep_the_engine_url_in_the_log(
+    tokenizer: Any, sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    h = await make_harness(tokenizer, sqlite_url, engine_urls=[dead], max_attempts=1)
+    try:
+        sid = await h.open_session()
+        status, data = await post(h, body(), {"Authorization": f"Bearer {sid}"})
+        assert status == 529, data
+        assert_error_shape(data, "overloaded_error", "cannot be reached")
+        assert dead.removeprefix("http://") not in data["error"]["message"], data
+        assert dead in caplog.text  # the operator still sees which engine
+    finally:
+        await h.close()
+
+
+async def test_stalled_connections_are_closed(tokenizer: Any, sqlite_url: str) -> None:
+    """Half a header, then silence: the server closes it while still serving others."""
+    h = await make_harness(tokenizer, sqlite_url, idle_timeout_s=0.5)
+    try:
+        sid = await h.open_session()
+        host, port = h.url.removeprefix("http://").split(":")
+        stalled = []
+        for _ in range(20):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nX-Half: ")
+            stalled.append((reader, writer))
+        # The others are served meanwhile.
+        status, data = await post(h, body(), {"Authorization": f"Bearer {sid}"})
+        assert status == 200, data
+        for reader, writer in stalled:
+            # EOF, not an answer: the server hung up. (wait_for only guards a hang.)
+            assert await asyncio.wait_for(reader.read(), 60) == b""
+            writer.close()
+    finally:
+        await h.close()

@@ -1,0 +1,158 @@
+"""Does one near-limit body stall the other sessions? (issue 15)
+
+One session sends an 8 MB user text (context 1M tokens, so it passes the
+length bound and is really tokenized) while another session takes small
+turns and polls `/health`. Printed: median and p90 latency of the other
+session's turns and of `/health` (>= 30 each), idle and while the big body is
+in flight, with long texts encoded GIL-free (this code) and, as the peer
+measured in the same run, with the GIL held (the plain `encode` call every
+text took before). Then the time to refuse a 63 MB text from its length, and
+the RSS each big body added.
+
+    python tools/bench_big_body.py [--reps 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+import recorder.tokenizer as tokenizer_module  # noqa: E402
+from recorder.tokenizer import load_tokenizer  # noqa: E402
+from tests.server.conftest import FIXTURE_TOKENIZER, Harness, make_harness  # noqa: E402
+from tests.server.test_large_bodies import big_body, peak_rss  # noqa: E402
+
+SMALL = json.dumps(
+    {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+).encode()
+
+
+async def timed_post(h: Harness, sid: str, raw: bytes) -> float:
+    assert h.http is not None
+    headers = {"Authorization": f"Bearer {sid}", "Content-Type": "application/json"}
+    start = time.perf_counter()
+    async with h.http.post(h.url + "/v1/messages", data=raw, headers=headers) as resp:
+        await resp.read()
+    return time.perf_counter() - start
+
+
+async def timed_health(h: Harness) -> float:
+    assert h.http is not None
+    start = time.perf_counter()
+    async with h.http.get(h.url + "/health") as resp:
+        await resp.read()
+    return time.perf_counter() - start
+
+
+async def small_turns(h: Harness, sid: str, reps: int, busy: asyncio.Event | None) -> tuple:
+    """(turn latencies, /health latencies), counting only while `busy` is set (if given)."""
+    turns: list[float] = []
+    healths: list[float] = []
+    while len(turns) < reps or len(healths) < reps:
+        t, g = await timed_post(h, sid, SMALL), await timed_health(h)
+        if busy is None or busy.is_set():
+            turns.append(t)
+            healths.append(g)
+    return turns, healths
+
+
+async def big_sender(
+    h: Harness, sid: str, raw: bytes, busy: asyncio.Event, stop: asyncio.Event
+) -> list[int]:
+    """Send `raw` again and again until `stop`; the RSS each one added."""
+    gains: list[int] = []
+    while not stop.is_set():
+        with peak_rss() as gained:
+            busy.set()
+            await timed_post(h, sid, raw)
+            busy.clear()
+        gains.append(gained[0])
+    return gains
+
+
+async def under_load(h: Harness, reps: int) -> tuple[list[float], list[float], list[int]]:
+    big, other = await h.open_session(), await h.open_session()
+    busy, stop = asyncio.Event(), asyncio.Event()
+    sender = asyncio.create_task(big_sender(h, big, big_body(8_000_000), busy, stop))
+    turns, healths = await small_turns(h, other, reps, busy)
+    stop.set()
+    return turns, healths, await sender
+
+
+def row(name: str, values: list[float]) -> str:
+    ms = sorted(v * 1000 for v in values)
+    p90 = ms[int(0.9 * (len(ms) - 1))]
+    return f"| {name:<44} | {len(ms):>4} | {statistics.median(ms):>9.1f} | {p90:>9.1f} |"
+
+
+async def bench(reps: int) -> None:
+    tok = load_tokenizer(str(FIXTURE_TOKENIZER), chat_template="chatml-tools")
+    with tempfile.TemporaryDirectory() as tmp:
+        h = await make_harness(
+            tok,
+            f"sqlite+aiosqlite:///{tmp}/bench.db",
+            context_length=1_000_000,
+            engine_kwargs={"context_length": 1_000_000},
+        )
+        try:
+            other = await h.open_session()
+            idle_turns, idle_health = await small_turns(h, other, reps, None)
+            gil_free = await under_load(h, reps)
+            saved = tokenizer_module._GIL_FREE_CHARS
+            tokenizer_module._GIL_FREE_CHARS = sys.maxsize  # the peer: plain encode, GIL held
+            try:
+                gil_held = await under_load(h, reps)
+            finally:
+                tokenizer_module._GIL_FREE_CHARS = saved
+        finally:
+            await h.close()
+        h = await make_harness(tok, f"sqlite+aiosqlite:///{tmp}/bench2.db")
+        try:
+            sid = await h.open_session()
+            raw = big_body(63 * 2**20)
+            refusals = []
+            for _ in range(3):
+                with peak_rss() as refused_rss:
+                    refusals.append(await timed_post(h, sid, raw))
+        finally:
+            await h.close()
+
+    print("| other session, 8 MB body tokenized meanwhile    |    n | median ms |    p90 ms |")
+    print("|----------------------------------------------|------|-----------|-----------|")
+    print(row("turn, idle (baseline)", idle_turns))
+    print(row("turn, big body in flight, GIL-free encode", gil_free[0]))
+    print(row("turn, big body in flight, GIL held (peer)", gil_held[0]))
+    print(row("/health, idle (baseline)", idle_health))
+    print(row("/health, big body in flight, GIL-free encode", gil_free[1]))
+    print(row("/health, big body in flight, GIL held (peer)", gil_held[1]))
+    mb = 2**20
+    print(
+        f"\n8 MB body: {len(gil_free[2])} sent GIL-free, peak RSS gain median "
+        f"{statistics.median(gil_free[2]) / mb:.0f} MB; {len(gil_held[2])} sent GIL held, "
+        f"{statistics.median(gil_held[2]) / mb:.0f} MB"
+    )
+    print(
+        f"63 MB body refused from its length (context 8192): median "
+        f"{statistics.median(refusals) * 1000:.0f} ms over {len(refusals)} (upload included), "
+        f"peak RSS gain {refused_rss[0] / mb:.0f} MB"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=40)
+    args = parser.parse_args()
+    asyncio.run(bench(args.reps))
+
+
+if __name__ == "__main__":
+    main()
