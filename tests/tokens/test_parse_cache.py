@@ -371,3 +371,46 @@ def test_messages_no_request_uses_any_more_are_dropped() -> None:
         _assert_same(session.body(), cache)
     # The history the compaction replaced went after two requests without it.
     assert len(cache) == len(session.messages) == 7
+
+
+def _nested(depth: int) -> Any:
+    value: Any = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["new message", "tools", "metadata", "new message int", "first message"],
+)
+def test_json_limits_hold_with_a_warm_cache(where: str) -> None:
+    """With a cache only unseen bytes are scanned for JSON limits: a too-deep value or a
+    too-big integer anywhere new (a message, the tools, metadata) is still the same 400."""
+    base: dict[str, Any] = {
+        "model": "m",
+        "max_tokens": 64,
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}],
+        "tools": [{"name": "Bash", "input_schema": {"type": "object"}}],
+    }
+    cache = ParseCache()
+    parse_request(json.dumps({**base, "messages": [*base["messages"][:1]]}).encode(), cache=cache)
+    call = {"type": "tool_use", "id": "toolu_1", "name": "Bash"}
+    body = dict(base)
+    if where == "new message":
+        body["messages"] = [*base["messages"], {"role": "assistant", "content": [
+            {**call, "input": {"a": _nested(300)}}]}, {"role": "user", "content": "go"}]  # fmt: skip
+    elif where == "new message int":
+        body["messages"] = [*base["messages"], {"role": "assistant", "content": [
+            {**call, "input": {"a": 10**30}}]}, {"role": "user", "content": "go"}]  # fmt: skip
+    elif where == "first message":
+        body["messages"] = [{"role": "user", "content": "hi", "x": _nested(300)}]
+    elif where == "tools":
+        body["tools"] = [{"name": "Bash", "input_schema": {"a": _nested(300)}}]
+        body["messages"] = [*base["messages"], {"role": "user", "content": "go"}]
+    else:
+        body["metadata"] = {"n": 10**30}
+        body["messages"] = [*base["messages"], {"role": "user", "content": "go"}]
+    raw = json.dumps(body).encode()
+    field, message = _assert_same(raw, cache)  # type: ignore[misc]
+    assert field == "body" and ("levels deep" in message or "64 bits" in message)
