@@ -114,6 +114,8 @@ class MessagesRequest(Event, frozen=True, kw_only=True, tag="messages_request"):
     n_messages: int = 0
     tool_result_ids: tuple[str, ...] = ()
     model: str = ""
+    # The wire format of `body` (recorder/dialects); logs from before dialects are Anthropic's.
+    dialect: str = "anthropic"
 
 
 class RenderedInput(Event, frozen=True, kw_only=True, tag="rendered_input"):

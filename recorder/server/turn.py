@@ -142,7 +142,9 @@ async def _run(
     record.plan = plan
     state.next_turn += 1
     state.journal.hold()  # released once the engine has the request (see Journal)
-    input_task = _record_request(ctx, state, chat, body, path, plan, record, max_new)
+    input_task = _record_request(
+        ctx, state, chat, body, path, plan, record, max_new, responder.dialect.name
+    )
     model = chat.model or ctx.config.model_name
     await responder.started(record.request_id, model, usage_for(len(plan.input_ids), 0, 0))
     params = state.overrides.sampling.apply(_sampling_params(ctx, chat, max_new))
@@ -180,6 +182,7 @@ def _record_request(
     plan: TurnPlan,
     record: TurnRecord,
     max_new: int,
+    dialect: str,
 ) -> asyncio.Future[ArrayRef]:
     """Store the body and engine input and record the request, in the background.
 
@@ -193,7 +196,9 @@ def _record_request(
 
     async def step() -> None:
         body_ref, input_ref = await asyncio.gather(body_task, input_task)
-        journal.add(*_request_events(ctx, chat, plan, record, path, max_new, body_ref, input_ref))
+        journal.add(
+            *_request_events(ctx, chat, plan, record, path, max_new, body_ref, input_ref, dialect)
+        )
 
     journal.then(step)
     return input_task
@@ -247,6 +252,7 @@ def _request_events(
     max_new: int,
     body_ref: ArrayRef,
     input_ref: ArrayRef,
+    dialect: str,
 ) -> list[Any]:
     """MessagesRequest, ChainDecision, [ClampApplied], RenderedInput."""
     turn, request_id = record.turn, record.request_id
@@ -261,6 +267,7 @@ def _request_events(
             n_messages=chat.n_input_messages,
             tool_result_ids=chat.tool_result_ids,
             model=chat.model,
+            dialect=dialect,
         ),
         ev.ChainDecision(
             rules_version=LIVE_RULES_VERSION,
