@@ -413,3 +413,127 @@ async def test_sse_keepalive_is_a_comment(harness: Harness) -> None:
         raw = await resp.read()
     assert b": ping\n\n" in raw and b"event:" not in raw
     assert raw.endswith(b"data: [DONE]\n\n")
+
+
+# --------------------------------------------------------------------------
+# Subagents and compaction split the same way over Chat Completions
+# --------------------------------------------------------------------------
+
+AGENT_SCHEMA = {"type": "object", "properties": {"prompt": {"type": "string"}}}
+
+
+class AnthropicTalker:
+    """One dialect's side of a neutral conversation: (role, ...) entries -> its wire messages."""
+
+    def __init__(self, h: Harness, sid: str) -> None:
+        self.client = h.client(sid)
+
+    async def ask(self, system: str, tools: list[str], history: list[Any]) -> tuple[Any, list[Any]]:
+        messages: list[dict[str, Any]] = []
+        for entry in history:
+            if entry[0] == "user":
+                messages.append({"role": "user", "content": entry[1]})
+            elif entry[0] == "assistant":
+                messages.append(entry[1])
+            else:
+                block = {"type": "tool_result", "tool_use_id": entry[1], "content": entry[2]}
+                if messages[-1]["role"] == "user" and isinstance(messages[-1]["content"], list):
+                    messages[-1]["content"].append(block)
+                else:
+                    messages.append({"role": "user", "content": [block]})
+        schemas = {"Bash": BASH_SCHEMA, "Agent": AGENT_SCHEMA}
+        reply = await self.client.messages.create(
+            model="m",
+            system=system,
+            max_tokens=256,
+            messages=messages,  # type: ignore[arg-type]
+            tools=[{"name": t, "description": t, "input_schema": schemas[t]} for t in tools],  # type: ignore[misc]
+        )
+        blocks = [
+            b.model_dump(exclude_none=True, exclude={"citations", "caller"}) for b in reply.content
+        ]
+        calls = [b.id for b in reply.content if b.type == "tool_use"]
+        return ("assistant", {"role": "assistant", "content": blocks}), calls
+
+
+class ChatTalker:
+    def __init__(self, h: Harness, sid: str) -> None:
+        self.client = openai_client(h, sid)
+
+    async def ask(self, system: str, tools: list[str], history: list[Any]) -> tuple[Any, list[Any]]:
+        messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
+        for entry in history:
+            if entry[0] == "user":
+                messages.append({"role": "user", "content": entry[1]})
+            elif entry[0] == "assistant":
+                messages.append(entry[1])
+            else:
+                messages.append({"role": "tool", "tool_call_id": entry[1], "content": entry[2]})
+        schemas = {"Bash": BASH_SCHEMA, "Agent": AGENT_SCHEMA}
+        done = await self.client.chat.completions.create(
+            model="m",
+            messages=messages,
+            max_tokens=256,  # type: ignore[arg-type]
+            tools=[
+                {
+                    "type": "function",
+                    "function": {"name": t, "description": t, "parameters": schemas[t]},
+                }
+                for t in tools
+            ],  # type: ignore[misc]
+        )
+        message = done.choices[0].message.model_dump(exclude_none=True)
+        message.pop("reasoning_content", None)
+        calls = [c["id"] for c in message.get("tool_calls", ())]
+        return ("assistant", message), calls
+
+
+async def agent_session(h: Harness, talker: Any) -> None:
+    """Main line dispatches a subagent, takes its report, then restarts from a summary."""
+    main, sub = "You are the main agent.", "You are a subagent. Report briefly."
+    h.engine.push(
+        tool_call_text("Agent", {"prompt": "Investigate module alpha"}),
+        "alpha is fine",
+        "Both checked. Done.",
+        "Summary: alpha is fine.",
+        "Continuing from the summary. Done.",
+    )
+    history: list[Any] = [("user", "Investigate alpha")]
+    reply, calls = await talker.ask(main, ["Bash", "Agent"], history)
+    report, _ = await talker.ask(sub, ["Bash"], [("user", "Investigate module alpha")])
+    history += [
+        reply,
+        (
+            "tool",
+            calls[0],
+            report[1]["content"]
+            if isinstance(report[1]["content"], str)
+            else report[1]["content"][0]["text"],
+        ),
+    ]
+    reply, _ = await talker.ask(main, ["Bash", "Agent"], history)
+    history += [reply, ("user", "Summarize the conversation so far.")]
+    await talker.ask(main, ["Bash", "Agent"], history)
+    await talker.ask(main, ["Bash", "Agent"], [("user", "This session continues from a summary.")])
+
+
+async def test_subagent_and_compaction_split_alike(tokenizer: Any, sqlite_url: str) -> None:
+    from tests.server.conftest import make_harness
+
+    seen = {}
+    for name, talker in (("anthropic", AnthropicTalker), ("openai-chat", ChatTalker)):
+        h = await make_harness(tokenizer, sqlite_url)
+        try:
+            sid = await h.open_session(instance_id="repo-1")
+            await agent_session(h, talker(h, sid))
+            decisions = [(d.action, d.reason) for d in await h.payloads(sid, ev.ChainDecision)]  # type: ignore[attr-defined]
+            status, closed = await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
+            assert status == 200, closed
+            kinds = sorted(s["metadata"]["segment_kind"] for s in closed["samples"])
+            seen[name] = (decisions, kinds, [s["tokens"] for s in closed["samples"]])
+        finally:
+            await h.close()
+    decisions, kinds, _ = seen["anthropic"]
+    assert ("new", "subagent") in decisions and ("new", "compaction") in decisions
+    assert "subagent" in kinds
+    assert seen["openai-chat"] == seen["anthropic"]
