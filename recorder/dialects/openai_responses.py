@@ -74,6 +74,15 @@ class ResponsesTool(msgspec.Struct, kw_only=True):
     name: str = ""
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    tools: list[ResponsesTool] | None = None  # a `namespace`'s function tools
+
+
+# Tools OpenAI's servers run themselves: no model behind this recorder can call
+# them, so they are left out of the prompt (the recorded prompt is what the model saw).
+HOSTED_TOOLS = frozenset(
+    {"web_search", "web_search_preview", "file_search", "code_interpreter", "image_generation",
+     "computer_use_preview", "mcp"}
+)  # fmt: skip
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):
@@ -288,13 +297,7 @@ def _message_of(item: Any, where: str) -> Message:
 
 
 def _fields(req: ResponsesRequest) -> dict[str, Any]:
-    tools = []
-    for i, t in enumerate(req.tools or []):
-        if t.type != "function" or not t.name:
-            raise InvalidRequest(
-                f"unsupported tool type {t.type!r}: only named function tools", f"tools.{i}.type"
-            )
-        tools.append(tool(t.name, t.description, t.parameters))
+    tools = [tool(t.name, t.description, t.parameters) for t in _function_tools(req.tools or [])]
     fmt = (req.text or {}).get("format") or {}
     schema = fmt.get("schema") if fmt.get("type") == "json_schema" else None
     return {
@@ -312,6 +315,23 @@ def _fields(req: ResponsesRequest) -> dict[str, Any]:
         if schema is None
         else OutputConfig(format=JsonSchemaFormat(schema=schema)),
     }
+
+
+def _function_tools(tools: list[ResponsesTool], where: str = "tools") -> list[ResponsesTool]:
+    """Function tools, a `namespace`'s flattened in place; hosted tools left out."""
+    out: list[ResponsesTool] = []
+    for i, t in enumerate(tools):
+        if t.type == "function" and t.name:
+            out.append(t)
+        elif t.type == "namespace":
+            out.extend(_function_tools(t.tools or [], f"{where}.{i}.tools"))
+        elif t.type not in HOSTED_TOOLS:
+            raise InvalidRequest(
+                f"unsupported tool type {t.type!r}: only named function tools (and namespaces of "
+                "them; hosted tools such as web_search are left out)",
+                f"{where}.{i}.type",
+            )
+    return out
 
 
 def answered(request_messages: list[Message], content: list[dict[str, Any]]) -> list[Message]:

@@ -370,7 +370,7 @@ async def test_chat_bad_input(
 
 BAD_RESPONSES = [
     ({"input": [{"type": "web_search_call"}]}, "input.0.type"),
-    ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"tools": [{"type": "custom", "name": "apply_patch"}]}, "tools.0.type"),
     ({"previous_response_id": "msg_nope"}, "previous_response_id"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "Bash"}]}, "input.0.arguments"),
 ]
