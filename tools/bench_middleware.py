@@ -1139,7 +1139,7 @@ def e2e_table(
     vs = (
         "base = full re-render + re-tokenize every turn"
         if peer == "baseline"
-        else f"base = the same conversation over {peer} (chain reuse); ratio = Messages / {peer}"
+        else f"base = the same conversation over {peer} (chain reuse); ratio = {peer} / Messages"
     )
     table = Table(
         title="end to end: middleware ms per turn = client wall - engine time; mean and p50 over turns\n"
