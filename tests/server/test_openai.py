@@ -537,3 +537,126 @@ async def test_subagent_and_compaction_split_alike(tokenizer: Any, sqlite_url: s
     assert ("new", "subagent") in decisions and ("new", "compaction") in decisions
     assert "subagent" in kinds
     assert seen["openai-chat"] == seen["anthropic"]
+
+
+# --------------------------------------------------------------------------
+# The shared guarantees, in each OpenAI dialect
+# --------------------------------------------------------------------------
+
+OPENAI_PATHS = {"openai-chat": "/v1/chat/completions", "openai-responses": "/v1/responses"}
+
+
+def openai_body(dialect: str, text: str, **kw: Any) -> dict[str, Any]:
+    if dialect == "openai-chat":
+        return {"model": "m", "messages": [{"role": "user", "content": text}], **kw}
+    return {"model": "m", "input": text, **kw}
+
+
+@pytest.mark.parametrize("dialect", list(OPENAI_PATHS))
+async def test_disconnect_mid_stream_aborts_the_engine(
+    tokenizer: Any, sqlite_url: str, dialect: str
+) -> None:
+    import asyncio
+
+    from tests.server.conftest import make_harness
+
+    h = await make_harness(tokenizer, sqlite_url, engine_kwargs={"token_delay_s": 0.05})
+    try:
+        sid = await h.open_session()
+        h.engine.push(" ".join(["word"] * 200))
+        assert h.http is not None
+        resp = await h.http.post(
+            h.url + OPENAI_PATHS[dialect],
+            json=openai_body(dialect, "talk a lot", stream=True),
+            headers={"Authorization": f"Bearer {sid}"},
+        )
+        assert resp.status == 200
+        await resp.content.readuntil(b"\n\n")  # the opening frame
+        while not h.engine.core.running:
+            await asyncio.sleep(0.01)
+        resp.close()
+        for _ in range(200):
+            if await h.payloads(sid, ev.ClientDisconnected):
+                break
+            await asyncio.sleep(0.05)
+        (gone,) = await h.payloads(sid, ev.ClientDisconnected)
+        (attempt,) = await h.payloads(sid, ev.GenerateAttempt)
+        assert gone.rid == attempt.rid  # type: ignore[attr-defined]
+        assert attempt.rid in h.engine.aborts  # type: ignore[attr-defined]
+    finally:
+        await h.close()
+
+
+@pytest.mark.parametrize("dialect", list(OPENAI_PATHS))
+async def test_abort_resume_and_engine_errors(harness: Harness, dialect: str) -> None:
+    """A paused engine is resumed (one turn, two attempts); an engine error mid-stream is the
+    dialect's error, and the session goes on."""
+    from tools.test_engine import Fault
+
+    h = harness
+    sid = await h.open_session()
+    client = openai_client(h, sid)
+    h.engine.push("one two three four five six seven eight")
+    h.engine.inject(Fault(pause_after=3))
+    if dialect == "openai-chat":
+        done = await client.chat.completions.create(**openai_body(dialect, "count"))
+        assert done.choices[0].message.content == "one two three four five six seven eight"
+    else:
+        done = await client.responses.create(**openai_body(dialect, "count"))
+        assert done.output_text == "one two three four five six seven eight"
+    assert len(await h.payloads(sid, ev.TurnResumed)) == 1
+    assert trained(await samples_of(h, sid)) == await engine_outputs(h, sid)
+
+    sid = await h.open_session()
+    client = openai_client(h, sid)
+    h.engine.inject(Fault(logprobs="missing", delay_s=0.3))
+    with pytest.raises(openai.APIError) as info:
+        if dialect == "openai-chat":
+            async for _ in await client.chat.completions.create(
+                **openai_body(dialect, "hi", stream=True)
+            ):
+                pass
+        else:
+            async for _ in await client.responses.create(**openai_body(dialect, "hi", stream=True)):
+                pass
+    assert "logprobs" in info.value.message
+    (failed,) = await h.payloads(sid, ev.TurnFailed)
+    assert failed.reason.startswith("missing_logprobs")  # type: ignore[attr-defined]
+
+
+async def test_a_session_may_switch_dialects_and_stay_on_its_chain(harness: Harness) -> None:
+    """The translation is one, so a Chat Completions echo of a Messages answer extends it."""
+    h = harness
+    sid = await h.open_session()
+    h.engine.push(SCRIPT[0], "Done.")
+    first = await h.client(sid).messages.create(
+        model="m", system=SYSTEM, max_tokens=256, tools=ANTHROPIC_TOOLS,  # type: ignore[arg-type]
+        messages=[{"role": "user", "content": "What is in this repo?"}],
+    )  # fmt: skip
+    call = next(b for b in first.content if b.type == "tool_use")
+    text = "".join(b.text for b in first.content if b.type == "text")
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "What is in this repo?"},
+        {
+            "role": "assistant",
+            "content": text,
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": "Bash", "arguments": json.dumps(call.input)},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": "a.txt"},
+    ]
+    await openai_client(h, sid).chat.completions.create(
+        model="m",
+        messages=messages,
+        tools=CHAT_TOOLS,  # type: ignore[arg-type]
+    )
+    decisions = await h.payloads(sid, ev.ChainDecision)
+    assert [(d.action, d.reason) for d in decisions] == [("new", "first"), ("extend", "extends")]  # type: ignore[attr-defined]
+    requests = await h.payloads(sid, ev.MessagesRequest)
+    assert [r.dialect for r in requests] == ["anthropic", "openai-chat"]  # type: ignore[attr-defined]
