@@ -130,6 +130,9 @@ class ChatCompletionsRequest(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     response_format: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+    logprobs: bool = False
+    # Alternatives are not computed by the engine call the recorder makes: only 0 is served.
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=0)] | None = None
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,8 @@ class OpenAIChat:
         messages, index_map, system = _messages(req.messages)
         fields = {**_fields(req), "system": system or None}
         chat = to_chat_request(fields, messages, index_map, cache)
+        if req.logprobs:
+            chat = msgspec.structs.replace(chat, logprobs=True)
         include = req.stream_options is not None and req.stream_options.include_usage
         return chat, OpenAIChat(include_usage=include)
 
@@ -162,7 +167,7 @@ class OpenAIChat:
                     "index": 0,
                     "message": {"role": "assistant", **message},
                     "finish_reason": _finish_reason(answer.stop_reason),
-                    "logprobs": None,
+                    "logprobs": _logprobs(answer),
                 }
             ],
             "usage": _usage(answer.usage),
@@ -179,7 +184,9 @@ class OpenAIChat:
                 (None, _chunk(mid, model, {"reasoning_content": message["reasoning_content"]}))
             )
         if message["content"]:
-            frames.append((None, _chunk(mid, model, {"content": message["content"]})))
+            chunk = _chunk(mid, model, {"content": message["content"]})
+            chunk["choices"][0]["logprobs"] = _logprobs(answer)
+            frames.append((None, chunk))
         for index, call in enumerate(message.get("tool_calls", ())):
             frames.append((None, _chunk(mid, model, {"tool_calls": [{"index": index, **call}]})))
         frames.append((None, _chunk(mid, model, {}, _finish_reason(answer.stop_reason))))
@@ -306,6 +313,19 @@ def _message(answer: Answer) -> dict[str, Any]:
     if calls:
         out["tool_calls"] = calls
     return out
+
+
+def _logprobs(answer: Answer) -> dict[str, Any] | None:
+    """The engine's logprob of every output token (the same values the samples carry)."""
+    if answer.token_logprobs is None:
+        return None
+    return {
+        "content": [
+            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+            for t, lp in answer.token_logprobs
+        ],
+        "refusal": None,
+    }
 
 
 def _finish_reason(stop_reason: str) -> str:

@@ -579,8 +579,16 @@ async def _compose(
         stop_sequence=stop_sequence if stop_reason == "stop_sequence" else None,
         usage=usage_for(len(plan.input_ids), output.cached_tokens, len(ids)),
         hidden_reasoning=(parsed.reasoning or "") if shown is None else "",
+        token_logprobs=_token_logprobs(tok, output) if chat.logprobs else None,
     )
     return answer, tito_event
+
+
+def _token_logprobs(tok: Any, output: TurnOutput) -> list[tuple[str, float]]:
+    """Each output token's text and the engine's logprob (the EOS that ended it left out)."""
+    ids, logprobs = output.output_ids, output.logprobs
+    n = len(ids) - 1 if ids and ids[-1] in tok.eos_token_ids else len(ids)
+    return [(tok.decode([i]), float(lp)) for i, lp in zip(ids[:n], logprobs[:n], strict=True)]
 
 
 async def _tito_verdict(

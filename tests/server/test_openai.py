@@ -660,3 +660,29 @@ async def test_a_session_may_switch_dialects_and_stay_on_its_chain(harness: Harn
     assert [(d.action, d.reason) for d in decisions] == [("new", "first"), ("extend", "extends")]  # type: ignore[attr-defined]
     requests = await h.payloads(sid, ev.MessagesRequest)
     assert [r.dialect for r in requests] == ["anthropic", "openai-chat"]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_chat_logprobs_are_the_engines(harness: Harness, stream: bool) -> None:
+    h = harness
+    sid = await h.open_session()
+    h.engine.push("Hello there, world.")
+    client = openai_client(h, sid)
+    body = openai_body("openai-chat", "hi", logprobs=True)
+    if stream:
+        got = []
+        async for chunk in await client.chat.completions.create(stream=True, **body):
+            for choice in chunk.choices:
+                if choice.logprobs is not None:
+                    got.extend(choice.logprobs.content or [])
+    else:
+        done = await client.chat.completions.create(**body)
+        assert done.choices[0].logprobs is not None
+        got = done.choices[0].logprobs.content or []
+    (result,) = await h.payloads(sid, ev.GenerateResult)
+    engine = await h.array(result.logprobs)  # type: ignore[attr-defined]
+    assert [g.logprob for g in got] == engine[: len(got)]
+    assert len(got) == len(engine) - 1  # the EOS that ended the answer is not text
+    assert "".join(g.token for g in got) == "Hello there, world."
+    plain = await client.chat.completions.create(**openai_body("openai-chat", "hi"))
+    assert plain.choices[0].logprobs is None
