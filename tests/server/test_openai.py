@@ -686,3 +686,20 @@ async def test_chat_logprobs_are_the_engines(harness: Harness, stream: bool) -> 
     assert "".join(g.token for g in got) == "Hello there, world."
     plain = await client.chat.completions.create(**openai_body("openai-chat", "hi"))
     assert plain.choices[0].logprobs is None
+
+
+async def test_reasoning_comes_back_in_each_openai_dialect(harness: Harness) -> None:
+    h = harness
+    sid = await h.open_session()
+    client = openai_client(h, sid)
+    think = "<think>\nThe user greets me.\n</think>\n\nHello!"
+    h.engine.push(think, think)
+    chat = await client.chat.completions.create(**openai_body("openai-chat", "hi"))
+    message = chat.choices[0].message
+    assert message.content == "Hello!"
+    assert (message.model_extra or {})["reasoning_content"] == "The user greets me."
+    response = await client.responses.create(**openai_body("openai-responses", "hi"))
+    kinds = [o.type for o in response.output]
+    assert kinds == ["reasoning", "message"]
+    assert response.output[0].summary[0].text == "The user greets me."  # type: ignore[union-attr]
+    assert response.output_text == "Hello!"
