@@ -214,6 +214,10 @@ def _model_entry(ctx: ServerContext, model_id: str | None = None) -> dict[str, A
         "display_name": name,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(_STARTED)),
         "max_input_tokens": ctx.config.context_length,
+        # OpenAI's model object, so either SDK's `models.list()` reads the same entry.
+        "object": "model",
+        "created": _STARTED,
+        "owned_by": "trajectory-recorder",
     }
 
 
@@ -221,7 +225,13 @@ async def list_models(request: web.Request) -> web.Response:
     ctx = request.app[CTX]
     entry = _model_entry(ctx)
     return _json(
-        {"data": [entry], "has_more": False, "first_id": entry["id"], "last_id": entry["id"]}
+        {
+            "object": "list",
+            "data": [entry],
+            "has_more": False,
+            "first_id": entry["id"],
+            "last_id": entry["id"],
+        }
     )
 
 
@@ -248,4 +258,10 @@ async def health(request: web.Request) -> web.Response:
 async def root(request: web.Request) -> web.Response:
     if request.method == "HEAD":
         return web.Response(status=200)
-    return _json({"service": "trajectory-recorder", "api": "anthropic-messages"})
+    return _json(
+        {
+            "service": "trajectory-recorder",
+            "api": "anthropic-messages",
+            "dialects": ["anthropic", "openai-chat", "openai-responses"],
+        }
+    )

@@ -703,3 +703,10 @@ async def test_reasoning_comes_back_in_each_openai_dialect(harness: Harness) -> 
     assert kinds == ["reasoning", "message"]
     assert response.output[0].summary[0].text == "The user greets me."  # type: ignore[union-attr]
     assert response.output_text == "Hello!"
+
+
+async def test_models_list_reads_in_the_openai_sdk(harness: Harness) -> None:
+    sid = await harness.open_session()
+    models = await openai_client(harness, sid).models.list()
+    (model,) = models.data
+    assert model.object == "model" and model.owned_by == "trajectory-recorder"
