@@ -85,7 +85,9 @@ async def _chat(request: web.Request, dialect: Dialect) -> web.StreamResponse:
         raise ApiError("invalid_request_error", _closed_session(session_id), status=409)
     chat: ChatRequest | None = None
     invalid: InvalidRequest | None = None
-    history = log_history(ctx.store, lambda: ctx.store.read_session(session_id))
+    history = log_history(
+        ctx.store, lambda: ctx.store.read_session(session_id), state.response_conversations
+    )
     try:
         chat, dialect = await dialect.parse(body, cache=state.parse_cache, history=history)
     except InvalidRequest as exc:

@@ -29,10 +29,16 @@ from recorder.translate import InvalidRequest, Message
 Events = Callable[[], Awaitable[list[RecordedEvent]]]
 
 
-def log_history(store: EventStore, events: Events) -> History:
-    """A resolver reading `events()` once, on its first use."""
+MEMO_SIZE = 16
+"""Resolved conversations a session keeps (the newest ids; a client chains from the last)."""
+
+
+def log_history(
+    store: EventStore, events: Events, memo: dict[str, list[Message]] | None = None
+) -> History:
+    """A resolver reading `events()` once, on its first use; `memo` keeps what it resolved."""
     loaded: list[RecordedEvent] | None = None
-    memo: dict[str, list[Message]] = {}
+    memo = {} if memo is None else memo
 
     async def resolve(response_id: str) -> list[Message]:
         nonlocal loaded
@@ -45,8 +51,10 @@ def log_history(store: EventStore, events: Events) -> History:
         raw = np.asarray(body, dtype=np.uint8).tobytes()
         previous = decode(raw, ResponsesRequest).previous_response_id
         earlier = await resolve(previous) if previous else []
-        memo[response_id] = answered(request_messages(raw, earlier), sent.content)
-        return memo[response_id]
+        memo[response_id] = resolved = answered(request_messages(raw, earlier), sent.content)
+        while len(memo) > MEMO_SIZE:
+            del memo[next(iter(memo))]
+        return resolved
 
     return resolve
 
