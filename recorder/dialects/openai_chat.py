@@ -18,7 +18,10 @@ from recorder.dialects.base import OPENAI_PING, Dialect, History, openai_error, 
 from recorder.dialects.openai_common import (
     NonEmpty,
     arguments,
+    chat_request_from_pieces,
+    converted_messages,
     decode,
+    encode_message,
     image,
     texts,
     to_chat_request,
@@ -113,8 +116,9 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
-class ChatCompletionsRequest(msgspec.Struct, kw_only=True):
-    messages: list[ChatMessage]
+class _RequestFields(msgspec.Struct, kw_only=True):
+    """Everything of a Chat Completions request but its messages."""
+
     model: str = ""
     tools: list[FunctionTool] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -135,6 +139,20 @@ class ChatCompletionsRequest(msgspec.Struct, kw_only=True):
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=0)] | None = None
 
 
+class ChatCompletionsRequest(_RequestFields, kw_only=True):
+    messages: list[ChatMessage]
+
+
+class _RawChatRequest(_RequestFields, kw_only=True):
+    """A request whose messages are left undecoded (each one's exact JSON bytes)."""
+
+    messages: list[msgspec.Raw]
+
+
+_raw_request_decoder = msgspec.json.Decoder(_RawChatRequest)
+_message_decoder = msgspec.json.Decoder(ChatMessage)
+
+
 @dataclass(frozen=True)
 class OpenAIChat:
     """The Chat Completions dialect; `include_usage` is the request's stream option."""
@@ -146,10 +164,17 @@ class OpenAIChat:
     async def parse(
         self, body: bytes, *, cache: ParseCache | None = None, history: History | None = None
     ) -> tuple[ChatRequest, Dialect]:
-        req: ChatCompletionsRequest = decode(body, ChatCompletionsRequest)
-        messages, index_map, system = _messages(req.messages)
-        fields = {**_fields(req), "system": system or None}
-        chat = to_chat_request(fields, messages, index_map, cache)
+        req: _RequestFields
+        if cache is not None:
+            try:
+                req, chat = _parse_cached(body, cache)
+            except (InvalidRequest, msgspec.MsgspecError, UnicodeDecodeError):
+                cache = None  # parsed again without the cache, which names the field
+        if cache is None:
+            req = full = decode(body, ChatCompletionsRequest)
+            messages, index_map, system = _messages(full.messages)
+            fields = {**_fields(req), "system": system or None}
+            chat = to_chat_request(fields, messages, index_map, None)
         if req.logprobs:
             chat = msgspec.structs.replace(chat, logprobs=True)
         include = req.stream_options is not None and req.stream_options.include_usage
@@ -212,7 +237,47 @@ OPENAI_CHAT = OpenAIChat()
 # --------------------------------------------------------------------------
 
 
-def _fields(req: ChatCompletionsRequest) -> dict[str, Any]:
+def _parse_cached(body: bytes, cache: ParseCache) -> tuple[_RawChatRequest, ChatRequest]:
+    """The request through the session's caches: only messages not seen before are decoded.
+
+    Each message's Anthropic-shaped JSON is kept by its exact bytes
+    (`converted_messages`), and the Anthropic body is joined from those
+    pieces, so the shared ParseCache then matches them by a byte compare.
+    The result is the same as without the caches.
+    """
+    req = _raw_request_decoder.decode(body)
+    memo = converted_messages(cache)
+    system: list[str] = []
+    pieces: list[bytes] = []
+    leading = True
+    for i, raw in enumerate(req.messages):
+        data = bytes(raw)
+        hit = memo.get(data)
+        if hit is None:
+            hit = _converted(_message_decoder.decode(data), f"messages.{i}")
+            memo.put(data, hit)
+        kind, value = hit
+        if kind == "system" and leading:
+            system.append(value.decode())
+            continue
+        leading = leading and kind == "system"
+        pieces.append(
+            value
+            if kind == "message"
+            else encode_message(Message(role="system", content=value.decode()))
+        )
+    fields = {**_fields(req), "system": "\n\n".join(system) or None}
+    return req, chat_request_from_pieces(fields, pieces, cache)
+
+
+def _converted(m: ChatMessage, where: str) -> tuple[str, bytes]:
+    """("system", its text) or ("message", the Anthropic-shaped message's JSON)."""
+    if isinstance(m, (SystemMessage, DeveloperMessage)):
+        return "system", (m.content if isinstance(m.content, str) else texts(m.content)).encode()
+    return "message", encode_message(_message_of(m, where))
+
+
+def _fields(req: _RequestFields) -> dict[str, Any]:
     if req.n != 1:
         raise InvalidRequest("only n=1 is supported (one trajectory per request)", "n")
     stop = [req.stop] if isinstance(req.stop, str) else req.stop

@@ -9,6 +9,8 @@ implementation of the chain logic, whatever the client spoke.
 from __future__ import annotations
 
 import json
+import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Annotated, Any
 
@@ -122,3 +124,58 @@ def _renamed(exc: InvalidRequest, index_map: list[str]) -> InvalidRequest:
         if index.isdigit() and int(index) < len(index_map) - 1:
             return InvalidRequest(message, index_map[int(index)])
     return InvalidRequest(message, field)
+
+
+def encode_message(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def chat_request_from_pieces(
+    fields: dict[str, Any], pieces: list[bytes], cache: ParseCache
+) -> ChatRequest:
+    """`to_chat_request` for messages already encoded (Anthropic-shaped JSON, one per piece)."""
+    if not pieces:
+        raise InvalidRequest("at least one non-system message is required", "messages")
+    head = _encoder.encode(fields)
+    body = b'{"messages":[' + b",".join(pieces) + b"]," + head[1:]
+    return parse_request(body, count_tokens=True, cache=cache)
+
+
+class ConvertedMessages:
+    """One session's OpenAI messages already converted, by their exact JSON bytes (LRU, bounded).
+
+    Values are small tuples of bytes that the shared ParseCache keys on in turn,
+    so a resent conversation is joined, not converted again. Charged twice the
+    key's size (key + value); the oldest go beyond `max_entries` / `max_bytes`.
+    """
+
+    def __init__(self, max_entries: int = 4096, max_bytes: int = 32 << 20) -> None:
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self._entries: OrderedDict[bytes, tuple[str, bytes]] = OrderedDict()
+        self._nbytes = 0
+
+    def get(self, key: bytes) -> tuple[str, bytes] | None:
+        hit = self._entries.get(key)
+        if hit is not None:
+            self._entries.move_to_end(key)
+        return hit
+
+    def put(self, key: bytes, value: tuple[str, bytes]) -> None:
+        self._entries[key] = value
+        self._nbytes += len(key) + len(value[1])
+        while self._entries and (
+            len(self._entries) > self.max_entries or self._nbytes > self.max_bytes
+        ):
+            old, (_, data) = self._entries.popitem(last=False)
+            self._nbytes -= len(old) + len(data)
+
+
+_CONVERTED: weakref.WeakKeyDictionary[ParseCache, ConvertedMessages] = weakref.WeakKeyDictionary()
+
+
+def converted_messages(cache: ParseCache) -> ConvertedMessages:
+    """The converted-message cache that lives and dies with a session's ParseCache."""
+    found = _CONVERTED.get(cache)
+    if found is None:
+        found = _CONVERTED[cache] = ConvertedMessages()
+    return found

@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from recorder import events as ev
+from recorder.translate import InvalidRequest
 from tests.server.conftest import Harness, tool_call_text
 
 SYSTEM = "You are a careful coding agent."
@@ -710,3 +711,32 @@ async def test_models_list_reads_in_the_openai_sdk(harness: Harness) -> None:
     models = await openai_client(harness, sid).models.list()
     (model,) = models.data
     assert model.object == "model" and model.owned_by == "trajectory-recorder"
+
+
+async def test_chat_parse_through_the_session_caches_equals_a_fresh_parse() -> None:
+    from recorder.dialects import OPENAI_CHAT
+    from recorder.translate import ParseCache
+
+    cache = ParseCache()
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "What is in this repo?"},
+    ]
+    for turn in range(4):
+        body = json.dumps({"model": "m", "messages": messages, "tools": CHAT_TOOLS}).encode()
+        cached, _ = await OPENAI_CHAT.parse(body, cache=cache)
+        fresh, _ = await OPENAI_CHAT.parse(body)
+        assert cached == fresh
+        call = {"id": f"c{turn}", "type": "function",
+                "function": {"name": "Bash", "arguments": json.dumps({"command": "ls"})}}  # fmt: skip
+        messages += [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"c{turn}", "content": "a.txt"},
+            {"role": "system", "content": "A reminder mid-conversation."},
+        ]
+    bad = json.dumps({"model": "m", "messages": [*messages, {"role": "tool", "tool_call_id": "zz",
+                                                              "content": "x"}]}).encode()  # fmt: skip
+    with pytest.raises(InvalidRequest) as info:
+        await OPENAI_CHAT.parse(bad, cache=cache)
+    assert info.value.field == f"messages.{len(messages)}"
