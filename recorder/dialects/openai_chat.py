@@ -251,11 +251,10 @@ def _parse_cached(body: bytes, cache: ParseCache) -> tuple[_RawChatRequest, Chat
     pieces: list[bytes] = []
     leading = True
     for i, raw in enumerate(req.messages):
-        data = bytes(raw)
-        hit = memo.get(data)
+        key, hit = memo.get(i, bytes(raw))
         if hit is None:
-            hit = _converted(_message_decoder.decode(data), f"messages.{i}")
-            memo.put(data, hit)
+            hit = _converted(_message_decoder.decode(key), f"messages.{i}")
+            memo.put(key, hit)
         kind, value = hit
         if kind == "system" and leading:
             system.append(value.decode())
@@ -266,6 +265,7 @@ def _parse_cached(body: bytes, cache: ParseCache) -> tuple[_RawChatRequest, Chat
             if kind == "message"
             else encode_message(Message(role="system", content=value.decode()))
         )
+    memo.done()
     fields = {**_fields(req), "system": "\n\n".join(system) or None}
     return req, chat_request_from_pieces(fields, pieces, cache)
 

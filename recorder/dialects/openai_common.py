@@ -153,12 +153,29 @@ class ConvertedMessages:
         self.max_entries, self.max_bytes = max_entries, max_bytes
         self._entries: OrderedDict[bytes, tuple[str, bytes]] = OrderedDict()
         self._nbytes = 0
+        self._previous: list[bytes] = []
+        self._keys: list[bytes] = []
 
-    def get(self, key: bytes) -> tuple[str, bytes] | None:
+    def get(self, index: int, data: bytes) -> tuple[bytes, tuple[str, bytes] | None]:
+        """(the key for message `index` with bytes `data`, its conversion if known).
+
+        The previous request's keys are kept in order: a message at the same
+        position as before is matched by a byte compare (the old key's hash is
+        cached), so only messages that moved or are new get hashed.
+        """
+        if index == 0:
+            self._keys = []  # a new request (even if the last one stopped at an error)
+        previous = self._previous
+        key = previous[index] if index < len(previous) and previous[index] == data else data
+        self._keys.append(key)
         hit = self._entries.get(key)
         if hit is not None:
             self._entries.move_to_end(key)
-        return hit
+        return key, hit
+
+    def done(self) -> None:
+        """The request's messages are all looked up: its keys are the next one's `previous`."""
+        self._previous, self._keys = self._keys, []
 
     def put(self, key: bytes, value: tuple[str, bytes]) -> None:
         self._entries[key] = value
