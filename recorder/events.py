@@ -121,6 +121,8 @@ class MessagesRequest(Event, frozen=True, kw_only=True, tag="messages_request"):
     model: str = ""
     n_chat_messages: int | None = None
     n_tools: int | None = None
+    # The wire format of `body` (recorder/dialects); logs from before dialects are Anthropic's.
+    dialect: str = "anthropic"
 
 
 class RenderedInput(Event, frozen=True, kw_only=True, tag="rendered_input"):

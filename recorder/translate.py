@@ -252,6 +252,8 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     template_kwargs: dict[str, Any] = {}
     # `output_config.format` / `output_format`: the engine decodes under this JSON schema.
     json_schema: dict[str, Any] | None = None
+    # The answer carries each output token's logprob (OpenAI `logprobs: true`).
+    logprobs: bool = False
 
 
 # --------------------------------------------------------------------------

@@ -236,7 +236,7 @@ def tito(
             console.print("template re-render: needs --tokenizer PATH")
         return
     try:
-        fresh = t.rerender(tok, tt.body)
+        fresh = t.rerender(tok, tt.body, tt.dialect)
     except Exception as exc:
         console.print(escape(f"template re-render failed: {type(exc).__name__}: {exc}"))
         return

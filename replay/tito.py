@@ -55,6 +55,7 @@ class TurnTokens:
     input_ids: list[int] | None
     body: bytes | None
     verdict: TitoVerdict | None
+    dialect: str = "anthropic"
 
 
 def load_tokenizer(path: str) -> Decoder:
@@ -143,7 +144,8 @@ async def turn_tokens(store: EventStore, session_id: str, turn: int) -> TurnToke
     reencoded = _ids(next(rest)) if verdict and verdict.reencoded_ids else None
     input_ids = _ids(next(rest)) if rendered else None
     body = np.asarray(next(rest), dtype=np.uint8).tobytes() if request else None
-    return TurnTokens(session_id, turn, emitted, reencoded, input_ids, body, verdict)
+    dialect = request.dialect if request else "anthropic"
+    return TurnTokens(session_id, turn, emitted, reencoded, input_ids, body, verdict, dialect)
 
 
 def _ids(arr: Any) -> list[int]:
@@ -154,11 +156,17 @@ def reencode(tok: Decoder, ids: Sequence[int]) -> list[int]:
     return list(tok.encode(tok.decode(ids)))
 
 
-def rerender(tok: Any, body: bytes) -> list[int]:
-    """Ids of a fresh full render of the request (the template path, no chain reuse)."""
-    from recorder.translate import parse_request
+def rerender(tok: Any, body: bytes, dialect: str = "anthropic") -> list[int]:
+    """Ids of a fresh full render of the request (the template path, no chain reuse).
 
-    req = parse_request(body)
+    A Responses request chained by `previous_response_id` cannot be rendered on
+    its own (its history is in the log): it raises InvalidRequest.
+    """
+    import asyncio
+
+    from recorder.dialects import dialect_named
+
+    req, _ = asyncio.run(dialect_named(dialect).parse(body))
     text = tok.render(req.messages, req.tools, True, **req.template_kwargs)
     return list(tok.encode(text))
 

@@ -39,12 +39,17 @@ the time a store call (`append` / `put_array`) was in flight during the turn
 while the engine was not working: the store's share that the engine call did
 not hide. Means and medians are shown: the store's commits make outliers.
 
+`--dialect openai-chat` (or openai-responses) replaces the baseline by the
+same conversation spoken over that OpenAI endpoint with the chain path: the
+peer columns are then the OpenAI dialect, the ratio its overhead against
+Messages, measured in the same run (the issue's "within 10%").
+
 Section 2, pure (no HTTP, no store, no engine): parse + plan in-process, the
 chain path against parse + full render + full encode, median of repeats.
 
     python -m tools.bench_middleware [--contexts 1000,10000,100000] [--turns 30]
         [--section both|e2e|pure] [--engine-thread] [--engine-latency-ms 50]
-        [--db-dir DIR] [--per-turn] [--repeat 30]
+        [--db-dir DIR] [--per-turn] [--repeat 30] [--dialect anthropic|openai-chat]
 """
 
 from __future__ import annotations
@@ -74,9 +79,11 @@ from aiohttp import web
 from rich.console import Console
 from rich.table import Table
 
-import recorder.server.api as api_module
 import recorder.server.turn as turn_module
 from recorder import events as ev
+from recorder.dialects.anthropic import Anthropic
+from recorder.dialects.openai_chat import OpenAIChat
+from recorder.dialects.openai_responses import OpenAIResponses
 from recorder.engine import EngineClient
 from recorder.parsers import make_parser
 from recorder.server import RecorderServer, ServerConfig, ServerContext
@@ -641,26 +648,31 @@ class Planner:
         self.parse_s: list[float] = []  # the server's parse_request, timed the same way
 
     def __call__(self, chains: SessionChains, req: ChatRequest, tok: Tokenizer) -> TurnPlan:
-        fn = plan_turn if self.mode == "ours" else full_render_plan
+        fn = full_render_plan if self.mode == "baseline" else plan_turn
         t0 = time.perf_counter()
         plan = fn(chains, req, tok)
         seconds = time.perf_counter() - t0
         self.calls.append(PlanCall(self.mode, seconds, len(plan.input_ids), plan.new_tokens))
         return plan
 
-    def parse(self, body: bytes, **kwargs: Any) -> ChatRequest:
-        t0 = time.perf_counter()
-        try:
-            return parse_request(body, **kwargs)
-        finally:
-            self.parse_s.append(time.perf_counter() - t0)
+    def timed_parse(self, original: Any) -> Any:
+        """A dialect's `parse` (body -> ChatRequest, whatever the wire), timed."""
+
+        async def parse(dialect: Any, body: bytes, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return await original(dialect, body, **kwargs)
+            finally:
+                self.parse_s.append(time.perf_counter() - t0)
+
+        return parse
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[Planner]:
-        with (
-            mock.patch.object(turn_module, "plan_turn", self),
-            mock.patch.object(api_module, "parse_request", self.parse),
-        ):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(mock.patch.object(turn_module, "plan_turn", self))
+            for cls in (Anthropic, OpenAIChat, OpenAIResponses):
+                stack.enter_context(mock.patch.object(cls, "parse", self.timed_parse(cls.parse)))
             yield self
 
 
@@ -709,9 +721,10 @@ class Stack:
 class LiveSession:
     """One recorder session and its conversation, driven over HTTP."""
 
-    def __init__(self, stack: Stack, session_id: str) -> None:
+    def __init__(self, stack: Stack, session_id: str, dialect: str = "anthropic") -> None:
         self.stack = stack
         self.session_id = session_id
+        self.dialect = dialect
         self.conversation = Conversation()
         self.prompt_tokens = 0
         self.output_tokens = 0
@@ -726,9 +739,13 @@ class LiveSession:
             "anthropic-version": "2023-06-01",
             "content-type": "application/json",
         }
+        path = "/v1/messages?beta=true"
+        if self.dialect == "openai-chat":
+            body, path = chat_body(body), "/v1/chat/completions"
+            headers = {"authorization": f"Bearer {self.session_id}", **headers}
         stack = self.stack
         stack.planner.mode = mode
-        url = stack.server.url + "/v1/messages?beta=true"
+        url = stack.server.url + path
         started = time.perf_counter()
         async with stack.http.post(url, data=body, headers=headers) as resp:
             raw = await resp.read()
@@ -736,7 +753,8 @@ class LiveSession:
         ended = time.perf_counter()
         if status != 200:
             raise RuntimeError(f"turn failed with HTTP {status}: {raw[:500]!r}")
-        request_id, content, usage = parse_sse(raw)
+        parse = parse_sse if self.dialect == "anthropic" else parse_chat_sse
+        request_id, content, usage = parse(raw)
         self.conversation.add_answer(content)
         call = stack.planner.calls[-1]
         new_tokens = call.new_tokens + self.output_tokens  # the previous output joins the context
@@ -788,6 +806,87 @@ def parse_sse(raw: bytes) -> tuple[str, list[dict[str, Any]], dict[str, int]]:
         if block["type"] == "tool_use" and partial[index]:
             block["input"] = json.loads("".join(partial[index]))
     return message_id, [blocks[i] for i in sorted(blocks)], usage
+
+
+def chat_body(messages_body: bytes) -> bytes:
+    """The same request as Chat Completions (system, tool results as `tool` messages)."""
+    req = json.loads(messages_body)
+    system = "\n\n".join(
+        b["text"] for b in req["system"] if not b["text"].startswith("x-anthropic-billing-header")
+    )
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
+    for m in req["messages"]:
+        if isinstance(m["content"], str):
+            messages.append({"role": m["role"], "content": m["content"]})
+        elif m["role"] == "assistant":
+            text = "".join(b["text"] for b in m["content"] if b["type"] == "text")
+            calls = [
+                {
+                    "id": b["id"],
+                    "type": "function",
+                    "function": {"name": b["name"], "arguments": json.dumps(b["input"])},
+                }
+                for b in m["content"]
+                if b["type"] == "tool_use"
+            ]
+            messages.append({"role": "assistant", "content": text or None, "tool_calls": calls})
+        else:
+            for b in m["content"]:
+                messages.append(
+                    {"role": "tool", "tool_call_id": b["tool_use_id"], "content": b["content"]}
+                )
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": t["name"],
+                "description": t.get("description", ""),
+                "parameters": t["input_schema"],
+            },
+        }
+        for t in req["tools"]
+    ]
+    chat = {
+        "model": req["model"],
+        "messages": messages,
+        "tools": tools,
+        "max_completion_tokens": req["max_tokens"],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    return json.dumps(chat).encode()
+
+
+def parse_chat_sse(raw: bytes) -> tuple[str, list[dict[str, Any]], dict[str, int]]:
+    """(id, Anthropic-shaped content blocks, usage) of a streamed Chat Completions answer."""
+    message_id, text, usage = "", "", {}
+    calls: dict[int, dict[str, Any]] = {}
+    for frame in raw.decode().split("\n\n"):
+        if not frame.startswith("data: ") or frame == "data: [DONE]":
+            continue
+        chunk = json.loads(frame[6:])
+        if "error" in chunk:
+            raise RuntimeError(f"the stream failed: {chunk}")
+        message_id = chunk["id"]
+        if chunk.get("usage"):
+            usage = {"output_tokens": chunk["usage"]["completion_tokens"]}
+        for choice in chunk["choices"]:
+            delta = choice["delta"]
+            text += delta.get("content") or ""
+            for call in delta.get("tool_calls") or ():
+                calls[call["index"]] = call
+    blocks: list[dict[str, Any]] = [{"type": "text", "text": text}] if text.strip() else []
+    for i in sorted(calls):
+        call = calls[i]
+        blocks.append(
+            {
+                "type": "tool_use",
+                "id": call["id"],
+                "name": call["function"]["name"],
+                "input": json.loads(call["function"]["arguments"]),
+            }
+        )
+    return message_id, blocks, usage
 
 
 def _overlap(a0: float, a1: float, spans: list[Span]) -> list[tuple[float, float]]:
@@ -860,12 +959,12 @@ async def stop_stack(stack: Stack) -> None:
     await stack.engine.stop()
 
 
-async def open_session(stack: Stack) -> LiveSession:
+async def open_session(stack: Stack, dialect: str = "anthropic") -> LiveSession:
     async with stack.http.post(stack.server.url + "/sessions", json={"bench": True}) as resp:
         data = await resp.json()
         if resp.status != 201:
             raise RuntimeError(f"could not open a session: {data}")
-    return LiveSession(stack, data["session_id"])
+    return LiveSession(stack, data["session_id"], dialect)
 
 
 def _words_per_token(tok: Tokenizer) -> float:
@@ -882,6 +981,7 @@ async def run_e2e(
     engine_process: bool = False,
     engine_latency_s: float = 0.0,
     db_url: str | None = None,
+    dialect: str = "anthropic",
 ) -> list[Checkpoint]:
     """Grow two sessions through each checkpoint; measure `turns` turns per mode there.
 
@@ -895,14 +995,21 @@ async def run_e2e(
             db, int(top * 1.2) + 8192, planner, engine_process, engine_latency_s
         )
         try:
-            return await _drive(stack, contexts, turns, new_tokens, warmup)
+            return await _drive(stack, contexts, turns, new_tokens, warmup, dialect)
         finally:
             await stop_stack(stack)
 
 
 async def _drive(
-    stack: Stack, contexts: list[int], turns: int, new_tokens: int, warmup: int
+    stack: Stack,
+    contexts: list[int],
+    turns: int,
+    new_tokens: int,
+    warmup: int,
+    dialect: str = "anthropic",
 ) -> list[Checkpoint]:
+    """`dialect` other than anthropic: the peer session speaks it (chain path), no baseline."""
+    peer = "baseline" if dialect == "anthropic" else dialect
     tok = stack.server.ctx.tokenizer
     words_per_token = _words_per_token(tok)
     # ~50 tokens are the model's call and ~15 the template's tool-result wrapping.
@@ -911,9 +1018,15 @@ async def _drive(
     await spare.turn("ours", None)
     for mode in ["ours", "baseline"] * max(1, warmup):
         grown = (await spare.turn(mode, step_words)).new_tokens
+    if peer != "baseline":
+        spare_peer = await open_session(stack, dialect)
+        await spare_peer.turn(peer, None)
+        for _ in range(max(1, warmup)):
+            await spare_peer.turn(peer, step_words)
     # Calibrate the tool result so the context grows by `new_tokens` per turn.
     step_words = max(1, step_words + round((new_tokens - grown) * words_per_token))
-    ours, base = await open_session(stack), await open_session(stack)
+    ours = await open_session(stack)
+    base = await open_session(stack, "anthropic" if peer == "baseline" else dialect)
     for session in (ours, base):
         await session.turn("ours", None)
     checkpoints = []
@@ -927,11 +1040,11 @@ async def _drive(
                 await session.turn("ours", words)
         point = Checkpoint(target)
         for i in range(turns):
-            pair = [(ours, "ours"), (base, "baseline")]
+            pair = [(ours, "ours"), (base, peer)]
             for session, mode in pair if i % 2 == 0 else pair[::-1]:
                 point.samples.append(await session.turn(mode, step_words))
         checkpoints.append(point)
-    await _check_chain_decisions(stack, ours.session_id, base.session_id, checkpoints)
+    await _check_chain_decisions(stack, ours.session_id, base.session_id, checkpoints, peer)
     engine_spans = await stack.engine.fetch_spans()
     for point in checkpoints:
         for sample in point.samples:
@@ -940,7 +1053,7 @@ async def _drive(
 
 
 async def _check_chain_decisions(
-    stack: Stack, ours_id: str, base_id: str, checkpoints: list[Checkpoint]
+    stack: Stack, ours_id: str, base_id: str, checkpoints: list[Checkpoint], peer: str
 ) -> None:
     """Every measured turn genuinely extended its chain, and no turn failed."""
     for session_id in (ours_id, base_id):
@@ -954,7 +1067,7 @@ async def _check_chain_decisions(
         rendered = {
             r.event.request_id: r.event for r in records if isinstance(r.event, ev.RenderedInput)
         }
-        mode = "ours" if session_id == ours_id else "baseline"
+        mode = "ours" if session_id == ours_id else peer
         for point in checkpoints:
             for sample in point.of(mode):
                 decision = decisions[sample.request_id]
@@ -992,8 +1105,8 @@ class E2eRow:
         return self.base_p50_ms / self.ours_p50_ms
 
 
-def summarize(point: Checkpoint) -> E2eRow:
-    ours, base = point.of("ours"), point.of("baseline")
+def summarize(point: Checkpoint, peer: str = "baseline") -> E2eRow:
+    ours, base = point.of("ours"), point.of(peer)
 
     def ms(samples: list[TurnSample], key: Callable[[TurnSample], float]) -> float:
         return statistics.fmean(key(s) for s in samples) * 1000
@@ -1017,11 +1130,21 @@ def summarize(point: Checkpoint) -> E2eRow:
     )
 
 
-def e2e_table(rows: list[E2eRow], engine_latency_ms: float = 0.0, backend: str = "SQLite") -> Table:
+def e2e_table(
+    rows: list[E2eRow],
+    engine_latency_ms: float = 0.0,
+    backend: str = "SQLite",
+    peer: str = "baseline",
+) -> Table:
+    vs = (
+        "base = full re-render + re-tokenize every turn"
+        if peer == "baseline"
+        else f"base = the same conversation over {peer} (chain reuse); ratio = {peer} / Messages"
+    )
     table = Table(
         title="end to end: middleware ms per turn = client wall - engine time; mean and p50 over turns\n"
         f"real server + {backend} store + scripted engine ({engine_latency_ms:g} ms simulated GPU "
-        "time per call); ours = chain reuse, baseline = full re-render + re-tokenize every turn"
+        f"time per call); ours = Messages, chain reuse; {vs}"
     )
     cols = (
         "context tok", "new/turn", "turns", "engine ms", "ours ms", "ours p50",
@@ -1126,6 +1249,12 @@ def main(argv: list[str] | None = None) -> Results:
     ap.add_argument("--serve-engine", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--engine-context", type=int, default=131072, help=argparse.SUPPRESS)
     ap.add_argument("--per-turn", action="store_true", help="e2e: also list every measured turn")
+    ap.add_argument(
+        "--dialect",
+        choices=("anthropic", "openai-chat"),
+        default="anthropic",
+        help="e2e: openai-chat compares Chat Completions with Messages instead of the baseline",
+    )
     ap.add_argument("--repeat", type=int, default=30, help="pure: timing repeats")
     ap.add_argument("--new-words", default="150,1500", help="pure: words of new tool output")
     args = ap.parse_args(argv)
@@ -1146,11 +1275,13 @@ def main(argv: list[str] | None = None) -> Results:
                 not args.engine_thread,
                 args.engine_latency_ms / 1000,
                 args.db,
+                args.dialect,
             )
         )
-        results.e2e = [summarize(p) for p in points]
+        peer = "baseline" if args.dialect == "anthropic" else args.dialect
+        results.e2e = [summarize(p, peer) for p in points]
         backend = "Postgres" if args.db and args.db.startswith("postgres") else "SQLite"
-        console.print(e2e_table(results.e2e, args.engine_latency_ms, backend))
+        console.print(e2e_table(results.e2e, args.engine_latency_ms, backend, peer))
         if args.per_turn:
             console.print(per_turn_table(points))
     if args.section in ("both", "pure"):

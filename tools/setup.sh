@@ -42,5 +42,8 @@ if command -v npm >/dev/null 2>&1; then
   npm install --silent --no-audit --no-fund --prefix tools/claude-code-2.1.330 \
     "@anthropic-ai/claude-code@2.1.330" >/dev/null 2>&1 \
     || echo "warning: Claude Code 2.1.330 install failed; its tests will be skipped" >&2
+  # Codex CLI (Responses wire API) for the OpenAI-dialect end-to-end test.
+  npm install --silent --no-audit --no-fund --prefix tools/codex "@openai/codex@0.169.0" \
+    >/dev/null 2>&1 || echo "warning: Codex CLI install failed; its test will be skipped" >&2
 fi
 echo "setup done"

@@ -31,6 +31,8 @@ class Answer(msgspec.Struct, kw_only=True):
     usage: dict[str, int] = {}
     # The model's reasoning when the request did not ask for thinking (recorded, not sent).
     hidden_reasoning: str = ""
+    # (token text, logprob) of every output token, when the request asked for them.
+    token_logprobs: list[tuple[str, float]] | None = None
 
 
 def new_message_id() -> str:

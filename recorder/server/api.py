@@ -1,4 +1,8 @@
-"""The agent-facing Anthropic endpoints: messages, count_tokens, models, health."""
+"""The agent-facing endpoints: messages, chat/completions, responses, count_tokens, models, health.
+
+The three chat endpoints differ only in their dialect (recorder/dialects):
+the session lookup, the rejection rules and the turn are one code path.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +15,13 @@ import msgspec
 from aiohttp import web
 
 from recorder.admission import check_fits
+from recorder.dialects import ANTHROPIC, OPENAI_CHAT, OPENAI_RESPONSES, Dialect
 from recorder.server.answer import new_message_id
 from recorder.server.auth import session_id_of
 from recorder.server.context import CTX, ServerContext
 from recorder.server.errors import ApiError, storage_error
-from recorder.server.responders import JsonResponder, Responder, SseResponder
+from recorder.server.history import log_history
+from recorder.server.responders import JsonResponder, Responder, SseResponder, error_response
 from recorder.server.turn import reject, run_turn
 from recorder.store.base import StorageUnavailable
 from recorder.tokens import full_input_ids
@@ -29,6 +35,8 @@ _STARTED = int(time.time())
 def routes() -> list[web.RouteDef]:
     return [
         web.post("/v1/messages", messages),
+        web.post("/v1/chat/completions", chat_completions),
+        web.post("/v1/responses", responses),
         web.post("/v1/messages/count_tokens", count_tokens),
         web.get("/v1/models", list_models),
         web.get("/v1/models/{model_id}", get_model),
@@ -45,6 +53,28 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 async def messages(request: web.Request) -> web.StreamResponse:
     """POST /v1/messages (`?beta=true` too: only the path is matched)."""
+    return await _chat(request, ANTHROPIC)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/chat/completions (OpenAI Chat Completions)."""
+    return await _in_dialect(request, OPENAI_CHAT)
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    """POST /v1/responses (OpenAI Responses)."""
+    return await _in_dialect(request, OPENAI_RESPONSES)
+
+
+async def _in_dialect(request: web.Request, dialect: Dialect) -> web.StreamResponse:
+    """Errors raised before a responder exists, in the dialect's shape (not the middleware's)."""
+    try:
+        return await _chat(request, dialect)
+    except ApiError as err:
+        return error_response(err, dialect)
+
+
+async def _chat(request: web.Request, dialect: Dialect) -> web.StreamResponse:
     ctx = request.app[CTX]
     if ctx.stopping:
         raise ApiError("overloaded_error", "the recorder is shutting down; retry shortly")
@@ -57,14 +87,22 @@ async def messages(request: web.Request) -> web.StreamResponse:
         raise ApiError("invalid_request_error", _closed_session(session_id), status=409)
     chat: ChatRequest | None = None
     invalid: InvalidRequest | None = None
+    history = log_history(
+        ctx.store, lambda: ctx.store.read_session(session_id), state.response_conversations
+    )
     try:
-        chat = parse_request(body, cache=state.parse_cache)
+        chat, dialect = await dialect.parse(body, cache=state.parse_cache, history=history)
     except InvalidRequest as exc:
         invalid = exc
     message_id = new_message_id()
     model = (chat.model if chat is not None else "") or ctx.config.model_name
     responder = _responder(
-        ctx, request, streaming=chat is not None and chat.stream, message_id=message_id, model=model
+        ctx,
+        request,
+        streaming=chat is not None and chat.stream,
+        message_id=message_id,
+        model=model,
+        dialect=dialect,
     )
     task = asyncio.current_task()
     assert task is not None
@@ -125,14 +163,21 @@ async def _serve(
 
 
 def _responder(
-    ctx: ServerContext, request: web.Request, *, streaming: bool, message_id: str, model: str
+    ctx: ServerContext,
+    request: web.Request,
+    *,
+    streaming: bool,
+    message_id: str,
+    model: str,
+    dialect: Dialect,
 ) -> Responder:
     if not streaming:
-        return JsonResponder()
+        return JsonResponder(dialect=dialect)
     responder = SseResponder(
         request,
         message_id=message_id,
         model=model,
+        dialect=dialect,
         ping_interval=ctx.config.ping_interval_s,
         first_byte_after=ctx.config.first_byte_after_s,
         write_timeout=ctx.config.sse_write_timeout_s,
@@ -177,6 +222,10 @@ def _model_entry(ctx: ServerContext, model_id: str | None = None) -> dict[str, A
         "display_name": name,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(_STARTED)),
         "max_input_tokens": ctx.config.context_length,
+        # OpenAI's model object, so either SDK's `models.list()` reads the same entry.
+        "object": "model",
+        "created": _STARTED,
+        "owned_by": "trajectory-recorder",
     }
 
 
@@ -184,7 +233,13 @@ async def list_models(request: web.Request) -> web.Response:
     ctx = request.app[CTX]
     entry = _model_entry(ctx)
     return _json(
-        {"data": [entry], "has_more": False, "first_id": entry["id"], "last_id": entry["id"]}
+        {
+            "object": "list",
+            "data": [entry],
+            "has_more": False,
+            "first_id": entry["id"],
+            "last_id": entry["id"],
+        }
     )
 
 
@@ -218,4 +273,10 @@ async def health(request: web.Request) -> web.Response:
 async def root(request: web.Request) -> web.Response:
     if request.method == "HEAD":
         return web.Response(status=200)
-    return _json({"service": "trajectory-recorder", "api": "anthropic-messages"})
+    return _json(
+        {
+            "service": "trajectory-recorder",
+            "api": "anthropic-messages",
+            "dialects": ["anthropic", "openai-chat", "openai-responses"],
+        }
+    )

@@ -23,7 +23,7 @@ from recorder.server.journal import Journal
 from recorder.server.overrides import InvalidOverride, SessionOverrides, overrides_from_config
 from recorder.server.sessions import SessionState
 from recorder.tokens import SessionChains, commit_turn, note_dispatch, plan_turn, token_array
-from recorder.translate import find_dispatches, parse_request, response_message_digest
+from recorder.translate import find_dispatches, response_message_digest
 
 if TYPE_CHECKING:
     from recorder.server.context import ServerContext
@@ -113,12 +113,20 @@ def _answered_turns(events: list[RecordedEvent]) -> list[_Turn]:
 async def _rebuild_chains(
     ctx: ServerContext, state: SessionState, events: list[RecordedEvent]
 ) -> None:
+    from recorder.dialects import dialect_named
+    from recorder.server.history import log_history
+
+    async def read() -> list[RecordedEvent]:
+        return events
+
+    history = log_history(ctx.store, read)
     for turn in _answered_turns(events):
         assert turn.request is not None and turn.rendered is not None and turn.response is not None
         body, input_ids, *outputs = await ctx.store.get_arrays(
             [turn.request.body, turn.rendered.input_ids, *turn.outputs]
         )
-        chat = parse_request(body.tobytes(), cache=state.parse_cache)
+        dialect = dialect_named(turn.request.dialect)
+        chat, _ = await dialect.parse(body.tobytes(), cache=state.parse_cache, history=history)
         if turn.decision is not None:
             # Chain ids as recorded: a new chain takes the id the live server gave it.
             state.chains.next_chain_id = max(state.chains.next_chain_id, turn.decision.chain_id)

@@ -58,6 +58,9 @@ class SessionState:
     # The translated messages of earlier requests (parse_request(..., cache=)),
     # so a turn translates only its new messages; emptied when the session closes.
     parse_cache: ParseCache = field(default_factory=ParseCache)
+    # Conversations of earlier /v1/responses answers (previous_response_id), as
+    # resolved from the log (server/history.py), so a chain of ids is read once.
+    response_conversations: dict[str, Any] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Set when an unexpected error left the cache possibly out of step with
     # the log: the registry rebuilds it before the next use.

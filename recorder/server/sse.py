@@ -37,8 +37,14 @@ SSE_HEADERS = {
 PING = ("ping", {"type": "ping"})
 
 
-def encode_sse(event: str, data: Any) -> bytes:
-    return b"event: " + event.encode() + b"\ndata: " + _encoder.encode(data) + b"\n\n"
+SseFrame = tuple[str | None, Any]
+"""(event name, data): no name writes a `data:` line only (OpenAI); bytes data goes as is."""
+
+
+def encode_sse(event: str | None, data: Any) -> bytes:
+    payload = data if isinstance(data, bytes) else _encoder.encode(data)
+    head = b"" if event is None else b"event: " + event.encode() + b"\n"
+    return head + b"data: " + payload + b"\n\n"
 
 
 class SseStream:
@@ -52,8 +58,11 @@ class SseStream:
         ping_interval: float = 5.0,
         write_timeout: float = 60.0,
         headers: dict[str, str] | None = None,
+        ping: bytes | None = None,
     ) -> None:
         self._request = request
+        # OpenAI clients read only `data:` events: they are kept alive by an SSE comment.
+        self._ping = ping if ping is not None else encode_sse(*PING)
         self._first_byte_after = first_byte_after
         self._ping_interval = ping_interval
         self._write_timeout = write_timeout
@@ -74,7 +83,7 @@ class SseStream:
             raise RuntimeError("the SSE stream was never opened")
         return self._response
 
-    def set_greeting(self, event: str, data: Any) -> bool:
+    def set_greeting(self, event: str | None, data: Any) -> bool:
         """The stream's first event, sent when it opens; False if it already opened."""
         if self._response is not None:
             return False
@@ -92,10 +101,10 @@ class SseStream:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    async def send(self, event: str, data: Any) -> None:
+    async def send(self, event: str | None, data: Any) -> None:
         await self.send_many([(event, data)])
 
-    async def send_many(self, events: Iterable[tuple[str, Any]]) -> None:
+    async def send_many(self, events: Iterable[SseFrame]) -> None:
         """Write several events in one socket write (open the stream first if needed)."""
         payload = b"".join(encode_sse(name, data) for name, data in events)
         async with self._lock:
@@ -145,7 +154,9 @@ class SseStream:
         try:
             await asyncio.sleep(self._first_byte_after)
             while not self.client_gone:
-                await self.send(*PING)
+                async with self._lock:
+                    await self._open_locked()
+                    await self._write_locked(self._ping)
                 await asyncio.sleep(self._ping_interval)
         except asyncio.CancelledError:
             raise

@@ -156,7 +156,9 @@ async def _run(
     record.plan = plan
     state.next_turn += 1
     state.journal.hold()  # released once the engine has the request (see Journal)
-    input_task = _record_request(ctx, state, chat, body, path, plan, record, max_new)
+    input_task = _record_request(
+        ctx, state, chat, body, path, plan, record, max_new, responder.dialect.name
+    )
     model = chat.model or ctx.config.model_name
     await responder.started(record.request_id, model, usage_for(len(plan.input_ids), 0, 0))
     params = state.overrides.sampling.apply(_sampling_params(ctx, chat, max_new))
@@ -199,6 +201,7 @@ def _record_request(
     plan: TurnPlan,
     record: TurnRecord,
     max_new: int,
+    dialect: str,
 ) -> asyncio.Future[ArrayRef]:
     """Store the body and engine input and record the request, in the background.
 
@@ -212,7 +215,9 @@ def _record_request(
 
     async def step() -> None:
         body_ref, input_ref = await asyncio.gather(body_task, input_task)
-        journal.add(*_request_events(ctx, chat, plan, record, path, max_new, body_ref, input_ref))
+        journal.add(
+            *_request_events(ctx, chat, plan, record, path, max_new, body_ref, input_ref, dialect)
+        )
 
     journal.then(step)
     return input_task
@@ -266,6 +271,7 @@ def _request_events(
     max_new: int,
     body_ref: ArrayRef,
     input_ref: ArrayRef,
+    dialect: str,
 ) -> list[Any]:
     """MessagesRequest, ChainDecision, [ClampApplied], RenderedInput."""
     turn, request_id = record.turn, record.request_id
@@ -282,6 +288,7 @@ def _request_events(
             model=chat.model,
             n_chat_messages=len(chat.messages),
             n_tools=len(chat.tools),
+            dialect=dialect,
         ),
         ev.ChainDecision(
             rules_version=LIVE_RULES_VERSION,
@@ -609,8 +616,16 @@ async def _compose(
         stop_sequence=stop_sequence if stop_reason == "stop_sequence" else None,
         usage=usage_for(len(plan.input_ids), output.cached_tokens, len(ids)),
         hidden_reasoning=(parsed.reasoning or "") if shown is None else "",
+        token_logprobs=_token_logprobs(tok, output) if chat.logprobs else None,
     )
     return answer, tito_event
+
+
+def _token_logprobs(tok: Any, output: TurnOutput) -> list[tuple[str, float]]:
+    """Each output token's text and the engine's logprob (the EOS that ended it left out)."""
+    ids, logprobs = output.output_ids, output.logprobs
+    n = len(ids) - 1 if ids and ids[-1] in tok.eos_token_ids else len(ids)
+    return [(tok.decode([i]), float(lp)) for i, lp in zip(ids[:n], logprobs[:n], strict=True)]
 
 
 async def _tito_verdict(

@@ -1,0 +1,198 @@
+"""What the two OpenAI dialects share: tools, tool choice, parts, images, decoding errors.
+
+Both build Anthropic-shaped `translate.Message` values and hand them to
+`translate.parse_request`, so the chat messages, digests, tool-result checks
+and the per-session ParseCache are the Messages path's own: one
+implementation of the chain logic, whatever the client spoke.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Annotated, Any
+
+import msgspec
+
+from recorder.translate import (
+    AnthropicRequest,
+    Base64Source,
+    ChatRequest,
+    ImageBlock,
+    InvalidRequest,
+    Message,
+    ParseCache,
+    TextBlock,
+    Tool,
+    ToolChoice,
+    ToolChoiceAny,
+    ToolChoiceAuto,
+    ToolChoiceNone,
+    ToolChoiceTool,
+    UrlSource,
+    _from_validation_error,
+    parse_request,
+)
+
+NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
+_encoder = msgspec.json.Encoder()
+
+
+def decode(body: bytes, kind: type[Any]) -> Any:
+    """The body as the dialect's request Struct; InvalidRequest names the field."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        raise _from_validation_error(exc) from None
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"not valid JSON (UTF-8): {exc}", "body") from None
+
+
+def tool(name: str, description: str | None, parameters: dict[str, Any] | None) -> Tool:
+    schema = parameters if parameters is not None else {"type": "object", "properties": {}}
+    return Tool(name=name, input_schema=schema, description=description or "")
+
+
+def tool_choice(choice: str | dict[str, Any] | None, parallel: bool, field: str) -> ToolChoice:
+    """`auto` | `none` | `required` | {"type": "function", "name"/"function": {"name"}}."""
+    no_parallel = not parallel
+    if choice is None or choice == "auto":
+        return ToolChoiceAuto(disable_parallel_tool_use=no_parallel)
+    if choice == "none":
+        return ToolChoiceNone()
+    if choice == "required":
+        return ToolChoiceAny(disable_parallel_tool_use=no_parallel)
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = choice.get("name") or (choice.get("function") or {}).get("name")
+        if isinstance(name, str) and name:
+            return ToolChoiceTool(name=name, disable_parallel_tool_use=no_parallel)
+    raise InvalidRequest(
+        "must be 'auto', 'none', 'required' or a function tool choice with a name", field
+    )
+
+
+def image(url: str) -> ImageBlock:
+    """An image part: a `data:` URL is inline base64, anything else is named by its URL."""
+    if url.startswith("data:") and ";base64," in url:
+        head, data = url[5:].split(";base64,", 1)
+        return ImageBlock(source=Base64Source(media_type=head, data=data))
+    return ImageBlock(source=UrlSource(url=url))
+
+
+def arguments(text: str, field: str) -> dict[str, Any]:
+    """A tool call's JSON-string arguments as the object the model wrote."""
+    try:
+        value = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(
+            f"not valid JSON ({exc.msg}); send the arguments as a JSON object string", field
+        ) from None
+    if not isinstance(value, dict):
+        raise InvalidRequest("must be a JSON object", field)
+    return value
+
+
+def texts(parts: Sequence[TextBlock]) -> str:
+    return "\n\n".join(p.text for p in parts)
+
+
+def to_chat_request(
+    fields: dict[str, Any],
+    messages: list[Message],
+    index_map: list[str],
+    cache: ParseCache | None,
+) -> ChatRequest:
+    """The shared translation of Anthropic-shaped messages; errors named in the client's terms."""
+    if not messages:
+        raise InvalidRequest("at least one non-system message is required", index_map[-1])
+    request = AnthropicRequest(messages=messages, **fields)
+    try:
+        # count_tokens=True: max_tokens is optional in the OpenAI dialects.
+        return parse_request(_encoder.encode(request), count_tokens=True, cache=cache)
+    except InvalidRequest as exc:
+        raise _renamed(exc, index_map) from None
+
+
+def _renamed(exc: InvalidRequest, index_map: list[str]) -> InvalidRequest:
+    field = exc.field
+    message = str(exc)[len(field) + 2 :] if field else str(exc)
+    head, _, rest = field.partition(".")
+    if head == "messages":
+        index = rest.partition(".")[0]
+        if index.isdigit() and int(index) < len(index_map) - 1:
+            return InvalidRequest(message, index_map[int(index)])
+    return InvalidRequest(message, field)
+
+
+def encode_message(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def chat_request_from_pieces(
+    fields: dict[str, Any], pieces: list[bytes], cache: ParseCache
+) -> ChatRequest:
+    """`to_chat_request` for messages already encoded (Anthropic-shaped JSON, one per piece)."""
+    if not pieces:
+        raise InvalidRequest("at least one non-system message is required", "messages")
+    head = _encoder.encode(fields)
+    body = b'{"messages":[' + b",".join(pieces) + b"]," + head[1:]
+    return parse_request(body, count_tokens=True, cache=cache)
+
+
+class ConvertedMessages:
+    """One session's OpenAI messages already converted, by their exact JSON bytes (LRU, bounded).
+
+    Values are small tuples of bytes that the shared ParseCache keys on in turn,
+    so a resent conversation is joined, not converted again. Charged twice the
+    key's size (key + value); the oldest go beyond `max_entries` / `max_bytes`.
+    """
+
+    def __init__(self, max_entries: int = 4096, max_bytes: int = 32 << 20) -> None:
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self._entries: OrderedDict[bytes, tuple[str, bytes]] = OrderedDict()
+        self._nbytes = 0
+        self._previous: list[bytes] = []
+        self._keys: list[bytes] = []
+
+    def get(self, index: int, data: bytes) -> tuple[bytes, tuple[str, bytes] | None]:
+        """(the key for message `index` with bytes `data`, its conversion if known).
+
+        The previous request's keys are kept in order: a message at the same
+        position as before is matched by a byte compare (the old key's hash is
+        cached), so only messages that moved or are new get hashed.
+        """
+        if index == 0:
+            self._keys = []  # a new request (even if the last one stopped at an error)
+        previous = self._previous
+        key = previous[index] if index < len(previous) and previous[index] == data else data
+        self._keys.append(key)
+        hit = self._entries.get(key)
+        if hit is not None:
+            self._entries.move_to_end(key)
+        return key, hit
+
+    def done(self) -> None:
+        """The request's messages are all looked up: its keys are the next one's `previous`."""
+        self._previous, self._keys = self._keys, []
+
+    def put(self, key: bytes, value: tuple[str, bytes]) -> None:
+        self._entries[key] = value
+        self._nbytes += len(key) + len(value[1])
+        while self._entries and (
+            len(self._entries) > self.max_entries or self._nbytes > self.max_bytes
+        ):
+            old, (_, data) = self._entries.popitem(last=False)
+            self._nbytes -= len(old) + len(data)
+
+
+_CONVERTED: weakref.WeakKeyDictionary[ParseCache, ConvertedMessages] = weakref.WeakKeyDictionary()
+
+
+def converted_messages(cache: ParseCache) -> ConvertedMessages:
+    """The converted-message cache that lives and dies with a session's ParseCache."""
+    found = _CONVERTED.get(cache)
+    if found is None:
+        found = _CONVERTED[cache] = ConvertedMessages()
+    return found
