@@ -306,7 +306,7 @@ def translate(req: AnthropicRequest) -> ChatRequest:
 
 def _parse_with_cache(body: bytes, count_tokens: bool, cache: ParseCache) -> ChatRequest:
     req = _raw_messages_decoder.decode(body)
-    if json_problem(_outside_messages(body, req.messages)) is not None:
+    if json_problem(outside_messages(body, req.messages)) is not None:
         raise InvalidRequest("JSON limits", "body")  # the uncached path names the problem
     _check_max_tokens(req, count_tokens)
     _check_head(req, len(req.messages))
@@ -315,7 +315,7 @@ def _parse_with_cache(body: bytes, count_tokens: bool, cache: ParseCache) -> Cha
     return _chat_request(req, conversation)
 
 
-def _outside_messages(body: bytes, raws: Sequence[msgspec.Raw]) -> bytes:
+def outside_messages(body: bytes, raws: Sequence[msgspec.Raw]) -> bytes:
     """`body` without the bytes of its messages (each message is checked on its own,
     once, when the cache first sees it). msgspec's `Raw` is a view into `body`, so
     the messages' span is found by address, never by searching."""

@@ -28,6 +28,7 @@ from recorder.dialects.openai_common import (
     tool,
     tool_choice,
 )
+from recorder.json_limits import MAX_DEPTH, json_problem
 from recorder.server.answer import Answer
 from recorder.server.errors import ApiError
 from recorder.server.sse import SseFrame
@@ -42,6 +43,7 @@ from recorder.translate import (
     TextBlock,
     ToolResultBlock,
     ToolUseBlock,
+    outside_messages,
 )
 
 _PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -168,7 +170,7 @@ class OpenAIChat:
         if cache is not None:
             try:
                 req, chat = _parse_cached(body, cache)
-            except (InvalidRequest, msgspec.MsgspecError, UnicodeDecodeError):
+            except (InvalidRequest, msgspec.MsgspecError, UnicodeDecodeError, RecursionError):
                 cache = None  # parsed again without the cache, which names the field
         if cache is None:
             req = full = decode(body, ChatCompletionsRequest)
@@ -246,6 +248,8 @@ def _parse_cached(body: bytes, cache: ParseCache) -> tuple[_RawChatRequest, Chat
     The result is the same as without the caches.
     """
     req = _raw_request_decoder.decode(body)
+    if json_problem(outside_messages(body, req.messages)) is not None:
+        raise InvalidRequest("JSON limits", "body")  # the uncached path names the problem
     memo = converted_messages(cache)
     system: list[str] = []
     pieces: list[bytes] = []
@@ -253,6 +257,8 @@ def _parse_cached(body: bytes, cache: ParseCache) -> tuple[_RawChatRequest, Chat
     for i, raw in enumerate(req.messages):
         key, hit = memo.get(i, bytes(raw))
         if hit is None:
+            if json_problem(key, MAX_DEPTH - 2) is not None:  # two levels deep in the body
+                raise InvalidRequest("JSON limits", f"messages.{i}")
             hit = _converted(_message_decoder.decode(key), f"messages.{i}")
             memo.put(key, hit)
         kind, value = hit

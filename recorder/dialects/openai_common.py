@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from recorder.json_limits import json_problem
 from recorder.translate import (
     AnthropicRequest,
     Base64Source,
@@ -41,7 +42,12 @@ _encoder = msgspec.json.Encoder()
 
 
 def decode(body: bytes, kind: type[Any]) -> Any:
-    """The body as the dialect's request Struct; InvalidRequest names the field."""
+    """The body as the dialect's request Struct; InvalidRequest names the field.
+
+    JSON limits (depth, 64-bit integers) first, as for every JSON body."""
+    problem = json_problem(body)
+    if problem is not None:
+        raise InvalidRequest(problem, "body")
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:

@@ -342,6 +342,41 @@ class Dialect:
     check_error: Callable[[Any, str, str], None]
 
 
+def openai_body(**fields: Any) -> bytes:
+    """A Chat Completions body (or, with `input`, a Responses body) with `fields` set."""
+    base: dict[str, Any] = {"model": "m", "max_tokens": 64, "messages": [OK_MESSAGE]}
+    base.update(fields)
+    return json.dumps(base).encode().replace(json.dumps(DEEP).encode(), DEEP_JSON)
+
+
+def responses_body(**fields: Any) -> bytes:
+    base: dict[str, Any] = {"model": "m", "max_output_tokens": 64, "input": "hi"}
+    base.update(fields)
+    return json.dumps(base).encode().replace(json.dumps(DEEP).encode(), DEEP_JSON)
+
+
+def assert_openai_error_shape(data: Any, error_type: str, needle: str) -> None:
+    assert data["error"]["type"] == error_type, data
+    assert needle.lower() in data["error"]["message"].lower(), data
+
+
+_FN = {"type": "function", "function": {"name": "Bash", "parameters": DEEP}}
+OPENAI_CHAT_CASES = [
+    ("deep tool parameters", openai_body(tools=[_FN]), 400, "invalid_request_error", "levels"),
+    ("deep metadata", openai_body(metadata={"a": DEEP}), 400, "invalid_request_error", "levels"),
+    ("huge max_tokens", openai_body(max_tokens=HUGE), 400, "invalid_request_error", "64 bits"),
+    ("huge seed", openai_body(seed=HUGE), 400, "invalid_request_error", "64 bits"),
+]
+_RESP_FN = {"type": "function", "name": "Bash", "parameters": DEEP}
+OPENAI_RESPONSES_CASES = [
+    ("deep tool parameters", responses_body(tools=[_RESP_FN]), 400, "invalid_request_error", "levels"),
+    ("deep input", responses_body(input=[{"role": "user", "content": DEEP}]), 400,
+     "invalid_request_error", "levels"),
+    ("huge max_output_tokens", responses_body(max_output_tokens=HUGE), 400,
+     "invalid_request_error", "64 bits"),
+]  # fmt: skip
+
+
 DIALECTS = [
     Dialect(
         name="anthropic",
@@ -350,6 +385,22 @@ DIALECTS = [
         good_body=body,
         answer_text=lambda data: str(data["content"][0]["text"]),
         check_error=lambda data, error_type, needle: assert_error_shape(data, error_type, needle),
+    ),
+    Dialect(
+        name="openai-chat",
+        path="/v1/chat/completions",
+        cases=OPENAI_CHAT_CASES,
+        good_body=openai_body,
+        answer_text=lambda data: str(data["choices"][0]["message"]["content"]),
+        check_error=assert_openai_error_shape,
+    ),
+    Dialect(
+        name="openai-responses",
+        path="/v1/responses",
+        cases=OPENAI_RESPONSES_CASES,
+        good_body=responses_body,
+        answer_text=lambda data: str(data["output"][-1]["content"][0]["text"]),
+        check_error=assert_openai_error_shape,
     ),
 ]
 
