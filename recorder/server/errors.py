@@ -14,6 +14,8 @@ from typing import Any, Literal
 import msgspec
 from aiohttp import web
 
+from recorder.redact import redact
+
 log = logging.getLogger("recorder.server")
 
 ErrorType = Literal[
@@ -66,6 +68,8 @@ class ApiError(Exception):
 
 
 def error_payload(error_type: str, message: str) -> dict[str, Any]:
+    """The error body; its message is redacted (no password or token reaches a client)."""
+    message = redact(message)
     return {"type": "error", "error": {"type": error_type, "message": message}}
 
 
