@@ -138,6 +138,14 @@ log = logging.getLogger("recorder.server")
     show_default=True,
     help="SQLite page cache of the writer connection (each reader gets a quarter).",
 )
+@click.option(
+    "--engine-health-interval",
+    type=float,
+    default=5.0,
+    show_default=True,
+    help="Seconds between GET /health checks of each engine (several --engine only); a "
+    "session whose engine is down moves to a live one. 0: no checks.",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 def serve(
     db_url: str,
@@ -162,6 +170,7 @@ def serve(
     return_routed_experts: bool | None,
     piece_cache_mb: float,
     sqlite_cache_mb: float,
+    engine_health_interval: float,
     log_level: str,
 ) -> None:
     """Record every agent turn between an Anthropic client and SGLang."""
@@ -209,6 +218,7 @@ def serve(
         "return_routed_experts": records_routing(return_routed_experts, rules),
         "piece_cache_bytes": int(piece_cache_mb * 2**20),
         "sqlite_cache_bytes": int(sqlite_cache_mb * 2**20),
+        "engine_health_interval_s": engine_health_interval,
     }
     try:
         asyncio.run(_serve(tokenizer, rules, **settings))  # type: ignore[arg-type]
@@ -231,7 +241,7 @@ async def _serve(tokenizer, rules, **s) -> None:  # type: ignore[no-untyped-def]
     from recorder.server.app import RecorderServer, freeze_startup_heap
     from recorder.store import StoreError, StoreOptions, open_store
 
-    engine = EngineClient(s["engines"])
+    engine = EngineClient(s["engines"], health_interval_s=s["engine_health_interval_s"])
     await engine.start()
     try:
         context_length = s["context_length"] or await _engine_context_length(engine)
