@@ -43,7 +43,7 @@ def local_admin_token() -> str | None:
     import os
     from pathlib import Path
 
-    from recorder.server.admin_token import (
+    from recorder.admin_token import (
         ENV_TOKEN_FILE,
         AdminTokenError,
         default_token_file,

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 import click
 
+from recorder.admin_token import AdminTokenError, resolve_admin_token
 from recorder.redact import install_log_redaction, redact, register_secret
-from recorder.server.admin_token import AdminTokenError, resolve_admin_token
 from recorder.server.context import ServerConfig, ServerContext
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from recorder.server.admin_token import new_admin_token
+from recorder.admin_token import new_admin_token
 from recorder.server.sessions import SessionRegistry
 
 if TYPE_CHECKING:

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from recorder.admin_token import AdminTokenError, read_token_file, resolve_admin_token
 from recorder.redact import RedactingFilter, redact, register_secret
-from recorder.server.admin_token import AdminTokenError, read_token_file, resolve_admin_token
 from recorder.server.errors import error_payload
 from tests.server.conftest import FIXTURE_TOKENIZER, Harness
 from tests.server.test_e2e import ask
