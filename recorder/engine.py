@@ -283,10 +283,16 @@ class EngineClient:
         timeout_s: float = 3600,
         connect_timeout_s: float = 10,
         max_connections: int = 0,
+        health_interval_s: float = 5.0,
     ) -> None:
         if not urls:
             raise ValueError("EngineClient needs at least one engine URL")
         self.urls: tuple[str, ...] = tuple(u.rstrip("/") for u in urls)
+        # Engines that failed a health check or a connection; `pick` avoids them until a
+        # check passes again. With one engine there is nowhere to move: no checks.
+        self.down: set[str] = set()
+        self.health_interval_s = health_interval_s if len(self.urls) > 1 else 0.0
+        self._checks: asyncio.Task[None] | None = None
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._max_connections = max_connections
@@ -303,8 +309,38 @@ class EngineClient:
                 ),
                 trace_configs=[sent],
             )
+        if self.health_interval_s > 0 and self._checks is None:
+            self._checks = asyncio.create_task(self._check_forever(), name="engine-health")
+
+    async def _check_forever(self) -> None:
+        """Until closed, or until `health_interval_s` is set to 0."""
+        while self.health_interval_s > 0:
+            await self.check_engines()
+            await asyncio.sleep(self.health_interval_s)
+
+    async def check_engines(self) -> None:
+        """GET /health of every engine; mark each live or down."""
+        results = await asyncio.gather(*(self.health(url) for url in self.urls))
+        for url, ok in zip(self.urls, results, strict=True):
+            self.mark(url, ok)
+
+    def mark(self, url: str, live: bool) -> None:
+        if live and url in self.down:
+            log.warning("engine %s is back", url)
+            self.down.discard(url)
+        elif not live and url not in self.down:
+            log.warning("engine %s is down: its sessions move to live engines", url)
+            self.down.add(url)
+
+    def live(self, url: str) -> bool:
+        return url not in self.down
 
     async def close(self) -> None:
+        if self._checks is not None:
+            self._checks.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._checks
+            self._checks = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -318,9 +354,11 @@ class EngineClient:
 
     def pick(self, session_id: str) -> str:
         """Stable engine choice per session (rendezvous hashing: adding an
-        engine moves only the sessions that now prefer it)."""
+        engine moves only the sessions that now prefer it). Engines marked down are
+        skipped while another is live."""
+        live = [u for u in self.urls if u not in self.down] or self.urls
         return max(
-            self.urls,
+            live,
             key=lambda u: hashlib.blake2b(f"{session_id}\x00{u}".encode(), digest_size=8).digest(),
         )
 
@@ -425,6 +463,7 @@ class EngineClient:
         except TimeoutError as exc:
             raise EngineError("timeout", f"{method} {path} timed out", url=url) from exc
         except aiohttp.ClientConnectorError as exc:
+            self.mark(url, False)  # refused: the next turn goes elsewhere, before any check
             raise EngineError("unreachable", f"cannot connect: {exc}", url=url) from exc
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
             raise EngineError(

@@ -960,7 +960,10 @@ async def stop_stack(stack: Stack) -> None:
 
 
 async def open_session(stack: Stack, dialect: str = "anthropic") -> LiveSession:
-    async with stack.http.post(stack.server.url + "/sessions", json={"bench": True}) as resp:
+    auth = {"Authorization": f"Bearer {stack.server.ctx.config.admin_token}"}
+    async with stack.http.post(
+        stack.server.url + "/sessions", json={"bench": True}, headers=auth
+    ) as resp:
         data = await resp.json()
         if resp.status != 201:
             raise RuntimeError(f"could not open a session: {data}")

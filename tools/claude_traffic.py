@@ -481,7 +481,11 @@ async def record(version: str, scenario: Scenario, out: Path, work: Path, fixtur
         await proxy.start()
         async with (
             aiohttp.ClientSession() as http,
-            http.post(server.url + "/sessions", json={"instance_id": scenario.name}) as r,
+            http.post(
+                server.url + "/sessions",
+                json={"instance_id": scenario.name},
+                headers={"Authorization": f"Bearer {ctx.config.admin_token}"},
+            ) as r,
         ):
             sid = (await r.json())["session_id"]
         runs = await run_scenario(scenario, str(claude_binary(version)), proxy.url, sid, root)

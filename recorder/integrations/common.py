@@ -6,7 +6,7 @@ the environment; see `SETTINGS`):
     name            env var             default
     recorder_url    TR_RECORDER_URL     required: the recorder as this worker reaches it
     agent_base_url  TR_AGENT_BASE_URL   recorder_url: the recorder as the sandbox reaches it
-    admin_token     TR_ADMIN_TOKEN      none (the recorder's --admin-token)
+    admin_token     TR_ADMIN_TOKEN      the recorder's token file (TR_ADMIN_TOKEN_FILE)
     sandbox         TR_SANDBOX          "local"; a backend name or a JSON object of
                                         SandboxSpec fields ({"backend": "e2b", "template": ...})
     agent           TR_AGENT            {}; a JSON object of AgentSpec fields (command, env, ...)

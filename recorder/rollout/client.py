@@ -38,12 +38,33 @@ class RolloutEvent(msgspec.Struct, frozen=True):
     detail: dict[str, Any] = {}
 
 
+def local_admin_token() -> str | None:
+    """The token in TR_ADMIN_TOKEN_FILE or the default token file, if one is readable."""
+    import os
+    from pathlib import Path
+
+    from recorder.admin_token import (
+        ENV_TOKEN_FILE,
+        AdminTokenError,
+        default_token_file,
+        read_token_file,
+    )
+
+    path = Path(os.environ.get(ENV_TOKEN_FILE) or default_token_file())
+    try:
+        return read_token_file(path) if path.exists() else None
+    except AdminTokenError:
+        return None
+
+
 class RecorderClient:
     """One HTTP connection pool to one recorder; use as `async with RecorderClient(url):`."""
 
     def __init__(self, url: str, admin_token: str | None = None, *, timeout_s: float = 120.0):
+        """No `admin_token`: the one a recorder on this machine wrote to its token file."""
         self.url = url.rstrip("/")
-        self._headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        token = admin_token or local_admin_token()
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._http: aiohttp.ClientSession | None = None
 

@@ -107,6 +107,8 @@ async def open_session(request: web.Request) -> web.Response:
     reopen = _field(data, "reopen", bool, False)
     if session_id is None:
         session_id = "sess_" + uuid.uuid4().hex
+    elif session_id == ctx.config.admin_token:  # the agent's key must never open the admin API
+        raise ApiError("invalid_request_error", "session_id: choose an id that is not a secret")
     elif not SESSION_ID_RE.match(session_id):
         raise ApiError(
             "invalid_request_error",

@@ -264,6 +264,7 @@ async def health(request: web.Request) -> web.Response:
             "sessions_open": ctx.registry.open_count(),
             "turns_in_flight": len(ctx.inflight),
             "engines": list(ctx.engine.urls),
+            "engines_down": sorted(ctx.engine.down),
             "context_length": ctx.config.context_length,
         },
         status=200 if status == "ok" else 503,

@@ -30,16 +30,34 @@ def session_id_of(request: web.Request) -> str:
     return token
 
 
-def require_admin(request: web.Request, admin_token: str | None) -> None:
-    """Admin endpoints need the admin token when one is configured."""
-    if admin_token is None:
-        return
+def require_admin(request: web.Request, admin_token: str) -> None:
+    """Admin endpoints need the admin token (there is always one) and JSON bodies.
+
+    The JSON rule shuts the browser door: a page may POST `text/plain` to loopback
+    without a CORS preflight, but never `application/json`.
+    """
     token = bearer_or_api_key(request)
-    # surrogateescape: a header byte that is not UTF-8 is a wrong token, not an error.
-    given = None if token is None else token.encode("utf-8", "surrogateescape")
-    if given is None or not hmac.compare_digest(given, admin_token.encode()):
+    given = (token or "").encode("utf-8", "surrogateescape")
+    if token is None or not hmac.compare_digest(given, admin_token.encode()):
         raise ApiError(
             "authentication_error",
-            "admin endpoints need `Authorization: Bearer <admin token>` "
-            "(the --admin-token / TR_ADMIN_TOKEN of this server)",
+            "admin endpoints need `Authorization: Bearer <admin token>` (the server's "
+            "TR_ADMIN_TOKEN, --admin-token-file, or the file its startup log names); "
+            "a session id is never an admin token",
         )
+    has_body = request.can_read_body or "Content-Type" in request.headers
+    if has_body and not is_json_type(request.content_type):
+        raise ApiError(
+            "invalid_request_error",
+            f"admin request bodies must be `Content-Type: application/json` "
+            f"(got {request.content_type!r})",
+            status=415,
+        )
+
+
+def is_json_type(content_type: str) -> bool:
+    """application/json or any application/*+json."""
+    kind = content_type.lower()
+    return kind == "application/json" or (
+        kind.startswith("application/") and kind.endswith("+json")
+    )

@@ -7,10 +7,13 @@ import contextlib
 import logging
 import signal
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
 
+from recorder.admin_token import AdminTokenError, resolve_admin_token
+from recorder.redact import install_log_redaction, redact, register_secret
 from recorder.server.context import ServerConfig, ServerContext
 
 if TYPE_CHECKING:
@@ -66,7 +69,18 @@ log = logging.getLogger("recorder.server")
     "--admin-token",
     envvar="TR_ADMIN_TOKEN",
     default=None,
-    help="Bearer token for /sessions (env TR_ADMIN_TOKEN); unset = admin API open.",
+    help="Bearer token for the /sessions admin API. Prefer the env var TR_ADMIN_TOKEN or "
+    "--admin-token-file: a token on the command line shows in the process list.",
+)
+@click.option(
+    "--admin-token-file",
+    envvar="TR_ADMIN_TOKEN_FILE",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="File holding the admin token (mode 0600). With no token given it is created with "
+    "a new one. Default: $XDG_STATE_HOME/trajectory-recorder/admin-token "
+    "(~/.local/state/...). The admin API is always authenticated; the log says where the "
+    "token is.",
 )
 @click.option(
     "--rules",
@@ -125,6 +139,14 @@ log = logging.getLogger("recorder.server")
     show_default=True,
     help="SQLite page cache of the writer connection (each reader gets a quarter).",
 )
+@click.option(
+    "--engine-health-interval",
+    type=float,
+    default=5.0,
+    show_default=True,
+    help="Seconds between GET /health checks of each engine (several --engine only); a "
+    "session whose engine is down moves to a live one. 0: no checks.",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 def serve(
     db_url: str,
@@ -138,6 +160,7 @@ def serve(
     host: str,
     port: int,
     admin_token: str | None,
+    admin_token_file: Path | None,
     rules_spec: str | None,
     model_name: str,
     max_body_mb: float,
@@ -148,12 +171,19 @@ def serve(
     return_routed_experts: bool | None,
     piece_cache_mb: float,
     sqlite_cache_mb: float,
+    engine_health_interval: float,
     log_level: str,
 ) -> None:
     """Record every agent turn between an Anthropic client and SGLang."""
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    install_log_redaction()
+    try:
+        admin_token, token_source = resolve_admin_token(admin_token, admin_token_file)
+    except AdminTokenError as exc:
+        raise click.ClickException(str(exc)) from None
+    register_secret(admin_token)
     from recorder.parsers import check_parser_names, default_backend
     from recorder.tokenizer import TokenizerLoadError, load_tokenizer
     from replay.rules import RulesError, load_rules
@@ -179,6 +209,7 @@ def serve(
         "host": host,
         "port": port,
         "admin_token": admin_token,
+        "token_source": token_source,
         "model_name": model_name,
         "max_body_bytes": int(max_body_mb * 1024 * 1024),
         "ping_interval": ping_interval,
@@ -188,11 +219,12 @@ def serve(
         "return_routed_experts": records_routing(return_routed_experts, rules),
         "piece_cache_bytes": int(piece_cache_mb * 2**20),
         "sqlite_cache_bytes": int(sqlite_cache_mb * 2**20),
+        "engine_health_interval_s": engine_health_interval,
     }
     try:
         asyncio.run(_serve(tokenizer, rules, **settings))  # type: ignore[arg-type]
     except _StartupError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise click.ClickException(redact(str(exc))) from None
 
 
 def records_routing(flag: bool | None, rules: Rules) -> bool:
@@ -210,7 +242,7 @@ async def _serve(tokenizer, rules, **s) -> None:  # type: ignore[no-untyped-def]
     from recorder.server.app import RecorderServer, freeze_startup_heap
     from recorder.store import StoreError, StoreOptions, open_store
 
-    engine = EngineClient(s["engines"])
+    engine = EngineClient(s["engines"], health_interval_s=s["engine_health_interval_s"])
     await engine.start()
     try:
         context_length = s["context_length"] or await _engine_context_length(engine)
@@ -262,10 +294,7 @@ async def _serve(tokenizer, rules, **s) -> None:  # type: ignore[no-untyped-def]
     try:
         await server.start()
         freeze_startup_heap()
-        if s["admin_token"] is None:
-            log.warning(
-                "no --admin-token: the /sessions admin API is open to anyone who can connect"
-            )
+        log.info("admin API token: %s", s["token_source"])
         log.info(
             "engines %s, context length %d, db %s",
             ", ".join(engine.urls),

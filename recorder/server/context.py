@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from recorder.admin_token import new_admin_token
 from recorder.server.sessions import SessionRegistry
 
 if TYPE_CHECKING:
@@ -26,7 +27,8 @@ LIVE_RULES_VERSION = "live-1"
 class ServerConfig:
     context_length: int
     model_name: str = ""
-    admin_token: str | None = None
+    # Always set: the admin API is never open (see admin_token.py).
+    admin_token: str = field(default_factory=new_admin_token)
     max_body_bytes: int = 64 * 1024 * 1024
     ping_interval_s: float = 5.0
     first_byte_after_s: float = 1.0

@@ -15,6 +15,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
+from recorder.redact import redact
 from recorder.store.base import StorageUnavailable
 
 log = logging.getLogger("recorder.server")
@@ -74,6 +75,8 @@ def storage_error(exc: StorageUnavailable) -> ApiError:
 
 
 def error_payload(error_type: str, message: str) -> dict[str, Any]:
+    """The error body; its message is redacted (no password or token reaches a client)."""
+    message = redact(message)
     return {"type": "error", "error": {"type": error_type, "message": message}}
 
 

@@ -575,8 +575,21 @@ async def _fail_turn(
 
 
 def _engine_url(ctx: ServerContext, state: SessionState) -> str:
-    if state.engine_url not in ctx.engine.urls:
-        state.engine_url = ctx.engine.pick(state.session_id)
+    """The session's engine; a session whose engine is down moves to a live one.
+
+    Moving costs only the prefix cache: the turn sends its whole chain's tokens. The
+    move is on record as the turn's `GenerateAttempt.engine_url`.
+    """
+    engine = ctx.engine
+    if state.engine_url not in engine.urls or not engine.live(state.engine_url):
+        moved_from, state.engine_url = state.engine_url, engine.pick(state.session_id)
+        if moved_from and moved_from != state.engine_url:
+            log.warning(
+                "session %s moves from engine %s (down) to %s",
+                state.session_id,
+                moved_from,
+                state.engine_url,
+            )
     return state.engine_url
 
 

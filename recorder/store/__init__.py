@@ -76,9 +76,11 @@ async def open_store(
     url = normalize_url(url_or_path)
     backend = sa.make_url(url).get_backend_name()
     if backend == "sqlite":
-        from recorder.store.sqlite import SqliteEventStore, database_path
+        from recorder.store.sqlite import SqliteEventStore, create_private, database_path
 
         path = database_path(url)
+        if create and path is not None:
+            create_private(path)
         if not create and path is not None and not path.exists():
             raise SchemaOutOfDate(
                 f"{path} does not exist: run `recorder db upgrade --db {url}` to create it "

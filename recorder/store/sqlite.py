@@ -23,7 +23,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import sqlite3
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -65,6 +67,17 @@ def database_path(url: str) -> Path | None:
     """The file a sqlite URL points at (None for in-memory)."""
     db = sa.make_url(url).database
     return None if not db or db == ":memory:" else Path(db)
+
+
+def create_private(path: Path) -> None:
+    """Create an empty database file 0600 (it holds every prompt).
+
+    SQLite gives the -wal and -shm files the mode of the database file, so they are
+    owner-only too. An existing file keeps the mode its owner chose.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
 
 
 def create_engine(url: str, *, writer: bool, cache_kib: int | None = None) -> AsyncEngine:

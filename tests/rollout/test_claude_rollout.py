@@ -28,6 +28,7 @@ def request(h: Harness, root: Path, task: Task, **kw: Any) -> RolloutRequest:
     return RolloutRequest(
         task=task,
         recorder_url=h.url,
+        admin_token=h.config.admin_token,
         sandbox=SandboxSpec(options={"root": str(root)}),
         agent=AgentSpec(binary=claude_code_binary(), max_retries=0),
         sampling={"temperature": 0.7, "max_new_tokens": 2048},
@@ -86,10 +87,12 @@ async def test_correct_fix_passes_and_failures_stay_in_their_rollout(
             request(h, root, task, sample_index=1, group_index=3),
             RolloutRequest(
                 task=task, sample_index=2, group_index=3, recorder_url=h.url,
+                admin_token=h.config.admin_token,
                 sandbox=SandboxSpec(options={"root": str(tmp_path / "missing" / "root")}),
             ),
             RolloutRequest(
                 task=task, sample_index=3, group_index=3, recorder_url=h.url,
+                admin_token=h.config.admin_token,
                 sandbox=SandboxSpec(options={"root": str(root)}),
                 agent=AgentSpec(command="sleep 600"), wall_budget_s=2.0,
             ),

@@ -34,6 +34,7 @@ def request(h: Harness, root: Path, task: Task, **kw: Any) -> RolloutRequest:
     return RolloutRequest(
         task=task,
         recorder_url=h.url,
+        admin_token=h.config.admin_token,
         sandbox=SandboxSpec(options={"root": str(root)}),
         **kw,
     )

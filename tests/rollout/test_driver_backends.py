@@ -35,7 +35,11 @@ async def test_rollouts_on_every_backend(
     check = "set -e\ntest ! -e README.md\ntest -s b.bin\ngrep -q 'return a + b' calc.py\n"
     graded = msgspec.structs.replace(task, tests=None, eval_script=check)
     good = RolloutRequest(
-        task=graded, recorder_url=recorder.url, sandbox=backend.spec(), agent=AgentSpec(command=FIX)
+        task=graded,
+        recorder_url=recorder.url,
+        admin_token=recorder.config.admin_token,
+        sandbox=backend.spec(),
+        agent=AgentSpec(command=FIX),
     )
     (ok,) = await run_group([good])
     booting = msgspec.structs.replace(good, sample_index=1, sandbox=backend.failing_spec())

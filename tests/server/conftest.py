@@ -135,8 +135,7 @@ class Harness:
         await self.start_server()
 
     def admin_headers(self) -> dict[str, str]:
-        token = self.config.admin_token
-        return {"Authorization": f"Bearer {token}"} if token else {}
+        return {"Authorization": f"Bearer {self.config.admin_token}"}
 
     async def open_session(self, **fields: Any) -> str:
         assert self.http is not None
