@@ -587,12 +587,14 @@ async def test_errors_a_retry_cannot_fix_say_so(small_harness: Harness) -> None:
     assert h.http is not None
     sid = await h.open_session()
     assert (await h.admin("POST", f"/sessions/{sid}/close", {"status": "completed"}))[0] == 200
+    json_admin = {**h.admin_headers(), "Content-Type": "application/json"}
     cases = [
         ("unknown_session", {"Authorization": "Bearer sess_nope"}, body(), "/v1/messages", 401),
         ("closed_session", {"Authorization": f"Bearer {sid}"}, body(), "/v1/messages", 409),
         ("bad_body", {"Authorization": f"Bearer {sid}"}, b"{", "/v1/messages", 409),
         ("unknown_path", {}, body(), "/v1/nothing", 404),
-        ("bad_admin_body", h.admin_headers(), b"[", "/sessions", 400),
+        ("bad_admin_body", json_admin, b"[", "/sessions", 400),
+        ("admin_body_not_json", h.admin_headers(), b"{}", "/sessions", 415),
     ]
     for case, headers, raw, path, status in cases:
         async with h.http.post(h.url + path, data=raw, headers=headers) as resp:
