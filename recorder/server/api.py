@@ -51,8 +51,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
     state = await ctx.registry.get(session_id)
     if state is None:
         raise ApiError("authentication_error", _unknown_session(session_id))
-    if state.status == "closed":
-        raise ApiError("invalid_request_error", _closed_session(session_id), status=409)
+    # Closed or not is decided under the lock, at the log's head (another
+    # replica may have closed or reopened the session since it was cached).
     chat: ChatRequest | None = None
     invalid: InvalidRequest | None = None
     try:
@@ -116,7 +116,7 @@ async def _serve(
                 )
         return await run_turn(ctx, state, chat, body, path, responder, message_id)
     finally:
-        state.lock.release()
+        ctx.registry.release(state)
 
 
 def _responder(

@@ -5,6 +5,10 @@ Chains are rebuilt by replaying the pipeline's own pure calls over each
 answered turn: `plan_turn` on the recorded request body, then `commit_turn`
 with the recorded engine input and output tokens, so the rebuilt chains hold
 exactly the tokens the engine saw, whatever the template does today.
+
+`catch_up` applies the same replay to only the events a cached state has not
+seen (another replica's turns on a shared Postgres), so a state at the head
+costs one index read and a state one turn behind costs one turn's replay.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from recorder.events import ArrayRef, RecordedEvent
 from recorder.server.deltas import remember_refs
 from recorder.server.journal import Journal
 from recorder.server.overrides import InvalidOverride, SessionOverrides, overrides_from_config
-from recorder.server.sessions import SessionState
+from recorder.server.sessions import SessionState, forget_tokens
 from recorder.tokens import SessionChains, commit_turn, note_dispatch, plan_turn, token_array
 from recorder.translate import find_dispatches, parse_request, response_message_digest
 
@@ -66,6 +70,35 @@ async def load_session_state(ctx: ServerContext, session_id: str) -> SessionStat
         return state
     state.chains = SessionChains()
     await _rebuild_chains(ctx, state, tail)
+    return state
+
+
+async def catch_up(ctx: ServerContext, state: SessionState) -> SessionState:
+    """`state` advanced to the log's head (called under the session's locks).
+
+    The cached state always ends at a turn boundary (a turn that failed half
+    way marks it suspect and it is reloaded), so the events after it are
+    whole turns of other processes, or one they left half done, which counts
+    as unanswered exactly as after a restart. A new attempt (SessionOpened)
+    or a gap reloads the session from the log.
+    """
+    events = await ctx.store.read_session(state.session_id, from_seq=state.next_seq)
+    if not events:
+        return state
+    reopened = any(isinstance(r.event, ev.SessionOpened) for r in events)
+    if reopened or events[0].seq != state.next_seq or state.status == "closed":
+        loaded = await load_session_state(ctx, state.session_id)
+        assert loaded is not None, "a session's events never disappear"
+        return loaded
+    state.journal.next_seq = events[-1].seq + 1
+    state.next_turn = max(state.next_turn, _next_turn(events))
+    closed = next((r.event for r in events if isinstance(r.event, ev.SessionClosed)), None)
+    if closed is not None:
+        state.status = "closed"
+        state.close_status = closed.status
+        forget_tokens(state)
+        return state
+    await _rebuild_chains(ctx, state, events)
     return state
 
 
