@@ -34,6 +34,7 @@ from typing import Any
 
 import aiohttp
 import click
+import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -117,6 +118,16 @@ async def drive(
     return latencies, time.perf_counter() - started
 
 
+async def catch_up_totals(http: aiohttp.ClientSession, urls: list[str]) -> tuple[int, float]:
+    """(catch-ups that found new events, seconds spent at head checks) over the replicas."""
+    calls, seconds = 0, 0.0
+    for url in urls:
+        async with http.get(url + "/health") as resp:
+            data = await resp.json()
+        calls, seconds = calls + data["catch_ups"], seconds + data["catch_up_s"]
+    return calls, seconds
+
+
 def row(name: str, latencies: list[float], wall_s: float | None) -> str:
     rate = f"{len(latencies) / wall_s:>9.1f}" if wall_s else f"{'':>9}"
     return (
@@ -126,7 +137,10 @@ def row(name: str, latencies: list[float], wall_s: float | None) -> str:
 
 async def bench_replicas(engine_url: str, pg: str, sessions: int, turns: int) -> None:
     print(f"\nreplicas on one Postgres: {sessions} sessions x {turns} turns, zero-latency engine")
-    print(f"{'replicas, routing':<30}{'turns':>7}{'turns/s':>9}{'p50 ms':>9}{'p99 ms':>9}")
+    print(
+        f"{'replicas, routing':<30}{'turns':>7}{'turns/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
+        f"{'caught up':>10}{'head+catch-up ms/turn':>22}"
+    )
     timeout = aiohttp.ClientTimeout(total=1200)
     for n in (1, 2, 3):
         replicas = Replicas(engine_url, pg, n)
@@ -136,15 +150,16 @@ async def bench_replicas(engine_url: str, pg: str, sessions: int, turns: int) ->
             ) as http:
                 await replicas.healthy(http)
                 await drive(http, sticky(replicas.urls), 2, 2)  # warm-up
-                p50 = {}
                 routes = [("sticky", sticky)] + ([("random", scattered)] if n > 1 else [])
                 for name, make in routes:
+                    before = await catch_up_totals(http, replicas.urls)
                     latencies, wall = await drive(http, make(replicas.urls), sessions, turns)
-                    p50[name] = pct(latencies, 50)
-                    print(row(f"{n} {name}", latencies, wall))
-                if n > 1:
-                    print(f"{'':<30}catch-up cost per turn (p50 random - sticky): "
-                          f"{p50['random'] - p50['sticky']:.1f} ms")  # fmt: skip
+                    calls, seconds = np.subtract(await catch_up_totals(http, replicas.urls), before)
+                    print(
+                        row(f"{n} {name}", latencies, wall)
+                        + f"{calls / len(latencies) * 100:>10.0f}%"
+                        + f"{seconds / len(latencies) * 1000:>12.2f}"
+                    )
                 if n == 2:
                     await long_context(http, replicas.urls)
         finally:
@@ -157,9 +172,14 @@ async def long_context(http: aiohttp.ClientSession, urls: list[str], reps: int =
     results = {}
     for name, route in (("sticky", sticky(urls[:1])), ("alternating", alternating(urls))):
         latencies: list[float] = []
+        before = await catch_up_totals(http, urls)
         await session(http, route, reps + 1, first, latencies)
+        calls, seconds = np.subtract(await catch_up_totals(http, urls), before)
         results[name] = latencies[1:]  # the first turn renders the whole context
-        print(row(f"  100k context, {name}", results[name], None))
+        print(
+            row(f"  100k context, {name}", results[name], None)
+            + f"{calls / len(latencies) * 100:>10.0f}%{seconds / len(latencies) * 1000:>12.2f}"
+        )
     extra = pct(results["alternating"], 50) - pct(results["sticky"], 50)
     print(f"{'':<30}at 100k context a catch-up adds {extra:.1f} ms "
           f"({extra / pct(results['sticky'], 50) * 100:.0f}% of a turn)")  # fmt: skip

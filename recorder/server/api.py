@@ -195,6 +195,8 @@ async def health(request: web.Request) -> web.Response:
             "sessions_cached": len(ctx.registry),
             "sessions_open": ctx.registry.open_count(),
             "turns_in_flight": len(ctx.inflight),
+            "catch_ups": ctx.registry.catch_ups,
+            "catch_up_s": round(ctx.registry.catch_up_s, 6),
             "engines": list(ctx.engine.urls),
             "context_length": ctx.config.context_length,
         },

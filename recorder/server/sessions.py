@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import re
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -109,6 +110,11 @@ class SessionRegistry:
         self._sessions: dict[str, SessionState] = {}
         self._loading: dict[str, asyncio.Future[SessionState | None]] = {}
         self._closed: OrderedDict[str, None] = OrderedDict()  # oldest first
+        # Time spent at the log's head check and catch-up, and how many found
+        # events another process wrote (`/health` shows both: what routing
+        # without stickiness costs a replica).
+        self.catch_up_s = 0.0
+        self.catch_ups = 0
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -212,12 +218,16 @@ class SessionRegistry:
         except BaseException:
             state.lock.release()
             raise
+        started = time.perf_counter()
+        seen = state.next_seq
         try:
             current = await self._catch_up(state)
         except BaseException:
             state.suspect = True  # half caught up: rebuilt before the next use
             self.release(state)
             raise
+        self.catch_up_s += time.perf_counter() - started
+        self.catch_ups += current is not state or current.next_seq != seen
         if current is not state:
             current.lock = state.lock
             self.put(current)
