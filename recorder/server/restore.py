@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("recorder.server")
 
+# Answered turns whose arrays (body, engine input, outputs) are read in one
+# store call: one round trip per batch instead of per turn, memory bounded.
+ARRAY_BATCH_TURNS = 32
+
 
 @dataclass
 class _Turn:
@@ -146,37 +150,57 @@ def _answered_turns(events: list[RecordedEvent]) -> list[_Turn]:
 async def _rebuild_chains(
     ctx: ServerContext, state: SessionState, events: list[RecordedEvent]
 ) -> None:
-    for turn in _answered_turns(events):
-        assert turn.request is not None and turn.rendered is not None and turn.response is not None
-        body, input_ids, *outputs = await ctx.store.get_arrays(
-            [turn.request.body, turn.rendered.input_ids, *turn.outputs]
-        )
-        chat = parse_request(body.tobytes(), cache=state.parse_cache)
-        if turn.decision is not None:
-            # Chain ids as recorded: a new chain takes the id the live server gave it.
-            state.chains.next_chain_id = max(state.chains.next_chain_id, turn.decision.chain_id)
-            if turn.decision.action == "new":
-                state.chains.next_chain_id = turn.decision.chain_id
-        plan = plan_turn(state.chains, chat, ctx.tokenizer)
-        recorded = token_array(input_ids)
-        if plan.input_ids != recorded:
-            log.warning(
-                "session %s turn %d: today's render differs from the recorded engine input; "
-                "the rebuilt chain keeps the recorded tokens",
-                state.session_id,
-                turn.request.turn,
-            )
-            plan.action, plan.reason = "new", "diverged"
-            plan.parent_chain_id, plan.prefix_len, plan.input_ids = None, 0, recorded
-        output_ids = np.concatenate(outputs).astype(np.int64).tolist() if outputs else []
-        content = turn.response.content
-        chain = commit_turn(state.chains, plan, output_ids, response_message_digest(content))
-        dispatches = find_dispatches(content)
-        if dispatches:
-            note_dispatch(state.chains, [d[0] for d in dispatches], [d[1] for d in dispatches])
-        remember_refs(state, plan, chain.chain_id, turn.rendered.input_ids)
-        state.turns_completed += 1
+    turns = _answered_turns(events)
+    for start in range(0, len(turns), ARRAY_BATCH_TURNS):
+        batch = turns[start : start + ARRAY_BATCH_TURNS]
+        arrays = await ctx.store.get_arrays([ref for turn in batch for ref in _refs(turn)])
+        for turn in batch:
+            body, input_ids, *outputs = arrays[: 2 + len(turn.outputs)]
+            del arrays[: 2 + len(turn.outputs)]
+            _replay_turn(ctx, state, turn, body, input_ids, outputs)
     state.chains.next_chain_id = max(state.chains.next_chain_id, _max_chain_id(events) + 1)
+
+
+def _refs(turn: _Turn) -> list[ArrayRef]:
+    assert turn.request is not None and turn.rendered is not None
+    return [turn.request.body, turn.rendered.input_ids, *turn.outputs]
+
+
+def _replay_turn(
+    ctx: ServerContext,
+    state: SessionState,
+    turn: _Turn,
+    body: np.ndarray,
+    input_ids: np.ndarray,
+    outputs: list[np.ndarray],
+) -> None:
+    """One answered turn through `plan_turn` and `commit_turn`, as the live server ran it."""
+    assert turn.request is not None and turn.rendered is not None and turn.response is not None
+    chat = parse_request(body.tobytes(), cache=state.parse_cache)
+    if turn.decision is not None:
+        # Chain ids as recorded: a new chain takes the id the live server gave it.
+        state.chains.next_chain_id = max(state.chains.next_chain_id, turn.decision.chain_id)
+        if turn.decision.action == "new":
+            state.chains.next_chain_id = turn.decision.chain_id
+    plan = plan_turn(state.chains, chat, ctx.tokenizer)
+    recorded = token_array(input_ids)
+    if plan.input_ids != recorded:
+        log.warning(
+            "session %s turn %d: today's render differs from the recorded engine input; "
+            "the rebuilt chain keeps the recorded tokens",
+            state.session_id,
+            turn.request.turn,
+        )
+        plan.action, plan.reason = "new", "diverged"
+        plan.parent_chain_id, plan.prefix_len, plan.input_ids = None, 0, recorded
+    output_ids = np.concatenate(outputs).astype(np.int64).tolist() if outputs else []
+    content = turn.response.content
+    chain = commit_turn(state.chains, plan, output_ids, response_message_digest(content))
+    dispatches = find_dispatches(content)
+    if dispatches:
+        note_dispatch(state.chains, [d[0] for d in dispatches], [d[1] for d in dispatches])
+    remember_refs(state, plan, chain.chain_id, turn.rendered.input_ids)
+    state.turns_completed += 1
 
 
 def _max_chain_id(events: list[RecordedEvent]) -> int:
