@@ -19,11 +19,10 @@ from recorder.events import RewardAssigned, SandboxEvent, SessionClosed, Session
 from recorder.json_limits import json_problem
 from recorder.server.auth import require_admin
 from recorder.server.context import CTX, ServerContext
-from recorder.server.deltas import BodyPrefixes
 from recorder.server.errors import ApiError
 from recorder.server.journal import Journal, finish_even_if_cancelled
 from recorder.server.overrides import InvalidOverride, SessionOverrides, overrides_from_config
-from recorder.server.sessions import SESSION_ID_RE, SessionState
+from recorder.server.sessions import SESSION_ID_RE, SessionState, forget_tokens
 from recorder.store.base import ConcurrencyConflict
 
 log = logging.getLogger("recorder.server")
@@ -155,7 +154,7 @@ async def _open(
         await finish_even_if_cancelled(reopen_())
         return state
     finally:
-        existing.lock.release()
+        ctx.registry.release(existing)
 
 
 async def _open_new(
@@ -306,7 +305,7 @@ async def append_events(request: web.Request) -> web.Response:
         events = [SandboxEvent(kind=e.kind, detail=e.detail) for e in body.events]
         await finish_even_if_cancelled(state.journal.write(*events))
     finally:
-        state.lock.release()
+        ctx.registry.release(state)
     return _json({"appended": len(events), "events": state.next_seq}, status=201)
 
 
@@ -351,15 +350,12 @@ async def close_session(request: web.Request) -> web.Response:
             await state.journal.write(*events)
             state.status = "closed"
             state.close_status = status
-            state.chains = None  # a closed session keeps no tokens in memory
-            state.chain_refs.clear()
-            state.body_prefixes = BodyPrefixes()
-            state.parse_cache.clear()
+            forget_tokens(state)
             ctx.registry.put(state)  # bounded: the oldest closed sessions leave memory
 
         await finish_even_if_cancelled(close())
     finally:
-        state.lock.release()
+        ctx.registry.release(state)
     return await _samples_response(ctx, session_id)
 
 

@@ -83,8 +83,8 @@ async def _chat(request: web.Request, dialect: Dialect) -> web.StreamResponse:
     state = await ctx.registry.get(session_id)
     if state is None:
         raise ApiError("authentication_error", _unknown_session(session_id))
-    if state.status == "closed":
-        raise ApiError("invalid_request_error", _closed_session(session_id), status=409)
+    # Closed or not is decided under the lock, at the log's head (another
+    # replica may have closed or reopened the session since it was cached).
     chat: ChatRequest | None = None
     invalid: InvalidRequest | None = None
     history = log_history(
@@ -159,7 +159,7 @@ async def _serve(
                 )
         return await run_turn(ctx, state, chat, body, path, responder, message_id)
     finally:
-        state.lock.release()
+        ctx.registry.release(state)
 
 
 def _responder(
@@ -263,6 +263,8 @@ async def health(request: web.Request) -> web.Response:
             "sessions_cached": len(ctx.registry),
             "sessions_open": ctx.registry.open_count(),
             "turns_in_flight": len(ctx.inflight),
+            "catch_ups": ctx.registry.catch_ups,
+            "catch_up_s": round(ctx.registry.catch_up_s, 6),
             "engines": list(ctx.engine.urls),
             "engines_down": sorted(ctx.engine.down),
             "context_length": ctx.config.context_length,

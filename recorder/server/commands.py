@@ -8,7 +8,7 @@ import logging
 import signal
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 import click
 
@@ -265,6 +265,7 @@ async def _serve(tokenizer, rules, **s) -> None:  # type: ignore[no-untyped-def]
             writer_page_cache_bytes=s["sqlite_cache_bytes"],
             reader_page_cache_bytes=s["sqlite_cache_bytes"] // 4,
         )
+        claim = _claim_database(s["db_url"])
         store = await open_store(s["db_url"], create=True, options=options)
     except (StoreError, ValueError, OSError, ImportError) as exc:
         await engine.close()
@@ -306,7 +307,23 @@ async def _serve(tokenizer, rules, **s) -> None:  # type: ignore[no-untyped-def]
     finally:
         await server.stop()
         await store.close()
+        if claim is not None:
+            claim.close()
         log.info("stopped; the log is flushed")
+
+
+def _claim_database(db_url: str) -> IO[bytes] | None:
+    """SQLite: this server's claim on the file (one server per file); Postgres: None."""
+    import sqlalchemy as sa
+
+    from recorder.store import normalize_url
+
+    url = normalize_url(db_url)
+    if sa.make_url(url).get_backend_name() != "sqlite":
+        return None  # replicas share Postgres under per-session locks
+    from recorder.store.sqlite import claim_sole_server
+
+    return claim_sole_server(url)
 
 
 async def _engine_context_length(engine: object) -> int:

@@ -64,12 +64,15 @@ class ServerContext:
     large_plans: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
 
     def __post_init__(self) -> None:
-        from recorder.server.restore import load_session_state
+        from recorder.server.restore import catch_up, load_session_state
 
         async def loader(session_id: str) -> Any:
             return await load_session_state(self, session_id)
 
-        self.registry = SessionRegistry(loader)
+        async def at_head(state: Any) -> Any:
+            return await catch_up(self, state)
+
+        self.registry = SessionRegistry(loader, catch_up=at_head, locks=self.store.session_locks)
 
 
 CTX: web.AppKey[ServerContext] = web.AppKey("recorder_ctx", ServerContext)

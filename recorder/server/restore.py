@@ -5,6 +5,10 @@ Chains are rebuilt by replaying the pipeline's own pure calls over each
 answered turn: `plan_turn` on the recorded request body, then `commit_turn`
 with the recorded engine input and output tokens, so the rebuilt chains hold
 exactly the tokens the engine saw, whatever the template does today.
+
+`catch_up` applies the same replay to only the events a cached state has not
+seen (another replica's turns on a shared Postgres), so a state at the head
+costs one index read and a state one turn behind costs one turn's replay.
 """
 
 from __future__ import annotations
@@ -21,14 +25,19 @@ from recorder.events import ArrayRef, RecordedEvent
 from recorder.server.deltas import remember_refs
 from recorder.server.journal import Journal
 from recorder.server.overrides import InvalidOverride, SessionOverrides, overrides_from_config
-from recorder.server.sessions import SessionState
+from recorder.server.sessions import SessionState, forget_tokens
 from recorder.tokens import SessionChains, commit_turn, note_dispatch, plan_turn, token_array
 from recorder.translate import find_dispatches, response_message_digest
 
 if TYPE_CHECKING:
+    from recorder.dialects.base import History
     from recorder.server.context import ServerContext
 
 log = logging.getLogger("recorder.server")
+
+# Answered turns whose arrays (body, engine input, outputs) are read in one
+# store call: one round trip per batch instead of per turn, memory bounded.
+ARRAY_BATCH_TURNS = 32
 
 
 @dataclass
@@ -66,6 +75,35 @@ async def load_session_state(ctx: ServerContext, session_id: str) -> SessionStat
         return state
     state.chains = SessionChains()
     await _rebuild_chains(ctx, state, tail)
+    return state
+
+
+async def catch_up(ctx: ServerContext, state: SessionState) -> SessionState:
+    """`state` advanced to the log's head (called under the session's locks).
+
+    The cached state always ends at a turn boundary (a turn that failed half
+    way marks it suspect and it is reloaded), so the events after it are
+    whole turns of other processes, or one they left half done, which counts
+    as unanswered exactly as after a restart. A new attempt (SessionOpened)
+    or a gap reloads the session from the log.
+    """
+    events = await ctx.store.read_session(state.session_id, from_seq=state.next_seq)
+    if not events:
+        return state
+    reopened = any(isinstance(r.event, ev.SessionOpened) for r in events)
+    if reopened or events[0].seq != state.next_seq or state.status == "closed":
+        loaded = await load_session_state(ctx, state.session_id)
+        assert loaded is not None, "a session's events never disappear"
+        return loaded
+    state.journal.next_seq = events[-1].seq + 1
+    state.next_turn = max(state.next_turn, _next_turn(events))
+    closed = next((r.event for r in events if isinstance(r.event, ev.SessionClosed)), None)
+    if closed is not None:
+        state.status = "closed"
+        state.close_status = closed.status
+        forget_tokens(state)
+        return state
+    await _rebuild_chains(ctx, state, events)
     return state
 
 
@@ -113,45 +151,68 @@ def _answered_turns(events: list[RecordedEvent]) -> list[_Turn]:
 async def _rebuild_chains(
     ctx: ServerContext, state: SessionState, events: list[RecordedEvent]
 ) -> None:
-    from recorder.dialects import dialect_named
     from recorder.server.history import log_history
 
-    async def read() -> list[RecordedEvent]:
-        return events
-
-    history = log_history(ctx.store, read)
-    for turn in _answered_turns(events):
-        assert turn.request is not None and turn.rendered is not None and turn.response is not None
-        body, input_ids, *outputs = await ctx.store.get_arrays(
-            [turn.request.body, turn.rendered.input_ids, *turn.outputs]
-        )
-        dialect = dialect_named(turn.request.dialect)
-        chat, _ = await dialect.parse(body.tobytes(), cache=state.parse_cache, history=history)
-        if turn.decision is not None:
-            # Chain ids as recorded: a new chain takes the id the live server gave it.
-            state.chains.next_chain_id = max(state.chains.next_chain_id, turn.decision.chain_id)
-            if turn.decision.action == "new":
-                state.chains.next_chain_id = turn.decision.chain_id
-        plan = plan_turn(state.chains, chat, ctx.tokenizer)
-        recorded = token_array(input_ids)
-        if plan.input_ids != recorded:
-            log.warning(
-                "session %s turn %d: today's render differs from the recorded engine input; "
-                "the rebuilt chain keeps the recorded tokens",
-                state.session_id,
-                turn.request.turn,
-            )
-            plan.action, plan.reason = "new", "diverged"
-            plan.parent_chain_id, plan.prefix_len, plan.input_ids = None, 0, recorded
-        output_ids = np.concatenate(outputs).astype(np.int64).tolist() if outputs else []
-        content = turn.response.content
-        chain = commit_turn(state.chains, plan, output_ids, response_message_digest(content))
-        dispatches = find_dispatches(content)
-        if dispatches:
-            note_dispatch(state.chains, [d[0] for d in dispatches], [d[1] for d in dispatches])
-        remember_refs(state, plan, chain.chain_id, turn.rendered.input_ids)
-        state.turns_completed += 1
+    # `events` may be only what a catch-up missed: a Responses request's
+    # previous_response_id is resolved from the session's whole log, read on demand.
+    history = log_history(
+        ctx.store, lambda: ctx.store.read_session(state.session_id), state.response_conversations
+    )
+    turns = _answered_turns(events)
+    for start in range(0, len(turns), ARRAY_BATCH_TURNS):
+        batch = turns[start : start + ARRAY_BATCH_TURNS]
+        arrays = await ctx.store.get_arrays([ref for turn in batch for ref in _refs(turn)])
+        for turn in batch:
+            body, input_ids, *outputs = arrays[: 2 + len(turn.outputs)]
+            del arrays[: 2 + len(turn.outputs)]
+            await _replay_turn(ctx, state, turn, body, input_ids, outputs, history)
     state.chains.next_chain_id = max(state.chains.next_chain_id, _max_chain_id(events) + 1)
+
+
+def _refs(turn: _Turn) -> list[ArrayRef]:
+    assert turn.request is not None and turn.rendered is not None
+    return [turn.request.body, turn.rendered.input_ids, *turn.outputs]
+
+
+async def _replay_turn(
+    ctx: ServerContext,
+    state: SessionState,
+    turn: _Turn,
+    body: np.ndarray,
+    input_ids: np.ndarray,
+    outputs: list[np.ndarray],
+    history: History,
+) -> None:
+    """One answered turn through `plan_turn` and `commit_turn`, as the live server ran it."""
+    from recorder.dialects import dialect_named
+
+    assert turn.request is not None and turn.rendered is not None and turn.response is not None
+    dialect = dialect_named(turn.request.dialect)
+    chat, _ = await dialect.parse(body.tobytes(), cache=state.parse_cache, history=history)
+    if turn.decision is not None:
+        # Chain ids as recorded: a new chain takes the id the live server gave it.
+        state.chains.next_chain_id = max(state.chains.next_chain_id, turn.decision.chain_id)
+        if turn.decision.action == "new":
+            state.chains.next_chain_id = turn.decision.chain_id
+    plan = plan_turn(state.chains, chat, ctx.tokenizer)
+    recorded = token_array(input_ids)
+    if plan.input_ids != recorded:
+        log.warning(
+            "session %s turn %d: today's render differs from the recorded engine input; "
+            "the rebuilt chain keeps the recorded tokens",
+            state.session_id,
+            turn.request.turn,
+        )
+        plan.action, plan.reason = "new", "diverged"
+        plan.parent_chain_id, plan.prefix_len, plan.input_ids = None, 0, recorded
+    output_ids = np.concatenate(outputs).astype(np.int64).tolist() if outputs else []
+    content = turn.response.content
+    chain = commit_turn(state.chains, plan, output_ids, response_message_digest(content))
+    dispatches = find_dispatches(content)
+    if dispatches:
+        note_dispatch(state.chains, [d[0] for d in dispatches], [d[1] for d in dispatches])
+    remember_refs(state, plan, chain.chain_id, turn.rendered.input_ids)
+    state.turns_completed += 1
 
 
 def _max_chain_id(events: list[RecordedEvent]) -> int:

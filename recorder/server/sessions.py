@@ -6,6 +6,11 @@ session this process does not hold (after a restart, or after a failure made
 the cached state suspect). One lock per session serialises its turns (a
 retried or raced request must not interleave two turns); sessions are
 otherwise independent.
+
+Other processes (replicas on one Postgres) may write the same session, so
+`acquire` also takes the session's lock in the database (`SessionLocks`)
+and then catches the cached state up with the events it has not seen
+(`CatchUp`, restore.catch_up): one index read when nothing changed.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import re
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -22,6 +28,7 @@ from recorder.events import ArrayRef
 from recorder.server.deltas import BodyPrefixes
 from recorder.server.journal import Journal
 from recorder.server.overrides import SessionOverrides
+from recorder.store.base import SessionLocks
 from recorder.translate import ParseCache
 
 SessionStatus = Literal["open", "closed"]
@@ -71,18 +78,46 @@ class SessionState:
         return self.journal.next_seq
 
 
+def forget_tokens(state: SessionState) -> None:
+    """A closed session keeps no tokens in memory."""
+    state.chains = None
+    state.chain_refs.clear()
+    state.body_prefixes = BodyPrefixes()
+    state.parse_cache.clear()
+
+
 Loader = Callable[[str], Awaitable[SessionState | None]]
+# The state at the log's head: the same object advanced, or a reloaded one.
+CatchUp = Callable[[SessionState], Awaitable[SessionState]]
+
+
+async def _at_head(state: SessionState) -> SessionState:
+    return state
 
 
 class SessionRegistry:
     """session id -> state, loading from the log on a miss (once, even when raced)."""
 
-    def __init__(self, loader: Loader, *, max_closed: int = MAX_CLOSED_CACHED) -> None:
+    def __init__(
+        self,
+        loader: Loader,
+        *,
+        max_closed: int = MAX_CLOSED_CACHED,
+        catch_up: CatchUp = _at_head,
+        locks: SessionLocks | None = None,
+    ) -> None:
         self._loader = loader
+        self._catch_up = catch_up
+        self._locks = locks or SessionLocks()
         self.max_closed = max_closed
         self._sessions: dict[str, SessionState] = {}
         self._loading: dict[str, asyncio.Future[SessionState | None]] = {}
         self._closed: OrderedDict[str, None] = OrderedDict()  # oldest first
+        # Time spent at the log's head check and catch-up, and how many found
+        # events another process wrote (`/health` shows both: what routing
+        # without stickiness costs a replica).
+        self.catch_up_s = 0.0
+        self.catch_ups = 0
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -166,10 +201,12 @@ class SessionRegistry:
         return loaded
 
     async def acquire(self, session_id: str) -> SessionState | None:
-        """The session's current state with its lock held (caller releases `state.lock`).
+        """The session's state at the log's head, locked; the caller calls `release`.
 
         Re-checks after the wait: a turn that failed meanwhile may have
-        marked the state suspect and a rebuilt one replaced it.
+        marked the state suspect and a rebuilt one replaced it. Then holds
+        the session's lock in the database and catches up with what other
+        processes appended, so the turn plans from the log's head.
         """
         while True:
             state = await self.get(session_id)
@@ -177,5 +214,29 @@ class SessionRegistry:
                 return None
             await state.lock.acquire()
             if not state.suspect and self._sessions.get(session_id) is state:
-                return state
+                break
             state.lock.release()
+        try:
+            await self._locks.lock(session_id)
+        except BaseException:
+            state.lock.release()
+            raise
+        started = time.perf_counter()
+        seen = state.next_seq
+        try:
+            current = await self._catch_up(state)
+        except BaseException:
+            state.suspect = True  # half caught up: rebuilt before the next use
+            self.release(state)
+            raise
+        self.catch_up_s += time.perf_counter() - started
+        self.catch_ups += current is not state or current.next_seq != seen
+        if current is not state:
+            current.lock = state.lock
+            self.put(current)
+        return current
+
+    def release(self, state: SessionState) -> None:
+        """Let go of what `acquire` took (in the database first, then in this process)."""
+        self._locks.unlock(state.session_id)
+        state.lock.release()

@@ -64,6 +64,24 @@ class SchemaOutOfDate(StoreError):
     """The database is at an older migration revision than this code needs."""
 
 
+class SessionLocks:
+    """Per-session locks across processes on one database; this one is a no-op.
+
+    One process per database (SQLite, see `recorder serve`): the in-process
+    session lock already serialises a session's turns. Postgres overrides
+    it (`recorder.store.session_locks`).
+    """
+
+    async def lock(self, session_id: str) -> None:
+        """Hold `session_id`'s lock across processes (returns once held)."""
+
+    def unlock(self, session_id: str) -> None:
+        """Let go of the lock (queued, never fails: a lost connection already let go)."""
+
+    async def close(self) -> None:
+        """Release every lock this process holds."""
+
+
 class ProjectionStore(abc.ABC):
     """Derived data (samples per rules version) kept beside the log.
 
@@ -96,6 +114,8 @@ class EventStore(ProjectionStore):
     # Why the last write failed for want of storage, or None once a write
     # succeeds again: what `/health` reports.
     write_failure: str | None = None
+    # Held by a server for each turn (and close) of a session; see SessionLocks.
+    session_locks: SessionLocks = SessionLocks()
 
     # -- events ---------------------------------------------------------
 

@@ -28,6 +28,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from recorder.store import arrays as arr
+from recorder.store.session_locks import AdvisorySessionLocks
 from recorder.store.sql import (
     EventRow,
     GroupRequest,
@@ -281,6 +282,7 @@ class PostgresEventStore(SqlEventStore):
     ) -> None:
         super().__init__(url, write_engine, read_engine, options)
         self._plain = PlainGroupWriter(lambda: connect_params(write_engine), self.piece_row)
+        self.session_locks = AdvisorySessionLocks(lambda: connect_params(write_engine))
 
     @classmethod
     def connect(cls, url: str, options: StoreOptions | None = None) -> PostgresEventStore:
@@ -292,6 +294,7 @@ class PostgresEventStore(SqlEventStore):
             await super().close()
         finally:
             await self._plain.close()
+            await self.session_locks.close()
 
     async def _write_plain_group(self, group: list[GroupRequest]) -> list[list[int] | None] | None:
         return await self._plain.write(group, self.before_commit)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import sqlite3
@@ -31,7 +32,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import sqlalchemy as sa
 from sqlalchemy import event
@@ -40,6 +41,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.pool import AsyncAdaptedQueuePool
 
 from recorder.store import arrays as arr
+from recorder.store.base import StoreError
 from recorder.store.sql import (
     IN_CHUNK,
     READER_PAGE_CACHE_BYTES,
@@ -78,6 +80,31 @@ def create_private(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileExistsError):
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+
+
+def claim_sole_server(url: str) -> IO[bytes] | None:
+    """Refuse a second `recorder serve` on one SQLite file; hold the claim while open.
+
+    A server's session states are caches of the log that only it writes;
+    two servers on one file would each plan turns from a stale state (the
+    log refuses the append, the client sees a 500). Postgres has per-session
+    locks for replicas; SQLite gets one server per file, checked here. The
+    OS drops the claim when the process ends, however it ends.
+    """
+    path = database_path(url)
+    if path is None:
+        return None
+    claim = (path.parent / f"{path.name}.serve-lock").open("a+b")
+    try:
+        fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        claim.close()
+        raise StoreError(
+            f"another `recorder serve` already serves {path}: SQLite allows one server per "
+            "file. Stop it first, or run several replicas on Postgres "
+            "(--db postgresql+asyncpg://...)"
+        ) from None
+    return claim
 
 
 def create_engine(url: str, *, writer: bool, cache_kib: int | None = None) -> AsyncEngine:

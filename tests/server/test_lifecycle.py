@@ -109,7 +109,7 @@ async def test_shutdown_aborts_turns_after_the_grace_period(
         await h.close()
 
 
-async def _start_serve(engine_url: str, db: Path) -> tuple[asyncio.subprocess.Process, str]:
+async def _start_serve(engine_url: str, db: Path | str) -> tuple[asyncio.subprocess.Process, str]:
     """`recorder serve` in a child process, once healthy: (process, base URL)."""
     import aiohttp
 

@@ -1,0 +1,265 @@
+"""Replicas on one Postgres, and time to first answer after a restart.
+
+Replicas: R `recorder serve` processes on one Postgres (R = 1, 2, 3) and a
+zero-latency scripted engine; S concurrent sessions x T turns, each request
+routed either sticky (by a hash of the session's key, what a load balancer
+with consistent hashing on the Authorization/x-api-key header does) or to a
+random replica (each turn then usually catches up with the turn another
+replica served). Catch-up cost per turn = random minus sticky p50 at the
+same R. At 100k context: one session whose first message is ~100k tokens,
+then small turns alternating between two replicas (a catch-up every turn)
+against the same on one replica.
+
+Recovery: S sessions x T turns on one server, which is then restarted; every
+session then sends one turn at once. Time to first answer = from `/health`
+ok to each answer (median, p99, and until the last), per history length T,
+on SQLite and on Postgres.
+
+    python tools/bench_replicas.py --pg postgresql+asyncpg://... [--sessions 32] [--turns 8]
+        [--recovery-sessions 256] [--recovery-turns 10,100]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import sys
+import tempfile
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import click
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from tools.bench_server import pct, start_recorder, wait_healthy  # noqa: E402
+from tools.test_engine.launch import start_subprocess  # noqa: E402
+
+ADMIN = {"Authorization": "Bearer bench"}
+Route = Callable[[str, int], str]
+
+
+class Replicas:
+    """R recorder processes on one database."""
+
+    def __init__(self, engine_url: str, db: str, n: int) -> None:
+        self.started = [start_recorder(engine_url, db) for _ in range(n)]
+        self.urls = [url for _, url, _ in self.started]
+
+    async def healthy(self, http: aiohttp.ClientSession) -> None:
+        for proc, url, _ in self.started:
+            await wait_healthy(http, url, proc)
+
+    def stop(self) -> None:
+        for proc, _, _ in self.started:
+            proc.terminate()
+        for proc, _, _ in self.started:
+            proc.wait(timeout=60)
+
+
+def sticky(urls: list[str]) -> Route:
+    return lambda sid, _turn: urls[zlib.crc32(sid.encode()) % len(urls)]
+
+
+def scattered(urls: list[str]) -> Route:
+    return lambda _sid, _turn: random.choice(urls)
+
+
+def alternating(urls: list[str]) -> Route:
+    return lambda _sid, turn: urls[turn % len(urls)]
+
+
+async def open_session(http: aiohttp.ClientSession, url: str) -> str:
+    async with http.post(url + "/sessions", json={}, headers=ADMIN) as resp:
+        return str((await resp.json())["session_id"])
+
+
+async def turn(
+    http: aiohttp.ClientSession, url: str, sid: str, messages: list[dict[str, Any]]
+) -> float:
+    """One non-streaming turn; appends the answer to `messages`; its latency in seconds."""
+    body = {"model": "bench", "max_tokens": 32, "messages": messages}
+    started = time.perf_counter()
+    async with http.post(url + "/v1/messages", json=body, headers={"x-api-key": sid}) as resp:
+        data = await resp.json()
+        if resp.status != 200:
+            raise RuntimeError(f"turn failed: {resp.status} {data}")
+    latency = time.perf_counter() - started
+    messages.append({"role": "assistant", "content": data["content"][0]["text"]})
+    return latency
+
+
+async def session(
+    http: aiohttp.ClientSession, route: Route, turns: int, first: str, latencies: list[float]
+) -> tuple[str, list[dict[str, Any]]]:
+    sid = await open_session(http, route("", 0))
+    messages: list[dict[str, Any]] = []
+    for k in range(turns):
+        messages.append({"role": "user", "content": first if k == 0 else f"step {k}: go on."})
+        latencies.append(await turn(http, route(sid, k), sid, messages))
+    return sid, messages
+
+
+async def drive(
+    http: aiohttp.ClientSession, route: Route, sessions: int, turns: int
+) -> tuple[list[float], float]:
+    latencies: list[float] = []
+    started = time.perf_counter()
+    await asyncio.gather(
+        *(session(http, route, turns, "Start the task.", latencies) for _ in range(sessions))
+    )
+    return latencies, time.perf_counter() - started
+
+
+async def catch_up_totals(http: aiohttp.ClientSession, urls: list[str]) -> tuple[int, float]:
+    """(catch-ups that found new events, seconds spent at head checks) over the replicas."""
+    calls, seconds = 0, 0.0
+    for url in urls:
+        async with http.get(url + "/health") as resp:
+            data = await resp.json()
+        calls, seconds = calls + data["catch_ups"], seconds + data["catch_up_s"]
+    return calls, seconds
+
+
+def row(name: str, latencies: list[float], wall_s: float | None) -> str:
+    rate = f"{len(latencies) / wall_s:>9.1f}" if wall_s else f"{'':>9}"
+    return (
+        f"{name:<30}{len(latencies):>7}{rate}{pct(latencies, 50):>9.1f}{pct(latencies, 99):>9.1f}"
+    )
+
+
+async def bench_replicas(engine_url: str, pg: str, sessions: int, turns: int) -> None:
+    print(f"\nreplicas on one Postgres: {sessions} sessions x {turns} turns, zero-latency engine")
+    print(
+        f"{'replicas, routing':<30}{'turns':>7}{'turns/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
+        f"{'caught up':>10}{'head+catch-up ms/turn':>22}"
+    )
+    timeout = aiohttp.ClientTimeout(total=1200)
+    for n in (1, 2, 3):
+        replicas = Replicas(engine_url, pg, n)
+        try:
+            async with aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0), timeout=timeout
+            ) as http:
+                await replicas.healthy(http)
+                await drive(http, sticky(replicas.urls), 2, 2)  # warm-up
+                routes = [("sticky", sticky)] + ([("random", scattered)] if n > 1 else [])
+                for name, make in routes:
+                    before = await catch_up_totals(http, replicas.urls)
+                    latencies, wall = await drive(http, make(replicas.urls), sessions, turns)
+                    calls, seconds = np.subtract(await catch_up_totals(http, replicas.urls), before)
+                    print(
+                        row(f"{n} {name}", latencies, wall)
+                        + f"{calls / len(latencies) * 100:>10.0f}%"
+                        + f"{seconds / len(latencies) * 1000:>12.2f}"
+                    )
+                if n == 2:
+                    await long_context(http, replicas.urls)
+        finally:
+            replicas.stop()
+
+
+async def long_context(http: aiohttp.ClientSession, urls: list[str], reps: int = 30) -> None:
+    """~100k tokens of context: a catch-up every turn (alternating) vs none (one replica)."""
+    first = " ".join(f"word{i % 997}" for i in range(25_600))  # ~100k tokens
+    results = {}
+    for name, route in (("sticky", sticky(urls[:1])), ("alternating", alternating(urls))):
+        latencies: list[float] = []
+        before = await catch_up_totals(http, urls)
+        await session(http, route, reps + 1, first, latencies)
+        calls, seconds = np.subtract(await catch_up_totals(http, urls), before)
+        results[name] = latencies[1:]  # the first turn renders the whole context
+        print(
+            row(f"  100k context, {name}", results[name], None)
+            + f"{calls / len(latencies) * 100:>10.0f}%{seconds / len(latencies) * 1000:>12.2f}"
+        )
+    extra = pct(results["alternating"], 50) - pct(results["sticky"], 50)
+    print(f"{'':<30}at 100k context a catch-up adds {extra:.1f} ms "
+          f"({extra / pct(results['sticky'], 50) * 100:.0f}% of a turn)")  # fmt: skip
+
+
+async def first_answer(
+    http: aiohttp.ClientSession, url: str, sid: str, messages: list[dict[str, Any]], t0: float
+) -> float:
+    """Seconds from `t0` (the restarted server healthy) to this session's next answer."""
+    messages.append({"role": "user", "content": "And now?"})
+    await turn(http, url, sid, messages)
+    return time.perf_counter() - t0
+
+
+async def bench_recovery(
+    engine_url: str, db: str, label: str, sessions: int, history: list[int]
+) -> None:
+    timeout = aiohttp.ClientTimeout(total=1800)
+    for turns in history:
+        replicas = Replicas(engine_url, db, 1)
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=timeout
+        ) as http:
+            try:
+                await replicas.healthy(http)
+                route = sticky(replicas.urls)
+                built = await asyncio.gather(
+                    *(session(http, route, turns, "Start.", []) for _ in range(sessions))
+                )
+            finally:
+                replicas.stop()
+            replicas = Replicas(engine_url, db, 1)
+            try:
+                await replicas.healthy(http)
+                started = time.perf_counter()
+                url = replicas.urls[0]
+                waits = await asyncio.gather(
+                    *(first_answer(http, url, s, m, started) for s, m in built)
+                )
+            finally:
+                replicas.stop()
+        print(
+            f"{label:<10}{sessions:>9}{turns:>8}{pct(waits, 50):>12.0f}{pct(waits, 99):>12.0f}"
+            f"{max(waits) * 1000:>12.0f}"
+        )
+
+
+async def bench(pg: str, sessions: int, turns: int, rec_sessions: int, history: list[int]) -> None:
+    engine_proc, engine_url = start_subprocess(
+        ["--backend", "scripted", "--context-length", "131072", "--no-keep-history"]
+    )
+    try:
+        await bench_replicas(engine_url, pg, sessions, turns)
+        print("\ntime to first answer after a restart (every session sends one turn at once)")
+        print(
+            f"{'backend':<10}{'sessions':>9}{'turns':>8}{'p50 ms':>12}{'p99 ms':>12}{'last ms':>12}"
+        )
+        with tempfile.TemporaryDirectory() as tmp:
+            for label, db in (("sqlite", str(Path(tmp) / "r.db")), ("postgres", pg)):
+                await bench_recovery(engine_url, db, label, rec_sessions, history)
+    finally:
+        engine_proc.terminate()
+        engine_proc.wait(timeout=30)
+
+
+@click.command()
+@click.option("--pg", default=lambda: os.environ.get("TR_TEST_POSTGRES_URL", ""),
+              help="Postgres URL (default $TR_TEST_POSTGRES_URL; tools/pg_cluster.sh starts one)")  # fmt: skip
+@click.option("--sessions", type=int, default=32, show_default=True)
+@click.option("--turns", type=int, default=8, show_default=True)
+@click.option("--recovery-sessions", type=int, default=256, show_default=True)
+@click.option("--recovery-turns", default="10,100", show_default=True)
+def main(pg: str, sessions: int, turns: int, recovery_sessions: int, recovery_turns: str) -> None:
+    if not pg:
+        raise SystemExit(
+            'no Postgres: pass --pg URL, or `eval "$(tools/pg_cluster.sh start /tmp/pg)"` first'
+        )
+    history = [int(t) for t in recovery_turns.split(",")]
+    asyncio.run(bench(pg, sessions, turns, recovery_sessions, history))
+
+
+if __name__ == "__main__":
+    main()
