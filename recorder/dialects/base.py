@@ -6,6 +6,7 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from recorder.redact import redact
 from recorder.server.answer import Answer
 from recorder.server.errors import ApiError
 from recorder.server.sse import SseFrame
@@ -68,7 +69,7 @@ def openai_error(err: ApiError) -> dict[str, Any]:
     param = match["param"] if match and match["param"] != "body" else None
     return {
         "error": {
-            "message": err.message,
+            "message": redact(err.message),  # as error_payload: no password or token leaks
             "type": _OPENAI_TYPE.get(err.error_type, "invalid_request_error"),
             "param": param,
             "code": _OPENAI_CODE.get(err.error_type),

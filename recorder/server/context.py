@@ -72,7 +72,12 @@ class ServerContext:
         async def at_head(state: Any) -> Any:
             return await catch_up(self, state)
 
-        self.registry = SessionRegistry(loader, catch_up=at_head, locks=self.store.session_locks)
+        self.registry = SessionRegistry(
+            loader,
+            catch_up=at_head,
+            locks=self.store.session_locks,
+            outage=self.store.as_unavailable,
+        )
 
 
 CTX: web.AppKey[ServerContext] = web.AppKey("recorder_ctx", ServerContext)

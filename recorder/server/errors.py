@@ -80,10 +80,12 @@ def error_payload(error_type: str, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": error_type, "message": message}}
 
 
-def error_response(err: ApiError) -> web.Response:
+def error_response(err: ApiError, payload: dict[str, Any] | None = None) -> web.Response:
+    """Every error the server answers: `payload` in the dialect's shape (default Anthropic's),
+    its status, and `x-should-retry: false` when a retry cannot fix it."""
     response = web.Response(
         status=err.status,
-        body=msgspec.json.encode(error_payload(err.error_type, err.message)),
+        body=msgspec.json.encode(payload or error_payload(err.error_type, err.message)),
         content_type="application/json",
     )
     if not retry_can_fix(err.status):

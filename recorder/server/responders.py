@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import msgspec
 from aiohttp import web
 
+from recorder.server import errors
 from recorder.server.answer import Answer, usage_for
 from recorder.server.errors import ApiError
 from recorder.server.sse import SseStream
@@ -28,12 +29,8 @@ def _anthropic() -> Dialect:
 
 
 def error_response(err: ApiError, dialect: Dialect) -> web.Response:
-    """The error in the dialect's shape, with its status."""
-    return web.Response(
-        status=err.status,
-        body=msgspec.json.encode(dialect.error(err)),
-        content_type="application/json",
-    )
+    """The error in the dialect's shape, with its status (one response builder for all)."""
+    return errors.error_response(err, dialect.error(err))
 
 
 class JsonResponder:

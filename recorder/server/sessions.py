@@ -105,8 +105,10 @@ class SessionRegistry:
         max_closed: int = MAX_CLOSED_CACHED,
         catch_up: CatchUp = _at_head,
         locks: SessionLocks | None = None,
+        outage: Callable[[BaseException], Exception | None] = lambda exc: None,
     ) -> None:
         self._loader = loader
+        self._outage = outage
         self._catch_up = catch_up
         self._locks = locks or SessionLocks()
         self.max_closed = max_closed
@@ -218,16 +220,18 @@ class SessionRegistry:
             state.lock.release()
         try:
             await self._locks.lock(session_id)
-        except BaseException:
+        except BaseException as exc:
             state.lock.release()
+            self._raise_outage(exc)
             raise
         started = time.perf_counter()
         seen = state.next_seq
         try:
             current = await self._catch_up(state)
-        except BaseException:
+        except BaseException as exc:
             state.suspect = True  # half caught up: rebuilt before the next use
             self.release(state)
+            self._raise_outage(exc)
             raise
         self.catch_up_s += time.perf_counter() - started
         self.catch_ups += current is not state or current.next_seq != seen
@@ -235,6 +239,12 @@ class SessionRegistry:
             current.lock = state.lock
             self.put(current)
         return current
+
+    def _raise_outage(self, exc: BaseException) -> None:
+        """A database that cannot be reached while locking or catching up is an outage
+        (529 and `/health` failing), the same as a write that cannot be stored."""
+        if isinstance(exc, Exception) and (outage := self._outage(exc)) is not None:
+            raise outage from exc
 
     def release(self, state: SessionState) -> None:
         """Let go of what `acquire` took (in the database first, then in this process)."""

@@ -117,6 +117,11 @@ class EventStore(ProjectionStore):
     # Held by a server for each turn (and close) of a session; see SessionLocks.
     session_locks: SessionLocks = SessionLocks()
 
+    def as_unavailable(self, exc: BaseException) -> StorageUnavailable | None:
+        """`exc` as a `StorageUnavailable` (and remembered for `/health`) if it means the
+        storage cannot be reached now; None for any other error (a bug, a conflict)."""
+        return None
+
     # -- events ---------------------------------------------------------
 
     @abc.abstractmethod

@@ -403,6 +403,13 @@ class SqlEventStore(EventStore):
             await self._submit(PiecesRequest(pieces))
             self._learn(decoded)
 
+    def as_unavailable(self, exc: BaseException) -> StorageUnavailable | None:
+        failure = storage_failure(exc)
+        if failure is None:
+            return None
+        self.write_failure = failure
+        return StorageUnavailable(f"the event log cannot be reached: {failure}")
+
     async def _submit(self, request: GroupRequest) -> Any:
         """The one seam where a write's storage failure becomes `StorageUnavailable`."""
         try:

@@ -133,15 +133,22 @@ async def test_three_replicas_random_routing_and_a_kill(
     assert run.server_errors == []
     assert len(run.live) == 2 and len(run.samples) == SESSIONS
     store = await open_store(postgres_url)
+    unseen = 0  # answers made durable by the killed replica that never reached the client
     try:
         for sid, ids in run.answered.items():
             events = [r.event for r in await store.read_session(sid)]
             sent = [e.request_id for e in events if isinstance(e, ev.ResponseSent)]
-            assert sent == ids, sid  # every acknowledged answer is in the log, in order
+            rest = iter(sent)
+            assert all(i in rest for i in ids), sid  # every acknowledged answer, in order
+            unseen += len(sent) - len(ids)
             actions = [e.action for e in events if isinstance(e, ev.ChainDecision)]
-            assert actions[0] == "new" and set(actions[1:]) == {"extend"}, (sid, actions)
+            if len(sent) == len(ids):
+                assert actions[0] == "new" and set(actions[1:]) == {"extend"}, (sid, actions)
     finally:
         await store.close()
+    # The kill may fall between a turn's durable answer and its send: the client
+    # retries elsewhere, and that answer stays in the log, unseen (as after kill -9).
+    assert unseen <= run.killed_in_flight, (unseen, run.killed_in_flight)
     exported = _exported(postgres_url, tmp_path / "samples.jsonl")
     for sid, live in run.samples.items():
         assert [msgspec.convert(s, Sample) for s in live] == exported[sid], sid
