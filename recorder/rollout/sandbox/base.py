@@ -22,6 +22,7 @@ A missing file is `FileNotFoundError`, never an empty result.
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any
@@ -72,16 +73,28 @@ class ExecResult(msgspec.Struct, frozen=True):
 
 
 class CommandHandle(abc.ABC):
-    """A command started in the background."""
+    """A command started in the background.
+
+    A backend sets `_cmd` and `_finished` (a future of the command's result,
+    done when it exits); waiting, its timeout and the kill it implies are
+    shared here, so every backend times out the same way.
+    """
+
+    _cmd: str
+    _finished: asyncio.Future[ExecResult]
 
     @property
     @abc.abstractmethod
     def pid(self) -> int:
         """The process id inside the sandbox."""
 
-    @abc.abstractmethod
     async def wait(self, timeout_s: float | None = None) -> ExecResult:
         """Wait for the command to end. Past `timeout_s` kill it and raise `CommandTimeout`."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._finished), timeout_s)
+        except TimeoutError:
+            await self.kill()
+            raise CommandTimeout(self._cmd, timeout_s or 0.0) from None
 
     @abc.abstractmethod
     async def kill(self) -> None:

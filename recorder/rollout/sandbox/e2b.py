@@ -52,7 +52,6 @@ import httpx
 
 from recorder.rollout.sandbox.base import (
     CommandHandle,
-    CommandTimeout,
     ExecResult,
     OutputCallback,
     Sandbox,
@@ -159,10 +158,10 @@ class E2BHandle(CommandHandle):
         self._cmd = cmd
         self._handle = handle
         self._started = time.monotonic()
-        self._result = asyncio.ensure_future(self._collect())
+        self._finished = asyncio.ensure_future(self._collect())
         # A background command nobody waits for may end in an error (its sandbox was
         # killed): that is no news, so it must not be logged as never retrieved.
-        self._result.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._finished.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     @property
     def pid(self) -> int:
@@ -181,22 +180,15 @@ class E2BHandle(CommandHandle):
             duration_s=time.monotonic() - self._started,
         )
 
-    async def wait(self, timeout_s: float | None = None) -> ExecResult:
-        try:
-            return await asyncio.wait_for(asyncio.shield(self._result), timeout_s)
-        except TimeoutError:
-            await self.kill()
-            raise CommandTimeout(self._cmd, timeout_s or 0.0) from None
-
     async def kill(self) -> None:
-        if self._result.done():
+        if self._finished.done():
             return
         # A gone sandbox runs nothing: that is killed enough.
         with contextlib.suppress(SandboxGone), _sdk_errors(self._sandbox.id, "kill a command"):
             await self._handle.kill()
         # envd ends the stream with the exit once the process is dead.
         with contextlib.suppress(SandboxError):
-            await asyncio.shield(self._result)
+            await asyncio.shield(self._finished)
 
 
 class E2BSandbox(Sandbox):

@@ -39,7 +39,6 @@ from typing import IO
 
 from recorder.rollout.sandbox.base import (
     CommandHandle,
-    CommandTimeout,
     ExecResult,
     OutputCallback,
     Sandbox,
@@ -138,7 +137,7 @@ class LocalHandle(CommandHandle):
         self._started = time.monotonic()
         self._out = _Output(proc.stdout, on_stdout)
         self._err = _Output(proc.stderr, on_stderr)
-        self._done = asyncio.ensure_future(self._finish(_exited(proc)))
+        self._finished = asyncio.ensure_future(self._finish(_exited(proc)))
 
     @property
     def pid(self) -> int:
@@ -146,7 +145,7 @@ class LocalHandle(CommandHandle):
 
     @property
     def running(self) -> bool:
-        return not self._done.done()
+        return not self._finished.done()
 
     async def _finish(self, exited: asyncio.Future[int]) -> ExecResult:
         code = await exited
@@ -169,19 +168,12 @@ class LocalHandle(CommandHandle):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self._proc.pid, signal.SIGKILL)
 
-    async def wait(self, timeout_s: float | None = None) -> ExecResult:
-        try:
-            return await asyncio.wait_for(asyncio.shield(self._done), timeout_s)
-        except TimeoutError:
-            await self.kill()
-            raise CommandTimeout(self._cmd, timeout_s or 0.0) from None
-
     async def kill(self) -> None:
-        if self._done.done():
+        if self._finished.done():
             return
         self._signal_group()
         with contextlib.suppress(Exception):
-            await asyncio.shield(self._done)
+            await asyncio.shield(self._finished)
 
 
 class LocalSandbox(Sandbox):
