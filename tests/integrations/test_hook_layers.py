@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 from pathlib import Path
 
 import recorder.integrations
+from tests.layers import imported_modules
 
 ROOT = Path(recorder.integrations.__file__).parent
 FORBIDDEN = ("recorder.server", "recorder.store")
-
-
-def imported_modules(path: Path) -> set[str]:
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-    return names
 
 
 def test_no_hook_imports_the_server_the_store_or_slime() -> None:

@@ -2,26 +2,15 @@
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 from pathlib import Path
 
 import recorder.rollout
+from tests.layers import imported_modules
 
 FORBIDDEN = ("recorder.server", "recorder.store")
 ROOT = Path(recorder.rollout.__file__).parent
-
-
-def imported_modules(path: Path) -> set[str]:
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return names
 
 
 def test_nothing_under_rollout_imports_the_server_or_the_store() -> None:
