@@ -74,9 +74,33 @@ class AdvisorySessionLocks(SessionLocks):
             await conn.close()
 
     async def _try(self, session_id: str) -> bool:
+        """One `pg_try_advisory_lock`, on a fresh connection if the held one broke.
+
+        A connection the server closed (a restart, `pg_terminate_backend`)
+        may not look closed until used, and then fails in any of asyncpg's
+        ways (a Postgres error, an interface error, an internal state error).
+        Its locks are gone with it, so it is dropped and the query asked once
+        more on a new connection; if that fails too, the error (a connect
+        error: an outage) goes to the caller.
+        """
         async with self._busy:
+            reused = self._conn is not None and not self._conn.is_closed()
+            conn = await self._connection()
+            try:
+                return bool(await conn.fetchval(TRY_LOCK_SQL, SESSION_LOCK_CLASS, session_id))
+            except Exception as exc:
+                self._drop(conn)
+                if not reused:
+                    raise
+                log.warning("session lock connection broke (%s); reconnecting", type(exc).__name__)
             conn = await self._connection()
             return bool(await conn.fetchval(TRY_LOCK_SQL, SESSION_LOCK_CLASS, session_id))
+
+    def _drop(self, conn: asyncpg.Connection) -> None:
+        """Forget a broken connection; the server frees whatever locks it held."""
+        if self._conn is conn:
+            self._conn = None
+        conn.terminate()
 
     async def _unlock(self, session_id: str) -> None:
         async with self._busy:
@@ -85,9 +109,9 @@ class AdvisorySessionLocks(SessionLocks):
                 return  # the connection's locks went with it
             try:
                 await conn.fetchval(UNLOCK_SQL, SESSION_LOCK_CLASS, session_id)
-            except (OSError, asyncpg.PostgresError) as exc:
+            except Exception as exc:
                 log.warning("could not release session %s's lock: %s", session_id, exc)
-                conn.terminate()  # a broken connection: its locks are freed with it
+                self._drop(conn)  # a broken connection: its locks are freed with it
 
     async def _connection(self) -> asyncpg.Connection:
         if self._conn is None or self._conn.is_closed():
