@@ -159,7 +159,9 @@ def _as_ids(arr: Any) -> np.ndarray:
         raise ValueError(f"token ids must be a 1-D integer array, got {a.dtype}{list(a.shape)}")
     if a.size and int(a.min()) < 0:
         raise ValueError("negative token id")
-    return a.astype(np.int64, copy=False)
+    # Kept in the stored dtype: a session's inputs are views of one buffer
+    # (the store assembles prefixes once), and a conversion would copy each.
+    return a
 
 
 def prepare_turn(t: Turn, arrays: Mapping[bytes, np.ndarray], rules: Rules) -> None:

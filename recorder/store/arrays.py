@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Final
 
 import msgspec
@@ -353,15 +353,50 @@ def chain_depth(chain: list[DecodedPiece]) -> int:
 
 def assemble(ref: ArrayRef, chain: list[DecodedPiece]) -> np.ndarray:
     """Concatenate a root-first chain of pieces into the array `ref` names."""
-    last = chain[-1]
+    _check_ref(ref, chain[-1])
+    if len(chain) == 1:
+        return chain[-1].suffix.copy()
+    return np.concatenate([p.suffix for p in chain])
+
+
+def assemble_shared(
+    refs: Sequence[ArrayRef], chain_of: Callable[[bytes], list[DecodedPiece]]
+) -> list[np.ndarray]:
+    """The arrays `refs` name, where one that is a prefix of another is a view of it.
+
+    A session's engine inputs are each the previous one plus a few new
+    tokens, stored as pieces extending it: 300 turns at 120k tokens would
+    be 300 separate copies (36M tokens) if each were assembled alone, but are
+    all prefixes of the last one. Assembling the longest first and handing
+    every ref on its piece chain a slice of that buffer keeps one copy per
+    chain. The views are read-only: one caller writing into them would change
+    the others' arrays.
+    """
+    prefixes: dict[bytes, tuple[np.ndarray, DecodedPiece]] = {}
+    assembled: dict[bytes, np.ndarray] = {}
+    for ref in sorted({r.digest: r for r in refs}.values(), key=lambda r: -r.length):
+        shared = prefixes.get(ref.digest)
+        if shared is not None:
+            buffer, piece = shared
+            _check_ref(ref, piece)
+            assembled[ref.digest] = buffer[: piece.total_length]
+            continue
+        chain = chain_of(ref.digest)
+        whole = assemble(ref, chain)
+        whole.flags.writeable = False
+        assembled[ref.digest] = whole
+        for piece in chain[:-1]:
+            if piece.dtype == ref.dtype:
+                prefixes.setdefault(piece.digest, (whole, piece))
+    return [assembled[r.digest] for r in refs]
+
+
+def _check_ref(ref: ArrayRef, last: DecodedPiece) -> None:
     if last.digest != ref.digest or last.total_length != ref.length or last.dtype != ref.dtype:
         raise CorruptArray(
             f"array {ref.digest.hex()}: stored piece says {last.total_length} x {last.dtype}, "
             f"the ref says {ref.length} x {ref.dtype}; the ref was not made by this store"
         )
-    if len(chain) == 1:
-        return last.suffix.copy()
-    return np.concatenate([p.suffix for p in chain])
 
 
 def retained_nbytes(array: np.ndarray) -> int:

@@ -221,7 +221,10 @@ class EventStore(ProjectionStore):
         """Many arrays at once; backends batch the reads.
 
         `cache=False`: the caller reads each array once (a streaming replay),
-        so the backend keeps nothing of this read in its caches.
+        so the backend keeps nothing of this read in its caches. Arrays may
+        be read-only views of one buffer when one is a prefix of another (a
+        session's engine inputs): copy one before writing into it, or before
+        keeping a short one long after the rest (it holds the whole buffer).
         """
         return [await self.get_array(r) for r in refs]
 

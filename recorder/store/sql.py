@@ -762,7 +762,7 @@ class SqlEventStore(EventStore):
         found it. All rounds share one connection.
         """
         local = await self._load_pieces([r.digest for r in refs], cache=cache)
-        return [arr.assemble(ref, _chain(local, ref.digest)) for ref in refs]
+        return arr.assemble_shared(refs, lambda digest: _chain(local, digest))
 
     async def _load_pieces(
         self, digests: Sequence[bytes], *, cache: bool

@@ -305,3 +305,28 @@ def test_decoding_from_many_threads_at_once() -> None:
         decoded = list(pool.map(codec.decode_piece, pieces * 4))
     for i, d in enumerate(decoded):
         assert _same_bits(d.suffix, _tokens(2000, i % 64))
+
+
+async def test_prefixes_read_together_share_one_buffer(store: EventStore) -> None:
+    """A session's inputs (each extending the last) come back as views of one copy."""
+    rng = np.random.default_rng(7)
+    parts = [rng.integers(0, 50_000, n, dtype=np.int32) for n in (500, 30, 70, 400)]
+    refs: list[ArrayRef] = []
+    parent: ArrayRef | None = None
+    for part in parts:
+        parent = await store.put_array(part, extends=parent)
+        refs.append(parent)
+    other = await store.put_array(parts[0][:100])  # an unrelated array in the same read
+    wanted = [refs[1], other, refs[3], refs[0], refs[1]]
+    got = await store.get_arrays(wanted, cache=False)
+
+    for ref, array in zip(wanted, got, strict=True):
+        n = ref.length
+        expected = np.concatenate(parts)[:n] if ref is not other else parts[0][:100]
+        assert array.dtype == np.int32 and np.array_equal(array, expected)
+        assert not array.flags.writeable
+    longest = got[2]
+    for prefix in (got[0], got[3], got[4]):
+        assert np.shares_memory(prefix, longest)
+    assert not np.shares_memory(got[1], longest)
+    assert sum(a.nbytes for a in got if a.base is None) == longest.nbytes + got[1].nbytes
