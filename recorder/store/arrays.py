@@ -33,7 +33,7 @@ import numpy as np
 import zstandard
 
 from recorder.events import ArrayRef, DType
-from recorder.store.base import ArrayNotFound, CorruptArray
+from recorder.store.errors import ArrayNotFound, CorruptArray
 
 DIGEST_SIZE: Final = 16
 _NO_PARENT: Final = b"\x00" * DIGEST_SIZE

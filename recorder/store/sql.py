@@ -34,7 +34,6 @@ its own transaction so one bad request cannot sink its neighbours.
 from __future__ import annotations
 
 import abc
-import contextlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -60,20 +59,18 @@ from recorder.store import arrays as arr
 from recorder.store.base import (
     ArrayNotFound,
     ConcurrencyConflict,
-    CorruptArray,
     EventStore,
     IdempotencyConflict,
     StorageUnavailable,
     StoreError,
 )
 from recorder.store.group_commit import GroupCommitter, WriteRequest
+from recorder.store.pieces import PieceReader, chain, chunks
 from recorder.store.tables import arrays, events, projection_names, projections
 
 # Bound on events + pieces per group transaction (keeps a group's latency and
 # memory modest while still amortising the commit over thousands of rows).
 MAX_GROUP_WEIGHT = 20_000
-# Bound on bind parameters in one IN (...) list.
-IN_CHUNK = 500
 # Bound on the arrays one cold array read may have to decode through bases
 # (see `SqlEventStore.put_array`'s `basis`).
 MAX_BASIS_DEPTH = 16
@@ -251,11 +248,6 @@ class PlainGroup:
         ]
 
 
-def _chunks(items: Sequence[Any], n: int = IN_CHUNK) -> Iterable[Sequence[Any]]:
-    for i in range(0, len(items), n):
-        yield items[i : i + n]
-
-
 def _record(row: sa.Row[Any]) -> RecordedEvent:
     position, session_id, seq, event_id, type_, version, ts, payload = row
     return RecordedEvent(
@@ -293,6 +285,7 @@ class SqlEventStore(EventStore):
             self._commit_group, max_weight=MAX_GROUP_WEIGHT
         )
         self._pieces = arr.PieceCache(self.options.piece_cache_bytes)
+        self._reader = PieceReader(read_engine, self._pieces, self._piece_rows)
         # Recently used bases, least recent first: basis digest -> (its prepared
         # zstd dictionary if built yet, its chain depth). A body stored as
         # prefix + suffix encodes both against one basis without reading it twice.
@@ -568,7 +561,7 @@ class SqlEventStore(EventStore):
     ) -> dict[uuid.UUID, tuple[str, EventRow]]:
         found: dict[uuid.UUID, tuple[str, EventRow]] = {}
         cols = (events.c.session_id, events.c.event_id, events.c.type, events.c.version)
-        for chunk in _chunks(ids):
+        for chunk in chunks(ids):
             stmt = sa.select(*cols, events.c.ts, events.c.payload, events.c.position).where(
                 events.c.event_id.in_(chunk)
             )
@@ -671,10 +664,10 @@ class SqlEventStore(EventStore):
         wanted = [] if extends is None else [extends]
         if known is None:
             wanted.append(basis)
-        pieces = await self._load_pieces([r.digest for r in wanted], cache=True)
-        basis_chain = _chain(pieces, basis.digest) if known is None else []
+        pieces = await self._reader.load([r.digest for r in wanted], cache=True)
+        basis_chain = chain(pieces, basis.digest) if known is None else []
         dictionary, basis_depth = known or (None, arr.chain_depth(basis_chain))
-        prefix_chain = _chain(pieces, extends.digest) if extends is not None else []
+        prefix_chain = chain(pieces, extends.digest) if extends is not None else []
         prefix_depth = arr.chain_depth(prefix_chain) if prefix_chain else 0
         if max(prefix_depth, basis_depth + 1) > MAX_BASIS_DEPTH:
             self._remember_basis(basis, dictionary, basis_depth)
@@ -684,8 +677,8 @@ class SqlEventStore(EventStore):
             return arr.encode_piece(whole, dtype, None), whole
         if dictionary is None:
             if not basis_chain:  # known depth, no dictionary yet
-                pieces = await self._load_pieces([basis.digest], cache=True)
-                basis_chain = _chain(pieces, basis.digest)
+                pieces = await self._reader.load([basis.digest], cache=True)
+                basis_chain = chain(pieces, basis.digest)
             dictionary = arr.basis_dictionary(arr.chain_bytes(basis_chain))
         self._remember_basis(basis, dictionary, basis_depth)
         piece = arr.encode_piece_on_basis(suffix, dtype, extends, basis, dictionary, basis_depth)
@@ -745,7 +738,7 @@ class SqlEventStore(EventStore):
 
     async def _present_digests(self, conn: AsyncConnection, digests: list[bytes]) -> set[bytes]:
         present: set[bytes] = set()
-        for chunk in _chunks(digests):
+        for chunk in chunks(digests):
             stmt = sa.select(arrays.c.digest).where(arrays.c.digest.in_(chunk))
             present.update(bytes(d) for d in await conn.scalars(stmt))
         return present
@@ -761,66 +754,7 @@ class SqlEventStore(EventStore):
         cached but keeps nothing new: a one-pass reader leaves the cache as it
         found it. All rounds share one connection.
         """
-        local = await self._load_pieces([r.digest for r in refs], cache=cache)
-        return arr.assemble_shared(refs, lambda digest: _chain(local, digest))
-
-    async def _load_pieces(
-        self, digests: Sequence[bytes], *, cache: bool
-    ) -> dict[bytes, arr.DecodedPiece]:
-        """Verified pieces of the arrays `digests` name: their chains and their bases' chains."""
-        local: dict[bytes, arr.DecodedPiece] = {}
-        on_basis: dict[bytes, arr.Piece] = {}  # fetched, decodable once their basis is
-        frontier = set(digests)
-        async with contextlib.AsyncExitStack() as stack:
-            conn: AsyncConnection | None = None
-            while frontier:
-                wanted = []
-                for d in frontier:
-                    cached = self._pieces.get(d)
-                    if cached is not None:
-                        local[d] = cached
-                    else:
-                        wanted.append(d)
-                if wanted:
-                    if conn is None:
-                        conn = await stack.enter_async_context(self.read_engine.connect())
-                    for piece in await self._fetch_pieces(conn, wanted):
-                        if isinstance(piece, arr.Piece):
-                            on_basis[piece.digest] = piece
-                            continue
-                        local[piece.digest] = piece
-                        if cache:
-                            self._pieces.put(piece)
-                next_frontier: set[bytes] = set()
-                for d in frontier:
-                    stored = on_basis.get(d)
-                    deps = (local[d].parent,) if stored is None else (stored.parent, stored.basis)
-                    next_frontier.update(
-                        x for x in deps if x is not None and x not in local and x not in on_basis
-                    )
-                frontier = next_frontier
-        if on_basis:
-            for piece in _decode_on_basis(local, on_basis):
-                if cache:
-                    self._pieces.put(piece)
-        return local
-
-    async def _fetch_pieces(
-        self, conn: AsyncConnection, digests: list[bytes]
-    ) -> list[arr.DecodedPiece | arr.Piece]:
-        """Read pieces by digest; raise `ArrayNotFound` for any missing.
-
-        Pieces without a basis come back verified; basis-coded ones come back
-        as stored (`arr.Piece`), to be decoded once their basis is.
-        """
-        out: list[arr.DecodedPiece | arr.Piece] = []
-        for chunk in _chunks(digests):
-            out.extend(_decode_row(row) for row in await self._piece_rows(conn, chunk))
-        if len(out) != len(digests):
-            missing = set(digests) - {p.digest for p in out}
-            if missing:
-                raise arr.missing_piece(min(missing))
-        return out
+        return await self._reader.arrays(refs, cache=cache)
 
     async def _piece_rows(self, conn: AsyncConnection, digests: Sequence[bytes]) -> Iterable[Any]:
         """(digest, parent, dtype, total_length, codec, data, data_tail, basis, basis_depth)
@@ -950,90 +884,3 @@ def _resend_outcome(
             )
         out.append(stored)
     return out
-
-
-def _decode_row(row: Any) -> arr.DecodedPiece | arr.Piece:
-    """A verified piece, or a basis-coded one as stored (its basis must be decoded first)."""
-    digest, parent, dtype, total, codec, data, tail, basis, depth = row
-    piece = arr.Piece(
-        bytes(digest),
-        None if parent is None else bytes(parent),
-        dtype,
-        total,
-        codec,
-        arr.join_blob(bytes(data), None if tail is None else bytes(tail)),
-        None if basis is None else bytes(basis),
-        depth,
-    )
-    if piece.basis is not None:
-        return piece
-    return arr.decode_piece(piece)
-
-
-def _decode_on_basis(
-    local: dict[bytes, arr.DecodedPiece], pending: dict[bytes, arr.Piece]
-) -> list[arr.DecodedPiece]:
-    """Decode basis-coded pieces into `local`, each after every piece of its basis.
-
-    Iterative (an explicit stack, not recursion): a basis may itself rest on
-    a basis, and a damaged database could even hold a cycle, reported as
-    corruption. Every piece's chain and its basis's chain are in `local` or
-    `pending` (`_load_pieces` fetched them).
-    """
-    decoded: list[arr.DecodedPiece] = []
-    basis_bytes: dict[bytes, bytes] = {}
-    entered: set[bytes] = set()
-    for root in pending:
-        stack = [root]
-        while stack:
-            d = stack[-1]
-            if d in local:
-                stack.pop()
-                continue
-            piece = pending[d]
-            assert piece.basis is not None
-            waiting = _pending_in_chain(local, pending, piece.basis)
-            if d in entered:
-                if waiting:
-                    raise CorruptArray(
-                        f"stored array piece {d.hex()} depends on itself through its basis "
-                        f"{piece.basis.hex()}: the database is damaged. Restore it from a "
-                        "good copy (`recorder db copy --from GOOD --to NEW`)"
-                    )
-                content = basis_bytes.get(piece.basis)
-                if content is None:
-                    content = basis_bytes[piece.basis] = arr.chain_bytes(_chain(local, piece.basis))
-                local[d] = arr.decode_piece(piece, content)
-                decoded.append(local[d])
-                stack.pop()
-            else:
-                entered.add(d)
-                stack.extend(waiting)
-    return decoded
-
-
-def _pending_in_chain(
-    local: dict[bytes, arr.DecodedPiece], pending: dict[bytes, arr.Piece], digest: bytes
-) -> list[bytes]:
-    """Pieces of the chain ending at `digest` that are not decoded yet."""
-    out = []
-    d: bytes | None = digest
-    while d is not None:
-        piece = local.get(d)
-        if piece is None:
-            out.append(d)
-            d = pending[d].parent
-        else:
-            d = piece.parent
-    return out
-
-
-def _chain(local: dict[bytes, arr.DecodedPiece], digest: bytes) -> list[arr.DecodedPiece]:
-    chain = []
-    d: bytes | None = digest
-    while d is not None:
-        piece = local[d]
-        chain.append(piece)
-        d = piece.parent
-    chain.reverse()
-    return chain

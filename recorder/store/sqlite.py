@@ -42,8 +42,8 @@ from sqlalchemy.pool import AsyncAdaptedQueuePool
 
 from recorder.store import arrays as arr
 from recorder.store.base import StoreError
+from recorder.store.pieces import IN_CHUNK
 from recorder.store.sql import (
-    IN_CHUNK,
     READER_PAGE_CACHE_BYTES,
     WRITER_PAGE_CACHE_BYTES,
     EventRow,

@@ -13,6 +13,7 @@ from recorder.events import ArrayRef
 from recorder.store import ArrayNotFound, CorruptArray, StoreOptions, migrations, open_store, sql
 from recorder.store import arrays as codec
 from recorder.store.copy import copy_store
+from recorder.store.pieces import chain
 from recorder.store.sql import SqlEventStore
 
 RawExecute = Callable[..., Awaitable[list[tuple[object, ...]]]]
@@ -155,9 +156,9 @@ async def test_basis_chains_stay_bounded(sqlite_url: str, raw_execute: RawExecut
             cut = len(data) // 2
             head = await w.put_array(data[:cut], basis=prev)
             grown.append(await w.put_array(data[cut:], extends=head, basis=prev))
-        pieces = await w._load_pieces([r.digest for r in whole + grown], cache=False)
+        pieces = await w._reader.load([r.digest for r in whole + grown], cache=False)
         for ref in whole + grown:
-            assert codec.chain_depth(sql._chain(pieces, ref.digest)) <= sql.MAX_BASIS_DEPTH
+            assert codec.chain_depth(chain(pieces, ref.digest)) <= sql.MAX_BASIS_DEPTH
     ((deepest,),) = await raw_execute(sqlite_url, "SELECT MAX(basis_depth) FROM arrays")
     assert deepest == sql.MAX_BASIS_DEPTH
     async with await open_store(sqlite_url) as r:

@@ -177,13 +177,13 @@ async def test_reading_turns_in_order_fetches_one_piece_per_turn(
     async with await open_store(store_url) as r:
         assert isinstance(r, SqlEventStore)
         fetched: list[int] = []
-        real = r._fetch_pieces
+        real = r._reader._fetch
 
         async def counting(conn: object, digests: list[bytes]) -> list[codec.DecodedPiece]:
             fetched.append(len(digests))
             return await real(conn, digests)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(r, "_fetch_pieces", counting)
+        monkeypatch.setattr(r._reader, "_fetch", counting)
         for t, ref in enumerate(refs):
             got = await r.get_array(ref)
             assert _same_bits(got, np.concatenate(turns[: t + 1]))
@@ -192,13 +192,13 @@ async def test_reading_turns_in_order_fetches_one_piece_per_turn(
     async with await open_store(store_url) as cold:
         assert isinstance(cold, SqlEventStore)
         rounds: list[int] = []
-        real_cold = cold._fetch_pieces
+        real_cold = cold._reader._fetch
 
         async def counting_cold(conn: object, digests: list[bytes]) -> list[codec.DecodedPiece]:
             rounds.append(len(digests))
             return await real_cold(conn, digests)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(cold, "_fetch_pieces", counting_cold)
+        monkeypatch.setattr(cold._reader, "_fetch", counting_cold)
         await cold.get_arrays([refs[-1], refs[3]])
         # Both chains walk down together; the shorter one's pieces end the walk.
         assert rounds == [2, 2, 2, 2]

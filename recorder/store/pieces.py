@@ -1,0 +1,194 @@
+"""Reading stored arrays: their pieces, from the cache or the database, verified.
+
+An array is a chain of pieces (each extending its parent), and a piece may be
+compressed against another array (its basis), so reading one array can need
+pieces of several chains. `PieceReader` fetches what the cache lacks in rounds
+(one IN query per chain depth, on one connection), decodes basis-coded pieces
+once their basis is decoded, and hands back the pieces; `assemble_shared`
+(arrays.py) turns them into arrays. The store's only part in it is the query
+that returns piece rows (a backend hook: SQLite and Postgres store the
+compressed bytes differently).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from recorder.events import ArrayRef
+from recorder.store import arrays as arr
+from recorder.store.errors import CorruptArray
+
+# Digests per IN (...) query.
+IN_CHUNK = 500
+
+# (conn, digests) -> rows of (digest, parent, dtype, total_length, codec, data,
+# data_tail, basis, basis_depth), one per stored digest.
+PieceRows = Callable[[AsyncConnection, Sequence[bytes]], Awaitable[Iterable[Any]]]
+
+
+class PieceReader:
+    """Verified pieces by digest: cached ones free, the rest read in rounds."""
+
+    def __init__(self, read_engine: AsyncEngine, cache: arr.PieceCache, rows: PieceRows) -> None:
+        self._read_engine = read_engine
+        self._cache = cache
+        self._rows = rows
+
+    async def arrays(self, refs: Sequence[ArrayRef], *, cache: bool) -> list[np.ndarray]:
+        """The arrays `refs` name (prefixes of one another share one buffer)."""
+        local = await self.load([r.digest for r in refs], cache=cache)
+        return arr.assemble_shared(refs, lambda digest: chain(local, digest))
+
+    async def load(self, digests: Sequence[bytes], *, cache: bool) -> dict[bytes, arr.DecodedPiece]:
+        """Verified pieces of the arrays `digests` name: their chains and their bases' chains."""
+        local: dict[bytes, arr.DecodedPiece] = {}
+        on_basis: dict[bytes, arr.Piece] = {}  # fetched, decodable once their basis is
+        frontier = set(digests)
+        async with contextlib.AsyncExitStack() as stack:
+            conn: AsyncConnection | None = None
+            while frontier:
+                wanted = []
+                for d in frontier:
+                    cached = self._cache.get(d)
+                    if cached is not None:
+                        local[d] = cached
+                    else:
+                        wanted.append(d)
+                if wanted:
+                    if conn is None:
+                        conn = await stack.enter_async_context(self._read_engine.connect())
+                    for piece in await self._fetch(conn, wanted):
+                        if isinstance(piece, arr.Piece):
+                            on_basis[piece.digest] = piece
+                            continue
+                        local[piece.digest] = piece
+                        if cache:
+                            self._cache.put(piece)
+                next_frontier: set[bytes] = set()
+                for d in frontier:
+                    stored = on_basis.get(d)
+                    deps = (local[d].parent,) if stored is None else (stored.parent, stored.basis)
+                    next_frontier.update(
+                        x for x in deps if x is not None and x not in local and x not in on_basis
+                    )
+                frontier = next_frontier
+        if on_basis:
+            for piece in decode_on_basis(local, on_basis):
+                if cache:
+                    self._cache.put(piece)
+        return local
+
+    async def _fetch(
+        self, conn: AsyncConnection, digests: list[bytes]
+    ) -> list[arr.DecodedPiece | arr.Piece]:
+        """Read pieces by digest; raise `ArrayNotFound` for any missing.
+
+        Pieces without a basis come back verified; basis-coded ones come back
+        as stored (`arr.Piece`), to be decoded once their basis is.
+        """
+        out: list[arr.DecodedPiece | arr.Piece] = []
+        for chunk in chunks(digests):
+            out.extend(decode_row(row) for row in await self._rows(conn, chunk))
+        if len(out) != len(digests):
+            missing = set(digests) - {p.digest for p in out}
+            if missing:
+                raise arr.missing_piece(min(missing))
+        return out
+
+
+def decode_row(row: Any) -> arr.DecodedPiece | arr.Piece:
+    """A verified piece, or a basis-coded one as stored (its basis must be decoded first)."""
+    digest, parent, dtype, total, codec, data, tail, basis, depth = row
+    piece = arr.Piece(
+        bytes(digest),
+        None if parent is None else bytes(parent),
+        dtype,
+        total,
+        codec,
+        arr.join_blob(bytes(data), None if tail is None else bytes(tail)),
+        None if basis is None else bytes(basis),
+        depth,
+    )
+    if piece.basis is not None:
+        return piece
+    return arr.decode_piece(piece)
+
+
+def decode_on_basis(
+    local: dict[bytes, arr.DecodedPiece], pending: dict[bytes, arr.Piece]
+) -> list[arr.DecodedPiece]:
+    """Decode basis-coded pieces into `local`, each after every piece of its basis.
+
+    Iterative (an explicit stack, not recursion): a basis may itself rest on
+    a basis, and a damaged database could even hold a cycle, reported as
+    corruption. Every piece's chain and its basis's chain are in `local` or
+    `pending` (`PieceReader.load` fetched them).
+    """
+    decoded: list[arr.DecodedPiece] = []
+    basis_bytes: dict[bytes, bytes] = {}
+    entered: set[bytes] = set()
+    for root in pending:
+        stack = [root]
+        while stack:
+            d = stack[-1]
+            if d in local:
+                stack.pop()
+                continue
+            piece = pending[d]
+            assert piece.basis is not None
+            waiting = _pending_in_chain(local, pending, piece.basis)
+            if d in entered:
+                if waiting:
+                    raise CorruptArray(
+                        f"stored array piece {d.hex()} depends on itself through its basis "
+                        f"{piece.basis.hex()}: the database is damaged. Restore it from a "
+                        "good copy (`recorder db copy --from GOOD --to NEW`)"
+                    )
+                content = basis_bytes.get(piece.basis)
+                if content is None:
+                    content = basis_bytes[piece.basis] = arr.chain_bytes(chain(local, piece.basis))
+                local[d] = arr.decode_piece(piece, content)
+                decoded.append(local[d])
+                stack.pop()
+            else:
+                entered.add(d)
+                stack.extend(waiting)
+    return decoded
+
+
+def _pending_in_chain(
+    local: dict[bytes, arr.DecodedPiece], pending: dict[bytes, arr.Piece], digest: bytes
+) -> list[bytes]:
+    """Pieces of the chain ending at `digest` that are not decoded yet."""
+    out = []
+    d: bytes | None = digest
+    while d is not None:
+        piece = local.get(d)
+        if piece is None:
+            out.append(d)
+            d = pending[d].parent
+        else:
+            d = piece.parent
+    return out
+
+
+def chain(local: dict[bytes, arr.DecodedPiece], digest: bytes) -> list[arr.DecodedPiece]:
+    chain = []
+    d: bytes | None = digest
+    while d is not None:
+        piece = local[d]
+        chain.append(piece)
+        d = piece.parent
+    chain.reverse()
+    return chain
+
+
+def chunks(items: Sequence[Any], n: int = IN_CHUNK) -> Iterable[Sequence[Any]]:
+    """`items` in slices of at most `n` (one IN (...) query each)."""
+    for i in range(0, len(items), n):
+        yield items[i : i + n]
