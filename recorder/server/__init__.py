@@ -17,9 +17,25 @@ Anthropic answer as JSON or events), `errors`, `auth`, `commands`
 (`recorder serve`).
 """
 
-from recorder.server.app import RecorderServer, create_app, free_port
-from recorder.server.context import LIVE_RULES_VERSION, ServerConfig, ServerContext
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from recorder.server.app import RecorderServer, create_app, free_port
+    from recorder.server.context import LIVE_RULES_VERSION, ServerConfig, ServerContext
+
+# Loaded on first use: the dialects import this package's leaf modules
+# (answer, errors, sse), and loading the app here would import them back.
+_EXPORTS = {
+    "LIVE_RULES_VERSION": "context",
+    "RecorderServer": "app",
+    "ServerConfig": "context",
+    "ServerContext": "context",
+    "create_app": "app",
+    "free_port": "app",
+}
 __all__ = [
     "LIVE_RULES_VERSION",
     "RecorderServer",
@@ -28,3 +44,10 @@ __all__ = [
     "create_app",
     "free_port",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
