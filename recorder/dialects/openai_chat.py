@@ -250,7 +250,7 @@ def _parse_cached(body: bytes, cache: ParseCache) -> tuple[_RawChatRequest, Chat
     req = _raw_request_decoder.decode(body)
     if json_problem(outside_messages(body, req.messages)) is not None:
         raise InvalidRequest("JSON limits", "body")  # the uncached path names the problem
-    memo = converted_messages(cache)
+    memo = converted_messages(cache, "openai-chat")
     system: list[str] = []
     pieces: list[bytes] = []
     leading = True

@@ -193,12 +193,21 @@ class ConvertedMessages:
             self._nbytes -= len(old) + len(data)
 
 
-_CONVERTED: weakref.WeakKeyDictionary[ParseCache, ConvertedMessages] = weakref.WeakKeyDictionary()
+_CONVERTED: weakref.WeakKeyDictionary[ParseCache, dict[str, ConvertedMessages]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
-def converted_messages(cache: ParseCache) -> ConvertedMessages:
-    """The converted-message cache that lives and dies with a session's ParseCache."""
-    found = _CONVERTED.get(cache)
+def converted_messages(cache: ParseCache, dialect: str) -> ConvertedMessages:
+    """The converted-message cache of one dialect that lives and dies with a session's ParseCache.
+
+    One per dialect: the same JSON bytes may be a message in one dialect and
+    an input item of another, converted differently.
+    """
+    by_dialect = _CONVERTED.get(cache)
+    if by_dialect is None:
+        by_dialect = _CONVERTED[cache] = {}
+    found = by_dialect.get(dialect)
     if found is None:
-        found = _CONVERTED[cache] = ConvertedMessages()
+        found = by_dialect[dialect] = ConvertedMessages()
     return found

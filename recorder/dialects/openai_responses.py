@@ -21,12 +21,16 @@ from recorder.dialects.base import OPENAI_PING, Dialect, History, openai_error, 
 from recorder.dialects.openai_common import (
     NonEmpty,
     arguments,
+    chat_request_from_pieces,
+    converted_messages,
     decode,
+    encode_message,
     image,
     to_chat_request,
     tool,
     tool_choice,
 )
+from recorder.json_limits import MAX_DEPTH, json_problem
 from recorder.server.answer import Answer
 from recorder.server.errors import ApiError
 from recorder.server.sse import SseFrame
@@ -42,6 +46,7 @@ from recorder.translate import (
     ToolResultBlock,
     ToolUseBlock,
     _from_validation_error,
+    outside_messages,
 )
 
 
@@ -85,8 +90,7 @@ HOSTED_TOOLS = frozenset(
 )  # fmt: skip
 
 
-class ResponsesRequest(msgspec.Struct, kw_only=True):
-    input: str | list[dict[str, Any]]
+class _ResponsesFields(msgspec.Struct, kw_only=True):
     model: str = ""
     instructions: str | None = None
     tools: list[ResponsesTool] | None = None
@@ -101,6 +105,19 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     text: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
 
+
+class ResponsesRequest(_ResponsesFields, kw_only=True):
+    input: str | list[dict[str, Any]]
+
+
+class _RawResponsesRequest(_ResponsesFields, kw_only=True):
+    """The request with its input items left as JSON bytes (the cached path decodes new ones)."""
+
+    input: str | list[msgspec.Raw]
+
+
+_raw_request_decoder = msgspec.json.Decoder(_RawResponsesRequest)
+_item_decoder = msgspec.json.Decoder(dict[str, Any])
 
 _ITEM_TYPES: dict[str, type[Any]] = {
     "message": MessageItem,
@@ -120,11 +137,19 @@ class OpenAIResponses:
     async def parse(
         self, body: bytes, *, cache: ParseCache | None = None, history: History | None = None
     ) -> tuple[ChatRequest, Dialect]:
-        req: ResponsesRequest = decode(body, ResponsesRequest)
-        earlier = await _earlier(req, history)
-        messages, index_map, system = conversation(req, earlier)
-        fields = {**_fields(req), "system": system or None}
-        chat = to_chat_request(fields, messages, index_map, cache)
+        req: _ResponsesFields
+        chat: ChatRequest | None = None
+        if cache is not None:
+            try:
+                req, chat = await _parse_cached(body, cache, history)
+            except (InvalidRequest, msgspec.MsgspecError, UnicodeDecodeError, RecursionError):
+                chat = None  # parsed again without the cache, which names the field
+        if chat is None:
+            req = full = decode(body, ResponsesRequest)
+            earlier = await _earlier(full, history)
+            messages, index_map, system = conversation(full, earlier)
+            fields = {**_fields(full), "system": system or None}
+            chat = to_chat_request(fields, messages, index_map, None)
         echo = {
             "previous_response_id": req.previous_response_id,
             "instructions": req.instructions,
@@ -207,7 +232,58 @@ OPENAI_RESPONSES = OpenAIResponses()
 # --------------------------------------------------------------------------
 
 
-async def _earlier(req: ResponsesRequest, history: History | None) -> list[Message]:
+async def _parse_cached(
+    body: bytes, cache: ParseCache, history: History | None
+) -> tuple[_ResponsesFields, ChatRequest | None]:
+    """The request through the session's caches: only input items not seen before are decoded.
+
+    As for Chat Completions (openai_chat._parse_cached): each item's
+    Anthropic-shaped JSON is kept by the item's exact bytes, the Anthropic
+    body is joined from those pieces, and the shared ParseCache matches them
+    by a byte compare. None for a plain-string input (nothing to cache). The
+    result is the same as without the caches.
+    """
+    req = _raw_request_decoder.decode(body)
+    if isinstance(req.input, str):
+        return req, None
+    if json_problem(outside_messages(body, req.input)) is not None:
+        raise InvalidRequest("JSON limits", "body")  # the uncached path names the problem
+    earlier = await _earlier(req, history)
+    memo = converted_messages(cache, "openai-responses")
+    system = [req.instructions] if req.instructions else []
+    pieces = [encode_message(m) for m in earlier]
+    leading = not pieces
+    for i, raw in enumerate(req.input):
+        key, hit = memo.get(i, bytes(raw))
+        if hit is None:
+            if json_problem(key, MAX_DEPTH - 2) is not None:  # two levels deep in the body
+                raise InvalidRequest("JSON limits", f"input.{i}")
+            hit = _converted(_item_decoder.decode(key), f"input.{i}")
+            memo.put(key, hit)
+        kind, value = hit
+        if kind == "system" and leading:
+            system.append(value.decode())
+        elif kind == "system":
+            pieces.append(encode_message(Message(role="system", content=value.decode())))
+        elif kind == "message":
+            leading = False
+            pieces.append(value)
+    memo.done()
+    fields = {**_fields(req), "system": "\n\n".join(system) or None}
+    return req, chat_request_from_pieces(fields, pieces, cache)
+
+
+def _converted(raw: dict[str, Any], where: str) -> tuple[str, bytes]:
+    """("system", its text), ("message", the Anthropic-shaped JSON) or ("skip", b"")."""
+    item = _item(raw, where)
+    if item is None:
+        return "skip", b""
+    if isinstance(item, MessageItem) and item.role in ("system", "developer"):
+        return "system", _text(item.content, where).encode()
+    return "message", encode_message(_message_of(item, where))
+
+
+async def _earlier(req: _ResponsesFields, history: History | None) -> list[Message]:
     if req.previous_response_id is None:
         return []
     if history is None:
@@ -296,7 +372,7 @@ def _message_of(item: Any, where: str) -> Message:
     return Message(role=item.role, content=content)
 
 
-def _fields(req: ResponsesRequest) -> dict[str, Any]:
+def _fields(req: _ResponsesFields) -> dict[str, Any]:
     tools = [tool(t.name, t.description, t.parameters) for t in _function_tools(req.tools or [])]
     fmt = (req.text or {}).get("format") or {}
     schema = fmt.get("schema") if fmt.get("type") == "json_schema" else None

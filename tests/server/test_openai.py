@@ -740,3 +740,45 @@ async def test_chat_parse_through_the_session_caches_equals_a_fresh_parse() -> N
     with pytest.raises(InvalidRequest) as info:
         await OPENAI_CHAT.parse(bad, cache=cache)
     assert info.value.field == f"messages.{len(messages)}"
+
+
+async def test_responses_parse_through_the_session_caches_equals_a_fresh_parse() -> None:
+    from recorder.dialects import OPENAI_RESPONSES
+    from recorder.translate import Message, ParseCache
+
+    earlier = [Message(role="user", content="Earlier question"),
+               Message(role="assistant", content="Earlier answer")]  # fmt: skip
+
+    async def history(response_id: str) -> list[Message]:
+        assert response_id == "resp_1"
+        return earlier
+
+    cache = ParseCache()
+    items: list[dict[str, Any]] = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "input_text", "text": "What is in this repo?"}]},
+    ]
+    for turn in range(4):
+        for previous in (None, "resp_1"):
+            body = json.dumps({"model": "m", "instructions": SYSTEM, "input": items,
+                               "tools": RESPONSES_TOOLS,
+                               "previous_response_id": previous}).encode()  # fmt: skip
+            cached, _ = await OPENAI_RESPONSES.parse(body, cache=cache, history=history)
+            fresh, _ = await OPENAI_RESPONSES.parse(body, history=history)
+            assert cached == fresh
+        items += [
+            {"type": "reasoning", "id": f"r{turn}", "summary": []},
+            {"type": "function_call", "call_id": f"c{turn}", "name": "Bash",
+             "arguments": json.dumps({"command": "ls"})},
+            {"type": "function_call_output", "call_id": f"c{turn}", "output": "a.txt"},
+            {"role": "system", "content": "A reminder mid-conversation."},
+        ]  # fmt: skip
+    plain = json.dumps({"model": "m", "input": "just text"}).encode()
+    assert (await OPENAI_RESPONSES.parse(plain, cache=cache))[0] == (
+        await OPENAI_RESPONSES.parse(plain)
+    )[0]
+    bad = json.dumps({"model": "m", "input": [*items, {"type": "function_call_output",
+                                                       "call_id": "zz", "output": 3}]}).encode()  # fmt: skip
+    with pytest.raises(InvalidRequest) as info:
+        await OPENAI_RESPONSES.parse(bad, cache=cache)
+    assert info.value.field.startswith(f"input.{len(items)}"), info.value.field
