@@ -337,6 +337,14 @@ async def test_context_limit_makes_2_1_330_compact(scenario_run: ScenarioRun) ->
     assert max(scenario_run.prompts) > min(summaries)  # the task went on after it
     assert scenario_run.codes == [0]
     assert scenario_run.results[-1]["result"] == "I read it twice."
+    # Every engine token is trained: the work before the compaction and the
+    # summary end as `wipe` segments, the task's end is `final`.
+    assert scenario_run.trained_tokens == scenario_run.engine_tokens > 0
+    segments = scenario_run.closed["segments"]
+    assert not any(s.get("dropped") for s in segments)
+    assert scenario_run.kinds()[-1] == "final" and set(scenario_run.kinds()[:-1]) == {"wipe"}
+    (summary,) = [s for s in segments if set(s["turns"]) == summaries]
+    assert summary["kind"] == "wipe"
 
 
 @pytest.mark.parametrize("version", CLAUDE_CODE_VERSIONS)
