@@ -23,12 +23,12 @@ from recorder.dialects.openai_common import (
     decode,
     encode_message,
     image,
+    join_through_cache,
     texts,
     to_chat_request,
     tool,
     tool_choice,
 )
-from recorder.json_limits import MAX_DEPTH, json_problem
 from recorder.server.answer import Answer
 from recorder.server.errors import ApiError
 from recorder.server.sse import SseFrame
@@ -43,7 +43,6 @@ from recorder.translate import (
     TextBlock,
     ToolResultBlock,
     ToolUseBlock,
-    outside_messages,
 )
 
 _PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -248,31 +247,16 @@ def _parse_cached(body: bytes, cache: ParseCache) -> tuple[_RawChatRequest, Chat
     The result is the same as without the caches.
     """
     req = _raw_request_decoder.decode(body)
-    if json_problem(outside_messages(body, req.messages)) is not None:
-        raise InvalidRequest("JSON limits", "body")  # the uncached path names the problem
-    memo = converted_messages(cache, "openai-chat")
-    system: list[str] = []
-    pieces: list[bytes] = []
-    leading = True
-    for i, raw in enumerate(req.messages):
-        key, hit = memo.get(i, bytes(raw))
-        if hit is None:
-            if json_problem(key, MAX_DEPTH - 2) is not None:  # two levels deep in the body
-                raise InvalidRequest("JSON limits", f"messages.{i}")
-            hit = _converted(_message_decoder.decode(key), f"messages.{i}")
-            memo.put(key, hit)
-        kind, value = hit
-        if kind == "system" and leading:
-            system.append(value.decode())
-            continue
-        leading = leading and kind == "system"
-        pieces.append(
-            value
-            if kind == "message"
-            else encode_message(Message(role="system", content=value.decode()))
-        )
-    memo.done()
-    fields = {**_fields(req), "system": "\n\n".join(system) or None}
+    system, pieces = join_through_cache(
+        body,
+        req.messages,
+        "messages",
+        converted_messages(cache, "openai-chat"),
+        lambda key, where: _converted(_message_decoder.decode(key), where),
+        system=[],
+        pieces=[],
+    )
+    fields = {**_fields(req), "system": system}
     return req, chat_request_from_pieces(fields, pieces, cache)
 
 

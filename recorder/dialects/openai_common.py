@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any
 
 import msgspec
 
-from recorder.json_limits import json_problem
+from recorder.json_limits import MAX_DEPTH, json_problem
 from recorder.translate import (
     AnthropicRequest,
     Base64Source,
@@ -34,6 +34,7 @@ from recorder.translate import (
     ToolChoiceTool,
     UrlSource,
     _from_validation_error,
+    outside_messages,
     parse_request,
 )
 
@@ -211,3 +212,47 @@ def converted_messages(cache: ParseCache, dialect: str) -> ConvertedMessages:
     if found is None:
         found = by_dialect[dialect] = ConvertedMessages()
     return found
+
+
+# One message's conversion: ("system", its text), ("message", the Anthropic-shaped
+# message's JSON) or ("skip", b""), from the message's JSON bytes and its field path.
+Convert = Callable[[bytes, str], tuple[str, bytes]]
+
+
+def join_through_cache(
+    body: bytes,
+    raws: Sequence[msgspec.Raw],
+    field: str,
+    memo: ConvertedMessages,
+    convert: Convert,
+    *,
+    system: list[str],
+    pieces: list[bytes],
+) -> tuple[str | None, list[bytes]]:
+    """(system prompt, Anthropic-shaped message pieces) of a request's messages, through `memo`.
+
+    Only messages whose bytes `memo` has not seen are decoded and converted;
+    leading system messages (while `pieces` is still empty) join `system`,
+    later ones become system messages in place. JSON limits are checked on
+    what is new: the body outside the messages, and each unseen message.
+    """
+    if json_problem(outside_messages(body, raws)) is not None:
+        raise InvalidRequest("JSON limits", "body")  # the uncached path names the problem
+    leading = not pieces
+    for i, raw in enumerate(raws):
+        key, hit = memo.get(i, bytes(raw))
+        if hit is None:
+            if json_problem(key, MAX_DEPTH - 2) is not None:  # two levels deep in the body
+                raise InvalidRequest("JSON limits", f"{field}.{i}")
+            hit = convert(key, f"{field}.{i}")
+            memo.put(key, hit)
+        kind, value = hit
+        if kind == "system" and leading:
+            system.append(value.decode())
+        elif kind == "system":
+            pieces.append(encode_message(Message(role="system", content=value.decode())))
+        elif kind == "message":
+            leading = False
+            pieces.append(value)
+    memo.done()
+    return "\n\n".join(system) or None, pieces

@@ -26,11 +26,11 @@ from recorder.dialects.openai_common import (
     decode,
     encode_message,
     image,
+    join_through_cache,
     to_chat_request,
     tool,
     tool_choice,
 )
-from recorder.json_limits import MAX_DEPTH, json_problem
 from recorder.server.answer import Answer
 from recorder.server.errors import ApiError
 from recorder.server.sse import SseFrame
@@ -46,7 +46,6 @@ from recorder.translate import (
     ToolResultBlock,
     ToolUseBlock,
     _from_validation_error,
-    outside_messages,
 )
 
 
@@ -246,30 +245,16 @@ async def _parse_cached(
     req = _raw_request_decoder.decode(body)
     if isinstance(req.input, str):
         return req, None
-    if json_problem(outside_messages(body, req.input)) is not None:
-        raise InvalidRequest("JSON limits", "body")  # the uncached path names the problem
-    earlier = await _earlier(req, history)
-    memo = converted_messages(cache, "openai-responses")
-    system = [req.instructions] if req.instructions else []
-    pieces = [encode_message(m) for m in earlier]
-    leading = not pieces
-    for i, raw in enumerate(req.input):
-        key, hit = memo.get(i, bytes(raw))
-        if hit is None:
-            if json_problem(key, MAX_DEPTH - 2) is not None:  # two levels deep in the body
-                raise InvalidRequest("JSON limits", f"input.{i}")
-            hit = _converted(_item_decoder.decode(key), f"input.{i}")
-            memo.put(key, hit)
-        kind, value = hit
-        if kind == "system" and leading:
-            system.append(value.decode())
-        elif kind == "system":
-            pieces.append(encode_message(Message(role="system", content=value.decode())))
-        elif kind == "message":
-            leading = False
-            pieces.append(value)
-    memo.done()
-    fields = {**_fields(req), "system": "\n\n".join(system) or None}
+    system, pieces = join_through_cache(
+        body,
+        req.input,
+        "input",
+        converted_messages(cache, "openai-responses"),
+        lambda key, where: _converted(_item_decoder.decode(key), where),
+        system=[req.instructions] if req.instructions else [],
+        pieces=[encode_message(m) for m in await _earlier(req, history)],
+    )
+    fields = {**_fields(req), "system": system}
     return req, chat_request_from_pieces(fields, pieces, cache)
 
 
