@@ -4,8 +4,12 @@
 said; `generate_with_resume` turns engine aborts (weight updates pause the
 engine with mode "abort") into re-submissions of prompt + partial output and
 stitches the pieces, calling back before and after every attempt so the
-caller can record each one as an event. Text is never re-tokenized here:
-output tokens and their logprobs come from the engine or the turn fails.
+caller can record each one as an event. With several engines it also moves
+a turn whose engine is gone (refused or dropped connection and a failing
+health check) to a live one, each engine at most once per turn: the failed
+attempt has no output, so the stitched tokens are exactly the answered
+attempts'. Text is never re-tokenized here: output tokens and their logprobs
+come from the engine or the turn fails.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import logging
 import time
 import uuid
 from array import array
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any, Literal
 
 import aiohttp
@@ -357,10 +361,36 @@ class EngineClient:
         engine moves only the sessions that now prefer it). Engines marked down are
         skipped while another is live."""
         live = [u for u in self.urls if u not in self.down] or self.urls
-        return max(
-            live,
-            key=lambda u: hashlib.blake2b(f"{session_id}\x00{u}".encode(), digest_size=8).digest(),
-        )
+        return _rendezvous(session_id, live)
+
+    async def gone(self, url: str, exc: EngineError) -> bool:
+        """Does `exc` say the engine at `url` is gone, not merely slow or failing?
+
+        A refused connection does (`_request` marked the engine down); a dropped one
+        does when the engine's `/health` fails too (its process died). A timeout or
+        an HTTP error does not: the engine is there, and another would not help.
+        """
+        if exc.kind != "unreachable":
+            return False
+        if not self.live(url):
+            return True
+        if await self.health(url):
+            return False
+        self.mark(url, False)
+        return True
+
+    async def replacement(
+        self, session_id: str, url: str, exc: EngineError, tried: Collection[str]
+    ) -> str | None:
+        """The engine a turn moves to after its attempt on `url` failed with `exc`.
+
+        None when the engine is not gone, or when every live engine was already
+        tried by this turn (the bound: each engine at most once per turn).
+        """
+        left = [u for u in self.urls if u not in self.down and u not in tried and u != url]
+        if not left or not await self.gone(url, exc):
+            return None
+        return _rendezvous(session_id, left)
 
     async def generate(
         self,
@@ -482,6 +512,13 @@ class EngineClient:
         return status, answer
 
 
+def _rendezvous(session_id: str, urls: Sequence[str]) -> str:
+    """The engine `session_id` prefers among `urls` (highest hash of the pair)."""
+    return max(
+        urls, key=lambda u: hashlib.blake2b(f"{session_id}\x00{u}".encode(), digest_size=8).digest()
+    )
+
+
 class _SentSignal:
     """A request's `on_sent` callback, fired once (see `_notify_sent`)."""
 
@@ -513,13 +550,15 @@ async def _notify_sent(
 
 
 class Attempt(msgspec.Struct):
-    """One `/generate` call of a turn. `resumed_tokens` partial-output tokens
-    were appended to the turn's input for this attempt."""
+    """One `/generate` call of a turn, sent to the engine at `url`.
+    `resumed_tokens` partial-output tokens were appended to the turn's input
+    for this attempt."""
 
     attempt: int
     rid: str
     resumed_tokens: int
     max_new_tokens: int
+    url: str = ""
 
 
 class TurnOutput(msgspec.Struct):
@@ -558,6 +597,8 @@ async def generate_with_resume(
     on_result: Callable[[Attempt, GenerateOutput], Awaitable[None]],
     on_sent: Callable[[], None] | None = None,
     return_routed_experts: bool = False,
+    session_id: str | None = None,
+    on_moved: Callable[[Attempt, EngineError, str], Awaitable[None]] | None = None,
 ) -> TurnOutput:
     """Generate one turn, resuming after engine aborts.
 
@@ -566,6 +607,11 @@ async def generate_with_resume(
     `on_result` saw the offending output), EngineError, or CancelledError
     (after asking the engine to abort the in-flight rid). `on_sent` is called
     each time an attempt's request has been sent (see `EngineClient.generate`).
+
+    With `session_id`, an attempt whose engine is gone goes on as the next
+    attempt on the live engine `EngineClient.replacement` names, after
+    `on_moved(failed attempt, its error, new url)`; every engine is tried at
+    most once per turn. `max_attempts` counts the attempts an engine answered.
     """
     prompt = _json_ids(input_ids)
     ids: list[int] = []
@@ -573,10 +619,11 @@ async def generate_with_resume(
     versions: list[str] = []
     attempts: list[Attempt] = []
     results: list[GenerateOutput] = []
+    tried = {url}
     deadline = time.monotonic() + budget_s
     finish: FinishReason = "abort"
     detail = f"resume budget exhausted ({max_attempts} attempts, {budget_s:g}s)"
-    for number in range(max_attempts):
+    while len(results) < max_attempts:
         remaining = params.max_new_tokens - len(ids)
         if remaining <= 0:
             finish, detail = "length", str(params.max_new_tokens)
@@ -585,20 +632,36 @@ async def generate_with_resume(
         if time_left <= 0:
             break
         attempt = Attempt(
-            attempt=number, rid=new_rid(), resumed_tokens=len(ids), max_new_tokens=remaining
+            attempt=len(attempts),
+            rid=new_rid(),
+            resumed_tokens=len(ids),
+            max_new_tokens=remaining,
+            url=url,
         )
         attempts.append(attempt)
         await on_attempt(attempt)
-        out = await _one_attempt(
-            client,
-            url,
-            _resumed(prompt, ids),
-            params.with_max_new_tokens(remaining),
-            attempt.rid,
-            time_left,
-            return_routed_experts,
-            on_sent,
-        )
+        try:
+            out = await _one_attempt(
+                client,
+                url,
+                _resumed(prompt, ids),
+                params.with_max_new_tokens(remaining),
+                attempt.rid,
+                time_left,
+                return_routed_experts,
+                on_sent,
+            )
+        except EngineError as exc:
+            moved = None
+            if session_id is not None:
+                moved = await client.replacement(session_id, url, exc, tried)
+            if moved is None:
+                raise
+            if on_moved is not None:
+                await on_moved(attempt, exc, moved)
+            tried.add(moved)
+            url = moved
+            continue
         results.append(out)
         await on_result(attempt, out)
         if out.logprobs is None:
