@@ -610,6 +610,39 @@ async def test_requests_aiohttp_refuses_get_the_anthropic_shape(small_harness: H
     assert status == 200 and data["content"][0]["text"] == "alive"
 
 
+async def test_a_body_that_stops_arriving_is_refused(tokenizer: Any, sqlite_url: str) -> None:
+    """Shorter than its Content-Length, the connection left open: a 400 in the Anthropic
+    shape after the idle timeout (not a handler held until the client leaves); a slow
+    body that keeps coming is read whole."""
+    h = await make_harness(tokenizer, sqlite_url, idle_timeout_s=1.0)
+    try:
+        sid = await h.open_session()
+        auth = {"Authorization": f"Bearer {sid}", "Content-Type": "application/json"}
+        payload = body()
+        stalled = raw_post("/v1/messages", {**auth, "Content-Length": str(len(payload) + 50)})
+        status, headers, raw = await asyncio.wait_for(raw_exchange(h, stalled + payload), 60)
+        assert status == 400 and headers.get("x-should-retry") == "false", raw
+        assert_error_shape(json.loads(raw), "invalid_request_error", "stopped arriving")
+        assert f"{len(payload)} bytes of the {len(payload) + 50}" in raw.decode()
+
+        # Pieces 0.25 s apart for longer than the idle timeout: progress keeps it going.
+        host, port = h.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(raw_post("/v1/messages", {**auth, "Content-Length": str(len(payload))}))
+        h.engine.push(Reply(text="slow but whole"))
+        step = len(payload) // 8 + 1
+        for start in range(0, len(payload), step):
+            writer.write(payload[start : start + step])
+            await writer.drain()
+            await asyncio.sleep(0.25)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
+        writer.close()
+        assert head.startswith(b"HTTP/1.1 200"), head
+        assert [type(e).__name__ for e in await h.payloads(sid)][-1] == "ResponseSent"
+    finally:
+        await h.close()
+
+
 async def test_admin_token_that_is_not_utf8(tokenizer: Any, sqlite_url: str) -> None:
     h = await make_harness(tokenizer, sqlite_url, admin_token="s3cret")
     try:
