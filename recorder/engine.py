@@ -5,8 +5,9 @@ said; `generate_with_resume` turns engine aborts (weight updates pause the
 engine with mode "abort") into re-submissions of prompt + partial output and
 stitches the pieces, calling back before and after every attempt so the
 caller can record each one as an event. With several engines it also moves
-a turn whose engine is gone (refused or dropped connection and a failing
-health check) to a live one, each engine at most once per turn: the failed
+a turn whose engine is gone (a refused connection, a dropped one and a failing
+health check, or a failing health check while the engine holds the request)
+to a live one, each engine at most once per turn: the failed
 attempt has no output, so the stitched tokens are exactly the answered
 attempts'. Text is never re-tokenized here: output tokens and their logprobs
 come from the engine or the turn fails.
@@ -288,6 +289,7 @@ class EngineClient:
         connect_timeout_s: float = 10,
         max_connections: int = 0,
         health_interval_s: float = 5.0,
+        health_timeout_s: float = 10.0,
     ) -> None:
         if not urls:
             raise ValueError("EngineClient needs at least one engine URL")
@@ -295,8 +297,15 @@ class EngineClient:
         # Engines that failed a health check or a connection; `pick` avoids them until a
         # check passes again. With one engine there is nowhere to move: no checks.
         self.down: set[str] = set()
+        # Per live engine watched by an attempt: set when it is marked down, so an
+        # attempt in flight there stops waiting (a dead node may never reset the
+        # connection). Present and set iff the engine is down.
+        self._went_down: dict[str, asyncio.Event] = {}
+        # Background work (aborts sent to engines marked down), cancelled by close().
+        self._detached: set[asyncio.Task[None]] = set()
         self.health_interval_s = health_interval_s if len(self.urls) > 1 else 0.0
         self._checks: asyncio.Task[None] | None = None
+        self.health_timeout_s = health_timeout_s
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._max_connections = max_connections
@@ -332,14 +341,36 @@ class EngineClient:
         if live and url in self.down:
             log.warning("engine %s is back", url)
             self.down.discard(url)
+            self._went_down.pop(url, None)
         elif not live and url not in self.down:
             log.warning("engine %s is down: its sessions move to live engines", url)
             self.down.add(url)
+            self._went_down.setdefault(url, asyncio.Event()).set()
 
     def live(self, url: str) -> bool:
         return url not in self.down
 
+    def went_down(self, url: str) -> asyncio.Event:
+        """An event set once `url` is marked down (already set while it is down)."""
+        event = self._went_down.get(url)
+        if event is None:
+            event = self._went_down[url] = asyncio.Event()
+            if url in self.down:
+                event.set()
+        return event
+
+    def detach(self, work: Awaitable[None]) -> asyncio.Task[None]:
+        """Run `work` as a task this client keeps until it ends (close() cancels it)."""
+        task = asyncio.ensure_future(work)
+        self._detached.add(task)
+        task.add_done_callback(self._detached.discard)
+        return task
+
     async def close(self) -> None:
+        for task in list(self._detached):
+            task.cancel()
+        if self._detached:
+            await asyncio.wait(self._detached)
         if self._checks is not None:
             self._checks.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -457,7 +488,7 @@ class EngineClient:
 
     async def health(self, url: str) -> bool:
         try:
-            status, _ = await self._request("GET", url, "/health", timeout_s=10)
+            status, _ = await self._request("GET", url, "/health", timeout_s=self.health_timeout_s)
         except EngineError:
             return False
         return status == 200
@@ -695,25 +726,66 @@ async def _one_attempt(
 ) -> GenerateOutput:
     try:
         async with asyncio.timeout(time_left):
-            return await client.generate(
+            return await _while_live(
+                client,
                 url,
-                input_ids,
-                params,
-                rid,
-                return_routed_experts=return_routed_experts,
-                on_sent=on_sent,
+                client.generate(
+                    url,
+                    input_ids,
+                    params,
+                    rid,
+                    return_routed_experts=return_routed_experts,
+                    on_sent=on_sent,
+                ),
             )
     except asyncio.CancelledError:
         # The caller went away (client disconnect): free the engine's slot.
-        await asyncio.shield(_abort_quietly(client, url, rid))
+        await _abort(client, url, rid)
         raise
     except TimeoutError as exc:
-        await asyncio.shield(_abort_quietly(client, url, rid))
+        await _abort(client, url, rid)
         raise EngineError("timeout", f"turn time budget ran out (rid {rid})", url=url) from exc
     except EngineError as exc:
         if exc.kind == "timeout" or exc.may_be_running:
-            await asyncio.shield(_abort_quietly(client, url, rid))
+            await _abort(client, url, rid)
         raise
+
+
+async def _while_live(
+    client: EngineClient, url: str, request: Awaitable[GenerateOutput]
+) -> GenerateOutput:
+    """`request`, given up when `url` is marked down meanwhile (its health check failed).
+
+    An engine whose node died may never reset the connection: without this the
+    attempt would wait for the turn budget. Not watched when `url` is down already
+    (the only engine left, or all down): nothing would be better.
+    """
+    if not client.live(url):
+        return await request
+    down = asyncio.ensure_future(client.went_down(url).wait())
+    answer = asyncio.ensure_future(request)
+    try:
+        await asyncio.wait({answer, down}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        answer.cancel()
+        raise
+    finally:
+        down.cancel()
+    if answer.done():
+        return answer.result()
+    answer.cancel()
+    await asyncio.wait({answer})
+    raise EngineError(
+        "unreachable", "failed its health check while generating", url=url, may_be_running=True
+    )
+
+
+async def _abort(client: EngineClient, url: str, rid: str) -> None:
+    """Ask the engine to drop `rid`, not cut short by a cancel; for an engine marked
+    down without waiting (a dead node may not answer for the whole request timeout)."""
+    abort = client.detach(_abort_quietly(client, url, rid))
+    if client.live(url):
+        await asyncio.shield(abort)
 
 
 async def _abort_quietly(client: EngineClient, url: str, rid: str) -> None:

@@ -100,6 +100,70 @@ async def test_a_refused_connection_moves_the_turn_itself(harness: Harness, toke
     assert [a.engine_url for a in attempts] == [dying_url, h.engine.url]
 
 
+async def test_an_engine_failing_its_health_check_mid_turn_loses_the_turn(
+    tokenizer: Any, sqlite_url: str
+) -> None:
+    """The engine holds the request and stops passing /health (a dead node may never
+    reset the connection): the check moves the turn, the stuck rid is aborted."""
+    stuck = ScriptedEngine(tokenizer, context_length=8192)
+    stuck_url = await stuck.start()
+    h = await make_harness(tokenizer, sqlite_url, engine_health_interval_s=0)
+    try:
+        h.engine_urls = [h.engine.url, stuck_url]
+        await h.restart(reopen_store=False)
+        sid = await _session_on(h, stuck_url)
+        stuck.inject(Fault(delay_s=60))
+        h.engine.push("Answered by the live engine.")
+        turn = asyncio.ensure_future(
+            ask(h.client(sid), [{"role": "user", "content": "hi"}], stream=True)
+        )
+        while not stuck.core.running:
+            await asyncio.sleep(0.01)
+        stuck.core.healthy = False
+        await h.ctx.engine.check_engines()  # what the periodic check does
+        answer = await asyncio.wait_for(turn, 60)
+        assert answer.content[0].text == "Answered by the live engine."
+        attempts = await h.payloads(sid, ev.GenerateAttempt)
+        assert [a.engine_url for a in attempts] == [stuck_url, h.engine.url]
+        (error,) = await h.payloads(sid, ev.EngineError)
+        assert error.attempt == 0 and "health check" in error.message
+        while attempts[0].rid not in stuck.aborts:  # sent without holding the turn up
+            await asyncio.sleep(0.01)
+    finally:
+        await h.close()
+        await stuck.stop()
+
+
+async def test_a_hung_engine_process_loses_the_turn_to_a_live_one(
+    tokenizer: Any, sqlite_url: str, live_engine: str, dying_engine: tuple[Any, str]
+) -> None:
+    """SIGSTOP: the connection stays open and nothing answers, /health times out."""
+    proc, hung = dying_engine
+    h = await make_harness(
+        tokenizer, sqlite_url, engine_urls=[hung, live_engine], engine_health_interval_s=0
+    )
+    try:
+        h.ctx.engine.health_timeout_s = 1.0
+        sid = await _session_on(h, hung)
+        history: list[Any] = [{"role": "user", "content": f"hi {HANG}"}]
+        turn = asyncio.ensure_future(_say(h, sid, "anthropic", True, history))
+        await _wait_for_attempt(h, sid, 0)
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            await h.ctx.engine.check_engines()
+            answer = await asyncio.wait_for(turn, 60)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        rendered = (await h.payloads(sid, ev.RenderedInput))[0]
+        prompt: list[int] = await h.array(rendered.input_ids)  # type: ignore[assignment]
+        assert answer == default_reply_text(prompt, 12)
+        attempts = await h.payloads(sid, ev.GenerateAttempt)
+        assert [a.engine_url for a in attempts] == [hung, live_engine]
+        assert h.ctx.engine.down == {hung}
+    finally:
+        await h.close()
+
+
 async def test_each_engine_is_tried_once_then_the_turn_fails(
     tokenizer: Any, sqlite_url: str
 ) -> None:
