@@ -4,8 +4,13 @@
 said; `generate_with_resume` turns engine aborts (weight updates pause the
 engine with mode "abort") into re-submissions of prompt + partial output and
 stitches the pieces, calling back before and after every attempt so the
-caller can record each one as an event. Text is never re-tokenized here:
-output tokens and their logprobs come from the engine or the turn fails.
+caller can record each one as an event. With several engines it also moves
+a turn whose engine is gone (a refused connection, a dropped one and a failing
+health check, or a failing health check while the engine holds the request)
+to a live one, each engine at most once per turn: the failed
+attempt has no output, so the stitched tokens are exactly the answered
+attempts'. Text is never re-tokenized here: output tokens and their logprobs
+come from the engine or the turn fails.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import logging
 import time
 import uuid
 from array import array
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any, Literal
 
 import aiohttp
@@ -284,6 +289,7 @@ class EngineClient:
         connect_timeout_s: float = 10,
         max_connections: int = 0,
         health_interval_s: float = 5.0,
+        health_timeout_s: float = 10.0,
     ) -> None:
         if not urls:
             raise ValueError("EngineClient needs at least one engine URL")
@@ -291,8 +297,15 @@ class EngineClient:
         # Engines that failed a health check or a connection; `pick` avoids them until a
         # check passes again. With one engine there is nowhere to move: no checks.
         self.down: set[str] = set()
+        # Per live engine watched by an attempt: set when it is marked down, so an
+        # attempt in flight there stops waiting (a dead node may never reset the
+        # connection). Present and set iff the engine is down.
+        self._went_down: dict[str, asyncio.Event] = {}
+        # Background work (aborts sent to engines marked down), cancelled by close().
+        self._detached: set[asyncio.Task[None]] = set()
         self.health_interval_s = health_interval_s if len(self.urls) > 1 else 0.0
         self._checks: asyncio.Task[None] | None = None
+        self.health_timeout_s = health_timeout_s
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._max_connections = max_connections
@@ -328,14 +341,36 @@ class EngineClient:
         if live and url in self.down:
             log.warning("engine %s is back", url)
             self.down.discard(url)
+            self._went_down.pop(url, None)
         elif not live and url not in self.down:
             log.warning("engine %s is down: its sessions move to live engines", url)
             self.down.add(url)
+            self._went_down.setdefault(url, asyncio.Event()).set()
 
     def live(self, url: str) -> bool:
         return url not in self.down
 
+    def went_down(self, url: str) -> asyncio.Event:
+        """An event set once `url` is marked down (already set while it is down)."""
+        event = self._went_down.get(url)
+        if event is None:
+            event = self._went_down[url] = asyncio.Event()
+            if url in self.down:
+                event.set()
+        return event
+
+    def detach(self, work: Awaitable[None]) -> asyncio.Task[None]:
+        """Run `work` as a task this client keeps until it ends (close() cancels it)."""
+        task = asyncio.ensure_future(work)
+        self._detached.add(task)
+        task.add_done_callback(self._detached.discard)
+        return task
+
     async def close(self) -> None:
+        for task in list(self._detached):
+            task.cancel()
+        if self._detached:
+            await asyncio.wait(self._detached)
         if self._checks is not None:
             self._checks.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -357,10 +392,36 @@ class EngineClient:
         engine moves only the sessions that now prefer it). Engines marked down are
         skipped while another is live."""
         live = [u for u in self.urls if u not in self.down] or self.urls
-        return max(
-            live,
-            key=lambda u: hashlib.blake2b(f"{session_id}\x00{u}".encode(), digest_size=8).digest(),
-        )
+        return _rendezvous(session_id, live)
+
+    async def gone(self, url: str, exc: EngineError) -> bool:
+        """Does `exc` say the engine at `url` is gone, not merely slow or failing?
+
+        A refused connection does (`_request` marked the engine down); a dropped one
+        does when the engine's `/health` fails too (its process died). A timeout or
+        an HTTP error does not: the engine is there, and another would not help.
+        """
+        if exc.kind != "unreachable":
+            return False
+        if not self.live(url):
+            return True
+        if await self.health(url):
+            return False
+        self.mark(url, False)
+        return True
+
+    async def replacement(
+        self, session_id: str, url: str, exc: EngineError, tried: Collection[str]
+    ) -> str | None:
+        """The engine a turn moves to after its attempt on `url` failed with `exc`.
+
+        None when the engine is not gone, or when every live engine was already
+        tried by this turn (the bound: each engine at most once per turn).
+        """
+        left = [u for u in self.urls if u not in self.down and u not in tried and u != url]
+        if not left or not await self.gone(url, exc):
+            return None
+        return _rendezvous(session_id, left)
 
     async def generate(
         self,
@@ -427,7 +488,7 @@ class EngineClient:
 
     async def health(self, url: str) -> bool:
         try:
-            status, _ = await self._request("GET", url, "/health", timeout_s=10)
+            status, _ = await self._request("GET", url, "/health", timeout_s=self.health_timeout_s)
         except EngineError:
             return False
         return status == 200
@@ -482,6 +543,13 @@ class EngineClient:
         return status, answer
 
 
+def _rendezvous(session_id: str, urls: Sequence[str]) -> str:
+    """The engine `session_id` prefers among `urls` (highest hash of the pair)."""
+    return max(
+        urls, key=lambda u: hashlib.blake2b(f"{session_id}\x00{u}".encode(), digest_size=8).digest()
+    )
+
+
 class _SentSignal:
     """A request's `on_sent` callback, fired once (see `_notify_sent`)."""
 
@@ -513,13 +581,15 @@ async def _notify_sent(
 
 
 class Attempt(msgspec.Struct):
-    """One `/generate` call of a turn. `resumed_tokens` partial-output tokens
-    were appended to the turn's input for this attempt."""
+    """One `/generate` call of a turn, sent to the engine at `url`.
+    `resumed_tokens` partial-output tokens were appended to the turn's input
+    for this attempt."""
 
     attempt: int
     rid: str
     resumed_tokens: int
     max_new_tokens: int
+    url: str = ""
 
 
 class TurnOutput(msgspec.Struct):
@@ -558,6 +628,8 @@ async def generate_with_resume(
     on_result: Callable[[Attempt, GenerateOutput], Awaitable[None]],
     on_sent: Callable[[], None] | None = None,
     return_routed_experts: bool = False,
+    session_id: str | None = None,
+    on_moved: Callable[[Attempt, EngineError, str], Awaitable[None]] | None = None,
 ) -> TurnOutput:
     """Generate one turn, resuming after engine aborts.
 
@@ -566,6 +638,11 @@ async def generate_with_resume(
     `on_result` saw the offending output), EngineError, or CancelledError
     (after asking the engine to abort the in-flight rid). `on_sent` is called
     each time an attempt's request has been sent (see `EngineClient.generate`).
+
+    With `session_id`, an attempt whose engine is gone goes on as the next
+    attempt on the live engine `EngineClient.replacement` names, after
+    `on_moved(failed attempt, its error, new url)`; every engine is tried at
+    most once per turn. `max_attempts` counts the attempts an engine answered.
     """
     prompt = _json_ids(input_ids)
     ids: list[int] = []
@@ -573,10 +650,11 @@ async def generate_with_resume(
     versions: list[str] = []
     attempts: list[Attempt] = []
     results: list[GenerateOutput] = []
+    tried = {url}
     deadline = time.monotonic() + budget_s
     finish: FinishReason = "abort"
     detail = f"resume budget exhausted ({max_attempts} attempts, {budget_s:g}s)"
-    for number in range(max_attempts):
+    while len(results) < max_attempts:
         remaining = params.max_new_tokens - len(ids)
         if remaining <= 0:
             finish, detail = "length", str(params.max_new_tokens)
@@ -585,20 +663,36 @@ async def generate_with_resume(
         if time_left <= 0:
             break
         attempt = Attempt(
-            attempt=number, rid=new_rid(), resumed_tokens=len(ids), max_new_tokens=remaining
+            attempt=len(attempts),
+            rid=new_rid(),
+            resumed_tokens=len(ids),
+            max_new_tokens=remaining,
+            url=url,
         )
         attempts.append(attempt)
         await on_attempt(attempt)
-        out = await _one_attempt(
-            client,
-            url,
-            _resumed(prompt, ids),
-            params.with_max_new_tokens(remaining),
-            attempt.rid,
-            time_left,
-            return_routed_experts,
-            on_sent,
-        )
+        try:
+            out = await _one_attempt(
+                client,
+                url,
+                _resumed(prompt, ids),
+                params.with_max_new_tokens(remaining),
+                attempt.rid,
+                time_left,
+                return_routed_experts,
+                on_sent,
+            )
+        except EngineError as exc:
+            moved = None
+            if session_id is not None:
+                moved = await client.replacement(session_id, url, exc, tried)
+            if moved is None:
+                raise
+            if on_moved is not None:
+                await on_moved(attempt, exc, moved)
+            tried.add(moved)
+            url = moved
+            continue
         results.append(out)
         await on_result(attempt, out)
         if out.logprobs is None:
@@ -632,25 +726,66 @@ async def _one_attempt(
 ) -> GenerateOutput:
     try:
         async with asyncio.timeout(time_left):
-            return await client.generate(
+            return await _while_live(
+                client,
                 url,
-                input_ids,
-                params,
-                rid,
-                return_routed_experts=return_routed_experts,
-                on_sent=on_sent,
+                client.generate(
+                    url,
+                    input_ids,
+                    params,
+                    rid,
+                    return_routed_experts=return_routed_experts,
+                    on_sent=on_sent,
+                ),
             )
     except asyncio.CancelledError:
         # The caller went away (client disconnect): free the engine's slot.
-        await asyncio.shield(_abort_quietly(client, url, rid))
+        await _abort(client, url, rid)
         raise
     except TimeoutError as exc:
-        await asyncio.shield(_abort_quietly(client, url, rid))
+        await _abort(client, url, rid)
         raise EngineError("timeout", f"turn time budget ran out (rid {rid})", url=url) from exc
     except EngineError as exc:
         if exc.kind == "timeout" or exc.may_be_running:
-            await asyncio.shield(_abort_quietly(client, url, rid))
+            await _abort(client, url, rid)
         raise
+
+
+async def _while_live(
+    client: EngineClient, url: str, request: Awaitable[GenerateOutput]
+) -> GenerateOutput:
+    """`request`, given up when `url` is marked down meanwhile (its health check failed).
+
+    An engine whose node died may never reset the connection: without this the
+    attempt would wait for the turn budget. Not watched when `url` is down already
+    (the only engine left, or all down): nothing would be better.
+    """
+    if not client.live(url):
+        return await request
+    down = asyncio.ensure_future(client.went_down(url).wait())
+    answer = asyncio.ensure_future(request)
+    try:
+        await asyncio.wait({answer, down}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        answer.cancel()
+        raise
+    finally:
+        down.cancel()
+    if answer.done():
+        return answer.result()
+    answer.cancel()
+    await asyncio.wait({answer})
+    raise EngineError(
+        "unreachable", "failed its health check while generating", url=url, may_be_running=True
+    )
+
+
+async def _abort(client: EngineClient, url: str, rid: str) -> None:
+    """Ask the engine to drop `rid`, not cut short by a cancel; for an engine marked
+    down without waiting (a dead node may not answer for the whole request timeout)."""
+    abort = client.detach(_abort_quietly(client, url, rid))
+    if client.live(url):
+        await asyncio.shield(abort)
 
 
 async def _abort_quietly(client: EngineClient, url: str, rid: str) -> None:

@@ -18,6 +18,7 @@ from aiohttp import web
 from recorder.events import RewardAssigned, SandboxEvent, SessionClosed, SessionOpened
 from recorder.json_limits import json_problem
 from recorder.server.auth import require_admin
+from recorder.server.bodies import read_body
 from recorder.server.context import CTX, ServerContext
 from recorder.server.errors import ApiError
 from recorder.server.journal import Journal, finish_even_if_cancelled
@@ -48,7 +49,7 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 
 async def _json_object(request: web.Request) -> dict[str, Any]:
-    body = await request.read()
+    body = await read_body(request)
     if not body.strip():
         return {}
     _check_limits(body)
@@ -285,7 +286,7 @@ async def append_events(request: web.Request) -> web.Response:
     ctx = request.app[CTX]
     require_admin(request, ctx.config.admin_token)
     session_id = request.match_info["session_id"]
-    raw = await request.read()
+    raw = await read_body(request)
     _check_limits(raw)
     try:
         body = msgspec.json.decode(raw, type=RolloutEventsIn)

@@ -18,6 +18,7 @@ from recorder.admission import check_fits
 from recorder.dialects import ANTHROPIC, OPENAI_CHAT, OPENAI_RESPONSES, Dialect
 from recorder.server.answer import new_message_id
 from recorder.server.auth import session_id_of
+from recorder.server.bodies import read_body
 from recorder.server.context import CTX, ServerContext
 from recorder.server.errors import ApiError, storage_error
 from recorder.server.history import log_history
@@ -79,7 +80,7 @@ async def _chat(request: web.Request, dialect: Dialect) -> web.StreamResponse:
     if ctx.stopping:
         raise ApiError("overloaded_error", "the recorder is shutting down; retry shortly")
     session_id = session_id_of(request)
-    body = await request.read()
+    body = await read_body(request)
     state = await ctx.registry.get(session_id)
     if state is None:
         raise ApiError("authentication_error", _unknown_session(session_id))
@@ -202,7 +203,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     """POST /v1/messages/count_tokens: the real count, rendered with the chat template."""
     ctx = request.app[CTX]
     session_id = session_id_of(request)
-    body = await request.read()
+    body = await read_body(request)
     if await ctx.registry.get(session_id) is None:
         raise ApiError("authentication_error", _unknown_session(session_id))
     try:

@@ -20,6 +20,7 @@ from aiohttp.web_urldispatcher import _default_expect_handler
 from recorder.server import admin, api
 from recorder.server.context import CTX, ServerContext
 from recorder.server.errors import ApiError, anthropic_errors, error_response, too_large_message
+from recorder.server.protocol import RecorderRunner
 
 log = logging.getLogger("recorder.server")
 
@@ -84,7 +85,7 @@ class RecorderServer:
         self.ctx = ctx
         self.host = host
         self.port = port or free_port(host)
-        self._runner: web.AppRunner | None = None
+        self._runner: RecorderRunner | None = None
         self._site: web.TCPSite | None = None
 
     @property
@@ -97,7 +98,8 @@ class RecorderServer:
         # which aborts the engine request and records the disconnect.
         # keepalive_timeout also closes a connection that sent half a header
         # and stalled (aiohttp counts it idle), which otherwise stays open.
-        self._runner = web.AppRunner(
+        # RecorderRunner: what aiohttp refuses itself is answered in the Anthropic shape.
+        self._runner = RecorderRunner(
             app,
             handler_cancellation=True,
             access_log=None,

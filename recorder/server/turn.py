@@ -11,6 +11,14 @@ slow engine overlap instead of adding up. Order of a turn in the log:
   [TitoVerdict], ResponseSent
   (or TurnFailed / EngineError / ClientDisconnected / SessionFailed)
 
+An attempt whose engine is gone (with several engines) is followed by its
+EngineError and the turn goes on, as a TurnResumed + GenerateAttempt on a live
+engine, within the same request. That is always safe to do: the engine is
+called without streaming, so no model output has reached the client before
+the whole generation is back (a streaming answer has sent at most
+`message_start` and pings), and the failed attempt has no GenerateResult, so
+replay stitches exactly the tokens the client was answered with.
+
 A request refused before the turn starts (bad body, prompt too long) leaves
 only a RequestRejected: nothing half-recorded.
 """
@@ -357,11 +365,11 @@ class _AttemptRecorder:
     """
 
     def __init__(
-        self, journal: Journal, record: TurnRecord, url: str, params: SamplingParams
+        self, journal: Journal, record: TurnRecord, state: SessionState, params: SamplingParams
     ) -> None:
         self._journal = journal
         self._record = record
-        self._url = url
+        self._state = state
         self._sampling = params.to_sglang()
 
     async def on_attempt(self, attempt: Attempt) -> None:
@@ -396,6 +404,25 @@ class _AttemptRecorder:
 
         self._journal.then(step)
 
+    async def on_moved(self, attempt: Attempt, exc: EngineError, url: str) -> None:
+        """The attempt's engine is gone: record why, re-pin the session, go on at `url`.
+
+        The attempt stays on record (GenerateAttempt + EngineError, no result), so
+        replay stitches only the answered attempts, exactly what the client gets.
+        """
+        record, state = self._record, self._state
+        log.warning(
+            "session %s turn %d: engine %s is gone (%s); the turn moves to %s",
+            record.session_id,
+            record.turn,
+            attempt.url,
+            exc,
+            url,
+        )
+        state.engine_url = url
+        event = _engine_error_event(record, attempt.attempt, exc)
+        self._journal.then(lambda: _add(self._journal, event))
+
     def _attempt_events(self, attempt: Attempt) -> list[Any]:
         """[TurnResumed,] GenerateAttempt."""
         request_id, turn = self._record.request_id, self._record.turn
@@ -416,7 +443,7 @@ class _AttemptRecorder:
                 turn=turn,
                 attempt=attempt.attempt,
                 rid=attempt.rid,
-                engine_url=self._url,
+                engine_url=attempt.url,
                 resumed_tokens=attempt.resumed_tokens,
                 max_new_tokens=attempt.max_new_tokens,
                 sampling_params={**self._sampling, "max_new_tokens": attempt.max_new_tokens},
@@ -437,12 +464,11 @@ async def _generate(
     A failed turn is recorded (TurnFailed / EngineError) before its ApiError is raised.
     """
     journal = state.journal
-    url = _engine_url(ctx, state)
-    recorder = _AttemptRecorder(journal, record, url, params)
+    recorder = _AttemptRecorder(journal, record, state, params)
     try:
         output = await generate_with_resume(
             ctx.engine,
-            url,
+            _engine_url(ctx, state),
             plan.input_ids,
             params,
             max_attempts=ctx.config.max_attempts,
@@ -451,6 +477,8 @@ async def _generate(
             on_result=recorder.on_result,
             on_sent=journal.release,
             return_routed_experts=ctx.config.return_routed_experts,
+            session_id=state.session_id,
+            on_moved=recorder.on_moved,
         )
     except (MissingLogprobs, EngineError) as exc:
         await _fail_turn(journal, record, *_engine_failure(record, exc), cause=exc)
@@ -484,14 +512,7 @@ def _engine_failure(
                 f"(never re-tokenized); check that SGLang honours return_logprob ({exc})",
             ),
         )
-    event = ev.EngineError(
-        request_id=record.request_id,
-        turn=record.turn,
-        attempt=max(0, record.attempts - 1),
-        kind=exc.kind,
-        status=exc.status,
-        message=str(exc),
-    )
+    event = _engine_error_event(record, max(0, record.attempts - 1), exc)
     log.warning("session %s turn %d: engine %s: %s", record.session_id, record.turn, exc.url, exc)
     plain = _engine_problem(exc)
     if exc.kind in ("unreachable", "timeout") or exc.status >= 500 or exc.status == 429:
@@ -499,6 +520,22 @@ def _engine_failure(
     else:
         answer = ApiError("api_error", f"inference engine failed: {plain}")
     return f"engine_{exc.kind}", event, answer
+
+
+def _engine_error_event(record: TurnRecord, attempt: int, exc: EngineError) -> ev.EngineError:
+    return ev.EngineError(
+        request_id=record.request_id,
+        turn=record.turn,
+        attempt=attempt,
+        kind=exc.kind,
+        status=exc.status,
+        message=str(exc),
+    )
+
+
+async def _add(journal: Journal, *events: Any) -> None:
+    """A journal step that only buffers events (they go with the next append)."""
+    journal.add(*events)
 
 
 def _engine_problem(exc: EngineError) -> str:

@@ -381,3 +381,63 @@ async def test_on_sent_fires_once_the_engine_has_the_request(engine, client, pro
     assert sent_at and not task.done()  # signalled while the engine still works
     out = await task
     assert out.output_ids and len(sent_at) == 1
+
+
+async def test_a_gone_engine_moves_the_turn_and_the_resume_goes_on(tokenizer, prompt) -> None:
+    """Aborted on A with partial output, A dies, the turn resumes on B from that output.
+
+    The failed attempt is reported (`on_moved`) and has no result; the stitched
+    output is A's partial output + B's continuation, as a resume on A would be.
+    """
+    async with (
+        ScriptedEngine(tokenizer, context_length=4096) as a,
+        ScriptedEngine(tokenizer, context_length=4096) as b,
+        EngineClient([a.url, b.url], timeout_s=30, health_interval_s=0) as client,
+    ):
+        a.push("one two three four five six")
+        a.inject(Fault(abort_after=2))
+        moved: list[tuple[Attempt, EngineError, str]] = []
+        rec = Recorder()
+
+        async def on_result(attempt: Attempt, out: GenerateOutput) -> None:
+            await rec.on_result(attempt, out)
+            await a.stop()  # gone before the resume reaches it
+
+        async def on_moved(attempt: Attempt, exc: EngineError, url: str) -> None:
+            moved.append((attempt, exc, url))
+
+        turn = await generate_with_resume(
+            client,
+            a.url,
+            prompt,
+            SamplingParams(max_new_tokens=64),
+            on_attempt=rec.on_attempt,
+            on_result=on_result,
+            session_id="s",
+            on_moved=on_moved,
+        )
+    partial = rec.results[0][1].output_ids
+    assert len(partial) == 2 and turn.finish_reason == "stop"
+    assert [(x.attempt, x.url, x.resumed_tokens) for x in turn.attempts] == [
+        (0, a.url, 0),
+        (1, a.url, 2),
+        (2, b.url, 2),
+    ]
+    ((failed, exc, to),) = moved
+    assert (failed.attempt, exc.kind, to) == (1, "unreachable", b.url)
+    assert [x.attempt for x, _ in rec.results] == [0, 2]
+    assert turn.output_ids == partial + rec.results[1][1].output_ids
+    assert b.requests[-1].input_ids == prompt + partial
+    assert client.down == {a.url}
+
+
+async def test_without_a_session_a_gone_engine_fails_the_turn(tokenizer, prompt) -> None:
+    async with (
+        ScriptedEngine(tokenizer, context_length=4096) as b,
+        EngineClient([f"http://127.0.0.1:{free_port()}", b.url], health_interval_s=0) as client,
+    ):
+        with pytest.raises(EngineError) as failed:
+            await _resume(
+                client, client.urls[0], prompt, SamplingParams(max_new_tokens=8), Recorder()
+            )
+    assert failed.value.kind == "unreachable" and b.requests == []

@@ -63,6 +63,8 @@ class Attempt:
     logprobs: list[float] | None = None
     missing_logprobs: bool = False
     routed: np.ndarray | None = None
+    # The attempt's engine was gone (the live server moved the turn): no result.
+    gone: bool = False
 
 
 @dataclass(frozen=True)
@@ -241,6 +243,9 @@ class Log:
             self.emit(
                 GenerateAttempt(request_id=rid, turn=turn, attempt=k, rid=f"{turn:016x}{k:016x}")
             )
+            if a.gone:
+                self.emit(EngineError(request_id=rid, turn=turn, attempt=k, kind="unreachable"))
+                continue
             lps = a.logprobs if a.logprobs is not None else lp_for(a.tokens)
             self.emit(
                 GenerateResult(

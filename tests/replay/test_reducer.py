@@ -315,6 +315,29 @@ def test_stale_weight_tokens_can_be_masked() -> None:
     check_invariants(s)
 
 
+def test_a_turn_moved_off_a_gone_engine_trains_only_the_answered_attempts() -> None:
+    """The live server retries a turn on a live engine when its engine is gone: the
+    failed attempt (GenerateAttempt + EngineError, no result) adds no token."""
+    log = Log("moved").open()
+    t0 = log.turn([1, 2, 3], attempts=[Attempt([], gone=True), Attempt([10, 11, 2])])
+    t1 = log.turn(
+        t0.then([4]),
+        attempts=[
+            Attempt([12, 13], version="7", finish="abort"),
+            Attempt([], gone=True),
+            Attempt([14, 2], version="7"),
+        ],
+    )
+    log.close()
+    r = reduce(log)
+    (s,) = r.samples
+    assert s.tokens == [*t1.full]
+    assert t0.output == [10, 11, 2] and t1.output == [12, 13, 14, 2]
+    assert s.loss_mask == [1, 1, 1, 0, 1, 1, 1, 1]
+    assert s.rollout_logprobs == [*t0.logprobs, 0.0, *t1.logprobs]
+    check_invariants(s, engine_tokens=engine_tokens(3, [t0, t1]))
+
+
 def test_turn_ending_in_abort_without_resume_is_unusable() -> None:
     log = Log("ab2").open()
     t0 = log.turn([1, 2], [3, 2])

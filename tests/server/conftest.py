@@ -92,6 +92,8 @@ class Harness:
     config: ServerConfig
     parser: OutputParser
     engine_urls: list[str]
+    # 0: no periodic engine checks, so only a turn can find an engine gone.
+    engine_health_interval_s: float = 5.0
     server: RecorderServer | None = None
     http: aiohttp.ClientSession | None = None
     clients: list[anthropic.AsyncAnthropic] = field(default_factory=list)
@@ -107,7 +109,12 @@ class Harness:
         return self.server.ctx
 
     async def start_server(self) -> None:
-        client = EngineClient(self.engine_urls, timeout_s=60, connect_timeout_s=2)
+        client = EngineClient(
+            self.engine_urls,
+            timeout_s=60,
+            connect_timeout_s=2,
+            health_interval_s=self.engine_health_interval_s,
+        )
         await client.start()
         ctx = ServerContext(
             config=self.config,
@@ -194,6 +201,7 @@ async def make_harness(
     engine_kwargs: dict[str, Any] | None = None,
     engine_urls: list[str] | None = None,
     parser: OutputParser | None = None,
+    engine_health_interval_s: float = 5.0,
     **config: Any,
 ) -> Harness:
     engine_kwargs = {"context_length": CONTEXT_LENGTH, **(engine_kwargs or {})}
@@ -210,6 +218,7 @@ async def make_harness(
         config=ServerConfig(**config),
         parser=parser or make_parser("qwen25", "qwen3", "builtin"),
         engine_urls=engine_urls or [url],
+        engine_health_interval_s=engine_health_interval_s,
     )
     await harness.start_server()
     harness.http = aiohttp.ClientSession()

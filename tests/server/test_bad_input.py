@@ -552,16 +552,95 @@ async def test_transport_and_admin_mistakes(small_harness: Harness) -> None:
         assert got == want, (case, got, data)
         assert_error_shape(data, error_type, needle)
 
-    # aiohttp refuses these before any app code runs, in text/plain (documented
-    # in the README): a header over 8,190 bytes; a body shorter than its
-    # Content-Length is a client that left, nobody reads the answer.
-    long_header = {**auth, "Content-Length": "2", "X-Padding": "p" * 9000}
-    status, _, raw = await raw_exchange(h, raw_post("/v1/messages", long_header, b"{}"))
-    assert status == 400 and b"8190" in raw, raw
+
+# Requests aiohttp's parser refuses before any recorder code runs (recorder/server/protocol.py):
+# (case id, raw request, status, substring of the message)
+PRE_APP: list[tuple[str, bytes, int, str]] = [
+    (
+        "header_over_8190_bytes",
+        raw_post("/v1/messages", {"Content-Length": "2", "X-Padding": "p" * 9000}, b"{}"),
+        431,
+        "8190 bytes",
+    ),
+    ("url_over_8190_bytes", b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 431, "8190"),
+    ("garbage_request_line", b"HELLO WORLD\r\n\r\n", 400, "invalid method"),
+    ("bad_http_version", b"GET /health HTTP/9.9\r\nHost: x\r\n\r\n", 400, "http version"),
+    ("bad_header_line", raw_post("/v1/messages", {"Bad Header": "x"}), 400, "header"),
+    (
+        "too_many_headers",
+        raw_post("/v1/messages", {f"X-H{i}": "v" for i in range(200)}),
+        400,
+        "too many headers",
+    ),
+    (
+        "bad_chunk_size",
+        raw_post("/v1/messages", {"Transfer-Encoding": "chunked"}, b"zz\r\n"),
+        400,
+        "chunk size",
+    ),
+]
+
+
+async def test_requests_aiohttp_refuses_get_the_anthropic_shape(small_harness: Harness) -> None:
+    """Refused by aiohttp's parser: JSON in the Anthropic shape, `x-should-retry: false`, the
+    connection closed, nothing recorded, and the server keeps serving."""
+    h = small_harness
+    sid = await h.open_session()
+    auth = {"Authorization": f"Bearer {sid}"}
+    for case, request, want, needle in PRE_APP:
+        status, headers, raw = await raw_exchange(h, request)
+        assert status == want, (case, status, raw)
+        assert headers["content-type"].startswith("application/json"), (case, headers)
+        assert headers.get("x-should-retry") == "false", case
+        assert_error_shape(json.loads(raw), "invalid_request_error", needle)
+        assert b"pppp" not in raw and b"aaaa" not in raw, case  # the request is not echoed
+
+    # What cannot be answered: a body shorter than its Content-Length, then the client's
+    # EOF. The transport closes before any handler runs; nobody would read an answer.
+    host, port = h.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(raw_post("/v1/messages", {**auth, "Content-Length": "100"}, b'{"model":'))
+    writer.write_eof()
+    assert await asyncio.wait_for(reader.read(), 60) == b""  # closed without an answer
+    writer.close()
+
     assert [type(e).__name__ for e in await h.payloads(sid)] == ["SessionOpened"]
     h.engine.push(Reply(text="alive"))
     status, data = await post(h, body(), auth)
     assert status == 200 and data["content"][0]["text"] == "alive"
+
+
+async def test_a_body_that_stops_arriving_is_refused(tokenizer: Any, sqlite_url: str) -> None:
+    """Shorter than its Content-Length, the connection left open: a 400 in the Anthropic
+    shape after the idle timeout (not a handler held until the client leaves); a slow
+    body that keeps coming is read whole."""
+    h = await make_harness(tokenizer, sqlite_url, idle_timeout_s=1.0)
+    try:
+        sid = await h.open_session()
+        auth = {"Authorization": f"Bearer {sid}", "Content-Type": "application/json"}
+        payload = body()
+        stalled = raw_post("/v1/messages", {**auth, "Content-Length": str(len(payload) + 50)})
+        status, headers, raw = await asyncio.wait_for(raw_exchange(h, stalled + payload), 60)
+        assert status == 400 and headers.get("x-should-retry") == "false", raw
+        assert_error_shape(json.loads(raw), "invalid_request_error", "stopped arriving")
+        assert f"{len(payload)} bytes of the {len(payload) + 50}" in raw.decode()
+
+        # Pieces 0.25 s apart for longer than the idle timeout: progress keeps it going.
+        host, port = h.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(raw_post("/v1/messages", {**auth, "Content-Length": str(len(payload))}))
+        h.engine.push(Reply(text="slow but whole"))
+        step = len(payload) // 8 + 1
+        for start in range(0, len(payload), step):
+            writer.write(payload[start : start + step])
+            await writer.drain()
+            await asyncio.sleep(0.25)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
+        writer.close()
+        assert head.startswith(b"HTTP/1.1 200"), head
+        assert [type(e).__name__ for e in await h.payloads(sid)][-1] == "ResponseSent"
+    finally:
+        await h.close()
 
 
 async def test_admin_token_that_is_not_utf8(tokenizer: Any, sqlite_url: str) -> None:
@@ -638,3 +717,12 @@ async def test_stalled_connections_are_closed(tokenizer: Any, sqlite_url: str) -
             writer.close()
     finally:
         await h.close()
+
+
+def test_what_aiohttp_fails_itself_is_an_api_error() -> None:
+    """A 500/504 aiohttp raises around a handler (not a parser refusal): `api_error`."""
+    from recorder.server.protocol import parser_error
+
+    for status in (500, 504):
+        err = parser_error(status, RuntimeError("x"))
+        assert (err.status, err.error_type) == (status, "api_error")

@@ -146,6 +146,22 @@ async def _admin(base: str, method: str, path: str, body: Any = None) -> Any:
         return await r.json()
 
 
+async def _until_recorded(db: Path, sid: str, kind: type, *, turn: int) -> None:
+    """Until the server (another process) made an event of `kind` for `turn` durable."""
+    from recorder.store import open_store
+
+    store = await open_store(str(db))
+    try:
+        for _ in range(6000):
+            events = await store.read_session(sid)
+            if any(isinstance(r.event, kind) and r.event.turn == turn for r in events):
+                return
+            await asyncio.sleep(0.01)
+    finally:
+        await store.close()
+    raise AssertionError(f"no {kind.__name__} of turn {turn} in the log")
+
+
 async def test_serve_command_exits_cleanly_on_sigterm(tokenizer: Any, tmp_path: Path) -> None:
     from recorder.store import open_store
 
@@ -193,11 +209,13 @@ async def test_kill_9_mid_turn_then_restart_and_go_on(tokenizer: Any, tmp_path: 
             first = await ask(client, messages, stream=False)
             messages += [echo(first), tool_result(first.content[-1].id, "a.txt")]
             engine.inject(Fault(delay_s=30))
-            in_flight = asyncio.ensure_future(ask(client, messages, stream=True))
-            for _ in range(400):
-                if len(engine.requests) == 2:
-                    break
-                await asyncio.sleep(0.01)
+            # Not streamed: an SSE stream opens after 1 s, and a kill after that ends it in
+            # the SDK's stream reader (httpx's RemoteProtocolError), not APIConnectionError.
+            in_flight = asyncio.ensure_future(ask(client, messages, stream=False))
+            # Kill only once turn 1 is on record: the server hands the engine the request
+            # first and stores it while the engine works, so the engine having it does not
+            # mean the log has it (killed earlier, the retry would be turn 1, not 2).
+            await _until_recorded(db, sid, ev.GenerateAttempt, turn=1)
             assert len(engine.requests) == 2  # the engine is working on turn 1
             proc.kill()  # SIGKILL: no shutdown code runs
             await proc.wait()
