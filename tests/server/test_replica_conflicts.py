@@ -31,12 +31,10 @@ import msgspec
 import pytest
 
 from recorder import events as ev
-from recorder.engine import EngineClient
 from recorder.events import NewEvent
-from recorder.server import RecorderServer, ServerContext
+from recorder.server import RecorderServer
 from recorder.store.base import EventStore
 from recorder.tokenizer import Tokenizer
-from replay.rules import load_rules
 from replay.samples import Sample
 from tests.server.conftest import Harness, make_harness
 from tests.server.test_e2e import echo
@@ -121,19 +119,8 @@ class Pair:
 @pytest.fixture
 async def pair(tokenizer: Tokenizer, sqlite_url: str) -> AsyncIterator[Pair]:
     h = await make_harness(tokenizer, sqlite_url)
-    engine = EngineClient(h.engine_urls, timeout_s=60, connect_timeout_s=2)
-    await engine.start()
     store = HeldAppends(h.store)
-    ctx = ServerContext(
-        config=h.config,
-        store=store,  # type: ignore[arg-type]
-        engine=engine,
-        tokenizer=h.tokenizer,
-        parser=h.parser,
-        rules=load_rules(None),
-    )
-    held = RecorderServer(ctx)
-    await held.start()
+    held = await h.server_on(store)  # type: ignore[arg-type]
     try:
         yield Pair(h, held, store, sqlite_url)
     finally:
