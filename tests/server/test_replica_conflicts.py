@@ -32,7 +32,9 @@ import pytest
 
 from recorder import events as ev
 from recorder.events import NewEvent
+from recorder.ids import uuid7
 from recorder.server import RecorderServer
+from recorder.server.sessions import MAX_CONFLICT_RETRIES
 from recorder.store.base import EventStore
 from recorder.tokenizer import Tokenizer
 from replay.samples import Sample
@@ -51,6 +53,7 @@ class HeldAppends:
     def __init__(self, store: EventStore) -> None:
         self._store = store
         self._when: Holds | None = None
+        self._rival: Holds | None = None
         self.waiting = asyncio.Event()
         self._go = asyncio.Event()
 
@@ -63,7 +66,14 @@ class HeldAppends:
     def go(self) -> None:
         self._go.set()
 
+    def rival(self, kind: type) -> None:
+        """From now on another writer appends just before every append with a `kind` event."""
+        self._rival = lambda batch: any(isinstance(e.event, kind) for e in batch)
+
     async def append(self, session_id: str, events: Sequence[NewEvent], **kwargs: Any) -> Any:
+        if self._rival is not None and self._rival(events):
+            rival = NewEvent(event=ev.SandboxEvent(kind="rival"), ts=0.0, event_id=uuid7())
+            await self._store.append(session_id, [rival])
         if self._when is not None and self._when(events):
             self._when = None
             self.waiting.set()
@@ -150,27 +160,24 @@ async def test_a_lost_claim_is_planned_again_from_the_head(pair: Pair, tmp_path:
     sid = await p.h.open_session()
     first = [_user("first question")]
     answer0 = await p.ask(p.other, sid, first)
-    # Engine replies in order: the held server's stale call (slow: the lost
-    # claim must abort it), the other server's turn, the held server's retry.
-    p.h.engine.push(
-        Reply(text="stale " * 40, token_delay_s=0.05), "Second answer.", "Third answer."
-    )
+    # The held server's stale engine call is slow: its lost claim must abort it.
+    p.h.engine.push(Reply(text="stale " * 40, token_delay_s=0.05), "Second answer.")
     second = [*first, echo(answer0), _user("second question")]
     third = [*second, _assistant("Second answer."), _user("third question")]
     p.store.hold(ev.MessagesRequest)
     held_turn = asyncio.ensure_future(p.ask(p.held.url, sid, third))
     await asyncio.wait_for(p.store.waiting.wait(), 30)
-    stale_rid = p.h.engine.requests[-1].rid
     other = await p.ask(p.other, sid, second)  # lands between the held plan and its claim
     assert other.content[0].text == "Second answer."
     p.store.go()
     answer = await asyncio.wait_for(held_turn, 30)
 
-    assert answer.content[0].text == "Third answer."
-    assert stale_rid in p.h.engine.aborts  # stopped as soon as its claim lost
     requests = await _events(p, sid, ev.MessagesRequest)
     assert [r.turn for r in requests] == [0, 1, 2]  # the next free number
-    assert [r.request_id for r in requests][2] == answer.id
+    assert requests[2].request_id == answer.id
+    attempts = await _events(p, sid, ev.GenerateAttempt)
+    (stale_rid,) = p.h.engine.aborts  # stopped as soon as its claim lost, never recorded
+    assert stale_rid not in [a.rid for a in attempts]
     rendered = await _events(p, sid, ev.RenderedInput)
     results = await _events(p, sid, ev.GenerateResult)
     decisions = await _events(p, sid, ev.ChainDecision)
@@ -284,3 +291,23 @@ async def test_a_turn_whose_session_was_closed_meanwhile_answers_529(
     assert (await p.h.types(sid))[-1] == "session_closed"  # nothing after the close
     exported = _exported(p.sqlite_url, tmp_path / "samples.jsonl")
     assert [msgspec.convert(s, Sample) for s in closed["samples"]] == exported[sid]
+
+
+async def test_a_claim_that_keeps_losing_answers_a_retryable_529(pair: Pair) -> None:
+    p = pair
+    sid = await p.h.open_session()
+    p.store.rival(ev.MessagesRequest)  # someone always writes first
+    assert p.h.http is not None
+    async with p.h.http.post(
+        p.held.url + "/v1/chat/completions",
+        json={"model": "m", "messages": [_user("hello")], "max_tokens": 20},
+        headers={"Authorization": f"Bearer {sid}"},
+    ) as resp:
+        body = await resp.json()
+        assert resp.status == 529, body
+        assert resp.headers.get("x-should-retry") != "false"
+    assert body["error"]["type"] != "api_error" and "retry" in body["error"]["message"]
+    assert (await p.health(p.held.url))["conflicts_retried"] == MAX_CONFLICT_RETRIES
+    types = await p.h.types(sid)
+    assert "messages_request" not in types  # nothing of the request was kept
+    assert types.count("sandbox_event") == MAX_CONFLICT_RETRIES + 1
