@@ -311,3 +311,14 @@ async def test_a_claim_that_keeps_losing_answers_a_retryable_529(pair: Pair) -> 
     types = await p.h.types(sid)
     assert "messages_request" not in types  # nothing of the request was kept
     assert types.count("sandbox_event") == MAX_CONFLICT_RETRIES + 1
+
+
+async def test_a_close_that_keeps_losing_answers_a_retryable_529(pair: Pair) -> None:
+    p = pair
+    sid = await p.h.open_session()
+    p.store.rival(ev.SessionClosed)
+    status, body = await p.admin(p.held.url, "POST", f"/sessions/{sid}/close", {})
+    assert status == 529 and body["error"]["type"] == "overloaded_error", body
+    assert "session_closed" not in await p.h.types(sid)
+    status, body = await p.admin(p.other, "POST", f"/sessions/{sid}/close", {})
+    assert status == 200, body  # the session can still be closed
