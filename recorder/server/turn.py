@@ -124,7 +124,7 @@ async def run_turn(
     except ApiError as err:
         return await responder.fail(err)
     except ConcurrencyConflict:
-        record.outcome = "conflict_retried"
+        record.outcome = "claim_lost"
         state.next_turn = record.turn  # not taken: the next free one is read from the log
         raise
     except SessionMovedOn as exc:
