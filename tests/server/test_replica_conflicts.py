@@ -160,8 +160,14 @@ async def test_a_lost_claim_is_planned_again_from_the_head(pair: Pair, tmp_path:
     sid = await p.h.open_session()
     first = [_user("first question")]
     answer0 = await p.ask(p.other, sid, first)
-    # The held server's stale engine call is slow: its lost claim must abort it.
-    p.h.engine.push(Reply(text="stale " * 40, token_delay_s=0.05), "Second answer.")
+    # The held server's stale engine call is slow (half a minute): only the
+    # abort that follows its lost claim can end it in time. The other turn's
+    # answer comes as tokens no render of its text gives back (one per
+    # character), so only a plan from the new head can include them.
+    stale = Reply(text="stale " * 80, token_delay_s=0.5, match="third question")
+    tok = p.h.tokenizer
+    spelled = [t for c in "Second answer." for t in tok.encode(c)] + [tok.eos_token_ids[0]]
+    p.h.engine.push(stale, Reply(ids=spelled))
     second = [*first, echo(answer0), _user("second question")]
     third = [*second, _assistant("Second answer."), _user("third question")]
     p.store.hold(ev.MessagesRequest)
@@ -187,6 +193,8 @@ async def test_a_lost_claim_is_planned_again_from_the_head(pair: Pair, tmp_path:
     assert decisions[2].action == "extend" and rendered[2].prefix_len == len(other_turn)
     assert retried[: len(other_turn)] == other_turn
     assert p.h.engine.requests[-1].input_ids == retried
+    (stale_input,) = [r.input_ids for r in p.h.engine.requests if r.rid == stale_rid]
+    assert stale_input[: len(other_turn)] != other_turn  # what planning again changed
     assert (await p.health(p.held.url))["conflicts_retried"] == 1
     closed = await p.close_and_compare(p.other, sid, tmp_path)
     assert _turns_used(closed) == [0, 1, 2]
