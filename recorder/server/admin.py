@@ -131,10 +131,7 @@ async def _open(
     *,
     reopen: bool,
 ) -> SessionState:
-    existing = await ctx.registry.acquire(session_id)
-    if existing is None:
-        return await _open_new(ctx, session_id, metadata, config, overrides)
-    try:
+    async def reopen_(existing: SessionState) -> SessionState:
         if not reopen:
             raise ApiError(
                 "invalid_request_error",
@@ -148,14 +145,17 @@ async def _open(
         state.next_turn = existing.next_turn
         state.lock = existing.lock
 
-        async def reopen_() -> None:
+        async def write() -> None:
             await state.journal.write(_opened_event(ctx, state, config))
             ctx.registry.put(state)
 
-        await finish_even_if_cancelled(reopen_())
+        await finish_even_if_cancelled(write())
         return state
-    finally:
-        ctx.registry.release(existing)
+
+    reopened = await ctx.registry.locked(session_id, reopen_)
+    if reopened is None:
+        return await _open_new(ctx, session_id, metadata, config, overrides)
+    return reopened
 
 
 async def _open_new(
@@ -293,21 +293,22 @@ async def append_events(request: web.Request) -> web.Response:
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         message = str(exc).replace("- at `$.", "- at `").replace("- at `$`", "- at `body`")
         raise ApiError("invalid_request_error", f"body: {message}") from None
-    state = await ctx.registry.acquire(session_id)
-    if state is None:
-        raise ApiError("not_found_error", f"no session {session_id!r} in this log")
-    try:
+    events = [SandboxEvent(kind=e.kind, detail=e.detail) for e in body.events]
+
+    async def append(state: SessionState) -> int:
         if state.status == "closed":
             raise ApiError(
                 "invalid_request_error",
                 f"session {session_id!r} is closed; events go to an open session",
                 status=409,
             )
-        events = [SandboxEvent(kind=e.kind, detail=e.detail) for e in body.events]
         await finish_even_if_cancelled(state.journal.write(*events))
-    finally:
-        ctx.registry.release(state)
-    return _json({"appended": len(events), "events": state.next_seq}, status=201)
+        return state.next_seq
+
+    next_seq = await ctx.registry.locked(session_id, append)
+    if next_seq is None:
+        raise ApiError("not_found_error", f"no session {session_id!r} in this log")
+    return _json({"appended": len(events), "events": next_seq}, status=201)
 
 
 # --------------------------------------------------------------------------
@@ -331,10 +332,12 @@ async def close_session(request: web.Request) -> web.Response:
     reason = _field(data, "reason", str, "")
     if status not in CLOSE_STATUSES:
         raise ApiError("invalid_request_error", f"status: one of {', '.join(CLOSE_STATUSES)}")
-    state = await ctx.registry.acquire(session_id)
-    if state is None:
-        raise ApiError("not_found_error", f"no session {session_id!r} in this log")
-    try:
+    events: list[Any] = []
+    if reward is not None:
+        events.append(RewardAssigned(reward=float(reward), detail=detail))
+    events.append(SessionClosed(status=status, reason=reason))  # type: ignore[arg-type]
+
+    async def close(state: SessionState) -> bool:
         if state.status == "closed":
             raise ApiError(
                 "invalid_request_error",
@@ -342,21 +345,19 @@ async def close_session(request: web.Request) -> web.Response:
                 f"GET /sessions/{session_id}/samples",
                 status=409,
             )
-        events: list[Any] = []
-        if reward is not None:
-            events.append(RewardAssigned(reward=float(reward), detail=detail))
-        events.append(SessionClosed(status=status, reason=reason))  # type: ignore[arg-type]
 
-        async def close() -> None:
+        async def write() -> None:
             await state.journal.write(*events)
             state.status = "closed"
             state.close_status = status
             forget_tokens(state)
             ctx.registry.put(state)  # bounded: the oldest closed sessions leave memory
 
-        await finish_even_if_cancelled(close())
-    finally:
-        ctx.registry.release(state)
+        await finish_even_if_cancelled(write())
+        return True
+
+    if await ctx.registry.locked(session_id, close) is None:
+        raise ApiError("not_found_error", f"no session {session_id!r} in this log")
     return await _samples_response(ctx, session_id)
 
 

@@ -20,11 +20,12 @@ from recorder.server.answer import new_message_id
 from recorder.server.auth import session_id_of
 from recorder.server.bodies import read_body
 from recorder.server.context import CTX, ServerContext
-from recorder.server.errors import ApiError, storage_error
+from recorder.server.errors import ApiError, contended_error, storage_error
 from recorder.server.history import log_history
 from recorder.server.responders import JsonResponder, Responder, SseResponder, error_response
+from recorder.server.sessions import SessionContended, SessionState
 from recorder.server.turn import reject, run_turn
-from recorder.store.base import StorageUnavailable
+from recorder.store.base import ConcurrencyConflict, StorageUnavailable
 from recorder.tokens import full_input_ids
 from recorder.translate import ChatRequest, InvalidRequest, parse_request
 
@@ -127,40 +128,60 @@ async def _serve(
     responder: Responder,
     message_id: str,
 ) -> web.StreamResponse:
-    state = await ctx.registry.acquire(session_id)
-    if state is None:
-        return await responder.fail(ApiError("authentication_error", _unknown_session(session_id)))
+    async def serve(state: SessionState) -> web.StreamResponse:
+        return await _serve_locked(ctx, state, chat, invalid, body, path, responder, message_id)
+
     try:
-        if state.status == "closed":
+        answered = await ctx.registry.locked(session_id, serve)
+    except SessionContended as exc:
+        log.warning("session %s: %s", session_id, exc)
+        return await responder.fail(contended_error())
+    if answered is None:
+        return await responder.fail(ApiError("authentication_error", _unknown_session(session_id)))
+    return answered
+
+
+async def _serve_locked(
+    ctx: ServerContext,
+    state: SessionState,
+    chat: ChatRequest | None,
+    invalid: InvalidRequest | None,
+    body: bytes,
+    path: str,
+    responder: Responder,
+    message_id: str,
+) -> web.StreamResponse:
+    """One request under the session's locks, decided at the log's head (run again if
+    another process claimed that head first: `ConcurrencyConflict` passes through)."""
+    session_id = state.session_id
+    if state.status == "closed":
+        return await responder.fail(
+            ApiError("invalid_request_error", _closed_session(session_id), status=409)
+        )
+    cap = state.overrides.max_turns
+    if cap is not None and state.next_turn >= cap and invalid is None:
+        return await reject(
+            state,
+            message_id,
+            responder,
+            "invalid_request_error",
+            f"turn budget spent: this session allows {cap} turns (config.max_turns)",
+        )
+    if invalid is not None or chat is None:
+        try:
+            return await reject(state, message_id, responder, "invalid_request_error", str(invalid))
+        except ConcurrencyConflict:
+            raise  # nothing recorded: decided again at the new head
+        except StorageUnavailable as exc:
+            state.suspect = True
+            return await responder.fail(storage_error(exc))
+        except Exception:
+            log.exception("session %s: could not record a rejected request", session_id)
+            state.suspect = True
             return await responder.fail(
-                ApiError("invalid_request_error", _closed_session(session_id), status=409)
+                ApiError("api_error", "the recorder could not record this request")
             )
-        cap = state.overrides.max_turns
-        if cap is not None and state.next_turn >= cap and invalid is None:
-            return await reject(
-                state,
-                message_id,
-                responder,
-                "invalid_request_error",
-                f"turn budget spent: this session allows {cap} turns (config.max_turns)",
-            )
-        if invalid is not None or chat is None:
-            try:
-                return await reject(
-                    state, message_id, responder, "invalid_request_error", str(invalid)
-                )
-            except StorageUnavailable as exc:
-                state.suspect = True
-                return await responder.fail(storage_error(exc))
-            except Exception:
-                log.exception("session %s: could not record a rejected request", session_id)
-                state.suspect = True
-                return await responder.fail(
-                    ApiError("api_error", "the recorder could not record this request")
-                )
-        return await run_turn(ctx, state, chat, body, path, responder, message_id)
-    finally:
-        ctx.registry.release(state)
+    return await run_turn(ctx, state, chat, body, path, responder, message_id)
 
 
 def _responder(
@@ -266,6 +287,7 @@ async def health(request: web.Request) -> web.Response:
             "turns_in_flight": len(ctx.inflight),
             "catch_ups": ctx.registry.catch_ups,
             "catch_up_s": round(ctx.registry.catch_up_s, 6),
+            "conflicts_retried": ctx.registry.conflicts_retried,
             "engines": list(ctx.engine.urls),
             "engines_down": sorted(ctx.engine.down),
             "context_length": ctx.config.context_length,

@@ -16,6 +16,8 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from recorder.redact import redact
+from recorder.server.journal import SessionMovedOn
+from recorder.server.sessions import SessionContended
 from recorder.store.base import StorageUnavailable
 
 log = logging.getLogger("recorder.server")
@@ -74,6 +76,22 @@ def storage_error(exc: StorageUnavailable) -> ApiError:
     return ApiError("overloaded_error", f"{exc}; nothing of this request was kept, retry shortly")
 
 
+def contended_error() -> ApiError:
+    """529: another replica kept writing the session (a lost lock); nothing was kept."""
+    return ApiError(
+        "overloaded_error",
+        "another recorder process kept writing this session at the same time (its session "
+        "lock was lost); nothing of this request was kept, retry shortly",
+    )
+
+
+def moved_on_error(exc: SessionMovedOn) -> ApiError:
+    """529: the turn's answer could not be recorded; the log holds it as unanswered."""
+    return ApiError(
+        "overloaded_error", f"{exc}; this turn was recorded as unanswered, retry shortly"
+    )
+
+
 def error_payload(error_type: str, message: str) -> dict[str, Any]:
     """The error body; its message is redacted (no password or token reaches a client)."""
     message = redact(message)
@@ -124,6 +142,9 @@ async def anthropic_errors(request: web.Request, handler: Handler) -> web.Stream
     except StorageUnavailable as exc:
         log.warning("%s %s: %s", request.method, request.path, exc, exc_info=exc.__cause__)
         return error_response(storage_error(exc))
+    except SessionContended as exc:
+        log.warning("%s %s: %s", request.method, request.path, exc)
+        return error_response(contended_error())
     except RequestPayloadError as exc:
         # A body aiohttp could not read: the usual case is a Content-Encoding
         # the bytes do not match. The connection is closed after this answer.

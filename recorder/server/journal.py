@@ -1,9 +1,25 @@
 """Appending one session's events in batches, with its sequence numbers.
 
 Every append names the seq it expects (optimistic concurrency): the session
-lock already serialises writers inside this process, so a conflict means
-someone else wrote to the stream and the in-memory state can no longer be
-trusted. Events of one pipeline step are buffered and appended together; the
+locks serialise writers (in this process and, on Postgres, across replicas),
+so a conflict means another process wrote to the stream anyway (its database
+lock was lost with its connection, or it takes none). What happens then
+depends on whether the unit of work under the lock (a turn, a close, a
+rollout event; `begin`) has appended yet:
+
+- Its first append claims the head it planned from. A conflict there raises
+  `ConcurrencyConflict` and nothing of the unit is in the log, so the caller
+  catches up and does the whole unit again (`SessionRegistry.locked`).
+- A later append (a turn whose engine already answered) follows the other
+  process's events: its events carry their own turn number and request id,
+  which the head claimed, so the reducer and a restore group them right
+  whatever lies between. The state is then `rebased` (its chains miss the
+  other turns): the caller rebuilds it from the log. If the other process
+  closed or reopened the session, the rest would land in an attempt that is
+  over (the close's samples are already out): `SessionMovedOn` is raised and
+  the half-written turn stays unanswered, as after a crash.
+
+Events of one pipeline step are buffered and appended together; the
 store's group commit then makes durability cheap across sessions.
 
 Steps that need stored arrays first (a turn's request body and engine input,
@@ -24,9 +40,10 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
-from recorder.events import AnyEvent, ArrayRef, NewEvent
+from recorder.events import AnyEvent, ArrayRef, NewEvent, SessionClosed, SessionOpened
 from recorder.ids import uuid7
 from recorder.store.arrays import EncodedArray, encode_array
+from recorder.store.base import ConcurrencyConflict
 
 if TYPE_CHECKING:
     import numpy as np
@@ -34,6 +51,16 @@ if TYPE_CHECKING:
     from recorder.store.base import EventStore
 
 T = TypeVar("T")
+
+# How many times the rest of a claimed unit follows other processes' appends
+# before giving up (each time one of them wrote between two of its appends).
+MAX_FOLLOWS = 8
+
+
+class SessionMovedOn(Exception):
+    """The rest of a half-appended unit of work cannot be appended: another process
+    closed or reopened the session meanwhile (or kept writing). What was appended
+    stays in the log (a turn without its answer counts as unanswered)."""
 
 
 async def finish_even_if_cancelled(awaitable: Awaitable[T]) -> T:
@@ -71,6 +98,23 @@ class Journal:
         self._arrays: list[EncodedArray] = []
         self._tail: asyncio.Task[None] | None = None
         self._gate: asyncio.Event | None = None
+        self.begin()
+
+    def begin(self) -> None:
+        """A new unit of work at the head its caller just caught up with (see module doc)."""
+        # Has the unit appended yet (its head is claimed)?
+        self.claimed = False
+        # Did a later append follow another process's events?
+        self.rebased = False
+        # The conflict that lost the claim, once it happened (`claim_lost` wakes up).
+        self.lost: ConcurrencyConflict | None = None
+        self._lost = asyncio.Event()
+
+    async def claim_lost(self) -> ConcurrencyConflict:
+        """Return once the unit's claiming append lost to another process's."""
+        await self._lost.wait()
+        assert self.lost is not None
+        return self.lost
 
     @property
     def pending(self) -> Sequence[NewEvent]:
@@ -162,11 +206,8 @@ class Journal:
             return
         batch, self._pending = self._pending, []
         arrays, self._arrays = self._arrays, []
-        append = self._store.append(
-            self.session_id, batch, expected_seq=self.next_seq, arrays=arrays
-        )
         try:
-            await finish_even_if_cancelled(self._advance_after(append, len(batch)))
+            await finish_even_if_cancelled(self._append(batch, arrays))
         except asyncio.CancelledError:
             raise
         except BaseException:
@@ -175,9 +216,41 @@ class Journal:
             self._arrays = arrays + self._arrays
             raise
 
-    async def _advance_after(self, append: Awaitable[list[int]], n: int) -> None:
-        await append
-        self.next_seq += n
+    async def _append(self, batch: list[NewEvent], arrays: list[EncodedArray]) -> None:
+        """Append at the expected seq; a claimed unit follows other processes' appends."""
+        for _ in range(MAX_FOLLOWS):
+            try:
+                await self._store.append(
+                    self.session_id, batch, expected_seq=self.next_seq, arrays=arrays
+                )
+            except ConcurrencyConflict as exc:
+                if not self.claimed:
+                    self.lost = exc
+                    self._lost.set()
+                    raise
+                await self._follow(exc)
+                continue
+            self.next_seq += len(batch)
+            self.claimed = True
+            return
+        raise SessionMovedOn(
+            f"other processes kept writing session {self.session_id!r} while this request's "
+            "events were being appended"
+        )
+
+    async def _follow(self, conflict: ConcurrencyConflict) -> None:
+        """Move the expected seq past the events another process appended meanwhile."""
+        events = await self._store.read_session(self.session_id, from_seq=self.next_seq)
+        for r in events:
+            if isinstance(r.event, SessionClosed | SessionOpened):
+                done = "closed" if isinstance(r.event, SessionClosed) else "reopened"
+                raise SessionMovedOn(
+                    f"session {self.session_id!r} was {done} by another process while this "
+                    "request ran"
+                ) from conflict
+        if events:
+            self.next_seq = events[-1].seq + 1
+            self.rebased = True
 
     async def write(self, *events: AnyEvent) -> None:
         """After the queued steps, append `events` (and anything buffered) durably."""

@@ -84,14 +84,16 @@ async def catch_up(ctx: ServerContext, state: SessionState) -> SessionState:
     The cached state always ends at a turn boundary (a turn that failed half
     way marks it suspect and it is reloaded), so the events after it are
     whole turns of other processes, or one they left half done, which counts
-    as unanswered exactly as after a restart. A new attempt (SessionOpened)
-    or a gap reloads the session from the log.
+    as unanswered exactly as after a restart. A new attempt (SessionOpened),
+    a gap, or the rest of a turn the state already counted (appended late by
+    a process whose lock was lost, see journal.py) reloads the session.
     """
     events = await ctx.store.read_session(state.session_id, from_seq=state.next_seq)
     if not events:
         return state
     reopened = any(isinstance(r.event, ev.SessionOpened) for r in events)
-    if reopened or events[0].seq != state.next_seq or state.status == "closed":
+    late = any(getattr(r.event, "turn", state.next_turn) < state.next_turn for r in events)
+    if reopened or late or events[0].seq != state.next_seq or state.status == "closed":
         loaded = await load_session_state(ctx, state.session_id)
         assert loaded is not None, "a session's events never disappear"
         return loaded

@@ -11,6 +11,12 @@ Other processes (replicas on one Postgres) may write the same session, so
 `acquire` also takes the session's lock in the database (`SessionLocks`)
 and then catches the cached state up with the events it has not seen
 (`CatchUp`, restore.catch_up): one index read when nothing changed.
+
+If a database lock is lost (its connection dies and Postgres frees it while
+a turn runs) or a process takes none, two processes can still plan from one
+head; the log refuses the second claim (`ConcurrencyConflict`, see
+journal.py) and `locked` does that unit of work again from the new head,
+after taking the lock again, so the client never sees it.
 """
 
 from __future__ import annotations
@@ -22,16 +28,17 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from recorder.events import ArrayRef
 from recorder.server.deltas import BodyPrefixes
 from recorder.server.journal import Journal
 from recorder.server.overrides import SessionOverrides
-from recorder.store.base import SessionLocks
+from recorder.store.base import ConcurrencyConflict, SessionLocks
 from recorder.translate import ParseCache
 
 SessionStatus = Literal["open", "closed"]
+T = TypeVar("T")
 
 SESSION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,199}$")
 
@@ -39,6 +46,15 @@ SESSION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,199}$")
 # opens and closes sessions for days; older closed ones are dropped and, if a
 # request names one again, reloaded from the log (cheap: no tokens).
 MAX_CLOSED_CACHED = 1024
+# Times a unit of work whose claim lost to another process's append is done
+# again before the request is answered with a retryable error. Each retry
+# waits for the database lock first, so once the lock is back one suffices.
+MAX_CONFLICT_RETRIES = 3
+
+
+class SessionContended(Exception):
+    """Other processes appended to the session first, `MAX_CONFLICT_RETRIES` times over;
+    nothing of the request was recorded, so a retry is safe."""
 
 
 @dataclass
@@ -120,6 +136,9 @@ class SessionRegistry:
         # without stickiness costs a replica).
         self.catch_up_s = 0.0
         self.catch_ups = 0
+        # Units of work done again because another process appended first (a
+        # lost database lock, or a process that takes none; `/health`).
+        self.conflicts_retried = 0
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -224,20 +243,71 @@ class SessionRegistry:
             state.lock.release()
             self._raise_outage(exc)
             raise
+        try:
+            return await self._to_head(state)
+        except BaseException as exc:
+            self.release(state)
+            self._raise_outage(exc)
+            raise
+
+    async def locked(
+        self, session_id: str, work: Callable[[SessionState], Awaitable[T]]
+    ) -> T | None:
+        """`work(state)` under the session's locks at the log's head; None for no such session.
+
+        A `ConcurrencyConflict` escaping `work` means nothing of it was written
+        (journal.py): another process appended first. The work is then done
+        again from the new head (the database lock taken again, which waits
+        for that process if it holds it) up to `MAX_CONFLICT_RETRIES` times;
+        then `SessionContended` is raised.
+        """
+        state = await self.acquire(session_id)
+        if state is None:
+            return None
+        retries = 0
+        try:
+            while True:
+                try:
+                    return await work(state)
+                except ConcurrencyConflict as exc:
+                    if retries == MAX_CONFLICT_RETRIES:
+                        raise SessionContended(str(exc)) from exc
+                    retries += 1
+                    self.conflicts_retried += 1
+                    state = await self._retake(state)
+        finally:
+            self.release(state)
+
+    async def _retake(self, state: SessionState) -> SessionState:
+        """The state at the new head after a lost claim, with the database lock taken again.
+
+        The lock this process thought it held may have gone with its
+        connection; let go of it (a no-op then) and take it again.
+        """
+        await state.journal.settle()  # what the refused append left buffered
+        self._locks.unlock(state.session_id)
+        try:
+            await self._locks.lock(state.session_id)
+            return await self._to_head(state)
+        except BaseException as exc:
+            self._raise_outage(exc)
+            raise
+
+    async def _to_head(self, state: SessionState) -> SessionState:
+        """Catch the locked `state` up with the log (a new unit of work starts there)."""
         started = time.perf_counter()
         seen = state.next_seq
         try:
             current = await self._catch_up(state)
-        except BaseException as exc:
+        except BaseException:
             state.suspect = True  # half caught up: rebuilt before the next use
-            self.release(state)
-            self._raise_outage(exc)
             raise
         self.catch_up_s += time.perf_counter() - started
         self.catch_ups += current is not state or current.next_seq != seen
         if current is not state:
             current.lock = state.lock
             self.put(current)
+        current.journal.begin()
         return current
 
     def _raise_outage(self, exc: BaseException) -> None:

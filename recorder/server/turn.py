@@ -21,6 +21,13 @@ replay stitches exactly the tokens the client was answered with.
 
 A request refused before the turn starts (bad body, prompt too long) leaves
 only a RequestRejected: nothing half-recorded.
+
+Another process may append to the session while a turn runs (its database
+lock lost, see journal.py). If the turn's first append loses, the engine call
+is aborted and `ConcurrencyConflict` leaves `run_turn` with nothing of the
+turn in the log: the caller plans it again from the new head
+(`SessionRegistry.locked`). Later appends follow the other process's events;
+the state is then rebuilt from the log before the session's next request.
 """
 
 from __future__ import annotations
@@ -30,9 +37,9 @@ import json
 import logging
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 from aiohttp import web
@@ -61,11 +68,11 @@ from recorder.server.answer import (
 )
 from recorder.server.context import LIVE_RULES_VERSION, ServerContext
 from recorder.server.deltas import put_body, put_input, remember_refs
-from recorder.server.errors import ApiError, storage_error
-from recorder.server.journal import Journal, finish_even_if_cancelled
+from recorder.server.errors import ApiError, moved_on_error, storage_error
+from recorder.server.journal import Journal, SessionMovedOn, finish_even_if_cancelled
 from recorder.server.responders import Responder
 from recorder.server.sessions import SessionState
-from recorder.store.base import StorageUnavailable
+from recorder.store.base import ConcurrencyConflict, StorageUnavailable
 from recorder.tokens import (
     ContextOverflow,
     TurnPlan,
@@ -79,6 +86,8 @@ from recorder.tokens import (
 from recorder.translate import ChatRequest, find_dispatches, response_message_digest
 
 log = logging.getLogger("recorder.server")
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -110,7 +119,9 @@ async def run_turn(
 ) -> web.StreamResponse:
     """Serve one request of an open session whose lock the caller holds.
 
-    `request_id` is also the answer's message id (`msg_...`).
+    `request_id` is also the answer's message id (`msg_...`). Raises
+    `ConcurrencyConflict` when another process claimed the head first: nothing
+    of the turn was written, and the caller runs it again after catching up.
     """
     record = TurnRecord(state.session_id, state.next_turn, request_id)
     try:
@@ -120,6 +131,17 @@ async def run_turn(
         raise
     except ApiError as err:
         return await responder.fail(err)
+    except ConcurrencyConflict:
+        record.outcome = "claim_lost"
+        state.next_turn = record.turn  # not taken: the next free one is read from the log
+        raise
+    except SessionMovedOn as exc:
+        # The engine's answer cannot be recorded after the other process's close
+        # or reopen; what was appended stays, an unanswered turn.
+        state.suspect = True
+        record.outcome = "moved_on"
+        log.warning("session %s turn %d: %s", state.session_id, record.turn, exc)
+        return await responder.fail(moved_on_error(exc))
     except StorageUnavailable as exc:
         # Nothing more can be recorded; the state is rebuilt from the log next time.
         state.suspect = True
@@ -132,6 +154,9 @@ async def run_turn(
         return await _session_failed(state, record, exc, responder)
     finally:
         await finish_even_if_cancelled(state.journal.settle())
+        if state.journal.rebased:
+            # Its chains miss the turns appended between this one's events.
+            state.suspect = True
         _log_turn(record)
 
 
@@ -170,7 +195,7 @@ async def _run(
     model = chat.model or ctx.config.model_name
     await responder.started(record.request_id, model, usage_for(len(plan.input_ids), 0, 0))
     params = state.overrides.sampling.apply(_sampling_params(ctx, chat, max_new))
-    output = await _generate(ctx, state, plan, params, record)
+    output = await _unless_claim_lost(state.journal, _generate(ctx, state, plan, params, record))
     answer = await _answer(ctx, state, chat, plan, output, record, model)
 
     async def finish() -> None:
@@ -181,6 +206,32 @@ async def _run(
     await finish_even_if_cancelled(finish())
     record.outcome = "ok"
     return await responder.answer(answer)
+
+
+async def _unless_claim_lost(journal: Journal, work: Awaitable[T]) -> T:
+    """`work` (the engine call), stopped as soon as the turn's claiming append loses.
+
+    Its input was planned from a stale head, so its answer would be thrown
+    away: the engine is asked to abort (as when the client leaves) and the
+    conflict is raised at once instead of after the whole generation.
+    """
+    task = asyncio.ensure_future(work)
+    lost = asyncio.ensure_future(journal.claim_lost())
+    try:
+        done, _ = await asyncio.wait([task, lost], return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        await asyncio.wait([task])  # the engine's abort goes out before the cancel is recorded
+        raise
+    finally:
+        lost.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.wait([task])
+    if not task.cancelled():
+        task.exception()  # retrieved: the lost claim is what the turn reports
+    raise lost.result()
 
 
 async def _plan(

@@ -109,6 +109,11 @@ class Harness:
         return self.server.ctx
 
     async def start_server(self) -> None:
+        self.server = await self.server_on(self.store)
+
+    async def server_on(self, store: EventStore) -> RecorderServer:
+        """Another server like this one's, on `store` (a replica when it is another
+        connection to the same log); the caller stops it."""
         client = EngineClient(
             self.engine_urls,
             timeout_s=60,
@@ -118,14 +123,15 @@ class Harness:
         await client.start()
         ctx = ServerContext(
             config=self.config,
-            store=self.store,
+            store=store,
             engine=client,
             tokenizer=self.tokenizer,
             parser=self.parser,
             rules=load_rules(None),
         )
-        self.server = RecorderServer(ctx)
-        await self.server.start()
+        server = RecorderServer(ctx)
+        await server.start()
+        return server
 
     async def stop_server(self, grace_s: float | None = None) -> None:
         if self.server is not None:

@@ -4,6 +4,11 @@ Every request of every session goes to a random replica, concurrently, and one
 replica is SIGKILLed mid-run. Its state being a cache of the log, a replica
 catches up from the session's head under the session's database lock, so no
 request sees a ConcurrencyConflict. SQLite allows one server per file.
+
+Without a working lock (one server takes none, or the lock connections are
+killed while turns run) two servers plan from one head; the log refuses the
+second claim and that server plans again (tests/server/test_replica_conflicts.py
+makes each case happen deterministically): clients still get their answers.
 """
 
 from __future__ import annotations
@@ -19,11 +24,12 @@ from typing import Any
 import aiohttp
 import anthropic
 import msgspec
+import pytest
 
 from recorder import events as ev
 from replay.export import read_samples
 from replay.samples import Sample
-from tests.server.conftest import FIXTURE_TOKENIZER
+from tests.server.conftest import FIXTURE_TOKENIZER, make_harness
 from tests.server.test_e2e import echo
 from tests.server.test_lifecycle import _admin, _start_serve
 from tools.test_engine.scripted import ScriptedEngine
@@ -31,6 +37,9 @@ from tools.test_engine.scripted import ScriptedEngine
 SESSIONS = 12
 TURNS = 6
 KILL_AFTER_TURNS = 25
+# One session's concurrent conversations (as an agent's subagents), turns each.
+LINES = 4
+LINE_TURNS = 6
 
 
 class Run:
@@ -173,3 +182,141 @@ async def test_a_second_server_on_one_sqlite_file_is_refused(
             await proc.wait()
     assert second.returncode != 0
     assert "another `recorder serve` already serves" in output.decode(), output.decode()
+
+
+class Contended:
+    """Two in-process servers serving one session's concurrent conversations."""
+
+    def __init__(self, bases: list[str], session_id: str, admin: dict[str, str]) -> None:
+        self.bases = bases
+        self.session_id = session_id
+        self.admin_headers = admin
+        self.answered: list[str] = []  # acknowledged message ids
+        self.noted: list[str] = []  # acknowledged rollout events (their detail's id)
+        self.server_errors: list[str] = []
+        self.retryable = 0  # 529s a client retried (allowed: a retry is safe)
+
+    async def ask(self, messages: list[dict[str, Any]]) -> Any:
+        while True:
+            base = random.choice(self.bases)
+            client = anthropic.AsyncAnthropic(
+                base_url=base, api_key=self.session_id, max_retries=0, timeout=60
+            )
+            try:
+                return await client.messages.create(model="m", max_tokens=40, messages=messages)
+            except anthropic.APIStatusError as exc:
+                retry = exc.response.headers.get("x-should-retry") != "false"
+                if exc.status_code not in (503, 529) or not retry:
+                    self.server_errors.append(f"{exc.status_code} {exc.message}")
+                    raise
+                self.retryable += 1
+            finally:
+                await client.close()
+
+    async def admin(self, path: str, body: Any) -> Any:
+        while True:
+            async with (
+                aiohttp.ClientSession() as http,
+                http.post(
+                    random.choice(self.bases) + path, json=body, headers=self.admin_headers
+                ) as resp,
+            ):
+                data = await resp.json()
+                if resp.status < 300:
+                    return data
+                if resp.status not in (503, 529):
+                    self.server_errors.append(f"{resp.status} {data}")
+                    raise AssertionError(data)
+                self.retryable += 1
+
+    async def line(self, i: int) -> None:
+        messages: list[dict[str, Any]] = []
+        for t in range(LINE_TURNS):
+            messages.append({"role": "user", "content": f"line {i}, step {t}"})
+            answer = await self.ask(messages)
+            self.answered.append(answer.id)
+            messages.append(echo(answer))
+            note = f"{i}.{t}"
+            event = {"kind": "agent.step", "detail": {"id": note}}
+            await self.admin(f"/sessions/{self.session_id}/events", {"events": [event]})
+            self.noted.append(note)
+
+
+async def _kill_lock_connections(url: str, stop: asyncio.Event, killing: bool) -> int:
+    """Terminate every connection holding a session lock, again and again: Postgres
+    frees their locks while the turns they guard run on. Returns how many it killed."""
+    import asyncpg
+
+    from recorder.store.session_locks import SESSION_LOCK_CLASS
+
+    killed = 0
+    if not killing:
+        return killed
+    conn = await asyncpg.connect(url.replace("postgresql+asyncpg", "postgresql"))
+    try:
+        while not stop.is_set():
+            killed += await conn.fetchval(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_locks WHERE locktype = "
+                "'advisory' AND classid = $1 AND pid <> pg_backend_pid()",
+                SESSION_LOCK_CLASS,
+            )
+            await asyncio.sleep(random.uniform(0.005, 0.04))
+    finally:
+        await conn.close()
+    return killed
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("lock", ["one_server_takes_none", "lock_connections_killed"])
+async def test_one_session_on_two_servers_without_a_working_lock(
+    tokenizer: Any, postgres_url: str, tmp_path: Path, lock: str
+) -> None:
+    from recorder.store import open_store
+    from recorder.store.base import SessionLocks
+
+    random.seed(14)
+    h = await make_harness(tokenizer, postgres_url, engine_kwargs={"token_delay_s": 0.001})
+    store = await open_store(postgres_url)
+    if lock == "one_server_takes_none":
+        store.session_locks = SessionLocks()  # a process that takes no lock
+    second = await h.server_on(store)
+    stop = asyncio.Event()
+    try:
+        run = Contended([h.url, second.url], await h.open_session(), h.admin_headers())
+        killing = lock == "lock_connections_killed"
+        killer = asyncio.ensure_future(_kill_lock_connections(postgres_url, stop, killing))
+        await asyncio.gather(*(run.line(i) for i in range(LINES)))
+        stop.set()
+        killed = await killer
+        closed = await run.admin(f"/sessions/{run.session_id}/close", {"reward": 1.0})
+        healths = [await _get_json(base + "/health") for base in run.bases]
+    finally:
+        stop.set()
+        await second.stop(grace_s=1)
+        await store.close()
+        await h.close()
+    retried = sum(health["conflicts_retried"] for health in healths)
+    print(f"\n{lock}: {retried} conflicts retried, {run.retryable} 529s, {killed} kills")
+    assert run.server_errors == []
+    assert lock != "lock_connections_killed" or killed > 0
+    assert lock != "one_server_takes_none" or retried > 0  # the race did happen
+    store = await open_store(postgres_url)
+    try:
+        events = [r.event for r in await store.read_session(run.session_id)]
+    finally:
+        await store.close()
+    sent = {e.request_id for e in events if isinstance(e, ev.ResponseSent)}
+    assert set(run.answered) <= sent  # every acknowledged answer is in the log
+    notes = [e.detail["id"] for e in events if isinstance(e, ev.SandboxEvent)]
+    assert sorted(notes) == sorted(run.noted)  # each acknowledged rollout event, once
+    turns = [e.turn for e in events if isinstance(e, ev.MessagesRequest)]
+    assert len(turns) == len(set(turns))  # no turn number claimed twice
+    exported = _exported(postgres_url, tmp_path / "samples.jsonl")
+    live = [msgspec.convert(s, Sample) for s in closed["samples"]]
+    assert live == exported[run.session_id]
+    assert sum(len(s.tokens) for s in live) > 0
+
+
+async def _get_json(url: str) -> Any:
+    async with aiohttp.ClientSession() as http, http.get(url) as resp:
+        return await resp.json()
