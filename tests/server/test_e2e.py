@@ -169,6 +169,7 @@ ONE_TURN_LOG = [
     "generate_result",
     "tito_verdict",
     "response_sent",
+    "state_snapshot",
 ]
 
 
@@ -363,6 +364,7 @@ async def test_abort_then_resume_across_weight_versions(any_harness: Harness) ->
         "generate_result",
         "tito_verdict",
         "response_sent",
+        "state_snapshot",
     ]
     results = await h.payloads(sid, ev.GenerateResult)
     assert [r.finish_reason for r in results] == ["abort", "stop"]

@@ -175,7 +175,7 @@ async def test_serve_command_exits_cleanly_on_sigterm(tokenizer: Any, tmp_path: 
         types = [r.type for r in await store.read_session(sid)]
     finally:
         await store.close()
-    assert types[-1] == "response_sent"
+    assert types[-2:] == ["response_sent", "state_snapshot"]
 
 
 async def test_kill_9_mid_turn_then_restart_and_go_on(tokenizer: Any, tmp_path: Path) -> None:
