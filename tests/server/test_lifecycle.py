@@ -81,7 +81,7 @@ async def test_shutdown_lets_in_flight_turns_finish(tokenizer: Any, sqlite_url: 
         await h.stop_server(grace_s=10)
         answer = await turn
         assert answer.stop_reason == "end_turn"
-        assert (await h.types(sid))[-1] == "response_sent"
+        assert (await h.types(sid))[-2:] == ["response_sent", "state_snapshot"]
     finally:
         await h.close()
 
