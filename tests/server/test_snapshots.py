@@ -284,3 +284,22 @@ async def test_a_closed_session_restores_closed_without_tokens(any_harness: Harn
     for state in states:
         assert state.status == "closed" and state.chains is None
     assert states[0].next_seq == states[1].next_seq
+
+
+async def test_the_reducer_ignores_snapshots(any_harness: Harness) -> None:
+    """Samples are the same bytes with or without the snapshot events in the log."""
+    from replay.load import load_session
+    from replay.reducer import reduce_session
+    from replay.rules import Rules
+
+    h = any_harness
+    sid, _, _ = await subagent(h)
+    await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
+    log = await load_session(h.store, sid)
+    assert any(isinstance(r.event, ev.StateSnapshot) for r in log.events)
+    without = [r for r in log.events if not isinstance(r.event, ev.StateSnapshot)]
+    full, stripped = (reduce_session(e, log.arrays, Rules()) for e in (log.events, without))
+    assert full.samples and msgspec.json.encode(full.samples) == msgspec.json.encode(
+        stripped.samples
+    )
+    assert full.diagnostics == stripped.diagnostics
