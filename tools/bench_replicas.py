@@ -208,14 +208,18 @@ async def restart_and_answer(
     db: str,
     extra: Sequence[str],
     built: list[tuple[str, list[dict[str, Any]]]],
-) -> list[float]:
-    """Start a server on `db`; every session sends one turn at once; seconds to each answer."""
+) -> tuple[list[float], float]:
+    """Start a server on `db`; every session sends one turn at once; (seconds to each
+    answer, mean seconds the server spent rebuilding a session)."""
     replicas = Replicas(engine_url, db, 1, extra)
     try:
         await replicas.healthy(http)
         started = time.perf_counter()
         url = replicas.urls[0]
-        return await asyncio.gather(*(first_answer(http, url, s, m, started) for s, m in built))
+        waits = await asyncio.gather(*(first_answer(http, url, s, m, started) for s, m in built))
+        async with http.get(url + "/health") as resp:
+            health = await resp.json()
+        return waits, health["session_load_s"] / max(1, health["sessions_loaded"])
     finally:
         replicas.stop()
 
@@ -241,14 +245,16 @@ async def bench_recovery(
                 replicas.stop()
             waits: dict[str, list[float]] = {name: [] for name, _ in RESTORE_MODES}
             lasts: dict[str, list[float]] = {name: [] for name, _ in RESTORE_MODES}
+            loads: dict[str, list[float]] = {name: [] for name, _ in RESTORE_MODES}
             for _ in range(restarts):
                 for name, extra in RESTORE_MODES:
-                    answered = await restart_and_answer(http, engine_url, db, extra, built)
+                    answered, load_s = await restart_and_answer(http, engine_url, db, extra, built)
                     waits[name] += answered
                     lasts[name].append(max(answered))
+                    loads[name].append(load_s)
         cells = [
             f"{pct(waits[name], 50):>9.0f}{pct(waits[name], 99):>9.0f}"
-            f"{float(np.median(lasts[name])) * 1000:>9.0f}"
+            f"{float(np.median(lasts[name])) * 1000:>9.0f}{pct(loads[name], 50):>9.1f}"
             for name, _ in RESTORE_MODES
         ]
         speedup = np.median(lasts["replay"]) / np.median(lasts["snapshot"])
@@ -318,12 +324,13 @@ async def bench(
         await snapshot_cost()
         print(
             "\ntime to first answer after a restart, from /health ok (every session sends one"
-            f" turn at once; {restarts} restarts per mode; ms)"
+            f" turn at once; {restarts} restarts per mode; ms; load: the server's mean time"
+            " to rebuild one session)"
         )
-        print(f"{'':<26}{'full replay (baseline)':>27}{'from snapshot':>27}")
+        print(f"{'':<26}{'full replay (baseline)':>36}{'from snapshot':>36}")
         print(
             f"{'backend':<10}{'sessions':>9}{'turns':>7}"
-            + f"{'p50':>9}{'p99':>9}{'last':>9}" * 2
+            + f"{'p50':>9}{'p99':>9}{'last':>9}{'load':>9}" * 2
             + f"{'speedup':>10}"
         )
         with tempfile.TemporaryDirectory() as tmp:
