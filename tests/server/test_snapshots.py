@@ -303,3 +303,34 @@ async def test_the_reducer_ignores_snapshots(any_harness: Harness) -> None:
         stripped.samples
     )
     assert full.diagnostics == stripped.diagnostics
+
+
+@pytest.mark.parametrize(("behind", "via_snapshot"), [(2, False), (6, True)])
+async def test_catch_up_far_behind_starts_from_the_newest_snapshot(
+    any_harness: Harness, monkeypatch: pytest.MonkeyPatch, behind: int, via_snapshot: bool
+) -> None:
+    """A replica's cached state `behind` turns back: replayed turn by turn when close,
+    restored from the newest snapshot among the new events when far; the same state."""
+    h = any_harness
+    sid = await h.open_session()
+    client = h.client(sid)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Start."}]
+    answer = await ask(client, messages, stream=False)
+    stale = await load_session_state(h.ctx, sid)  # what another replica holds
+    assert stale is not None
+    for k in range(behind):
+        messages += [echo(answer), {"role": "user", "content": f"Step {k}."}]
+        answer = await ask(client, messages, stream=False)
+    used: list[int] = []
+    real = restore._from_snapshot
+
+    async def spy(ctx: Any, session_id: str, events: Any) -> Any:
+        used.append(events[0].seq)
+        return await real(ctx, session_id, events)
+
+    monkeypatch.setattr(restore, "_from_snapshot", spy)
+    caught_up = await restore.catch_up(h.ctx, stale)
+    assert bool(used) == via_snapshot
+    monkeypatch.undo()
+    _, replayed = await both_ways(h, sid)
+    assert_same_state(caught_up, replayed)
