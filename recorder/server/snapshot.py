@@ -25,6 +25,7 @@ import numpy as np
 
 from recorder import events as ev
 from recorder.events import ArrayRef
+from recorder.server.deltas import keep_longest
 from recorder.server.overrides import SessionOverrides
 from recorder.tokens import Boundary, Chain, PendingDispatch, SessionChains, token_array
 
@@ -38,6 +39,10 @@ SNAPSHOT_FORMAT = 1
 # A message digest is 32 hex digits, or two joined by "+" (with reasoning):
 # stored as a 0 byte and its 16 or 32 raw bytes (half the text). Anything
 # else is stored as a 1 byte and its UTF-8 text.
+# See `_tokens_ref`. Needs the chain's stored prefixes of 2 * SPINE_TURNS
+# turns back (deltas.MAX_CHAIN_REFS).
+SPINE_TURNS = 8
+
 _HEX_DIGEST = re.compile(r"[0-9a-f]{32}(\+[0-9a-f]{32})?")
 _RAW, _TEXT = b"\x00", b"\x01"
 
@@ -144,6 +149,11 @@ def _tokens_ref(state: SessionState, chain: Chain) -> ArrayRef:
 
     Usually that prefix is the turn's engine input and the delta its output.
     The ref joins the chain's stored prefixes, so the next input extends it.
+    Every `SPINE_TURNS` turns of the chain, the delta goes back to the tokens
+    stored `SPINE_TURNS` turns earlier instead (the first time, to the
+    chain's first input), so those turns' tokens are stored once more, in one
+    piece: a restart reads a chain's tokens through about turns / SPINE_TURNS
+    + 2 * SPINE_TURNS pieces, not two per turn.
     """
     refs = state.chain_refs.setdefault(chain.chain_id, {})
     n = len(chain.tokens)
@@ -151,9 +161,17 @@ def _tokens_ref(state: SessionState, chain: Chain) -> ArrayRef:
     if known is not None:
         return known
     start = max((k for k in refs if k <= n), default=0)
+    turns = len(chain.boundaries)
+    if turns % SPINE_TURNS == 0:
+        # The tokens SPINE_TURNS turns back; the first time, the chain's first input.
+        back = chain.boundaries[turns - SPINE_TURNS - 1] if turns > SPINE_TURNS else None
+        spine = back.end_len if back is not None else chain.boundaries[0].input_len
+        if spine in refs:
+            start = spine
     suffix = np.frombuffer(chain.tokens[start:], dtype=np.int32)
     ref = state.journal.add_array(suffix, extends=refs.get(start))
     refs[n] = ref
+    keep_longest(refs)
     return ref
 
 

@@ -28,7 +28,7 @@ from recorder.server.restore import load_session_state
 from recorder.server.sessions import SessionState
 from recorder.tokens import plan_turn
 from recorder.translate import parse_request
-from tests.server.conftest import Harness, tool_call_text
+from tests.server.conftest import Harness, array_rows, tool_call_text
 from tests.server.test_chain_identity import COMPACT, SUB_SYSTEM
 from tests.server.test_e2e import SYSTEM, TOOLS, ask, echo, tool_result
 
@@ -334,3 +334,24 @@ async def test_catch_up_far_behind_starts_from_the_newest_snapshot(
     monkeypatch.undo()
     _, replayed = await both_ways(h, sid)
     assert_same_state(caught_up, replayed)
+
+
+async def test_a_long_chain_reads_through_few_pieces(harness: Harness, sqlite_url: str) -> None:
+    """Two pieces per turn (input, output) would make a restart read 2 x turns pieces per
+    chain; every SPINE_TURNS turns the tokens go back to one piece per SPINE_TURNS turns."""
+    h = harness
+    sid = await h.open_session()
+    client = h.client(sid)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Start."}]
+    turns = 4 * snapshot.SPINE_TURNS + 3
+    for k in range(turns):
+        answer = await ask(client, messages, stream=False)
+        messages += [echo(answer), {"role": "user", "content": f"Step {k}."}]
+    _, live = await _valid_snapshot(h, sid)
+    rows = array_rows(sqlite_url)
+    depth, digest = 0, live.chains[0].tokens.digest
+    while digest is not None:
+        depth, digest = depth + 1, rows[digest][0]
+    assert depth <= turns // snapshot.SPINE_TURNS + 2 * snapshot.SPINE_TURNS + 1 < 2 * turns
+    states = await both_ways(h, sid)
+    assert_same_state(*states)
