@@ -16,7 +16,7 @@ ok to each answer (median and p99 over every answer of every restart, and
 the median over restarts of until the last), per history length T, on
 SQLite and on Postgres; restarts alternate between rebuilding sessions by
 the full replay (`--restore-from replay`, the baseline) and from their state
-snapshots. Also: what a snapshot adds to a turn at 100k context (`--sessions
+snapshots; the peer is the same 256 turns at once on the warm server. Also: what a snapshot adds to a turn at 100k context (`--sessions
 0` skips the replica part).
 
     python tools/bench_replicas.py --pg postgresql+asyncpg://... [--sessions 32] [--turns 8]
@@ -208,9 +208,10 @@ async def restart_and_answer(
     db: str,
     extra: Sequence[str],
     built: list[tuple[str, list[dict[str, Any]]]],
-) -> tuple[list[float], float]:
+) -> tuple[list[float], float, float]:
     """Start a server on `db`; every session sends one turn at once; (seconds to each
-    answer, mean seconds the server spent rebuilding a session)."""
+    answer, mean seconds the server spent rebuilding a session, seconds until the last
+    answer when every session sends one more turn at once: the warm server's peer)."""
     replicas = Replicas(engine_url, db, 1, extra)
     try:
         await replicas.healthy(http)
@@ -219,7 +220,9 @@ async def restart_and_answer(
         waits = await asyncio.gather(*(first_answer(http, url, s, m, started) for s, m in built))
         async with http.get(url + "/health") as resp:
             health = await resp.json()
-        return waits, health["session_load_s"] / max(1, health["sessions_loaded"])
+        started = time.perf_counter()
+        warm = await asyncio.gather(*(first_answer(http, url, s, m, started) for s, m in built))
+        return waits, health["session_load_s"] / max(1, health["sessions_loaded"]), max(warm)
     finally:
         replicas.stop()
 
@@ -246,19 +249,26 @@ async def bench_recovery(
             waits: dict[str, list[float]] = {name: [] for name, _ in RESTORE_MODES}
             lasts: dict[str, list[float]] = {name: [] for name, _ in RESTORE_MODES}
             loads: dict[str, list[float]] = {name: [] for name, _ in RESTORE_MODES}
+            warm: list[float] = []
             for _ in range(restarts):
                 for name, extra in RESTORE_MODES:
-                    answered, load_s = await restart_and_answer(http, engine_url, db, extra, built)
+                    answered, load_s, warm_s = await restart_and_answer(
+                        http, engine_url, db, extra, built
+                    )
                     waits[name] += answered
                     lasts[name].append(max(answered))
                     loads[name].append(load_s)
+                    warm.append(warm_s)
         cells = [
             f"{pct(waits[name], 50):>9.0f}{pct(waits[name], 99):>9.0f}"
             f"{float(np.median(lasts[name])) * 1000:>9.0f}{pct(loads[name], 50):>9.1f}"
             for name, _ in RESTORE_MODES
         ]
         speedup = np.median(lasts["replay"]) / np.median(lasts["snapshot"])
-        print(f"{label:<10}{sessions:>9}{turns:>7}{''.join(cells)}{speedup:>9.1f}x")
+        print(
+            f"{label:<10}{sessions:>9}{turns:>7}{''.join(cells)}{speedup:>9.1f}x"
+            f"{float(np.median(warm)) * 1000:>10.0f}"
+        )
 
 
 async def snapshot_cost(reps: int = 30) -> None:
@@ -325,13 +335,14 @@ async def bench(
         print(
             "\ntime to first answer after a restart, from /health ok (every session sends one"
             f" turn at once; {restarts} restarts per mode; ms; load: the server's mean time"
-            " to rebuild one session)"
+            " to rebuild one session; warm last: until the last answer of the next turn, no"
+            " restart)"
         )
         print(f"{'':<26}{'full replay (baseline)':>36}{'from snapshot':>36}")
         print(
             f"{'backend':<10}{'sessions':>9}{'turns':>7}"
             + f"{'p50':>9}{'p99':>9}{'last':>9}{'load':>9}" * 2
-            + f"{'speedup':>10}"
+            + f"{'speedup':>10}{'warm last':>10}"
         )
         with tempfile.TemporaryDirectory() as tmp:
             for label, db in (("sqlite", str(Path(tmp) / "r.db")), ("postgres", pg)):
