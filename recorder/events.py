@@ -255,6 +255,29 @@ class RewardAssigned(Event, frozen=True, kw_only=True, tag="reward_assigned"):
 
 
 # --------------------------------------------------------------------------
+# Live state, for a fast restart
+# --------------------------------------------------------------------------
+
+
+class StateSnapshot(Event, frozen=True, kw_only=True, tag="state_snapshot"):
+    """The live server's state of a session after an answered turn (a cache of the log).
+
+    Written in the same append as the turn's ResponseSent, so a restart
+    rebuilds the session from its newest snapshot plus the events after it
+    instead of replaying every turn (`recorder.server.restore`). `state` is
+    opaque here: `recorder.server.snapshot` encodes it at its own `format`
+    number, and a snapshot this code cannot use (another format, damaged) is
+    skipped for the full replay. Token arrays live in the array store
+    (`state` names them by ref), so a snapshot costs a few bytes per message,
+    not per token. It carries no `turn` or `request_id`: the reducer and
+    every sample ignore it.
+    """
+
+    format: int
+    state: bytes
+
+
+# --------------------------------------------------------------------------
 # Decisions
 # --------------------------------------------------------------------------
 
@@ -315,6 +338,7 @@ AnyEvent = (
     | RequestRejected
     | SandboxEvent
     | RewardAssigned
+    | StateSnapshot
     | ChainDecision
     | TitoVerdict
     | ClampApplied

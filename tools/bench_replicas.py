@@ -12,11 +12,15 @@ against the same on one replica.
 
 Recovery: S sessions x T turns on one server, which is then restarted; every
 session then sends one turn at once. Time to first answer = from `/health`
-ok to each answer (median, p99, and until the last), per history length T,
-on SQLite and on Postgres.
+ok to each answer (median and p99 over every answer of every restart, and
+the median over restarts of until the last), per history length T, on
+SQLite and on Postgres; restarts alternate between rebuilding sessions by
+the full replay (`--restore-from replay`, the baseline) and from their state
+snapshots; the peer is the same 256 turns at once on the warm server. Also: what a snapshot adds to a turn at 100k context (`--sessions
+0` skips the replica part).
 
     python tools/bench_replicas.py --pg postgresql+asyncpg://... [--sessions 32] [--turns 8]
-        [--recovery-sessions 256] [--recovery-turns 10,100]
+        [--recovery-sessions 256] [--recovery-turns 10,100] [--recovery-restarts 3]
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import sys
 import tempfile
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +53,8 @@ Route = Callable[[str, int], str]
 class Replicas:
     """R recorder processes on one database."""
 
-    def __init__(self, engine_url: str, db: str, n: int) -> None:
-        self.started = [start_recorder(engine_url, db) for _ in range(n)]
+    def __init__(self, engine_url: str, db: str, n: int, extra: Sequence[str] = ()) -> None:
+        self.started = [start_recorder(engine_url, db, extra) for _ in range(n)]
         self.urls = [url for _, url, _ in self.started]
 
     async def healthy(self, http: aiohttp.ClientSession) -> None:
@@ -194,9 +198,40 @@ async def first_answer(
     return time.perf_counter() - t0
 
 
+# How a restarted server rebuilds sessions: the baseline replays every turn.
+RESTORE_MODES = (("replay", ["--restore-from", "replay"]), ("snapshot", []))
+
+
+async def restart_and_answer(
+    http: aiohttp.ClientSession,
+    engine_url: str,
+    db: str,
+    extra: Sequence[str],
+    built: list[tuple[str, list[dict[str, Any]]]],
+) -> tuple[list[float], float, float]:
+    """Start a server on `db`; every session sends one turn at once; (seconds to each
+    answer, mean seconds the server spent rebuilding a session, seconds until the last
+    answer when every session sends one more turn at once: the warm server's peer)."""
+    replicas = Replicas(engine_url, db, 1, extra)
+    try:
+        await replicas.healthy(http)
+        started = time.perf_counter()
+        url = replicas.urls[0]
+        waits = await asyncio.gather(*(first_answer(http, url, s, m, started) for s, m in built))
+        async with http.get(url + "/health") as resp:
+            health = await resp.json()
+        started = time.perf_counter()
+        warm = await asyncio.gather(*(first_answer(http, url, s, m, started) for s, m in built))
+        return waits, health["session_load_s"] / max(1, health["sessions_loaded"]), max(warm)
+    finally:
+        replicas.stop()
+
+
 async def bench_recovery(
-    engine_url: str, db: str, label: str, sessions: int, history: list[int]
+    engine_url: str, db: str, label: str, sessions: int, history: list[int], restarts: int
 ) -> None:
+    """Per history length: build the sessions, then restart `restarts` times per mode,
+    alternating modes (each restart adds one turn to every session)."""
     timeout = aiohttp.ClientTimeout(total=1800)
     for turns in history:
         replicas = Replicas(engine_url, db, 1)
@@ -211,35 +246,107 @@ async def bench_recovery(
                 )
             finally:
                 replicas.stop()
-            replicas = Replicas(engine_url, db, 1)
-            try:
-                await replicas.healthy(http)
-                started = time.perf_counter()
-                url = replicas.urls[0]
-                waits = await asyncio.gather(
-                    *(first_answer(http, url, s, m, started) for s, m in built)
-                )
-            finally:
-                replicas.stop()
+            waits: dict[str, list[float]] = {name: [] for name, _ in RESTORE_MODES}
+            lasts: dict[str, list[float]] = {name: [] for name, _ in RESTORE_MODES}
+            loads: dict[str, list[float]] = {name: [] for name, _ in RESTORE_MODES}
+            warm: list[float] = []
+            for _ in range(restarts):
+                for name, extra in RESTORE_MODES:
+                    answered, load_s, warm_s = await restart_and_answer(
+                        http, engine_url, db, extra, built
+                    )
+                    waits[name] += answered
+                    lasts[name].append(max(answered))
+                    loads[name].append(load_s)
+                    warm.append(warm_s)
+        cells = [
+            f"{pct(waits[name], 50):>9.0f}{pct(waits[name], 99):>9.0f}"
+            f"{float(np.median(lasts[name])) * 1000:>9.0f}{pct(loads[name], 50):>9.1f}"
+            for name, _ in RESTORE_MODES
+        ]
+        speedup = np.median(lasts["replay"]) / np.median(lasts["snapshot"])
         print(
-            f"{label:<10}{sessions:>9}{turns:>8}{pct(waits, 50):>12.0f}{pct(waits, 99):>12.0f}"
-            f"{max(waits) * 1000:>12.0f}"
+            f"{label:<10}{sessions:>9}{turns:>7}{''.join(cells)}{speedup:>9.1f}x"
+            f"{float(np.median(warm)) * 1000:>10.0f}"
         )
 
 
-async def bench(pg: str, sessions: int, turns: int, rec_sessions: int, history: list[int]) -> None:
+async def snapshot_cost(reps: int = 30) -> None:
+    """What a state snapshot adds to a turn at ~100k tokens of context (in process).
+
+    The state of a session 100 turns into one chain of 100k tokens (200
+    message digests, 100 boundaries); a turn's snapshot encodes it and stores
+    the turn's output (32 tokens) as a delta on the turn's input. Peer: storing
+    that input's own delta (500 new tokens), which every turn already does.
+    """
+    from array import array
+
+    from recorder.events import ArrayRef, encode_event
+    from recorder.server.journal import Journal
+    from recorder.server.sessions import SessionState
+    from recorder.server.snapshot import add_snapshot
+    from recorder.store.arrays import encode_array
+    from recorder.tokens import Boundary, Chain, SessionChains
+
+    rng = np.random.default_rng(0)
+    tokens = array("i", rng.integers(0, 150_000, 100_000, dtype=np.int32).tobytes())
+    step = len(tokens) // 100
+    boundaries = [
+        Boundary(2 * k + 1, (k + 1) * step - 32, (k + 1) * step, True) for k in range(100)
+    ]
+    digests = [f"{k:032x}" for k in range(200)]
+    input_ref = ArrayRef(b"\x01" * 16, len(tokens) - 32)
+    snapshot_s, snapshot_bytes, peer_s, peer_bytes = [], [], [], []
+    for _ in range(reps):
+        chain = Chain(chain_id=0, system_digest="s" * 32, render_digest="r" * 32,
+                      message_digests=digests, tokens=tokens, boundaries=boundaries, main_line=True)  # fmt: skip
+        state = SessionState(session_id="s", journal=Journal(None, "s", 0))  # type: ignore[arg-type]
+        state.chains = SessionChains(chains={0: chain}, main_chain_id=0, next_chain_id=1)
+        state.chain_refs = {0: {input_ref.length: input_ref}}
+        started = time.perf_counter()
+        add_snapshot(state)
+        event = state.journal.pending[-1].event
+        payload = encode_event(event)
+        snapshot_s.append(time.perf_counter() - started)
+        pieces = state.journal._arrays  # what the append will write
+        snapshot_bytes.append(len(payload) + sum(len(p.data) for a in pieces for p in a.pieces))
+        started = time.perf_counter()
+        encoded = encode_array(np.frombuffer(tokens[-500:], dtype=np.int32), extends=input_ref)
+        peer_s.append(time.perf_counter() - started)
+        peer_bytes.append(sum(len(p.data) for p in encoded.pieces))
+    print(f"\nper-turn cost of the state snapshot at 100k context, 100 turns ({reps} reps)")
+    print(f"{'':<34}{'p50 us':>9}{'bytes':>9}")
+    print(f"{'snapshot (event + output piece)':<34}{pct(snapshot_s, 50) * 1000:>9.0f}"
+          f"{np.median(snapshot_bytes):>9.0f}")  # fmt: skip
+    print(f"{'peer: input delta (500 tokens)':<34}{pct(peer_s, 50) * 1000:>9.0f}"
+          f"{np.median(peer_bytes):>9.0f}")  # fmt: skip
+
+
+async def bench(
+    pg: str, sessions: int, turns: int, rec_sessions: int, history: list[int], restarts: int
+) -> None:
     engine_proc, engine_url = start_subprocess(
         ["--backend", "scripted", "--context-length", "131072", "--no-keep-history"]
     )
     try:
-        await bench_replicas(engine_url, pg, sessions, turns)
-        print("\ntime to first answer after a restart (every session sends one turn at once)")
+        if sessions:
+            await bench_replicas(engine_url, pg, sessions, turns)
+        await snapshot_cost()
         print(
-            f"{'backend':<10}{'sessions':>9}{'turns':>8}{'p50 ms':>12}{'p99 ms':>12}{'last ms':>12}"
+            "\ntime to first answer after a restart, from /health ok (every session sends one"
+            f" turn at once; {restarts} restarts per mode; ms; load: the server's mean time"
+            " to rebuild one session; warm last: until the last answer of the next turn, no"
+            " restart)"
+        )
+        print(f"{'':<26}{'full replay (baseline)':>36}{'from snapshot':>36}")
+        print(
+            f"{'backend':<10}{'sessions':>9}{'turns':>7}"
+            + f"{'p50':>9}{'p99':>9}{'last':>9}{'load':>9}" * 2
+            + f"{'speedup':>10}{'warm last':>10}"
         )
         with tempfile.TemporaryDirectory() as tmp:
             for label, db in (("sqlite", str(Path(tmp) / "r.db")), ("postgres", pg)):
-                await bench_recovery(engine_url, db, label, rec_sessions, history)
+                await bench_recovery(engine_url, db, label, rec_sessions, history, restarts)
     finally:
         engine_proc.terminate()
         engine_proc.wait(timeout=30)
@@ -252,13 +359,22 @@ async def bench(pg: str, sessions: int, turns: int, rec_sessions: int, history: 
 @click.option("--turns", type=int, default=8, show_default=True)
 @click.option("--recovery-sessions", type=int, default=256, show_default=True)
 @click.option("--recovery-turns", default="10,100", show_default=True)
-def main(pg: str, sessions: int, turns: int, recovery_sessions: int, recovery_turns: str) -> None:
+@click.option("--recovery-restarts", type=int, default=3, show_default=True,
+              help="Restarts per restore mode and history length (alternating modes).")  # fmt: skip
+def main(
+    pg: str,
+    sessions: int,
+    turns: int,
+    recovery_sessions: int,
+    recovery_turns: str,
+    recovery_restarts: int,
+) -> None:
     if not pg:
         raise SystemExit(
             'no Postgres: pass --pg URL, or `eval "$(tools/pg_cluster.sh start /tmp/pg)"` first'
         )
     history = [int(t) for t in recovery_turns.split(",")]
-    asyncio.run(bench(pg, sessions, turns, recovery_sessions, history))
+    asyncio.run(bench(pg, sessions, turns, recovery_sessions, history, recovery_restarts))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,9 @@ class Run:
     cpu_s: float = 0.0
 
 
-def start_recorder(engine_url: str, db: str) -> tuple[subprocess.Popen[bytes], str, Path]:
+def start_recorder(
+    engine_url: str, db: str, extra: Sequence[str] = ()
+) -> tuple[subprocess.Popen[bytes], str, Path]:
     port = free_port()
     log_file = Path(tempfile.mkstemp(prefix="bench_server_", suffix=".log")[1])
     env = dict(os.environ)
@@ -59,7 +62,7 @@ def start_recorder(engine_url: str, db: str) -> tuple[subprocess.Popen[bytes], s
         [
             sys.executable, *prefix, "-m", "recorder.cli", "serve", "--db", db, "--engine", engine_url,
             "--tokenizer", str(TOKENIZER), "--chat-template", "chatml-tools",
-            "--tool-parser", "qwen25", "--port", str(port), "--admin-token", "bench",
+            "--tool-parser", "qwen25", "--port", str(port), "--admin-token", "bench", *extra,
         ],
         cwd=REPO_ROOT,
         env=env,

@@ -288,6 +288,8 @@ async def health(request: web.Request) -> web.Response:
             "catch_ups": ctx.registry.catch_ups,
             "catch_up_s": round(ctx.registry.catch_up_s, 6),
             "conflicts_retried": ctx.registry.conflicts_retried,
+            "sessions_loaded": ctx.registry.loads,
+            "session_load_s": round(ctx.registry.load_s, 6),
             "engines": list(ctx.engine.urls),
             "engines_down": sorted(ctx.engine.down),
             "context_length": ctx.config.context_length,

@@ -147,6 +147,14 @@ log = logging.getLogger("recorder.server")
     help="Seconds between GET /health checks of each engine (several --engine only); a "
     "session whose engine is down moves to a live one. 0: no checks.",
 )
+@click.option(
+    "--restore-from",
+    type=click.Choice(["snapshot", "replay"]),
+    default="snapshot",
+    show_default=True,
+    help="How a restarted server rebuilds a session: from its newest state snapshot "
+    "(checked against the log) or by replaying its whole log (slower; for comparison).",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 def serve(
     db_url: str,
@@ -172,6 +180,7 @@ def serve(
     piece_cache_mb: float,
     sqlite_cache_mb: float,
     engine_health_interval: float,
+    restore_from: str,
     log_level: str,
 ) -> None:
     """Record every agent turn between an Anthropic client and SGLang."""
@@ -220,6 +229,7 @@ def serve(
         "piece_cache_bytes": int(piece_cache_mb * 2**20),
         "sqlite_cache_bytes": int(sqlite_cache_mb * 2**20),
         "engine_health_interval_s": engine_health_interval,
+        "restore_from_snapshots": restore_from == "snapshot",
     }
     try:
         asyncio.run(_serve(tokenizer, rules, **settings))  # type: ignore[arg-type]
@@ -283,6 +293,7 @@ async def _serve(tokenizer, rules, **s) -> None:  # type: ignore[no-untyped-def]
         max_attempts=s["max_attempts"],
         turn_budget_s=s["turn_budget_s"],
         return_routed_experts=s["return_routed_experts"],
+        restore_from_snapshots=s["restore_from_snapshots"],
     )
     ctx = ServerContext(
         config=config, store=store, engine=engine, tokenizer=tokenizer, parser=parser, rules=rules

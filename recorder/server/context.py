@@ -46,6 +46,9 @@ class ServerConfig:
     return_routed_experts: bool = False
     # Applied when a request leaves a sampling field unset.
     default_temperature: float = 1.0
+    # False: a restart replays each session's whole log, ignoring its state
+    # snapshots (the reference path; benchmarks compare both).
+    restore_from_snapshots: bool = True
 
 
 @dataclass(kw_only=True)

@@ -32,10 +32,11 @@ MIN_SHARED_BYTES = 1024
 # Stored prefixes remembered per session (longest kept): enough to fall back
 # to an older prefix when a request rewrites its tail (e.g. a retried turn).
 MAX_PREFIX_REFS = 8
-# Stored inputs remembered per chain (longest kept), for the same reason; a
-# request that goes back further stores its input whole. Bounds a session's
-# state by this, not by its turns.
-MAX_CHAIN_REFS = 16
+# Stored prefixes remembered per chain (longest kept): its inputs and, from
+# the state snapshots, its whole tokens after each turn (two per turn), for
+# the same reason; a request that goes back further stores its input whole.
+# Bounds a session's state by this, not by its turns (~60 bytes each).
+MAX_CHAIN_REFS = 32
 
 
 @dataclass
@@ -111,8 +112,13 @@ def remember_refs(state: SessionState, plan: TurnPlan, chain_id: int, input_ref:
             )
         state.chain_refs[chain_id] = refs
     refs[input_ref.length] = input_ref
-    for n in sorted(refs)[:-MAX_CHAIN_REFS]:
-        del refs[n]
+    keep_longest(refs)
     live = set(state.chains.chains)
     for stale in [c for c in state.chain_refs if c not in live]:
         del state.chain_refs[stale]
+
+
+def keep_longest(refs: dict[int, ArrayRef]) -> None:
+    """Drop all but the `MAX_CHAIN_REFS` longest of a chain's stored prefixes."""
+    for n in sorted(refs)[:-MAX_CHAIN_REFS]:
+        del refs[n]

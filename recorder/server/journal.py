@@ -125,14 +125,15 @@ class Journal:
         now = time.time()
         self._pending.extend(NewEvent(event=e, ts=now, event_id=uuid7()) for e in events)
 
-    def add_array(self, array: np.ndarray) -> ArrayRef:
-        """Buffer an array to be written in the same transaction as the buffered events.
+    def add_array(self, array: np.ndarray, *, extends: ArrayRef | None = None) -> ArrayRef:
+        """Buffer an array (with `extends`: its suffix after that stored array) to be
+        written in the same transaction as the buffered events.
 
         Saves a commit per array on the turn's critical path (the engine's
         output ids and logprobs), and no array is ever stored without the
         event that names it.
         """
-        encoded = encode_array(array)
+        encoded = encode_array(array, extends=extends)
         self._arrays.append(encoded)
         return encoded.ref
 

@@ -139,6 +139,10 @@ class SessionRegistry:
         # Units of work done again because another process appended first (a
         # lost database lock, or a process that takes none; `/health`).
         self.conflicts_retried = 0
+        # Sessions rebuilt from the log (after a restart, or suspect) and the
+        # time their loads took, summed (`/health`: what a restart costs).
+        self.loads = 0
+        self.load_s = 0.0
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -195,6 +199,7 @@ class SessionRegistry:
         """Load (or rebuild a suspect `state`) once; racing callers wait for this load."""
         future: asyncio.Future[SessionState | None] = asyncio.get_running_loop().create_future()
         self._loading[session_id] = future
+        started = time.perf_counter()
         try:
             if state is not None:
                 # Rebuild under the old state's lock (kept by the new state) so
@@ -214,6 +219,8 @@ class SessionRegistry:
             raise
         finally:
             self._loading.pop(session_id, None)
+        self.loads += 1
+        self.load_s += time.perf_counter() - started
         if loaded is not None:
             self.put(loaded)
         else:

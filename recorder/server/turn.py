@@ -8,7 +8,7 @@ slow engine overlap instead of adding up. Order of a turn in the log:
 
   MessagesRequest, ChainDecision, [ClampApplied], RenderedInput, GenerateAttempt
   GenerateResult, [TurnAborted, TurnResumed, GenerateAttempt, GenerateResult]...
-  [TitoVerdict], ResponseSent
+  [TitoVerdict], ResponseSent, StateSnapshot
   (or TurnFailed / EngineError / ClientDisconnected / SessionFailed)
 
 An attempt whose engine is gone (with several engines) is followed by its
@@ -72,6 +72,7 @@ from recorder.server.errors import ApiError, moved_on_error, storage_error
 from recorder.server.journal import Journal, SessionMovedOn, finish_even_if_cancelled
 from recorder.server.responders import Responder
 from recorder.server.sessions import SessionState
+from recorder.server.snapshot import add_snapshot
 from recorder.store.base import ConcurrencyConflict, StorageUnavailable
 from recorder.tokens import (
     ContextOverflow,
@@ -199,8 +200,14 @@ async def _run(
     answer = await _answer(ctx, state, chat, plan, output, record, model)
 
     async def finish() -> None:
-        await state.journal.flush()
-        _commit(state, plan, output.output_ids, answer.content, input_task.result())
+        await state.journal.drain()
+        try:
+            _commit(state, plan, output.output_ids, answer.content, input_task.result())
+            _add_snapshot(state)
+            await state.journal.flush_buffer()
+        except BaseException:
+            state.suspect = True  # chains advanced past the log: rebuilt before the next use
+            raise
 
     # Durable answer and advanced chains go together, even if the client leaves now.
     await finish_even_if_cancelled(finish())
@@ -765,6 +772,18 @@ def _commit(
         note_dispatch(state.chains, [d[0] for d in dispatches], [d[1] for d in dispatches])
     remember_refs(state, plan, chain.chain_id, input_ref)
     state.turns_completed += 1
+
+
+def _add_snapshot(state: SessionState) -> None:
+    """The session's state after this turn, in the turn's last batch (see snapshot.py).
+
+    A snapshot is only a shortcut for a restart: one that cannot be built is
+    logged and left out, and the turn is answered as usual.
+    """
+    try:
+        add_snapshot(state)
+    except Exception:
+        log.exception("session %s: no state snapshot for this turn", state.session_id)
 
 
 # --------------------------------------------------------------------------

@@ -131,6 +131,22 @@ class EventStore(ProjectionStore):
     async def read_session(self, session_id: str, *, from_seq: int = 0) -> list[RecordedEvent]:
         """All events of one session in seq order."""
 
+    async def read_session_from_last(
+        self, session_id: str, types: Sequence[str]
+    ) -> list[RecordedEvent]:
+        """The session's events from its newest event of one of `types` on, in seq order
+        (all of them if it has none).
+
+        Lets a restart read a session from its newest snapshot or attempt
+        without reading its whole history; backends do it in one query.
+        """
+        events = await self.read_session(session_id)
+        wanted = set(types)
+        for i in range(len(events) - 1, -1, -1):
+            if events[i].type in wanted:
+                return events[i:]
+        return events
+
     @abc.abstractmethod
     async def read_all(self, *, after: int = 0, limit: int = 1000) -> list[RecordedEvent]:
         """One keyset page of events with position > `after`, in position order.
@@ -191,7 +207,9 @@ class EventStore(ProjectionStore):
     async def get_array(self, ref: ArrayRef) -> np.ndarray:
         """The whole array a ref names. Raises `CorruptArray` on a bad hash."""
 
-    async def get_arrays(self, refs: Sequence[ArrayRef], *, cache: bool = True) -> list[np.ndarray]:
+    async def get_arrays(
+        self, refs: Sequence[ArrayRef], *, cache: bool = True, cold: bool = False
+    ) -> list[np.ndarray]:
         """Many arrays at once; backends batch the reads.
 
         `cache=False`: the caller reads each array once (a streaming replay),
@@ -199,6 +217,9 @@ class EventStore(ProjectionStore):
         be read-only views of one buffer when one is a prefix of another (a
         session's engine inputs): copy one before writing into it, or before
         keeping a short one long after the rest (it holds the whole buffer).
+        `cold=True`: the caller expects nothing of these arrays cached (a
+        restart), so the backend fetches each array's whole piece chain at
+        once rather than piece by piece.
         """
         return [await self.get_array(r) for r in refs]
 

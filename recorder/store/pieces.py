@@ -34,26 +34,55 @@ PieceRows = Callable[[AsyncConnection, Sequence[bytes]], Awaitable[Iterable[Any]
 class PieceReader:
     """Verified pieces by digest: cached ones free, the rest read in rounds."""
 
-    def __init__(self, read_engine: AsyncEngine, cache: arr.PieceCache, rows: PieceRows) -> None:
+    def __init__(
+        self,
+        read_engine: AsyncEngine,
+        cache: arr.PieceCache,
+        rows: PieceRows,
+        chain_rows: PieceRows,
+    ) -> None:
         self._read_engine = read_engine
         self._cache = cache
         self._rows = rows
+        self._chain_rows = chain_rows  # rows of the digests and of all their ancestors
 
-    async def arrays(self, refs: Sequence[ArrayRef], *, cache: bool) -> list[np.ndarray]:
+    async def arrays(
+        self, refs: Sequence[ArrayRef], *, cache: bool, cold: bool = False
+    ) -> list[np.ndarray]:
         """The arrays `refs` name (prefixes of one another share one buffer)."""
-        local = await self.load([r.digest for r in refs], cache=cache)
+        local = await self.load([r.digest for r in refs], cache=cache, cold=cold)
         return arr.assemble_shared(refs, lambda digest: chain(local, digest))
 
-    async def load(self, digests: Sequence[bytes], *, cache: bool) -> dict[bytes, arr.DecodedPiece]:
-        """Verified pieces of the arrays `digests` name: their chains and their bases' chains."""
+    async def load(
+        self, digests: Sequence[bytes], *, cache: bool, cold: bool = False
+    ) -> dict[bytes, arr.DecodedPiece]:
+        """Verified pieces of the arrays `digests` name: their chains and their bases' chains.
+
+        `cold`: nothing of them is expected in the cache (a restart), so the
+        uncached arrays' whole piece chains come in the first round (one
+        recursive query) instead of one round per piece of the longest chain.
+        """
         local: dict[bytes, arr.DecodedPiece] = {}
         on_basis: dict[bytes, arr.Piece] = {}  # fetched, decodable once their basis is
         frontier = set(digests)
         async with contextlib.AsyncExitStack() as stack:
             conn: AsyncConnection | None = None
+            uncached = [d for d in frontier if self._cache.get(d) is None] if cold else []
+            if uncached:
+                conn = await stack.enter_async_context(self._read_engine.connect())
+                for row in await self._chain_rows(conn, uncached):
+                    piece = decode_row(row)
+                    if isinstance(piece, arr.Piece):
+                        on_basis[piece.digest] = piece
+                    elif piece.digest not in local:
+                        local[piece.digest] = piece
+                        if cache:
+                            self._cache.put(piece)
             while frontier:
                 wanted = []
                 for d in frontier:
+                    if d in local or d in on_basis:  # fetched by the cold read
+                        continue
                     cached = self._cache.get(d)
                     if cached is not None:
                         local[d] = cached

@@ -82,6 +82,18 @@ PIECE_CACHE_BYTES = 256 * 1024 * 1024
 WRITER_PAGE_CACHE_BYTES = 64 * 1024 * 1024
 READER_PAGE_CACHE_BYTES = 16 * 1024 * 1024
 
+_PIECE_COLUMNS = (
+    arrays.c.digest,
+    arrays.c.parent,
+    arrays.c.dtype,
+    arrays.c.total_length,
+    arrays.c.codec,
+    arrays.c.data,
+    arrays.c.data_tail,
+    arrays.c.basis,
+    arrays.c.basis_depth,
+)
+
 _EVENT_COLUMNS = (
     events.c.position,
     events.c.session_id,
@@ -285,7 +297,7 @@ class SqlEventStore(EventStore):
             self._commit_group, max_weight=MAX_GROUP_WEIGHT
         )
         self._pieces = arr.PieceCache(self.options.piece_cache_bytes)
-        self._reader = PieceReader(read_engine, self._pieces, self._piece_rows)
+        self._reader = PieceReader(read_engine, self._pieces, self._piece_rows, self._chain_rows)
         # Recently used bases, least recent first: basis digest -> (its prepared
         # zstd dictionary if built yet, its chain depth). A body stored as
         # prefix + suffix encodes both against one basis without reading it twice.
@@ -585,6 +597,26 @@ class SqlEventStore(EventStore):
         async with self.read_engine.connect() as conn:
             return [_record(r) for r in await conn.execute(stmt)]
 
+    async def read_session_from_last(
+        self, session_id: str, types: Sequence[str]
+    ) -> list[RecordedEvent]:
+        # The newest matching seq is found walking the (session_id, seq) index
+        # backwards: a few rows when the session's last turn wrote a snapshot.
+        newest = (
+            sa.select(events.c.seq)
+            .where(events.c.session_id == session_id, events.c.type.in_(list(types)))
+            .order_by(events.c.seq.desc())
+            .limit(1)
+            .scalar_subquery()
+        )
+        stmt = (
+            sa.select(*_EVENT_COLUMNS)
+            .where(events.c.session_id == session_id, events.c.seq >= sa.func.coalesce(newest, 0))
+            .order_by(events.c.seq)
+        )
+        async with self.read_engine.connect() as conn:
+            return [_record(r) for r in await conn.execute(stmt)]
+
     async def read_all(self, *, after: int = 0, limit: int = 1000) -> list[RecordedEvent]:
         async with self.read_engine.connect() as conn:
             return [_record(r) for r in await self._raw_events(conn, after, limit)]
@@ -746,30 +778,38 @@ class SqlEventStore(EventStore):
     async def get_array(self, ref: ArrayRef) -> np.ndarray:
         return (await self.get_arrays([ref]))[0]
 
-    async def get_arrays(self, refs: Sequence[ArrayRef], *, cache: bool = True) -> list[np.ndarray]:
+    async def get_arrays(
+        self, refs: Sequence[ArrayRef], *, cache: bool = True, cold: bool = False
+    ) -> list[np.ndarray]:
         """Fetch every missing piece round by round (one IN query per chain depth).
 
         Cached pieces cost no query, so reading a session's turns in order
         fetches only each turn's new suffix. `cache=False` still uses what is
         cached but keeps nothing new: a one-pass reader leaves the cache as it
-        found it. All rounds share one connection.
+        found it. `cold=True` fetches the uncached arrays' whole piece chains
+        in the first round (a recursive query): a chain grown over 100 turns
+        costs one round trip instead of 100. All rounds share one connection.
         """
-        return await self._reader.arrays(refs, cache=cache)
+        return await self._reader.arrays(refs, cache=cache, cold=cold)
+
+    async def _chain_rows(self, conn: AsyncConnection, digests: Sequence[bytes]) -> Iterable[Any]:
+        """`_piece_rows` of `digests` and of every ancestor (parent, its parent, ...)."""
+        rows: list[Any] = []
+        for chunk in chunks(digests):
+            seed = sa.select(arrays.c.digest.label("d")).where(arrays.c.digest.in_(chunk))
+            chain = seed.cte("chain", recursive=True)
+            up = arrays.alias("up")
+            chain = chain.union(
+                sa.select(up.c.parent).where(up.c.digest == chain.c.d, up.c.parent.is_not(None))
+            )
+            stmt = sa.select(*_PIECE_COLUMNS).where(arrays.c.digest.in_(sa.select(chain.c.d)))
+            rows.extend(await conn.execute(stmt))
+        return rows
 
     async def _piece_rows(self, conn: AsyncConnection, digests: Sequence[bytes]) -> Iterable[Any]:
         """(digest, parent, dtype, total_length, codec, data, data_tail, basis, basis_depth)
         per stored digest."""
-        stmt = sa.select(
-            arrays.c.digest,
-            arrays.c.parent,
-            arrays.c.dtype,
-            arrays.c.total_length,
-            arrays.c.codec,
-            arrays.c.data,
-            arrays.c.data_tail,
-            arrays.c.basis,
-            arrays.c.basis_depth,
-        ).where(arrays.c.digest.in_(digests))
+        stmt = sa.select(*_PIECE_COLUMNS).where(arrays.c.digest.in_(digests))
         return await conn.execute(stmt)
 
     # -- projections --------------------------------------------------------

@@ -169,6 +169,7 @@ ONE_TURN_LOG = [
     "generate_result",
     "tito_verdict",
     "response_sent",
+    "state_snapshot",
 ]
 
 
@@ -363,6 +364,7 @@ async def test_abort_then_resume_across_weight_versions(any_harness: Harness) ->
         "generate_result",
         "tito_verdict",
         "response_sent",
+        "state_snapshot",
     ]
     results = await h.payloads(sid, ev.GenerateResult)
     assert [r.finish_reason for r in results] == ["abort", "stop"]
@@ -563,7 +565,8 @@ async def test_same_session_requests_are_serialized(tokenizer: Any, sqlite_url: 
             )
         )
         assert all(r.stop_reason == "end_turn" for r in results)
-        turns = [getattr(e, "turn", None) for e in await h.payloads(sid)][1:]
+        payloads = (await h.payloads(sid))[1:]
+        turns = [getattr(e, "turn", None) for e in payloads if type(e) is not ev.StateSnapshot]
         # Each turn's events are contiguous: no interleaving.
         assert turns == sorted(turns)
         assert sorted(set(turns)) == list(range(6))
@@ -779,7 +782,11 @@ async def test_inputs_are_stored_as_deltas(harness: Harness, sqlite_url: str) ->
     assert rows[rendered[0].input_ids.digest][0] is None
     for prev, cur in itertools.pairwise(rendered):
         parent, total = rows[cur.input_ids.digest]
-        assert parent == prev.input_ids.digest  # stored as the delta after the previous input
+        # Stored as the delta after the chain's tokens the previous turn's state
+        # snapshot stored: its output, as a delta after the previous input.
+        grandparent, chain_len = rows[parent]
+        assert grandparent == prev.input_ids.digest
+        assert prev.input_ids.length < chain_len <= cur.prefix_len
         assert total == cur.input_ids.length
         assert cur.prefix_len > prev.input_ids.length
     # Bodies too: each after the bytes it shares with the previous one.

@@ -81,7 +81,7 @@ async def test_shutdown_lets_in_flight_turns_finish(tokenizer: Any, sqlite_url: 
         await h.stop_server(grace_s=10)
         answer = await turn
         assert answer.stop_reason == "end_turn"
-        assert (await h.types(sid))[-1] == "response_sent"
+        assert (await h.types(sid))[-2:] == ["response_sent", "state_snapshot"]
     finally:
         await h.close()
 
@@ -191,7 +191,7 @@ async def test_serve_command_exits_cleanly_on_sigterm(tokenizer: Any, tmp_path: 
         types = [r.type for r in await store.read_session(sid)]
     finally:
         await store.close()
-    assert types[-1] == "response_sent"
+    assert types[-2:] == ["response_sent", "state_snapshot"]
 
 
 async def test_kill_9_mid_turn_then_restart_and_go_on(tokenizer: Any, tmp_path: Path) -> None:

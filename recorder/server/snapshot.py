@@ -1,0 +1,252 @@
+"""A session's live state as a `StateSnapshot` event, and back.
+
+After each answered turn the server appends, in the same batch as the
+turn's ResponseSent, what a restarted server needs to continue the session
+without replaying it: the chains (digests, boundaries, dispatches, counters)
+and the session's own fields. Chain tokens are not copied: each chain names
+them by an `ArrayRef` stored as a delta on the longest stored prefix it
+already has (its last engine input), so a turn's snapshot adds one array
+piece holding that turn's output tokens, and the next turn's engine input is
+stored as a delta on that piece in turn (`deltas.put_input`).
+
+The encoding is private to this module and numbered (`SNAPSHOT_FORMAT`).
+A snapshot is a cache of the log, never the truth: one at another format,
+or one that fails any check, is not used (`restore` replays the log
+instead), so changing the encoding only means bumping the number.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+
+from recorder import events as ev
+from recorder.events import ArrayRef
+from recorder.server.deltas import keep_longest
+from recorder.server.overrides import SessionOverrides
+from recorder.tokens import Boundary, Chain, PendingDispatch, SessionChains, token_array
+
+if TYPE_CHECKING:
+    from recorder.server.sessions import SessionState
+
+# Bump when `LiveState` or the meaning of any of its fields changes (including
+# how message digests are computed: `translate.message_digest`).
+SNAPSHOT_FORMAT = 1
+
+# A message digest is 32 hex digits, or two joined by "+" (with reasoning):
+# stored as a 0 byte and its 16 or 32 raw bytes (half the text). Anything
+# else is stored as a 1 byte and its UTF-8 text.
+# See `_tokens_ref`. Needs the chain's stored prefixes of 2 * SPINE_TURNS
+# turns back (deltas.MAX_CHAIN_REFS).
+SPINE_TURNS = 8
+
+_HEX_DIGEST = re.compile(r"[0-9a-f]{32}(\+[0-9a-f]{32})?")
+_RAW, _TEXT = b"\x00", b"\x01"
+
+
+class SnapshotUnusable(ValueError):
+    """A snapshot that this code cannot restore from; the caller replays the log instead."""
+
+
+class ChainState(msgspec.Struct, array_like=True, frozen=True):
+    """One `tokens.Chain` with its tokens by ref, and its stored prefixes (`chain_refs`)."""
+
+    chain_id: int
+    system_digest: str
+    render_digest: str
+    message_digests: list[bytes]
+    tokens: ArrayRef
+    boundaries: list[Boundary]
+    main_line: bool
+    parent_chain_id: int | None
+    dispatch_tool_use_id: str | None
+    last_used: int
+    n_tools: int
+    prefix_refs: list[ArrayRef]
+
+
+class LiveState(msgspec.Struct, kw_only=True, frozen=True):
+    """What `SessionState` holds that the next turn needs, as of one answered turn.
+
+    `seq` is the snapshot event's own seq: a restore checks it against where
+    the event was read from, so a snapshot is never applied to a log it was
+    not written in.
+    """
+
+    seq: int
+    attempt: int
+    opened_ts: float
+    metadata: dict[str, Any]
+    engine_url: str
+    overrides: SessionOverrides
+    next_turn: int
+    turns_completed: int
+    chains: list[ChainState]
+    main_chain_id: int | None
+    pending_dispatches: list[PendingDispatch]
+    next_chain_id: int
+    clock: int
+    max_chains: int
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(LiveState)
+
+
+def add_snapshot(state: SessionState) -> None:
+    """Buffer `state` as a StateSnapshot (and the token pieces it names) in its journal.
+
+    Call with the chains committed and the turn's last events buffered: the
+    snapshot must be the batch's last event, so it reflects everything before it.
+    """
+    journal = state.journal
+    chains: SessionChains = state.chains
+    live = LiveState(
+        seq=journal.next_seq + len(journal.pending),
+        attempt=state.attempt,
+        opened_ts=state.opened_ts,
+        metadata=state.metadata,
+        engine_url=state.engine_url,
+        overrides=state.overrides,
+        next_turn=state.next_turn,
+        turns_completed=state.turns_completed,
+        chains=[_chain_state(state, c) for c in chains.chains.values()],
+        main_chain_id=chains.main_chain_id,
+        pending_dispatches=list(chains.pending_dispatches),
+        next_chain_id=chains.next_chain_id,
+        clock=chains.clock,
+        max_chains=chains.max_chains,
+    )
+    journal.add(ev.StateSnapshot(format=SNAPSHOT_FORMAT, state=_encoder.encode(live)))
+
+
+def _chain_state(state: SessionState, chain: Chain) -> ChainState:
+    return ChainState(
+        chain_id=chain.chain_id,
+        system_digest=chain.system_digest,
+        render_digest=chain.render_digest,
+        message_digests=[_pack_digest(d) for d in chain.message_digests],
+        tokens=_tokens_ref(state, chain),
+        boundaries=list(chain.boundaries),
+        main_line=chain.main_line,
+        parent_chain_id=chain.parent_chain_id,
+        dispatch_tool_use_id=chain.dispatch_tool_use_id,
+        last_used=chain.last_used,
+        n_tools=chain.n_tools,
+        prefix_refs=sorted(state.chain_refs.get(chain.chain_id, {}).values(), key=_length),
+    )
+
+
+def _length(ref: ArrayRef) -> int:
+    return ref.length
+
+
+def _tokens_ref(state: SessionState, chain: Chain) -> ArrayRef:
+    """A stored ref of the chain's whole tokens: a delta on its longest stored prefix.
+
+    Usually that prefix is the turn's engine input and the delta its output.
+    The ref joins the chain's stored prefixes, so the next input extends it.
+    Every `SPINE_TURNS` turns of the chain, the delta goes back to the tokens
+    stored `SPINE_TURNS` turns earlier instead (the first time, to the
+    chain's first input), so those turns' tokens are stored once more, in one
+    piece: a restart reads a chain's tokens through about turns / SPINE_TURNS
+    + 2 * SPINE_TURNS pieces, not two per turn.
+    """
+    refs = state.chain_refs.setdefault(chain.chain_id, {})
+    n = len(chain.tokens)
+    known = refs.get(n)
+    if known is not None:
+        return known
+    start = max((k for k in refs if k <= n), default=0)
+    turns = len(chain.boundaries)
+    if turns % SPINE_TURNS == 0:
+        # The tokens SPINE_TURNS turns back; the first time, the chain's first input.
+        back = chain.boundaries[turns - SPINE_TURNS - 1] if turns > SPINE_TURNS else None
+        spine = back.end_len if back is not None else chain.boundaries[0].input_len
+        if spine in refs:
+            start = spine
+    suffix = np.frombuffer(chain.tokens[start:], dtype=np.int32)
+    ref = state.journal.add_array(suffix, extends=refs.get(start))
+    refs[n] = ref
+    keep_longest(refs)
+    return ref
+
+
+def _pack_digest(digest: str) -> bytes:
+    if _HEX_DIGEST.fullmatch(digest):
+        return _RAW + bytes.fromhex(digest.replace("+", ""))
+    return _TEXT + digest.encode()
+
+
+def _unpack_digest(packed: bytes) -> str:
+    tag, body = packed[:1], packed[1:]
+    if tag == _TEXT:
+        return body.decode()
+    if tag == _RAW and len(body) == 16:
+        return body.hex()
+    if tag == _RAW and len(body) == 32:
+        return f"{body[:16].hex()}+{body[16:].hex()}"
+    raise SnapshotUnusable(f"a message digest of {len(packed)} bytes")
+
+
+def decode_snapshot(record: ev.RecordedEvent) -> LiveState:
+    """The state a recorded snapshot holds; raises `SnapshotUnusable` if it cannot be used."""
+    event = record.event
+    assert isinstance(event, ev.StateSnapshot)
+    if event.format != SNAPSHOT_FORMAT:
+        raise SnapshotUnusable(f"format {event.format}, this code reads {SNAPSHOT_FORMAT}")
+    try:
+        live = _decoder.decode(event.state)
+    except msgspec.DecodeError as exc:
+        raise SnapshotUnusable(f"undecodable: {exc}") from exc
+    if live.seq != record.seq:
+        raise SnapshotUnusable(f"written for seq {live.seq}, found at seq {record.seq}")
+    return live
+
+
+def token_refs(live: LiveState) -> list[ArrayRef]:
+    """The arrays `restore_chains` needs, in its order."""
+    return [c.tokens for c in live.chains]
+
+
+def restore_chains(live: LiveState, tokens: list[np.ndarray]) -> SessionChains:
+    """The session's chains from a snapshot and its chains' token arrays (`token_refs` order)."""
+    chains = SessionChains(
+        main_chain_id=live.main_chain_id,
+        pending_dispatches=list(live.pending_dispatches),
+        next_chain_id=live.next_chain_id,
+        clock=live.clock,
+        max_chains=live.max_chains,
+    )
+    for c, ids in zip(live.chains, tokens, strict=True):
+        if not c.boundaries or c.boundaries[-1].end_len != len(ids):
+            raise SnapshotUnusable(f"chain {c.chain_id}: its tokens do not end at its last turn")
+        chains.chains[c.chain_id] = Chain(
+            chain_id=c.chain_id,
+            system_digest=c.system_digest,
+            render_digest=c.render_digest,
+            message_digests=[_unpack_digest(d) for d in c.message_digests],
+            tokens=token_array(ids),
+            boundaries=list(c.boundaries),
+            main_line=c.main_line,
+            parent_chain_id=c.parent_chain_id,
+            dispatch_tool_use_id=c.dispatch_tool_use_id,
+            last_used=c.last_used,
+            n_tools=c.n_tools,
+        )
+    if live.main_chain_id is not None and live.main_chain_id not in chains.chains:
+        raise SnapshotUnusable(f"its main chain {live.main_chain_id} is not among its chains")
+    return chains
+
+
+def chain_refs(live: LiveState) -> dict[int, dict[int, ArrayRef]]:
+    """`SessionState.chain_refs` as the snapshot recorded them (the tokens' own ref included)."""
+    out: dict[int, dict[int, ArrayRef]] = {}
+    for c in live.chains:
+        refs = {r.length: r for r in c.prefix_refs}
+        refs[c.tokens.length] = c.tokens
+        out[c.chain_id] = refs
+    return out
