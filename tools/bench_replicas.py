@@ -275,9 +275,11 @@ async def snapshot_cost(reps: int = 30) -> None:
     """What a state snapshot adds to a turn at ~100k tokens of context (in process).
 
     The state of a session 100 turns into one chain of 100k tokens (200
-    message digests, 100 boundaries); a turn's snapshot encodes it and stores
-    the turn's output (32 tokens) as a delta on the turn's input. Peer: storing
-    that input's own delta (500 new tokens), which every turn already does.
+    message digests, 100 boundaries), whose turn 99 was snapshotted: turn
+    100's snapshot encodes the state, stores the turn's output (32 tokens) as
+    a delta on the turn's input, and its new digests and boundary as deltas on
+    turn 99's. Peer: storing that input's own delta (500 new tokens), which
+    every turn already does.
     """
     from array import array
 
@@ -296,13 +298,22 @@ async def snapshot_cost(reps: int = 30) -> None:
     ]
     digests = [f"{k:032x}" for k in range(200)]
     input_ref = ArrayRef(b"\x01" * 16, len(tokens) - 32)
+    previous_input = ArrayRef(b"\x02" * 16, len(tokens) - step - 32)
     snapshot_s, snapshot_bytes, peer_s, peer_bytes = [], [], [], []
     for _ in range(reps):
-        chain = Chain(chain_id=0, system_digest="s" * 32, render_digest="r" * 32,
-                      message_digests=digests, tokens=tokens, boundaries=boundaries, main_line=True)  # fmt: skip
+        before = Chain(chain_id=0, system_digest="s" * 32, render_digest="r" * 32,
+                       message_digests=digests[:-2], tokens=tokens[:-step],
+                       boundaries=boundaries[:-1], main_line=True)  # fmt: skip
         state = SessionState(session_id="s", journal=Journal(None, "s", 0))  # type: ignore[arg-type]
-        state.chains = SessionChains(chains={0: chain}, main_chain_id=0, next_chain_id=1)
-        state.chain_refs = {0: {input_ref.length: input_ref}}
+        state.chains = SessionChains(chains={0: before}, main_chain_id=0, next_chain_id=1)
+        state.chain_refs = {0: {previous_input.length: previous_input}}
+        add_snapshot(state)  # turn 99's, written with its turn
+        state.journal = Journal(None, "s", 1)  # type: ignore[arg-type]
+        state.chains.chains[0] = Chain(
+            chain_id=0, system_digest="s" * 32, render_digest="r" * 32,
+            message_digests=digests, tokens=tokens, boundaries=boundaries, main_line=True,
+        )  # fmt: skip
+        state.chain_refs[0][input_ref.length] = input_ref
         started = time.perf_counter()
         add_snapshot(state)
         event = state.journal.pending[-1].event
@@ -316,7 +327,7 @@ async def snapshot_cost(reps: int = 30) -> None:
         peer_bytes.append(sum(len(p.data) for p in encoded.pieces))
     print(f"\nper-turn cost of the state snapshot at 100k context, 100 turns ({reps} reps)")
     print(f"{'':<34}{'p50 us':>9}{'bytes':>9}")
-    print(f"{'snapshot (event + output piece)':<34}{pct(snapshot_s, 50) * 1000:>9.0f}"
+    print(f"{'snapshot (event + new pieces)':<34}{pct(snapshot_s, 50) * 1000:>9.0f}"
           f"{np.median(snapshot_bytes):>9.0f}")  # fmt: skip
     print(f"{'peer: input delta (500 tokens)':<34}{pct(peer_s, 50) * 1000:>9.0f}"
           f"{np.median(peer_bytes):>9.0f}")  # fmt: skip

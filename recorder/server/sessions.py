@@ -76,6 +76,10 @@ class SessionState:
     # stored as a delta (see deltas.remember_refs).
     chains: Any = None
     chain_refs: dict[int, dict[int, ArrayRef]] = field(default_factory=dict)
+    # Per (chain id, record kind): the record the last snapshot stored, its ref
+    # and how many deltas deep it is, so the next is stored as a delta
+    # (snapshot._record_ref). Content, not refs alone: a record is compared.
+    snapshot_records: dict[tuple[int, str], tuple[Any, ArrayRef, int]] = field(default_factory=dict)
     # The previous request body and its stored prefixes (see deltas.put_body).
     body_prefixes: BodyPrefixes = field(default_factory=BodyPrefixes)
     # The translated messages of earlier requests (parse_request(..., cache=)),
@@ -98,6 +102,7 @@ def forget_tokens(state: SessionState) -> None:
     """A closed session keeps no tokens in memory."""
     state.chains = None
     state.chain_refs.clear()
+    state.snapshot_records.clear()
     state.body_prefixes = BodyPrefixes()
     state.parse_cache.clear()
 

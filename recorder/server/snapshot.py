@@ -9,6 +9,12 @@ already has (its last engine input), so a turn's snapshot adds one array
 piece holding that turn's output tokens, and the next turn's engine input is
 stored as a delta on that piece in turn (`deltas.put_input`).
 
+A chain's message digests and boundaries only grow, turn by turn, so they
+are stored the same way (`_record_ref`): as arrays extending the previous
+snapshot's, a turn adding only its new digests and its boundary. Written
+whole every turn they would make a session's snapshots grow with the square
+of its turns (200 digests of 18 bytes at turn 100, 30 MB over 1,000 turns).
+
 The encoding is private to this module and numbered (`SNAPSHOT_FORMAT`).
 A snapshot is a cache of the log, never the truth: one at another format,
 or one that fails any check, is not used (`restore` replays the log
@@ -34,7 +40,7 @@ if TYPE_CHECKING:
 
 # Bump when `LiveState` or the meaning of any of its fields changes (including
 # how message digests are computed: `translate.message_digest`).
-SNAPSHOT_FORMAT = 1
+SNAPSHOT_FORMAT = 2
 
 # A message digest is 32 hex digits, or two joined by "+" (with reasoning):
 # stored as a 0 byte and its 16 or 32 raw bytes (half the text). Anything
@@ -42,6 +48,9 @@ SNAPSHOT_FORMAT = 1
 # See `_tokens_ref`. Needs the chain's stored prefixes of 2 * SPINE_TURNS
 # turns back (deltas.MAX_CHAIN_REFS).
 SPINE_TURNS = 8
+# A chain's digests and boundaries are stored again whole after this many
+# deltas (see `_record_ref`): a restart reads at most this many pieces each.
+RECORD_SPINE = 32
 
 _HEX_DIGEST = re.compile(r"[0-9a-f]{32}(\+[0-9a-f]{32})?")
 _RAW, _TEXT = b"\x00", b"\x01"
@@ -57,9 +66,9 @@ class ChainState(msgspec.Struct, array_like=True, frozen=True):
     chain_id: int
     system_digest: str
     render_digest: str
-    message_digests: list[bytes]
+    message_digests: ArrayRef  # uint8: each digest `_pack_digest`ed, after its length byte
     tokens: ArrayRef
-    boundaries: list[Boundary]
+    boundaries: ArrayRef  # int32: four per boundary (`_boundary_array`)
     main_line: bool
     parent_chain_id: int | None
     dispatch_tool_use_id: str | None
@@ -121,6 +130,8 @@ def add_snapshot(state: SessionState) -> None:
         max_chains=chains.max_chains,
     )
     journal.add(ev.StateSnapshot(format=SNAPSHOT_FORMAT, state=_encoder.encode(live)))
+    for gone in [key for key in state.snapshot_records if key[0] not in chains.chains]:
+        del state.snapshot_records[gone]  # an evicted chain's records
 
 
 def _chain_state(state: SessionState, chain: Chain) -> ChainState:
@@ -128,9 +139,9 @@ def _chain_state(state: SessionState, chain: Chain) -> ChainState:
         chain_id=chain.chain_id,
         system_digest=chain.system_digest,
         render_digest=chain.render_digest,
-        message_digests=[_pack_digest(d) for d in chain.message_digests],
+        message_digests=_record_ref(state, chain.chain_id, "digests", _digest_array(chain)),
         tokens=_tokens_ref(state, chain),
-        boundaries=list(chain.boundaries),
+        boundaries=_record_ref(state, chain.chain_id, "boundaries", _boundary_array(chain)),
         main_line=chain.main_line,
         parent_chain_id=chain.parent_chain_id,
         dispatch_tool_use_id=chain.dispatch_tool_use_id,
@@ -175,6 +186,68 @@ def _tokens_ref(state: SessionState, chain: Chain) -> ArrayRef:
     return ref
 
 
+def _record_ref(state: SessionState, chain_id: int, kind: str, data: np.ndarray) -> ArrayRef:
+    """`data` stored as a delta on the same record of the chain's previous snapshot.
+
+    The delta applies when that record is a prefix of `data` (the chain grew);
+    otherwise, or after `RECORD_SPINE` deltas in a row, `data` is stored whole,
+    which bounds the pieces a restart reads. Records of a restored session
+    start whole again (nothing of them is kept across a restart).
+    """
+    previous = state.snapshot_records.get((chain_id, kind))
+    base: ArrayRef | None = None
+    depth = 1
+    if previous is not None:
+        old, ref, old_depth = previous
+        if old.size <= data.size and np.array_equal(old, data[: old.size]):
+            if old.size == data.size:
+                return ref
+            if old_depth < RECORD_SPINE:
+                base, depth = ref, old_depth + 1
+    start = base.length if base is not None else 0
+    ref = state.journal.add_array(data[start:], extends=base)
+    state.snapshot_records[(chain_id, kind)] = (data, ref, depth)
+    return ref
+
+
+def _digest_array(chain: Chain) -> np.ndarray:
+    packed = b"".join(_length_prefixed(_pack_digest(d)) for d in chain.message_digests)
+    return np.frombuffer(packed, dtype=np.uint8)
+
+
+def _length_prefixed(packed: bytes) -> bytes:
+    if len(packed) > 255:
+        raise ValueError(f"a message digest of {len(packed)} bytes cannot be snapshotted")
+    return bytes((len(packed),)) + packed
+
+
+def _digests_of(data: np.ndarray) -> list[str]:
+    raw, digests, at = data.tobytes(), [], 0
+    while at < len(raw):
+        n = raw[at]
+        if at + 1 + n > len(raw):
+            raise SnapshotUnusable("its message digests end in the middle of one")
+        digests.append(_unpack_digest(raw[at + 1 : at + 1 + n]))
+        at += 1 + n
+    return digests
+
+
+def _boundary_array(chain: Chain) -> np.ndarray:
+    rows = [
+        (b.n_input_messages, b.input_len, b.end_len, int(b.ended_with_eos))
+        for b in chain.boundaries
+    ]
+    return np.asarray(rows, dtype=np.int32).reshape(-1)
+
+
+def _boundaries_of(data: np.ndarray) -> list[Boundary]:
+    if data.size % 4:
+        raise SnapshotUnusable(f"{data.size} boundary numbers, not four per boundary")
+    return [
+        Boundary(int(a), int(b), int(c), bool(d)) for a, b, c, d in data.reshape(-1, 4).tolist()
+    ]
+
+
 def _pack_digest(digest: str) -> bytes:
     if _HEX_DIGEST.fullmatch(digest):
         return _RAW + bytes.fromhex(digest.replace("+", ""))
@@ -208,12 +281,12 @@ def decode_snapshot(record: ev.RecordedEvent) -> LiveState:
 
 
 def token_refs(live: LiveState) -> list[ArrayRef]:
-    """The arrays `restore_chains` needs, in its order."""
-    return [c.tokens for c in live.chains]
+    """The arrays `restore_chains` needs, in its order (per chain: tokens, digests, boundaries)."""
+    return [ref for c in live.chains for ref in (c.tokens, c.message_digests, c.boundaries)]
 
 
-def restore_chains(live: LiveState, tokens: list[np.ndarray]) -> SessionChains:
-    """The session's chains from a snapshot and its chains' token arrays (`token_refs` order)."""
+def restore_chains(live: LiveState, arrays: list[np.ndarray]) -> SessionChains:
+    """The session's chains from a snapshot and the arrays it names (`token_refs` order)."""
     chains = SessionChains(
         main_chain_id=live.main_chain_id,
         pending_dispatches=list(live.pending_dispatches),
@@ -221,16 +294,20 @@ def restore_chains(live: LiveState, tokens: list[np.ndarray]) -> SessionChains:
         clock=live.clock,
         max_chains=live.max_chains,
     )
-    for c, ids in zip(live.chains, tokens, strict=True):
-        if not c.boundaries or c.boundaries[-1].end_len != len(ids):
+    if len(arrays) != 3 * len(live.chains):
+        raise SnapshotUnusable(f"{len(arrays)} arrays for {len(live.chains)} chains")
+    for i, c in enumerate(live.chains):
+        ids, digests, boundaries = arrays[3 * i : 3 * i + 3]
+        ends = _boundaries_of(boundaries)
+        if not ends or ends[-1].end_len != len(ids):
             raise SnapshotUnusable(f"chain {c.chain_id}: its tokens do not end at its last turn")
         chains.chains[c.chain_id] = Chain(
             chain_id=c.chain_id,
             system_digest=c.system_digest,
             render_digest=c.render_digest,
-            message_digests=[_unpack_digest(d) for d in c.message_digests],
+            message_digests=_digests_of(digests),
             tokens=token_array(ids),
-            boundaries=list(c.boundaries),
+            boundaries=ends,
             main_line=c.main_line,
             parent_chain_id=c.parent_chain_id,
             dispatch_tool_use_id=c.dispatch_tool_use_id,

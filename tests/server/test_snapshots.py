@@ -24,6 +24,7 @@ import pytest
 from recorder import events as ev
 from recorder.events import ArrayRef, NewEvent
 from recorder.server import restore, snapshot, turn
+from recorder.server.deltas import MAX_CHAIN_REFS
 from recorder.server.restore import load_session_state
 from recorder.server.sessions import SessionState
 from recorder.tokens import plan_turn
@@ -353,5 +354,25 @@ async def test_a_long_chain_reads_through_few_pieces(harness: Harness, sqlite_ur
     while digest is not None:
         depth, digest = depth + 1, rows[digest][0]
     assert depth <= turns // snapshot.SPINE_TURNS + 2 * snapshot.SPINE_TURNS + 1 < 2 * turns
+    states = await both_ways(h, sid)
+    assert_same_state(*states)
+
+
+async def test_snapshots_stay_small_as_the_session_grows(harness: Harness) -> None:
+    """A turn's snapshot names its chain's digests and boundaries by ref, stored as deltas:
+    its event does not grow with the session's turns (whole lists would grow with their
+    square over a session)."""
+    h = harness
+    sid = await h.open_session()
+    client = h.client(sid)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Start."}]
+    turns = max(snapshot.RECORD_SPINE, MAX_CHAIN_REFS) + 8
+    for k in range(turns):
+        answer = await ask(client, messages, stream=False)
+        messages += [echo(answer), {"role": "user", "content": f"Step {k}."}]
+    sizes = [len(e.state) for e in await h.payloads(sid, ev.StateSnapshot)]
+    assert len(sizes) == turns
+    # Flat once the chain's stored prefixes (a bounded list of refs) are all there.
+    assert max(sizes[-6:]) - min(sizes[-6:]) < 16, sizes
     states = await both_ways(h, sid)
     assert_same_state(*states)
