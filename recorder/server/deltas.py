@@ -14,6 +14,7 @@ returns the whole array.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,6 @@ import numpy as np
 from recorder.events import ArrayRef
 
 if TYPE_CHECKING:
-    from recorder.server.sessions import SessionState
     from recorder.store.base import EventStore
     from recorder.tokens import TurnPlan
 
@@ -83,39 +83,49 @@ async def put_body(
     return ref, BodyPrefixes(body, refs[-MAX_PREFIX_REFS:], ref)
 
 
-async def put_input(store: EventStore, state: SessionState, plan: TurnPlan) -> ArrayRef:
+# Per chain id: stored prefixes of the chain's tokens, by length (SessionState.chain_refs).
+ChainRefs = dict[int, dict[int, ArrayRef]]
+
+
+async def put_input(store: EventStore, chain_refs: ChainRefs, plan: TurnPlan) -> ArrayRef:
     """Store the engine input as a delta after the longest stored prefix of its chain."""
     base: ArrayRef | None = None
     if plan.prefix_len:
         source = plan.chain_id if plan.action == "extend" else plan.parent_chain_id
-        known = state.chain_refs.get(source, {}) if source is not None else {}
+        known = chain_refs.get(source, {}) if source is not None else {}
         usable = [n for n in known if n <= plan.prefix_len]
         base = known[max(usable)] if usable else None
     start = base.length if base is not None else 0
     return await store.put_array(np.asarray(plan.input_ids[start:], dtype=np.int32), extends=base)
 
 
-def remember_refs(state: SessionState, plan: TurnPlan, chain_id: int, input_ref: ArrayRef) -> None:
+def remember_refs(
+    chain_refs: ChainRefs,
+    live_chains: Collection[int],
+    plan: TurnPlan,
+    chain_id: int,
+    input_ref: ArrayRef,
+) -> None:
     """Per chain: stored prefixes of its tokens (length -> ref), to store later inputs as deltas.
 
     Every input a chain was fed is a prefix of the chain's tokens, so the next
     input is stored as its suffix after the longest such ref (the previous
     output travels in that suffix: no extra array write per turn).
     """
-    refs = state.chain_refs.get(chain_id)
+    refs = chain_refs.get(chain_id)
     if refs is None:
         refs = {}
         source = plan.parent_chain_id if plan.prefix_len else None
         if source is not None:
             refs.update(
-                (n, r) for n, r in state.chain_refs.get(source, {}).items() if n <= plan.prefix_len
+                (n, r) for n, r in chain_refs.get(source, {}).items() if n <= plan.prefix_len
             )
-        state.chain_refs[chain_id] = refs
+        chain_refs[chain_id] = refs
     refs[input_ref.length] = input_ref
     keep_longest(refs)
-    live = set(state.chains.chains)
-    for stale in [c for c in state.chain_refs if c not in live]:
-        del state.chain_refs[stale]
+    live = set(live_chains)
+    for stale in [c for c in chain_refs if c not in live]:
+        del chain_refs[stale]
 
 
 def keep_longest(refs: dict[int, ArrayRef]) -> None:

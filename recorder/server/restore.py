@@ -335,7 +335,9 @@ async def _replay_turn(
     dispatches = find_dispatches(content)
     if dispatches:
         note_dispatch(state.chains, [d[0] for d in dispatches], [d[1] for d in dispatches])
-    remember_refs(state, plan, chain.chain_id, turn.rendered.input_ids)
+    remember_refs(
+        state.chain_refs, state.chains.chains, plan, chain.chain_id, turn.rendered.input_ids
+    )
     state.turns_completed += 1
 
 

@@ -277,7 +277,7 @@ def _record_request(
     """
     journal = state.journal
     body_task = journal.background(lambda: _put_body(ctx, state, body))
-    input_task = journal.background(lambda: put_input(ctx.store, state, plan))
+    input_task = journal.background(lambda: put_input(ctx.store, state.chain_refs, plan))
 
     async def step() -> None:
         body_ref, input_ref = await asyncio.gather(body_task, input_task)
@@ -770,7 +770,7 @@ def _commit(
     dispatches = find_dispatches(content)
     if dispatches:
         note_dispatch(state.chains, [d[0] for d in dispatches], [d[1] for d in dispatches])
-    remember_refs(state, plan, chain.chain_id, input_ref)
+    remember_refs(state.chain_refs, state.chains.chains, plan, chain.chain_id, input_ref)
     state.turns_completed += 1
 
 
