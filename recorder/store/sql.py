@@ -600,8 +600,17 @@ class SqlEventStore(EventStore):
     async def read_session_from_last(
         self, session_id: str, types: Sequence[str]
     ) -> list[RecordedEvent]:
-        # The newest matching seq is found walking the (session_id, seq) index
-        # backwards: a few rows when the session's last turn wrote a snapshot.
+        async with self.read_engine.connect() as conn:
+            return [_record(r) for r in await self._raw_from_last(conn, session_id, types)]
+
+    async def _raw_from_last(
+        self, conn: AsyncConnection, session_id: str, types: Sequence[str]
+    ) -> Sequence[Any]:
+        """Rows of `_EVENT_COLUMNS` of the session from its newest event of `types` on.
+
+        The newest matching seq is found walking the (session_id, seq) index
+        backwards: a few rows when the session's last turn wrote a snapshot.
+        """
         newest = (
             sa.select(events.c.seq)
             .where(events.c.session_id == session_id, events.c.type.in_(list(types)))
@@ -614,8 +623,7 @@ class SqlEventStore(EventStore):
             .where(events.c.session_id == session_id, events.c.seq >= sa.func.coalesce(newest, 0))
             .order_by(events.c.seq)
         )
-        async with self.read_engine.connect() as conn:
-            return [_record(r) for r in await conn.execute(stmt)]
+        return list(await conn.execute(stmt))
 
     async def read_all(self, *, after: int = 0, limit: int = 1000) -> list[RecordedEvent]:
         async with self.read_engine.connect() as conn:

@@ -404,6 +404,22 @@ class SqliteEventStore(SqlEventStore):
         )
         return [(p, s, q, uuid.UUID(bytes=e), t, v, ts, b) for p, s, q, e, t, v, ts, b in rows]
 
+    async def _raw_from_last(
+        self, conn: AsyncConnection, session_id: str, types: Sequence[str]
+    ) -> Sequence[Any]:
+        # The driver directly: a restart runs this once per session it rebuilds,
+        # and SQLAlchemy's statement handling cost more than the query.
+        raw = await _driver(conn)
+        marks = ",".join("?" * len(types))
+        rows = await raw.execute_fetchall(
+            "SELECT position, session_id, seq, event_id, type, version, ts, payload FROM events"
+            " WHERE session_id = ? AND seq >= coalesce((SELECT seq FROM events"
+            f" WHERE session_id = ? AND type IN ({marks}) ORDER BY seq DESC LIMIT 1), 0)"
+            " ORDER BY seq",
+            (session_id, session_id, *types),
+        )
+        return [(p, s, q, uuid.UUID(bytes=e), t, v, ts, b) for p, s, q, e, t, v, ts, b in rows]
+
     async def _piece_rows(self, conn: AsyncConnection, digests: Sequence[bytes]) -> Iterable[Any]:
         raw = await _driver(conn)
         rows: Iterable[Any] = await raw.execute_fetchall(
