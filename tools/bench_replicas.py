@@ -220,8 +220,14 @@ async def restart_and_answer(
         waits = await asyncio.gather(*(first_answer(http, url, s, m, started) for s, m in built))
         async with http.get(url + "/health") as resp:
             health = await resp.json()
-        started = time.perf_counter()
-        warm = await asyncio.gather(*(first_answer(http, url, s, m, started) for s, m in built))
+        # New connections, as after the restart: the peer differs only in the server's state.
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=http.timeout
+        ) as fresh:
+            started = time.perf_counter()
+            warm = await asyncio.gather(
+                *(first_answer(fresh, url, s, m, started) for s, m in built)
+            )
         return waits, health["session_load_s"] / max(1, health["sessions_loaded"]), max(warm)
     finally:
         replicas.stop()
@@ -347,7 +353,7 @@ async def bench(
             "\ntime to first answer after a restart, from /health ok (every session sends one"
             f" turn at once; {restarts} restarts per mode; ms; load: the server's mean time"
             " to rebuild one session; warm last: until the last answer of the next turn, no"
-            " restart)"
+            " restart, on new connections as after one)"
         )
         print(f"{'':<26}{'full replay (baseline)':>36}{'from snapshot':>36}")
         print(
