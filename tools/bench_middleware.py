@@ -86,7 +86,7 @@ from recorder.dialects.openai_chat import OpenAIChat
 from recorder.dialects.openai_responses import OpenAIResponses
 from recorder.engine import EngineClient
 from recorder.parsers import make_parser
-from recorder.server import RecorderServer, ServerConfig, ServerContext
+from recorder.server import RecorderServer, ServerConfig, make_context
 from recorder.server.app import freeze_startup_heap
 from recorder.store import open_store
 from recorder.store.base import EventStore
@@ -937,7 +937,7 @@ async def start_stack(
     time_store_calls(store, spans)
     client = EngineClient([engine.url])
     await client.start()
-    ctx = ServerContext(
+    ctx = make_context(
         config=ServerConfig(context_length=context_length, model_name="bench"),
         store=store,
         engine=client,

@@ -445,7 +445,7 @@ def load_fixture(version: str, scenario: str) -> list[dict[str, Any]]:
 async def record(version: str, scenario: Scenario, out: Path, work: Path, fixtures: bool) -> None:
     from recorder.engine import EngineClient
     from recorder.parsers import make_parser
-    from recorder.server import RecorderServer, ServerConfig, ServerContext
+    from recorder.server import RecorderServer, ServerConfig, make_context
     from recorder.store import open_store
     from recorder.tokenizer import load_tokenizer
     from replay.rules import load_rules
@@ -465,7 +465,7 @@ async def record(version: str, scenario: Scenario, out: Path, work: Path, fixtur
     store = await open_store(f"sqlite+aiosqlite:///{root / 'runs.db'}", create=True)
     client = EngineClient([engine_url], timeout_s=120, connect_timeout_s=2)
     await client.start()
-    ctx = ServerContext(
+    ctx = make_context(
         config=ServerConfig(context_length=scenario.context_length),
         store=store,
         engine=client,

@@ -23,7 +23,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from recorder.server.app import RecorderServer, create_app, free_port
+    from recorder.server.app import RecorderServer, create_app, free_port, make_context
     from recorder.server.context import LIVE_RULES_VERSION, ServerConfig, ServerContext
 
 # Loaded on first use: the dialects import this package's leaf modules
@@ -34,6 +34,7 @@ _EXPORTS = {
     "ServerConfig": "context",
     "ServerContext": "context",
     "create_app": "app",
+    "make_context": "app",
     "free_port": "app",
 }
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "ServerContext",
     "create_app",
     "free_port",
+    "make_context",
 ]
 
 

@@ -9,18 +9,29 @@ closes the engine client and the store (which flushes the log).
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import socket
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from aiohttp.web_urldispatcher import _default_expect_handler
 
 from recorder.server import admin, api
-from recorder.server.context import CTX, ServerContext
+from recorder.server.context import CTX, ServerConfig, ServerContext
 from recorder.server.errors import ApiError, anthropic_errors, error_response, too_large_message
 from recorder.server.protocol import RecorderRunner
+from recorder.server.restore import catch_up, load_session_state
+from recorder.server.sessions import SessionRegistry
+
+if TYPE_CHECKING:
+    from recorder.engine import EngineClient
+    from recorder.parsers import OutputParser
+    from recorder.store.base import EventStore
+    from recorder.tokenizer import Tokenizer
+    from replay.rules import Rules
 
 log = logging.getLogger("recorder.server")
 
@@ -76,6 +87,34 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def make_context(
+    *,
+    config: ServerConfig,
+    store: EventStore,
+    engine: EngineClient,
+    tokenizer: Tokenizer,
+    parser: OutputParser,
+    rules: Rules,
+) -> ServerContext:
+    """The server's shared objects, wired together (the one composition root).
+
+    The session registry loads a session it does not hold from the log, and
+    brings a held one to the log's head, through restore.py; restore.py reads
+    the store, engine and tokenizer from the context, so the two are joined
+    here rather than inside either.
+    """
+    ctx = ServerContext(
+        config=config, store=store, engine=engine, tokenizer=tokenizer, parser=parser, rules=rules
+    )
+    ctx.registry = SessionRegistry(
+        functools.partial(load_session_state, ctx),
+        catch_up=functools.partial(catch_up, ctx),
+        locks=store.session_locks,
+        outage=store.as_unavailable,
+    )
+    return ctx
 
 
 class RecorderServer:

@@ -14,7 +14,7 @@ import click
 
 from recorder.admin_token import AdminTokenError, resolve_admin_token
 from recorder.redact import install_log_redaction, redact, register_secret
-from recorder.server.context import ServerConfig, ServerContext
+from recorder.server.context import ServerConfig
 
 if TYPE_CHECKING:
     from replay.rules import Rules
@@ -249,7 +249,7 @@ class _StartupError(Exception):
 async def _serve(tokenizer, rules, **s) -> None:  # type: ignore[no-untyped-def]
     from recorder.engine import EngineClient
     from recorder.parsers import make_parser, prefills_reasoning
-    from recorder.server.app import RecorderServer, freeze_startup_heap
+    from recorder.server.app import RecorderServer, freeze_startup_heap, make_context
     from recorder.store import StoreError, StoreOptions, open_store
 
     engine = EngineClient(s["engines"], health_interval_s=s["engine_health_interval_s"])
@@ -295,7 +295,7 @@ async def _serve(tokenizer, rules, **s) -> None:  # type: ignore[no-untyped-def]
         return_routed_experts=s["return_routed_experts"],
         restore_from_snapshots=s["restore_from_snapshots"],
     )
-    ctx = ServerContext(
+    ctx = make_context(
         config=config, store=store, engine=engine, tokenizer=tokenizer, parser=parser, rules=rules
     )
     server = RecorderServer(ctx, s["host"], s["port"])

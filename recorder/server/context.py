@@ -53,6 +53,9 @@ class ServerConfig:
 
 @dataclass(kw_only=True)
 class ServerContext:
+    """The shared objects; build it with `app.make_context`, which wires the registry
+    to restore.py (kept out of this module, which restore.py itself reads)."""
+
     config: ServerConfig
     store: EventStore
     engine: EngineClient
@@ -65,22 +68,6 @@ class ServerContext:
     stopping: bool = False
     # Held while a plan renders more than ~1 MB of text (see turn._plan).
     large_plans: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
-
-    def __post_init__(self) -> None:
-        from recorder.server.restore import catch_up, load_session_state
-
-        async def loader(session_id: str) -> Any:
-            return await load_session_state(self, session_id)
-
-        async def at_head(state: Any) -> Any:
-            return await catch_up(self, state)
-
-        self.registry = SessionRegistry(
-            loader,
-            catch_up=at_head,
-            locks=self.store.session_locks,
-            outage=self.store.as_unavailable,
-        )
 
 
 CTX: web.AppKey[ServerContext] = web.AppKey("recorder_ctx", ServerContext)

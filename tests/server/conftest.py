@@ -21,7 +21,7 @@ import pytest
 from recorder.engine import EngineClient
 from recorder.events import AnyEvent, ArrayRef, RecordedEvent
 from recorder.parsers import OutputParser, make_parser
-from recorder.server import RecorderServer, ServerConfig, ServerContext
+from recorder.server import RecorderServer, ServerConfig, ServerContext, make_context
 from recorder.store import open_store
 from recorder.store.base import EventStore
 from recorder.tokenizer import Tokenizer, load_tokenizer
@@ -121,7 +121,7 @@ class Harness:
             health_interval_s=self.engine_health_interval_s,
         )
         await client.start()
-        ctx = ServerContext(
+        ctx = make_context(
             config=self.config,
             store=store,
             engine=client,
