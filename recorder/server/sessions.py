@@ -76,9 +76,9 @@ class SessionState:
     # stored as a delta (see deltas.remember_refs).
     chains: Any = None
     chain_refs: dict[int, dict[int, ArrayRef]] = field(default_factory=dict)
-    # Per (chain id, record kind): the record the last snapshot stored, its ref
-    # and how many deltas deep it is, so the next is stored as a delta
-    # (snapshot._record_ref). Content, not refs alone: a record is compared.
+    # Per (chain id, record kind): the items the last snapshot stored (a copy of
+    # the chain's digests or boundaries), their ref and how many deltas deep it
+    # is, so the next stores only new items (snapshot._record_ref).
     snapshot_records: dict[tuple[int, str], tuple[Any, ArrayRef, int]] = field(default_factory=dict)
     # The previous request body and its stored prefixes (see deltas.put_body).
     body_prefixes: BodyPrefixes = field(default_factory=BodyPrefixes)

@@ -24,6 +24,7 @@ instead), so changing the encoding only means bumping the number.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -139,9 +140,13 @@ def _chain_state(state: SessionState, chain: Chain) -> ChainState:
         chain_id=chain.chain_id,
         system_digest=chain.system_digest,
         render_digest=chain.render_digest,
-        message_digests=_record_ref(state, chain.chain_id, "digests", _digest_array(chain)),
+        message_digests=_record_ref(
+            state, chain.chain_id, "digests", chain.message_digests, _digest_array
+        ),
         tokens=_tokens_ref(state, chain),
-        boundaries=_record_ref(state, chain.chain_id, "boundaries", _boundary_array(chain)),
+        boundaries=_record_ref(
+            state, chain.chain_id, "boundaries", chain.boundaries, _boundary_array
+        ),
         main_line=chain.main_line,
         parent_chain_id=chain.parent_chain_id,
         dispatch_tool_use_id=chain.dispatch_tool_use_id,
@@ -186,32 +191,38 @@ def _tokens_ref(state: SessionState, chain: Chain) -> ArrayRef:
     return ref
 
 
-def _record_ref(state: SessionState, chain_id: int, kind: str, data: np.ndarray) -> ArrayRef:
-    """`data` stored as a delta on the same record of the chain's previous snapshot.
+def _record_ref(
+    state: SessionState,
+    chain_id: int,
+    kind: str,
+    items: list[Any],
+    encode: Callable[[list[Any]], np.ndarray],
+) -> ArrayRef:
+    """`encode(items)` stored as a delta on the same record of the chain's previous snapshot.
 
-    The delta applies when that record is a prefix of `data` (the chain grew);
-    otherwise, or after `RECORD_SPINE` deltas in a row, `data` is stored whole,
-    which bounds the pieces a restart reads. Records of a restored session
-    start whole again (nothing of them is kept across a restart).
+    The delta (only the new items encoded) applies when that record's items
+    are a prefix of `items` (the chain grew); otherwise, or after
+    `RECORD_SPINE` deltas in a row, the record is stored whole, which bounds
+    the pieces a restart reads. Records of a restored session start whole
+    again (nothing of them is kept across a restart).
     """
     previous = state.snapshot_records.get((chain_id, kind))
     base: ArrayRef | None = None
-    depth = 1
+    depth, start = 1, 0
     if previous is not None:
         old, ref, old_depth = previous
-        if old.size <= data.size and np.array_equal(old, data[: old.size]):
-            if old.size == data.size:
+        if len(old) <= len(items) and items[: len(old)] == old:
+            if len(old) == len(items):
                 return ref
             if old_depth < RECORD_SPINE:
-                base, depth = ref, old_depth + 1
-    start = base.length if base is not None else 0
-    ref = state.journal.add_array(data[start:], extends=base)
-    state.snapshot_records[(chain_id, kind)] = (data, ref, depth)
+                base, depth, start = ref, old_depth + 1, len(old)
+    ref = state.journal.add_array(encode(items[start:]), extends=base)
+    state.snapshot_records[(chain_id, kind)] = (list(items), ref, depth)
     return ref
 
 
-def _digest_array(chain: Chain) -> np.ndarray:
-    packed = b"".join(_length_prefixed(_pack_digest(d)) for d in chain.message_digests)
+def _digest_array(digests: list[str]) -> np.ndarray:
+    packed = b"".join(_length_prefixed(_pack_digest(d)) for d in digests)
     return np.frombuffer(packed, dtype=np.uint8)
 
 
@@ -232,11 +243,8 @@ def _digests_of(data: np.ndarray) -> list[str]:
     return digests
 
 
-def _boundary_array(chain: Chain) -> np.ndarray:
-    rows = [
-        (b.n_input_messages, b.input_len, b.end_len, int(b.ended_with_eos))
-        for b in chain.boundaries
-    ]
+def _boundary_array(boundaries: list[Boundary]) -> np.ndarray:
+    rows = [(b.n_input_messages, b.input_len, b.end_len, int(b.ended_with_eos)) for b in boundaries]
     return np.asarray(rows, dtype=np.int32).reshape(-1)
 
 
