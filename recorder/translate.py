@@ -753,8 +753,12 @@ class ParseCache:
     def _put(self, key: bytes, entry: _Entry) -> None:
         self._entries[key] = entry
         self._nbytes += self._cost(key)
-        self._evict(lambda _: len(self._entries) > self.max_entries)
-        self._evict(lambda _: self._nbytes > self.max_bytes)
+        # Checked inline first: a session's first request after a restart puts
+        # every message of its history (hundreds), and is rarely over a bound.
+        if len(self._entries) > self.max_entries:
+            self._evict(lambda _: len(self._entries) > self.max_entries)
+        if self._nbytes > self.max_bytes:
+            self._evict(lambda _: self._nbytes > self.max_bytes)
 
     def _evict(self, while_oldest: Callable[[_Entry], bool]) -> None:
         """Drop least recently used entries while `while_oldest(the oldest entry)` holds."""
