@@ -7,8 +7,8 @@ in whatever walked the value next (digests, the log's encoder), and an integer
 beyond 64 bits raised OverflowError when the log encoded it or the engine got
 it. Both were 500s for a client's mistake; here they are one clear message.
 
-The scan is a few C-speed passes (a regex strips strings, `bytes.translate`
-keeps the brackets, numpy sums them in chunks): ~1 ms for a Claude Code body,
+The scan is a few C-speed passes (`bytes.translate` finds digit runs and
+keeps the brackets, a regex strips strings, numpy sums brackets in chunks): ~1 ms for a Claude Code body,
 ~10 ms per MB of text with many escapes, and a body with few brackets and no
 long digit run (63 MB of one user text) skips the string pass altogether.
 """
@@ -27,15 +27,18 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _LONG_INT = re.compile(rb"(?<![\d.eE+-])-?\d{19,}(?![\d.eE])")
 _KEEP_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-# Spelled this way the regex engine scans ~3x faster than `\d{19}` (0.13 s for 63 MB).
-_DIGIT_RUN = re.compile(rb"[0-9][0-9]{18}")
+# Every digit as "0", every other byte as a space: a run of 19 digits (the only
+# way to spell an integer beyond 64 bits) is then a substring search, ~5x faster
+# than a regex (0.33 ms for a 450 kB body instead of 1.9 ms).
+_DIGITS_AS_ZERO = bytes(48 if 48 <= b <= 57 else 32 for b in range(256))
+_DIGIT_RUN = b"0" * 19
 _CHUNK = 1 << 20
 
 
 def json_problem(body: bytes, max_depth: int = MAX_DEPTH) -> str | None:
     """Why `body` breaks a limit (a message for the client), or None if it does not."""
     shallow = body.count(b"[") + body.count(b"{") <= max_depth
-    if shallow and _DIGIT_RUN.search(body) is None:
+    if shallow and not _has_digit_run(body):
         return None  # the common case for a body that is mostly one long text
     structure = _STRING.sub(b'""', body) if b'"' in body else body
     depth = 0 if shallow else _max_depth(structure.translate(None, _KEEP_BRACKETS))
@@ -52,6 +55,17 @@ def json_problem(body: bytes, max_depth: int = MAX_DEPTH) -> str | None:
                 "numbers must fit in 64 bits"
             )
     return None
+
+
+def _has_digit_run(body: bytes) -> bool:
+    """Does `body` hold 19 digits in a row? (In chunks: memory stays ~1 MB.)"""
+    if len(body) <= _CHUNK:
+        return _DIGIT_RUN in body.translate(_DIGITS_AS_ZERO)
+    overlap = len(_DIGIT_RUN) - 1
+    return any(
+        _DIGIT_RUN in body[start : start + _CHUNK + overlap].translate(_DIGITS_AS_ZERO)
+        for start in range(0, len(body), _CHUNK)
+    )
 
 
 def _max_depth(brackets: bytes) -> int:

@@ -438,7 +438,12 @@ class _Piece(NamedTuple):
 
 def _translate_message(message: Message, path: str, seen: set[str]) -> _Piece:
     """`seen`: the tool_use ids of the messages before this one."""
-    blocks = _blocks_of(message.content)
+    if isinstance(message.content, str):
+        # The short form of one text block: any role's chat message is that text
+        # (what the general path makes of it, without building the block).
+        chat = {"role": message.role, "content": message.content}
+        return _Piece(message.role, (chat,), (message_digest(chat),), (), ())
+    blocks = message.content
     if message.role == "assistant":
         reply = _assistant_turn(blocks, path)
         calls = tuple(b.id for b in blocks if isinstance(b, ToolUseBlock))
@@ -495,10 +500,6 @@ class _Conversation:
                 return
         self.messages.extend(piece.messages)
         self.digests.extend(piece.digests)
-
-
-def _blocks_of(content: str | list[ContentBlock]) -> list[ContentBlock]:
-    return [TextBlock(text=content)] if isinstance(content, str) else content
 
 
 def _assistant_turn(blocks: list[ContentBlock], path: str) -> dict[str, Any]:

@@ -113,6 +113,7 @@ def make_context(
         catch_up=functools.partial(catch_up, ctx),
         locks=store.session_locks,
         outage=store.as_unavailable,
+        sole_writer=config.sole_writer,
     )
     return ctx
 

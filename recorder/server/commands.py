@@ -294,6 +294,7 @@ async def _serve(tokenizer, rules, **s) -> None:  # type: ignore[no-untyped-def]
         turn_budget_s=s["turn_budget_s"],
         return_routed_experts=s["return_routed_experts"],
         restore_from_snapshots=s["restore_from_snapshots"],
+        sole_writer=claim is not None,
     )
     ctx = make_context(
         config=config, store=store, engine=engine, tokenizer=tokenizer, parser=parser, rules=rules

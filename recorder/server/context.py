@@ -49,6 +49,11 @@ class ServerConfig:
     # False: a restart replays each session's whole log, ignoring its state
     # snapshots (the reference path; benchmarks compare both).
     restore_from_snapshots: bool = True
+    # True when no other process appends to this log (`serve` holds the SQLite
+    # file's claim): a state this server holds is then at the log's head, and a
+    # turn skips the head check, one read query. A lost claim (ConcurrencyConflict)
+    # still catches up before it plans again.
+    sole_writer: bool = False
 
 
 @dataclass(kw_only=True)

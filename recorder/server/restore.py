@@ -57,6 +57,7 @@ from recorder.server.snapshot import (
     chain_refs,
     decode_snapshot,
     restore_chains,
+    restored_records,
     token_refs,
 )
 from recorder.store.base import CorruptArray
@@ -159,6 +160,7 @@ async def _from_snapshot(
             tokens = await ctx.store.get_arrays(token_refs(live), cold=True)
             state.chains = restore_chains(live, tokens)
             state.chain_refs = chain_refs(live)
+            state.snapshot_records = restored_records(live, state.chains)
     except (SnapshotUnusable, CorruptArray) as exc:
         log.warning(
             "session %s: its state snapshot at seq %d is not usable (%s); replaying the whole log",

@@ -10,7 +10,9 @@ otherwise independent.
 Other processes (replicas on one Postgres) may write the same session, so
 `acquire` also takes the session's lock in the database (`SessionLocks`)
 and then catches the cached state up with the events it has not seen
-(`CatchUp`, restore.catch_up): one index read when nothing changed.
+(`CatchUp`, restore.catch_up): one index read when nothing changed. A
+server that is its log's only writer (`ServerConfig.sole_writer`: SQLite
+under `serve`'s claim) skips that read: what it holds is the head.
 
 If a database lock is lost (its connection dies and Postgres frees it while
 a turn runs) or a process takes none, two processes can still plan from one
@@ -127,9 +129,11 @@ class SessionRegistry:
         catch_up: CatchUp = _at_head,
         locks: SessionLocks | None = None,
         outage: Callable[[BaseException], Exception | None] = lambda exc: None,
+        sole_writer: bool = False,
     ) -> None:
         self._loader = loader
         self._outage = outage
+        self._sole_writer = sole_writer
         self._catch_up = catch_up
         self._locks = locks or SessionLocks()
         self.max_closed = max_closed
@@ -255,6 +259,9 @@ class SessionRegistry:
             state.lock.release()
             self._raise_outage(exc)
             raise
+        if self._sole_writer:
+            state.journal.begin()  # nothing else appends: what this process holds is the head
+            return state
         try:
             return await self._to_head(state)
         except BaseException as exc:

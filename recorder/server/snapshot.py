@@ -76,6 +76,10 @@ class ChainState(msgspec.Struct, array_like=True, frozen=True):
     last_used: int
     n_tools: int
     prefix_refs: list[ArrayRef]
+    # How many pieces deep each record's ref is (`_record_ref`), so a restored
+    # session goes on adding deltas; older snapshots lack them: stored whole next.
+    digests_depth: int = RECORD_SPINE
+    boundaries_depth: int = RECORD_SPINE
 
 
 class LiveState(msgspec.Struct, kw_only=True, frozen=True):
@@ -136,23 +140,27 @@ def add_snapshot(state: SessionState) -> None:
 
 
 def _chain_state(state: SessionState, chain: Chain) -> ChainState:
+    digests, digests_depth = _record_ref(
+        state, chain.chain_id, "digests", chain.message_digests, _digest_array
+    )
+    boundaries, boundaries_depth = _record_ref(
+        state, chain.chain_id, "boundaries", chain.boundaries, _boundary_array
+    )
     return ChainState(
         chain_id=chain.chain_id,
         system_digest=chain.system_digest,
         render_digest=chain.render_digest,
-        message_digests=_record_ref(
-            state, chain.chain_id, "digests", chain.message_digests, _digest_array
-        ),
+        message_digests=digests,
         tokens=_tokens_ref(state, chain),
-        boundaries=_record_ref(
-            state, chain.chain_id, "boundaries", chain.boundaries, _boundary_array
-        ),
+        boundaries=boundaries,
         main_line=chain.main_line,
         parent_chain_id=chain.parent_chain_id,
         dispatch_tool_use_id=chain.dispatch_tool_use_id,
         last_used=chain.last_used,
         n_tools=chain.n_tools,
         prefix_refs=sorted(state.chain_refs.get(chain.chain_id, {}).values(), key=_length),
+        digests_depth=digests_depth,
+        boundaries_depth=boundaries_depth,
     )
 
 
@@ -197,14 +205,15 @@ def _record_ref(
     kind: str,
     items: list[Any],
     encode: Callable[[list[Any]], np.ndarray],
-) -> ArrayRef:
-    """`encode(items)` stored as a delta on the same record of the chain's previous snapshot.
+) -> tuple[ArrayRef, int]:
+    """`encode(items)` stored as a delta on the same record of the chain's previous
+    snapshot; (its ref, how many pieces deep that ref is).
 
     The delta (only the new items encoded) applies when that record's items
     are a prefix of `items` (the chain grew); otherwise, or after
     `RECORD_SPINE` deltas in a row, the record is stored whole, which bounds
-    the pieces a restart reads. Records of a restored session start whole
-    again (nothing of them is kept across a restart).
+    the pieces a restart reads. A restored session's records go on from its
+    snapshot's (`restored_records`).
     """
     previous = state.snapshot_records.get((chain_id, kind))
     base: ArrayRef | None = None
@@ -213,12 +222,33 @@ def _record_ref(
         old, ref, old_depth = previous
         if len(old) <= len(items) and items[: len(old)] == old:
             if len(old) == len(items):
-                return ref
+                return ref, old_depth
             if old_depth < RECORD_SPINE:
                 base, depth, start = ref, old_depth + 1, len(old)
     ref = state.journal.add_array(encode(items[start:]), extends=base)
     state.snapshot_records[(chain_id, kind)] = (list(items), ref, depth)
-    return ref
+    return ref, depth
+
+
+def restored_records(
+    live: LiveState, chains: SessionChains
+) -> dict[tuple[int, str], tuple[Any, ArrayRef, int]]:
+    """`SessionState.snapshot_records` as of the snapshot `chains` were restored from,
+    so the next snapshot stores only what its turn adds, as before the restart."""
+    records: dict[tuple[int, str], tuple[Any, ArrayRef, int]] = {}
+    for c in live.chains:
+        chain = chains.chains[c.chain_id]
+        records[(c.chain_id, "digests")] = (
+            list(chain.message_digests),
+            c.message_digests,
+            c.digests_depth,
+        )
+        records[(c.chain_id, "boundaries")] = (
+            list(chain.boundaries),
+            c.boundaries,
+            c.boundaries_depth,
+        )
+    return records
 
 
 def _digest_array(digests: list[str]) -> np.ndarray:

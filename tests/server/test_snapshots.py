@@ -376,3 +376,57 @@ async def test_snapshots_stay_small_as_the_session_grows(harness: Harness) -> No
     assert max(sizes[-6:]) - min(sizes[-6:]) < 16, sizes
     states = await both_ways(h, sid)
     assert_same_state(*states)
+
+
+async def test_a_restored_session_goes_on_storing_records_as_deltas(
+    harness: Harness, sqlite_url: str
+) -> None:
+    """The first snapshot after a restart adds only its turn's digests and boundaries, as
+    before it: each record is a delta on the restored one, one piece deeper. Written whole
+    it would cost a session's whole history once per restart."""
+    h = harness
+    sid = await h.open_session()
+    client = h.client(sid)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Start."}]
+    for k in range(3):
+        answer = await ask(client, messages, stream=False)
+        messages += [echo(answer), {"role": "user", "content": f"Step {k}."}]
+    _, before = await _valid_snapshot(h, sid)
+    await h.restart()
+    await ask(h.client(sid), messages, stream=False)
+    _, after = await _valid_snapshot(h, sid)
+    rows = array_rows(sqlite_url)
+    old, new = before.chains[0], after.chains[0]
+    for field, depth in (("message_digests", "digests_depth"), ("boundaries", "boundaries_depth")):
+        assert rows[getattr(new, field).digest][0] == getattr(old, field).digest, field
+        assert getattr(new, depth) == getattr(old, depth) + 1 == 4, field
+    states = await both_ways(h, sid)
+    assert_same_state(*states)
+
+
+async def test_a_snapshot_without_record_depths_is_restored_and_stores_records_whole(
+    harness: Harness, sqlite_url: str
+) -> None:
+    """A snapshot written before record depths were kept decodes (they default to the
+    spine) and the next turn stores its records whole: the pieces a restart reads stay
+    bounded whatever the depth really was."""
+    h = harness
+    sid = await h.open_session()
+    client = h.client(sid)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Start."}]
+    answer = await ask(client, messages, stream=False)
+    messages += [echo(answer), {"role": "user", "content": "Go on."}]
+    _, live = await _valid_snapshot(h, sid)
+    head = (await h.events(sid))[-1].seq + 1
+    old_chains = [msgspec.structs.astuple(c)[:-2] for c in live.chains]  # the older layout
+    old = {**msgspec.structs.asdict(live), "seq": head, "chains": old_chains}
+    restored = msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=snapshot.LiveState)
+    assert restored.chains[0].digests_depth == snapshot.RECORD_SPINE
+    state = msgspec.msgpack.encode(old)
+    await _append(h, sid, ev.StateSnapshot(format=snapshot.SNAPSHOT_FORMAT, state=state))
+    await h.restart()
+    await ask(h.client(sid), messages, stream=False)
+    _, after = await _valid_snapshot(h, sid)
+    rows = array_rows(sqlite_url)
+    assert rows[after.chains[0].message_digests.digest][0] is None  # whole: a root piece
+    assert after.chains[0].digests_depth == 1

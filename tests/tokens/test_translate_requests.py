@@ -548,3 +548,28 @@ def test_same_message_tolerates_only_dropped_thinking() -> None:
     assert not same_message(with_thinking, other)
     assert not same_message(without, with_thinking)
     assert not same_message(with_thinking, response_message_digest([{"type": "text", "text": "b"}]))
+
+
+@pytest.mark.parametrize("text", ["", "plain", "  padded  \n"])
+def test_a_string_content_is_the_same_as_one_text_block(text: str) -> None:
+    """The short form has its own fast path; it must translate as the block it stands for."""
+
+    def parsed(form: Any) -> Any:
+        user = form(text or "x")  # a user message must not be empty
+        return parse_request(
+            json.dumps(
+                _msgs(
+                    {"role": "system", "content": form(text)},
+                    {"role": "user", "content": user},
+                    {"role": "assistant", "content": form(text)},
+                    {"role": "user", "content": user},
+                )
+            ).encode()
+        )
+
+    as_string = parsed(lambda t: t)
+    as_block = parsed(lambda t: [{"type": "text", "text": t}])
+    assert (as_string.messages, as_string.message_digests) == (
+        as_block.messages,
+        as_block.message_digests,
+    )
