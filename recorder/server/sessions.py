@@ -118,11 +118,6 @@ async def _at_head(state: SessionState) -> SessionState:
     return state
 
 
-# Sessions rebuilt from the log at once (`SessionRegistry._timed_load`): about
-# the store's read connections (SQLite 4 + 8 overflow, Postgres 5 + 5).
-MAX_CONCURRENT_LOADS = 8
-
-
 class SessionRegistry:
     """session id -> state, loading from the log on a miss (once, even when raced)."""
 
@@ -135,7 +130,6 @@ class SessionRegistry:
         locks: SessionLocks | None = None,
         outage: Callable[[BaseException], Exception | None] = lambda exc: None,
         sole_writer: bool = False,
-        max_concurrent_loads: int = MAX_CONCURRENT_LOADS,
     ) -> None:
         self._loader = loader
         self._outage = outage
@@ -145,7 +139,6 @@ class SessionRegistry:
         self.max_closed = max_closed
         self._sessions: dict[str, SessionState] = {}
         self._loading: dict[str, asyncio.Future[SessionState | None]] = {}
-        self._load_slots = asyncio.Semaphore(max_concurrent_loads)
         self._closed: OrderedDict[str, None] = OrderedDict()  # oldest first
         # Time spent at the log's head check and catch-up, and how many found
         # events another process wrote (`/health` shows both: what routing
@@ -215,16 +208,17 @@ class SessionRegistry:
         """Load (or rebuild a suspect `state`) once; racing callers wait for this load."""
         future: asyncio.Future[SessionState | None] = asyncio.get_running_loop().create_future()
         self._loading[session_id] = future
+        started = time.perf_counter()
         try:
             if state is not None:
                 # Rebuild under the old state's lock (kept by the new state) so
                 # no turn of this session runs while its log is re-read.
                 async with state.lock:
-                    loaded = await self._timed_load(session_id)
+                    loaded = await self._loader(session_id)
                     if loaded is not None:
                         loaded.lock = state.lock
             else:
-                loaded = await self._timed_load(session_id)
+                loaded = await self._loader(session_id)
         except asyncio.CancelledError:
             future.cancel()
             raise
@@ -234,28 +228,14 @@ class SessionRegistry:
             raise
         finally:
             self._loading.pop(session_id, None)
+        self.loads += 1
+        self.load_s += time.perf_counter() - started
         if loaded is not None:
             self.put(loaded)
         else:
             self._sessions.pop(session_id, None)
         future.set_result(loaded)
         return loaded
-
-    async def _timed_load(self, session_id: str) -> SessionState | None:
-        """One load, in one of `MAX_CONCURRENT_LOADS` slots, first come first served.
-
-        After a restart every session's first request arrives at once. Run
-        together, each load's second read queues behind every other load's
-        first, so all of them finish near the end; in slots, the sessions that
-        asked first are answered first and the median answer comes about
-        twice as early, for the same total work.
-        """
-        async with self._load_slots:
-            started = time.perf_counter()
-            loaded = await self._loader(session_id)
-            self.loads += 1
-            self.load_s += time.perf_counter() - started
-            return loaded
 
     async def acquire(self, session_id: str) -> SessionState | None:
         """The session's state at the log's head, locked; the caller calls `release`.

@@ -64,33 +64,6 @@ async def test_registry_loads_a_session_once_when_raced() -> None:
     assert calls == 2  # an id that cannot be a session never reaches the log
 
 
-async def test_loads_run_a_few_at_a_time_first_come_first_served() -> None:
-    """After a restart every session asks at once: the loads take slots in arrival order,
-    so the first sessions to ask are rebuilt (and answered) first."""
-    running, most, finished = 0, 0, []
-
-    async def loader(session_id: str) -> SessionState | None:
-        nonlocal running, most
-        running += 1
-        most = max(most, running)
-        for _ in range(3):  # a few reads, each a trip to the store
-            await asyncio.sleep(0.001)
-        running -= 1
-        finished.append(session_id)
-        return SessionState(session_id=session_id, journal=Journal(FakeStore(), session_id, 0))  # type: ignore[arg-type]
-
-    registry = SessionRegistry(loader, max_concurrent_loads=4)
-    ids = [f"s{i:02d}" for i in range(24)]
-    await asyncio.gather(*(registry.get(sid) for sid in ids))
-    assert most == 4
-    # Each slot's load finishes before a later arrival's starts: arrival order within a
-    # batch of four (all of them at once, unlimited, would finish in any order).
-    assert [sorted(finished[i : i + 4]) for i in range(0, 24, 4)] == [
-        ids[i : i + 4] for i in range(0, 24, 4)
-    ]
-    assert registry.loads == 24
-
-
 async def test_only_the_most_recently_closed_sessions_stay_cached() -> None:
     loads: list[str] = []
 
