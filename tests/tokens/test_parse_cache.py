@@ -414,3 +414,28 @@ def test_json_limits_hold_with_a_warm_cache(where: str) -> None:
     raw = json.dumps(body).encode()
     field, message = _assert_same(raw, cache)  # type: ignore[misc]
     assert field == "body" and ("levels deep" in message or "64 bits" in message)
+
+
+def test_the_cache_keeps_few_objects_for_the_cyclic_gc_to_walk() -> None:
+    """Every full collection walks every tracked object: a restarted server's caches fill
+    with hundreds of messages per session at once. A cached message is a plain tuple of
+    strings and flat dicts (the tuple around its dicts stays tracked), not an object per
+    entry: at most ~2 tracked objects each (3 with an object per entry)."""
+    import gc
+
+    messages: list[dict[str, Any]] = []
+    for k in range(100):
+        messages += [
+            {"role": "user", "content": [{"type": "text", "text": f"step {k}"}]},
+            {"role": "assistant", "content": f"answer {k}"},
+        ]
+    messages.append({"role": "user", "content": "go on"})
+    body = json.dumps({"model": "m", "max_tokens": 8, "messages": messages}).encode()
+    gc.collect()
+    before = len(gc.get_objects())
+    cache = ParseCache()
+    parse_request(body, cache=cache)
+    gc.collect()
+    tracked = len(gc.get_objects()) - before
+    assert len(cache) == len(messages)
+    assert tracked <= 2 * len(cache) + 20, tracked
