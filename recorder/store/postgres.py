@@ -55,6 +55,15 @@ COPY_MIN_EVENTS = 50
 # Each session's MAX(seq) as its own subquery: a single step down the
 # (session_id, seq) index. `WHERE session_id = ANY(...) GROUP BY` would read
 # every event of the session (~1.5 ms per 1,000 events, on every commit).
+# A session's events read through asyncpg itself (`_raw_session`, `_raw_from_last`).
+_SELECT_EVENTS = f"SELECT {', '.join(_EVENT_COLUMNS)} FROM events"
+READ_SESSION_SQL = _SELECT_EVENTS + " WHERE session_id = $1 AND seq >= $2 ORDER BY seq"
+FROM_LAST_SQL = (
+    _SELECT_EVENTS + " WHERE session_id = $1 AND seq >= coalesce((SELECT seq FROM events"
+    " WHERE session_id = $1 AND type = ANY($2::text[]) ORDER BY seq DESC LIMIT 1), 0)"
+    " ORDER BY seq"
+)
+
 HEADS_SQL = (
     "SELECT h.s, (SELECT MAX(e.seq) FROM events e WHERE e.session_id = h.s)"
     " FROM unnest(CAST(:sessions AS text[])) AS h(s)"
@@ -299,6 +308,16 @@ class PostgresEventStore(SqlEventStore):
     async def _write_plain_group(self, group: list[GroupRequest]) -> list[list[int] | None] | None:
         return await self._plain.write(group, self.before_commit)
 
+    async def _raw_session(
+        self, conn: AsyncConnection, session_id: str, from_seq: int
+    ) -> Sequence[Any]:
+        return await (await _driver(conn)).fetch(READ_SESSION_SQL, session_id, from_seq)
+
+    async def _raw_from_last(
+        self, conn: AsyncConnection, session_id: str, types: Sequence[str]
+    ) -> Sequence[Any]:
+        return await (await _driver(conn)).fetch(FROM_LAST_SQL, session_id, list(types))
+
     async def _lock_writers(self, conn: AsyncConnection) -> None:
         await conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": WRITER_LOCK_KEY})
 
@@ -335,3 +354,8 @@ class PostgresEventStore(SqlEventStore):
                     f"(SELECT MAX({column}) FROM {table}) IS NOT NULL)"
                 )
             )
+
+
+async def _driver(conn: AsyncConnection) -> asyncpg.Connection:
+    """The asyncpg connection under a SQLAlchemy connection (a read outside a transaction)."""
+    return (await conn.get_raw_connection()).driver_connection  # type: ignore[return-value]

@@ -589,13 +589,24 @@ class SqlEventStore(EventStore):
     # -- events: read -------------------------------------------------------
 
     async def read_session(self, session_id: str, *, from_seq: int = 0) -> list[RecordedEvent]:
+        async with self.read_engine.connect() as conn:
+            return [_record(r) for r in await self._raw_session(conn, session_id, from_seq)]
+
+    async def _raw_session(
+        self, conn: AsyncConnection, session_id: str, from_seq: int
+    ) -> Sequence[Any]:
+        """Rows of `_EVENT_COLUMNS` (event_id as a UUID) of the session from `from_seq` on.
+
+        Backends read through their driver: a replica checks a session's head
+        with this before every turn, and SQLAlchemy's statement handling costs
+        more than the query (0.3 ms against one index probe).
+        """
         stmt = (
             sa.select(*_EVENT_COLUMNS)
             .where(events.c.session_id == session_id, events.c.seq >= from_seq)
             .order_by(events.c.seq)
         )
-        async with self.read_engine.connect() as conn:
-            return [_record(r) for r in await conn.execute(stmt)]
+        return list(await conn.execute(stmt))
 
     async def read_session_from_last(
         self, session_id: str, types: Sequence[str]

@@ -398,11 +398,9 @@ class SqliteEventStore(SqlEventStore):
     async def _raw_events(self, conn: AsyncConnection, after: int, limit: int) -> Sequence[Any]:
         raw = await _driver(conn)
         rows = await raw.execute_fetchall(
-            "SELECT position, session_id, seq, event_id, type, version, ts, payload FROM events"
-            " WHERE position > ? ORDER BY position LIMIT ?",
-            (after, limit),
+            _SELECT_EVENTS + " WHERE position > ? ORDER BY position LIMIT ?", (after, limit)
         )
-        return [(p, s, q, uuid.UUID(bytes=e), t, v, ts, b) for p, s, q, e, t, v, ts, b in rows]
+        return _with_uuids(rows)
 
     async def _raw_from_last(
         self, conn: AsyncConnection, session_id: str, types: Sequence[str]
@@ -412,13 +410,22 @@ class SqliteEventStore(SqlEventStore):
         raw = await _driver(conn)
         marks = ",".join("?" * len(types))
         rows = await raw.execute_fetchall(
-            "SELECT position, session_id, seq, event_id, type, version, ts, payload FROM events"
-            " WHERE session_id = ? AND seq >= coalesce((SELECT seq FROM events"
+            _SELECT_EVENTS + " WHERE session_id = ? AND seq >= coalesce((SELECT seq FROM events"
             f" WHERE session_id = ? AND type IN ({marks}) ORDER BY seq DESC LIMIT 1), 0)"
             " ORDER BY seq",
             (session_id, session_id, *types),
         )
-        return [(p, s, q, uuid.UUID(bytes=e), t, v, ts, b) for p, s, q, e, t, v, ts, b in rows]
+        return _with_uuids(rows)
+
+    async def _raw_session(
+        self, conn: AsyncConnection, session_id: str, from_seq: int
+    ) -> Sequence[Any]:
+        raw = await _driver(conn)
+        rows = await raw.execute_fetchall(
+            _SELECT_EVENTS + " WHERE session_id = ? AND seq >= ? ORDER BY seq",
+            (session_id, from_seq),
+        )
+        return _with_uuids(rows)
 
     async def _piece_rows(self, conn: AsyncConnection, digests: Sequence[bytes]) -> Iterable[Any]:
         raw = await _driver(conn)
@@ -447,6 +454,16 @@ def _file_path(url: str) -> Path:
 def _kib(n_bytes: int) -> int:
     """PRAGMA cache_size=-N takes KiB; 0 would mean "no limit given", so keep >= 1 page."""
     return max(1, n_bytes // 1024)
+
+
+_SELECT_EVENTS = (
+    "SELECT position, session_id, seq, event_id, type, version, ts, payload FROM events"
+)
+
+
+def _with_uuids(rows: Iterable[Any]) -> list[tuple[Any, ...]]:
+    """Event rows from the driver with their 16-byte event ids as UUIDs."""
+    return [(p, s, q, uuid.UUID(bytes=e), t, v, ts, b) for p, s, q, e, t, v, ts, b in rows]
 
 
 async def _driver(conn: AsyncConnection) -> Any:
