@@ -153,8 +153,21 @@ async def _open(
         return state
 
     reopened = await ctx.registry.locked(session_id, reopen_)
-    if reopened is None:
+    if reopened is not None:
+        return reopened
+    try:
         return await _open_new(ctx, session_id, metadata, config, overrides)
+    except ConcurrencyConflict:
+        if not reopen:
+            raise ApiError(
+                "invalid_request_error",
+                f"session {session_id!r} was opened concurrently by another request",
+                status=409,
+            ) from None
+    # Another request (or replica) opened it first: a new attempt, as if this one came second.
+    reopened = await ctx.registry.locked(session_id, reopen_)
+    if reopened is None:
+        raise AssertionError(f"session {session_id!r} lost its opening event")
     return reopened
 
 
@@ -173,14 +186,7 @@ async def _open_new(
         if ctx.registry.cached(session_id) is None:
             ctx.registry.put(state)
 
-    try:
-        await finish_even_if_cancelled(open_())
-    except ConcurrencyConflict:
-        raise ApiError(
-            "invalid_request_error",
-            f"session {session_id!r} was opened concurrently by another request",
-            status=409,
-        ) from None
+    await finish_even_if_cancelled(open_())  # ConcurrencyConflict: opened meanwhile
     return state
 
 

@@ -19,7 +19,7 @@ Anything else rolls back and is redone by the generic path
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import asyncpg
@@ -62,6 +62,19 @@ FROM_LAST_SQL = (
     _SELECT_EVENTS + " WHERE session_id = $1 AND seq >= coalesce((SELECT seq FROM events"
     " WHERE session_id = $1 AND type = ANY($2::text[]) ORDER BY seq DESC LIMIT 1), 0)"
     " ORDER BY seq"
+)
+
+# Stored pieces by digest, and with all their ancestors (a restart reads a
+# chain's pieces in one round), through asyncpg itself.
+_SELECT_PIECES = (
+    "SELECT digest, parent, dtype, total_length, codec, data, data_tail, basis, basis_depth"
+    " FROM arrays"
+)
+PIECE_ROWS_SQL = _SELECT_PIECES + " WHERE digest = ANY($1::bytea[])"
+CHAIN_ROWS_SQL = (
+    "WITH RECURSIVE chain(d) AS (SELECT digest FROM arrays WHERE digest = ANY($1::bytea[])"
+    " UNION SELECT up.parent FROM arrays up JOIN chain ON up.digest = chain.d"
+    " WHERE up.parent IS NOT NULL) " + _SELECT_PIECES + " WHERE digest IN (SELECT d FROM chain)"
 )
 
 HEADS_SQL = (
@@ -317,6 +330,12 @@ class PostgresEventStore(SqlEventStore):
         self, conn: AsyncConnection, session_id: str, types: Sequence[str]
     ) -> Sequence[Any]:
         return await (await _driver(conn)).fetch(FROM_LAST_SQL, session_id, list(types))
+
+    async def _piece_rows(self, conn: AsyncConnection, digests: Sequence[bytes]) -> Iterable[Any]:
+        return await (await _driver(conn)).fetch(PIECE_ROWS_SQL, list(digests))
+
+    async def _chain_rows(self, conn: AsyncConnection, digests: Sequence[bytes]) -> Iterable[Any]:
+        return await (await _driver(conn)).fetch(CHAIN_ROWS_SQL, list(digests))
 
     async def _lock_writers(self, conn: AsyncConnection) -> None:
         await conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": WRITER_LOCK_KEY})

@@ -329,3 +329,31 @@ async def test_a_close_that_keeps_losing_answers_a_retryable_529(pair: Pair) -> 
     assert "session_closed" not in await p.h.types(sid)
     status, body = await p.admin(p.other, "POST", f"/sessions/{sid}/close", {})
     assert status == 200, body  # the session can still be closed
+
+
+@pytest.mark.parametrize("reopen", [True, False])
+async def test_two_opens_of_one_new_id_race(pair: Pair, reopen: bool, tmp_path: Path) -> None:
+    """Both servers open the same new id; the held one's opening loses. With `reopen`
+    it becomes the next attempt, as if it had come second; without, a 409 that says so."""
+    p = pair
+    sid = f"sess_{uuid7().hex}"
+    p.store.hold(ev.SessionOpened)
+    body = {"session_id": sid, "reopen": reopen, "metadata": {"from": "held"}}
+    task = asyncio.ensure_future(p.admin(p.held.url, "POST", "/sessions", body))
+    await asyncio.wait_for(p.store.waiting.wait(), 30)
+    status, first = await p.admin(p.other, "POST", "/sessions", {**body, "metadata": {}})
+    assert status == 201, first
+    p.store.go()
+    status, second = await asyncio.wait_for(task, 30)
+    opened = await _events(p, sid, ev.SessionOpened)
+    if not reopen:
+        assert status == 409 and "opened concurrently" in second["error"]["message"]
+        assert [o.attempt for o in opened] == [0]
+        return
+    assert status == 201, second
+    assert [o.attempt for o in opened] == [0, 1]
+    assert opened[1].metadata == {"from": "held"}
+    # The held server serves the new attempt; its samples are the log's.
+    answer = await p.ask(p.held.url, sid, [_user("first question")])
+    assert answer.content
+    await p.close_and_compare(p.other, sid, tmp_path)
