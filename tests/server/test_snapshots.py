@@ -101,6 +101,17 @@ async def diverged(h: Harness) -> tuple[str, list[dict[str, Any]], dict[str, Any
 SCENARIOS: list[Scenario] = [coding, subagent, compaction, diverged]
 
 
+async def plain_turns(h: Harness, turns: int) -> tuple[str, list[dict[str, Any]]]:
+    """A new session of `turns` plain turns; (its id, the next request's messages)."""
+    sid = await h.open_session()
+    client = h.client(sid)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Start."}]
+    for k in range(turns):
+        answer = await ask(client, messages, stream=False)
+        messages += [echo(answer), {"role": "user", "content": f"Step {k}."}]
+    return sid, messages
+
+
 async def both_ways(h: Harness, sid: str) -> tuple[SessionState, SessionState]:
     """(from the snapshot, from the whole log), each as a freshly restarted server builds it."""
     await h.restart()
@@ -341,13 +352,8 @@ async def test_a_long_chain_reads_through_few_pieces(harness: Harness, sqlite_ur
     """Two pieces per turn (input, output) would make a restart read 2 x turns pieces per
     chain; every SPINE_TURNS turns the tokens go back to one piece per SPINE_TURNS turns."""
     h = harness
-    sid = await h.open_session()
-    client = h.client(sid)
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "Start."}]
     turns = 4 * snapshot.SPINE_TURNS + 3
-    for k in range(turns):
-        answer = await ask(client, messages, stream=False)
-        messages += [echo(answer), {"role": "user", "content": f"Step {k}."}]
+    sid, _ = await plain_turns(h, turns)
     _, live = await _valid_snapshot(h, sid)
     rows = array_rows(sqlite_url)
     depth, digest = 0, live.chains[0].tokens.digest
@@ -363,13 +369,8 @@ async def test_snapshots_stay_small_as_the_session_grows(harness: Harness) -> No
     its event does not grow with the session's turns (whole lists would grow with their
     square over a session)."""
     h = harness
-    sid = await h.open_session()
-    client = h.client(sid)
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "Start."}]
     turns = max(snapshot.RECORD_SPINE, MAX_CHAIN_REFS) + 8
-    for k in range(turns):
-        answer = await ask(client, messages, stream=False)
-        messages += [echo(answer), {"role": "user", "content": f"Step {k}."}]
+    sid, _ = await plain_turns(h, turns)
     sizes = [len(e.state) for e in await h.payloads(sid, ev.StateSnapshot)]
     assert len(sizes) == turns
     # Flat once the chain's stored prefixes (a bounded list of refs) are all there.
@@ -385,12 +386,7 @@ async def test_a_restored_session_goes_on_storing_records_as_deltas(
     before it: each record is a delta on the restored one, one piece deeper. Written whole
     it would cost a session's whole history once per restart."""
     h = harness
-    sid = await h.open_session()
-    client = h.client(sid)
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "Start."}]
-    for k in range(3):
-        answer = await ask(client, messages, stream=False)
-        messages += [echo(answer), {"role": "user", "content": f"Step {k}."}]
+    sid, messages = await plain_turns(h, 3)
     _, before = await _valid_snapshot(h, sid)
     await h.restart()
     await ask(h.client(sid), messages, stream=False)
@@ -411,11 +407,7 @@ async def test_a_snapshot_without_record_depths_is_restored_and_stores_records_w
     spine) and the next turn stores its records whole: the pieces a restart reads stay
     bounded whatever the depth really was."""
     h = harness
-    sid = await h.open_session()
-    client = h.client(sid)
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "Start."}]
-    answer = await ask(client, messages, stream=False)
-    messages += [echo(answer), {"role": "user", "content": "Go on."}]
+    sid, messages = await plain_turns(h, 1)
     _, live = await _valid_snapshot(h, sid)
     head = (await h.events(sid))[-1].seq + 1
     old_chains = [msgspec.structs.astuple(c)[:-2] for c in live.chains]  # the older layout

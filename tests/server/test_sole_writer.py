@@ -21,6 +21,7 @@ from recorder.store import open_store
 from recorder.tokenizer import Tokenizer
 from tests.server.conftest import Harness, make_harness
 from tests.server.test_e2e import ask, echo
+from tests.server.test_snapshots import plain_turns
 
 
 class CountedReads:
@@ -37,24 +38,14 @@ class CountedReads:
         h.store.read_session = read_session  # type: ignore[method-assign]
 
 
-async def _turns(h: Harness, sid: str, n: int) -> list[dict[str, Any]]:
-    client = h.client(sid)
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "Start."}]
-    for k in range(n):
-        answer = await ask(client, messages, stream=False)
-        messages += [echo(answer), {"role": "user", "content": f"Step {k}."}]
-    return messages
-
-
 @pytest.mark.parametrize("sole_writer", [True, False])
 async def test_a_sole_writer_reads_nothing_before_a_held_sessions_turn(
     tokenizer: Tokenizer, sqlite_url: str, sole_writer: bool
 ) -> None:
     h = await make_harness(tokenizer, sqlite_url, sole_writer=sole_writer)
     try:
-        sid = await h.open_session()
-        reads = CountedReads(h)
-        await _turns(h, sid, 4)
+        reads = CountedReads(h)  # opening a new session reads no events
+        await plain_turns(h, 4)
         # Without the claim every turn checks the head (the replicas' case).
         assert reads.calls == (0 if sole_writer else 4)
     finally:
@@ -73,8 +64,7 @@ async def test_a_sole_writer_still_absorbs_an_append_it_did_not_expect(
         base_url=other.url, auth_token="", max_retries=0, timeout=60
     )
     try:
-        sid = await h.open_session()
-        messages = await _turns(h, sid, 1)
+        sid, messages = await plain_turns(h, 1)
         other_client = other_client.with_options(auth_token=sid)
         answer = await ask(other_client, messages, stream=False)
         messages += [echo(answer), {"role": "user", "content": "And on."}]
