@@ -8,9 +8,10 @@ beyond 64 bits raised OverflowError when the log encoded it or the engine got
 it. Both were 500s for a client's mistake; here they are one clear message.
 
 The scan is a few C-speed passes (`bytes.translate` finds digit runs and
-keeps the brackets, a regex strips strings, numpy sums brackets in chunks): ~1 ms for a Claude Code body,
-~10 ms per MB of text with many escapes, and a body with few brackets and no
-long digit run (63 MB of one user text) skips the string pass altogether.
+keeps the brackets, a regex strips strings, numpy sums brackets in chunks):
+~1 ms for a Claude Code body, ~10 ms per MB of text with many escapes, and a
+body with few brackets and no long digit run (63 MB of one user text) skips
+the string pass altogether.
 """
 
 from __future__ import annotations

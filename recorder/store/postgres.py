@@ -52,9 +52,6 @@ WRITER_LOCK_KEY = 0x7472_6576_656E_7473  # "trevents"
 # COPY's per-row cost is lower, and it wins from about 50 rows (measured here).
 COPY_MIN_EVENTS = 50
 
-# Each session's MAX(seq) as its own subquery: a single step down the
-# (session_id, seq) index. `WHERE session_id = ANY(...) GROUP BY` would read
-# every event of the session (~1.5 ms per 1,000 events, on every commit).
 # A session's events read through asyncpg itself (`_raw_session`, `_raw_from_last`).
 _SELECT_EVENTS = f"SELECT {', '.join(_EVENT_COLUMNS)} FROM events"
 READ_SESSION_SQL = _SELECT_EVENTS + " WHERE session_id = $1 AND seq >= $2 ORDER BY seq"
@@ -77,6 +74,9 @@ CHAIN_ROWS_SQL = (
     " WHERE up.parent IS NOT NULL) " + _SELECT_PIECES + " WHERE digest IN (SELECT d FROM chain)"
 )
 
+# Each session's MAX(seq) as its own subquery: a single step down the
+# (session_id, seq) index. `WHERE session_id = ANY(...) GROUP BY` would read
+# every event of the session (~1.5 ms per 1,000 events, on every commit).
 HEADS_SQL = (
     "SELECT h.s, (SELECT MAX(e.seq) FROM events e WHERE e.session_id = h.s)"
     " FROM unnest(CAST(:sessions AS text[])) AS h(s)"
