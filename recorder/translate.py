@@ -436,9 +436,10 @@ class _Piece(NamedTuple):
     tool_result_ids: tuple[str, ...]
 
 
-# A `_Piece` as the ParseCache keeps it: a plain tuple, which the cyclic GC stops
-# tracking once it holds nothing trackable (a NamedTuple is walked by every full
-# collection). Read by position (`_Conversation` unpacks it).
+# A `_Piece` as the ParseCache keeps it: a plain tuple, so an entry costs the
+# cyclic GC two tracked objects (this tuple and its tuple of message dicts; the
+# dicts of plain text and the tuples of strings are untracked), not three.
+# Read by position (`_Conversation` unpacks it).
 _CachedPiece = tuple[
     str, tuple[dict[str, Any], ...], tuple[str, ...], tuple[str, ...], tuple[str, ...]
 ]
@@ -706,11 +707,11 @@ class ParseCache:
     session's requests are parsed on the server's event loop.
 
     No object per entry: a translation is kept as a plain tuple and its last
-    use as an int in a flat dict, neither of which the cyclic GC walks (most
-    translations hold only strings and flat dicts). With an object per entry,
-    256 restored sessions of 200 messages made every full collection walk
-    ~120k more objects: ~0.5 s of collections in the first second after a
-    restart, and more as sessions grow.
+    use as an int in a flat dict (untracked by the cyclic GC), two tracked
+    objects per message instead of three. Every full collection walks them
+    all: after a restart, 256 restored caches of 200 messages made full
+    collections take ~150-200 ms each, most of what the restart cost beyond
+    its reads and parses (tests/tokens/test_parse_cache.py counts them).
     """
 
     # Per message beyond 2x its JSON: the translation's dicts and strings (~600 bytes
