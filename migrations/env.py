@@ -1,6 +1,6 @@
 """Alembic environment for the recorder's store (async URLs: aiosqlite, asyncpg).
 
-`recorder.store.migrations.upgrade()` passes an open connection in
+`recorder.log.store.migrations.upgrade()` passes an open connection in
 `config.attributes["connection"]`; the alembic CLI path builds an async
 engine from `sqlalchemy.url` instead.
 """
@@ -13,7 +13,7 @@ from alembic import context
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from recorder.store.tables import metadata
+from recorder.log.store.tables import metadata
 
 config = context.config
 

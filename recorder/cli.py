@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from recorder.store import StoreError, normalize_url, open_store
+from recorder.log.store import StoreError, normalize_url, open_store
 
 
 def _run(coro: Coroutine[Any, Any, str]) -> str:
@@ -33,7 +33,7 @@ def db() -> None:
 @click.option("--db", "url", required=True, help="Database URL or SQLite file path.")
 def upgrade(url: str) -> None:
     """Create the schema or bring it to the current revision."""
-    from recorder.store import migrations
+    from recorder.log.store import migrations
 
     async def run() -> str:
         store = await open_store(url, create=True)
@@ -51,8 +51,8 @@ def upgrade(url: str) -> None:
 @click.option("--to", "dst_url", required=True, help="Target database URL or path (no events).")
 def copy(src_url: str, dst_url: str) -> None:
     """Copy every event, array and projection into an empty database."""
-    from recorder.store.copy import copy_store
-    from recorder.store.sql import SqlEventStore
+    from recorder.log.store.copy import copy_store
+    from recorder.log.store.sql import SqlEventStore
 
     async def run() -> str:
         src = await open_store(src_url)

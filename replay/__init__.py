@@ -25,7 +25,7 @@ from replay.samples import (
 )
 
 if TYPE_CHECKING:
-    from recorder.store.base import EventStore
+    from recorder.log.store.base import EventStore
     from replay.load import SessionLog, iter_session_logs, load_session
 
 _LAZY = {"SessionLog", "iter_session_logs", "load_session"}

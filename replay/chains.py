@@ -18,7 +18,7 @@ from typing import Literal
 
 import numpy as np
 
-from recorder.tokens import is_side_request
+from recorder.model.tokens import is_side_request
 from replay.rules import Rules
 from replay.samples import SegmentKind
 from replay.turns import Turn
@@ -93,7 +93,7 @@ def _drops_only_last_answer(t: Turn, c: Chain, kept: int) -> bool:
 
     Recognised from facts: `t` diverges from `c` within its last turn's input,
     carries the same trailing tool results and more chat messages. The live
-    planner's twin is `recorder.tokens._drops_only_last_answer`; v1 logs
+    planner's twin is `recorder.model.tokens._drops_only_last_answer`; v1 logs
     (no message counts) never match.
     """
     last = c.turns[-1]
@@ -297,7 +297,7 @@ class ChainBuilder:
         A side request asked again (a title, a check) is another side request;
         a subagent's first request re-sent while a dispatch waits for its
         subagent is the same task dispatched again. Otherwise it is a retry
-        (the live planner's twin: `recorder.tokens._another_conversation`).
+        (the live planner's twin: `recorder.model.tokens._another_conversation`).
         """
         first = c.turns[0].input
         if not (

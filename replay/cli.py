@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from recorder.store.base import EventStore, StoreError
+from recorder.log.store.base import EventStore, StoreError
 from replay.rules import PRESETS, Rules, RulesError, load_rules
 
 T = TypeVar("T")
@@ -45,7 +45,7 @@ def _rules(spec: str | None) -> Rules:
 
 
 async def _with_store(url: str, fn: Callable[[EventStore], Awaitable[T]], *, streaming: bool) -> T:
-    from recorder.store import StoreOptions, open_store
+    from recorder.log.store import StoreOptions, open_store
 
     options = StoreOptions.streaming() if streaming else None
     try:

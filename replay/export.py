@@ -50,7 +50,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from recorder.store.base import EventStore
+from recorder.log.store.base import EventStore
 from replay.load import iter_session_logs
 from replay.reducer import reduce_session
 from replay.rules import Rules

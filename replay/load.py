@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from recorder.events import (
+from recorder.log.events import (
     ArrayRef,
     GenerateResult,
     RecordedEvent,
@@ -30,7 +30,7 @@ from recorder.events import (
     SessionClosed,
     SessionOpened,
 )
-from recorder.store.base import EventStore, StoreError
+from recorder.log.store.base import EventStore, StoreError
 
 
 @dataclass(slots=True)

@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from recorder.store.base import EventStore
+from recorder.log.store.base import EventStore
 from replay.load import iter_session_logs
 from replay.reducer import reduce_session
 from replay.rules import Rules
@@ -236,7 +236,7 @@ def _worker(
     batch: int,
 ) -> bytes:
     async def run() -> dict[str, SessionSummary]:
-        from recorder.store import StoreOptions, open_store
+        from recorder.log.store import StoreOptions, open_store
 
         store = await open_store(url, options=StoreOptions.streaming())
         try:

@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from recorder.events import RecordedEvent, SessionOpened
+from recorder.log.events import RecordedEvent, SessionOpened
 from replay.chains import ChainBuilder, classify_chains, main_system_digest
 from replay.placeholders import placeholders_for
 from replay.rules import Rules

@@ -8,7 +8,7 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from recorder.events import (
+from recorder.log.events import (
     ChainDecision,
     ClampApplied,
     ClientDisconnected,

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import msgspec
 from rich.table import Table
 
-from recorder.events import (
+from recorder.log.events import (
     ClientDisconnected,
     EngineError,
     GenerateResult,
@@ -19,7 +19,7 @@ from recorder.events import (
     TurnAborted,
     TurnFailed,
 )
-from recorder.store.base import EventStore
+from recorder.log.store.base import EventStore
 from replay.load import SessionLog, iter_session_logs
 from replay.reducer import reduce_session
 from replay.rules import Rules

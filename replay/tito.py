@@ -7,7 +7,7 @@ Two comparisons for one turn:
 - template re-render: the engine input we sent (exact chain tokens) vs a fresh
   render of the request's messages through the chat template (needs the
   tokenizer and the raw request body).
-The tokenizer is loaded with `recorder.tokenizer.load_tokenizer` (the same
+The tokenizer is loaded with `recorder.model.tokenizer.load_tokenizer` (the same
 code the live server uses; an HF directory or a GGUF file), imported lazily.
 """
 
@@ -22,14 +22,14 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from recorder.events import (
+from recorder.log.events import (
     GenerateResult,
     MessagesRequest,
     RecordedEvent,
     RenderedInput,
     TitoVerdict,
 )
-from recorder.store.base import EventStore
+from recorder.log.store.base import EventStore
 
 
 class Decoder(Protocol):
@@ -59,7 +59,7 @@ class TurnTokens:
 
 
 def load_tokenizer(path: str) -> Decoder:
-    from recorder.tokenizer import load_tokenizer as _load
+    from recorder.model.tokenizer import load_tokenizer as _load
 
     return _load(path)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from recorder.events import (
+from recorder.log.events import (
     ChainDecision,
     ClientDisconnected,
     EngineError,

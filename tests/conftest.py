@@ -18,7 +18,7 @@ from typing import NoReturn
 
 import pytest
 
-from recorder.store import EventStore, open_store
+from recorder.log.store import EventStore, open_store
 
 POSTGRES_ENV = "TR_TEST_POSTGRES_URL"
 REPO = Path(__file__).resolve().parents[1]
@@ -53,7 +53,7 @@ def smollm2_gguf() -> Path:
 @pytest.fixture(scope="session")
 def sglang_version() -> str:
     """The installed SGLang whose parser modules import here (the `sglang` tier)."""
-    from recorder import sglang_compat
+    from recorder.model import sglang_compat
 
     if not sglang_compat.available():
         missing("SGLang's parser modules do not import", sglang_compat.INSTALL_HINT)

@@ -7,8 +7,8 @@ import uuid
 
 import pytest
 
-from recorder import ids
-from recorder.ids import uuid7, uuid7_time
+from recorder.log import ids
+from recorder.log.ids import uuid7, uuid7_time
 
 
 def test_uuid7_layout_and_time() -> None:

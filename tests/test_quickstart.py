@@ -15,8 +15,8 @@ import msgspec
 import psutil
 import pytest
 
-from recorder import events as ev
-from recorder.store import open_store
+from recorder.log import events as ev
+from recorder.log.store import open_store
 from replay.reclassify import SAMPLES_PREFIX
 from replay.samples import SessionResult, check_invariants, result_digest
 from tools.quickstart import (

@@ -26,8 +26,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-import recorder.tokenizer as tokenizer_module  # noqa: E402
-from recorder.tokenizer import load_tokenizer  # noqa: E402
+import recorder.model.tokenizer as tokenizer_module  # noqa: E402
+from recorder.model.tokenizer import load_tokenizer  # noqa: E402
 from tests.server.conftest import FIXTURE_TOKENIZER, Harness, make_harness  # noqa: E402
 from tests.server.test_large_bodies import big_body, peak_rss  # noqa: E402
 

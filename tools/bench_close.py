@@ -52,7 +52,7 @@ def _vm(field: str) -> int:
 
 
 async def _generate(db: str, turns: int, context: int) -> None:
-    from recorder.store import open_store
+    from recorder.log.store import open_store
 
     store = await open_store(db, create=True)
     try:
@@ -62,7 +62,7 @@ async def _generate(db: str, turns: int, context: int) -> None:
 
 
 async def _close_once(db: str, mode: str) -> tuple[float, str]:
-    from recorder.store import open_store
+    from recorder.log.store import open_store
     from replay import load_session, reduce_session
     from replay.load import SessionLog, needed_refs
     from replay.rules import Rules

@@ -80,19 +80,24 @@ from rich.console import Console
 from rich.table import Table
 
 import recorder.server.turn as turn_module
-from recorder import events as ev
 from recorder.dialects.anthropic import Anthropic
 from recorder.dialects.openai_chat import OpenAIChat
 from recorder.dialects.openai_responses import OpenAIResponses
-from recorder.engine import EngineClient
-from recorder.parsers import make_parser
+from recorder.dialects.translate import (
+    ChatRequest,
+    ParseCache,
+    parse_request,
+    response_message_digest,
+)
+from recorder.log import events as ev
+from recorder.log.store import open_store
+from recorder.log.store.base import EventStore
+from recorder.model.engine import EngineClient
+from recorder.model.parsers import make_parser
+from recorder.model.tokenizer import Tokenizer, load_tokenizer
+from recorder.model.tokens import SessionChains, TurnPlan, commit_turn, full_input_ids, plan_turn
 from recorder.server import RecorderServer, ServerConfig, make_context
 from recorder.server.app import freeze_startup_heap
-from recorder.store import open_store
-from recorder.store.base import EventStore
-from recorder.tokenizer import Tokenizer, load_tokenizer
-from recorder.tokens import SessionChains, TurnPlan, commit_turn, full_input_ids, plan_turn
-from recorder.translate import ChatRequest, ParseCache, parse_request, response_message_digest
 from replay.rules import load_rules
 from tools.test_engine.core import EngineCore, build_app
 from tools.test_engine.launch import free_port

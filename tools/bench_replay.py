@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from recorder.events import (  # noqa: E402
+from recorder.log.events import (  # noqa: E402
     ArrayRef,
     ChainDecision,
     GenerateResult,
@@ -59,7 +59,7 @@ from recorder.events import (  # noqa: E402
     SessionClosed,
     SessionOpened,
 )
-from recorder.store import EventStore, open_store  # noqa: E402
+from recorder.log.store import EventStore, open_store  # noqa: E402
 
 GENERATOR_VERSION = 2
 VOCAB = 49_152
@@ -178,7 +178,7 @@ async def generate(path: Path, sessions: int, args: argparse.Namespace) -> None:
 
 
 def cached_log(sessions: int, args: argparse.Namespace) -> Path:
-    from recorder.store.migrations import head_revision
+    from recorder.log.store.migrations import head_revision
 
     # The schema revision is part of the key: a log written under an older
     # schema is regenerated rather than measured through an upgrade.

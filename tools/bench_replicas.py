@@ -293,12 +293,12 @@ async def snapshot_cost(reps: int = 30) -> None:
     """
     from array import array
 
-    from recorder.events import ArrayRef, encode_event
+    from recorder.log.events import ArrayRef, encode_event
+    from recorder.log.store.arrays import encode_array
+    from recorder.model.tokens import Boundary, Chain, SessionChains
     from recorder.server.journal import Journal
     from recorder.server.sessions import SessionState
     from recorder.server.snapshot import add_snapshot
-    from recorder.store.arrays import encode_array
-    from recorder.tokens import Boundary, Chain, SessionChains
 
     rng = np.random.default_rng(0)
     tokens = array("i", rng.integers(0, 150_000, 100_000, dtype=np.int32).tobytes())

@@ -8,7 +8,7 @@ machine, so ratios stay meaningful across hardware:
     into an equivalent table with the same indexes and durability settings,
     fed the very same events. Store and raw runs alternate for R rounds and
     the table shows medians, so load from other processes hits both alike.
-    Ids are time-ordered (UUIDv7, `recorder.ids.uuid7`); a second row
+    Ids are time-ordered (UUIDv7, `recorder.log.ids.uuid7`); a second row
     shows random v4 ids, which scatter inserts over the event_id index;
   - 256 concurrent single-event appenders: group commit vs. one transaction
     per event (the same store with grouping disabled);
@@ -59,18 +59,18 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from recorder.events import ArrayRef, NewEvent, SandboxEvent, encode_event, type_name
-from recorder.ids import uuid7
-from recorder.server.deltas import BodyPrefixes, put_body
-from recorder.store import EventStore, StoreOptions, open_store
-from recorder.store import arrays as codec
-from recorder.store.sql import SqlEventStore
-from recorder.store.sqlite import (
+from recorder.log.events import ArrayRef, NewEvent, SandboxEvent, encode_event, type_name
+from recorder.log.ids import uuid7
+from recorder.log.store import EventStore, StoreOptions, open_store
+from recorder.log.store import arrays as codec
+from recorder.log.store.sql import SqlEventStore
+from recorder.log.store.sqlite import (
     INSERT_EVENTS_SQL,
     INSERT_PIECE_SQL,
     WRITER_CACHE_KIB,
     configure_connection,
 )
+from recorder.server.deltas import BodyPrefixes, put_body
 
 BATCH = 1000
 APPENDERS = 256
@@ -480,7 +480,7 @@ def agent_turn_ids(bodies: list[bytes]) -> list[np.ndarray]:
     """Engine input ids per turn: each turn's input is the previous input plus
     its new messages' text through the fixture tokenizer (real token ids, not
     random ones: they compress like a model's)."""
-    from recorder.tokenizer import load_tokenizer
+    from recorder.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(Path(__file__).resolve().parents[1] / "tests/data/smollm2-tokenizer"))
     out: list[np.ndarray] = []

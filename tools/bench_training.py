@@ -61,7 +61,7 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from recorder.tokenizer import load_tokenizer
+from recorder.model.tokenizer import load_tokenizer
 from tools.bench_middleware import (
     REPO,
     TOKENIZER,

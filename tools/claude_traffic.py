@@ -33,7 +33,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from recorder.tokenizer import Tokenizer
+from recorder.model.tokenizer import Tokenizer
 from tools.test_engine.core import GenRequest
 from tools.test_engine.scripted import WORDS, Reply
 
@@ -443,11 +443,11 @@ def load_fixture(version: str, scenario: str) -> list[dict[str, Any]]:
 
 
 async def record(version: str, scenario: Scenario, out: Path, work: Path, fixtures: bool) -> None:
-    from recorder.engine import EngineClient
-    from recorder.parsers import make_parser
+    from recorder.log.store import open_store
+    from recorder.model.engine import EngineClient
+    from recorder.model.parsers import make_parser
+    from recorder.model.tokenizer import load_tokenizer
     from recorder.server import RecorderServer, ServerConfig, make_context
-    from recorder.store import open_store
-    from recorder.tokenizer import load_tokenizer
     from replay.rules import load_rules
     from tools.test_engine.scripted import ScriptedEngine
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from recorder.tokenizer import convert_gguf_tokenizer
+from recorder.model.tokenizer import convert_gguf_tokenizer
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "smollm2-tokenizer"
 

@@ -537,7 +537,7 @@ def print_samples(result: Any) -> None:
 
 async def projected_digest(db: str, session_id: str) -> tuple[str, str]:
     """(projection name, digest) of the session in the newest `replay reclassify` projection."""
-    from recorder.store import open_store
+    from recorder.log.store import open_store
     from replay.reclassify import SAMPLES_PREFIX
 
     store = await open_store(db)

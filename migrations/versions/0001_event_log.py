@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from recorder.store.tables import EventId, Position
+from recorder.log.store.tables import EventId, Position
 
 revision = "0001"
 down_revision = None

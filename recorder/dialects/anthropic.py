@@ -1,14 +1,14 @@
-"""Anthropic Messages: the translation lives in recorder/translate.py and server/answer.py."""
+"""Anthropic Messages: the translation lives in recorder/dialects/translate.py and server/answer.py."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from recorder.dialects.answer import Answer, content_events, message_json, message_start_event
 from recorder.dialects.base import Dialect, History
-from recorder.server.answer import Answer, content_events, message_json, message_start_event
-from recorder.server.errors import ApiError, error_payload
-from recorder.server.sse import SseFrame
-from recorder.translate import ChatRequest, ParseCache, parse_request
+from recorder.dialects.errors import ApiError, error_payload
+from recorder.dialects.sse import SseFrame
+from recorder.dialects.translate import ChatRequest, ParseCache, parse_request
 
 
 class Anthropic:

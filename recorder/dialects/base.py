@@ -6,11 +6,11 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from recorder.dialects.answer import Answer
+from recorder.dialects.errors import ApiError
+from recorder.dialects.sse import SseFrame
+from recorder.dialects.translate import ChatRequest, Message, ParseCache
 from recorder.redact import redact
-from recorder.server.answer import Answer
-from recorder.server.errors import ApiError
-from recorder.server.sse import SseFrame
-from recorder.translate import ChatRequest, Message, ParseCache
 
 History = Callable[[str], Awaitable[list[Message]]]
 """Resolves a `previous_response_id` to that response's whole conversation (from the log)."""

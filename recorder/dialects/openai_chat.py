@@ -14,7 +14,9 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from recorder.dialects.answer import Answer
 from recorder.dialects.base import OPENAI_PING, Dialect, History, openai_error, usage_numbers
+from recorder.dialects.errors import ApiError
 from recorder.dialects.openai_common import (
     NonEmpty,
     arguments,
@@ -29,10 +31,8 @@ from recorder.dialects.openai_common import (
     tool,
     tool_choice,
 )
-from recorder.server.answer import Answer
-from recorder.server.errors import ApiError
-from recorder.server.sse import SseFrame
-from recorder.translate import (
+from recorder.dialects.sse import SseFrame
+from recorder.dialects.translate import (
     ChatRequest,
     ContentBlock,
     InvalidRequest,

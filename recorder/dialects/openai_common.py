@@ -16,8 +16,8 @@ from typing import Annotated, Any
 
 import msgspec
 
-from recorder.json_limits import MAX_DEPTH, json_problem
-from recorder.translate import (
+from recorder.dialects.json_limits import MAX_DEPTH, json_problem
+from recorder.dialects.translate import (
     AnthropicRequest,
     Base64Source,
     ChatRequest,

@@ -10,5 +10,5 @@ run_rollout`; `common` turns a trainer's settings and dataset row into one
 turn `replay.samples.Sample`s into the trainer's own types with pure functions.
 The hooks run inside trainers' Ray workers on other machines, so nothing here
 assumes the recorder, its log or the sandbox is local: everything is reached
-by URL. Nothing here imports `recorder.server` or `recorder.store`.
+by URL. Nothing here imports `recorder.server` or `recorder.log.store`.
 """

@@ -2,5 +2,5 @@
 
 It talks to the recorder only over its HTTP API (it runs inside trainers'
 workers on other machines), so nothing here imports `recorder.server` or
-`recorder.store`.
+`recorder.log.store`.
 """

@@ -15,16 +15,16 @@ from typing import Annotated, Any
 import msgspec
 from aiohttp import web
 
-from recorder.events import RewardAssigned, SandboxEvent, SessionClosed, SessionOpened
-from recorder.json_limits import json_problem
+from recorder.dialects.errors import ApiError
+from recorder.dialects.json_limits import json_problem
+from recorder.log.events import RewardAssigned, SandboxEvent, SessionClosed, SessionOpened
+from recorder.log.store.base import ConcurrencyConflict
 from recorder.server.auth import require_admin
 from recorder.server.bodies import read_body
 from recorder.server.context import CTX, ServerContext
-from recorder.server.errors import ApiError
 from recorder.server.journal import Journal, finish_even_if_cancelled
 from recorder.server.overrides import InvalidOverride, SessionOverrides, overrides_from_config
 from recorder.server.sessions import SESSION_ID_RE, SessionState, forget_tokens
-from recorder.store.base import ConcurrencyConflict
 
 log = logging.getLogger("recorder.server")
 
@@ -199,7 +199,7 @@ def _fresh_state(
     *,
     attempt: int,
 ) -> SessionState:
-    from recorder.tokens import SessionChains
+    from recorder.model.tokens import SessionChains
 
     return SessionState(
         session_id=session_id,

@@ -14,20 +14,21 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from recorder.admission import check_fits
 from recorder.dialects import ANTHROPIC, OPENAI_CHAT, OPENAI_RESPONSES, Dialect
-from recorder.server.answer import new_message_id
+from recorder.dialects.answer import new_message_id
+from recorder.dialects.errors import ApiError
+from recorder.dialects.translate import ChatRequest, InvalidRequest, parse_request
+from recorder.log.store.base import ConcurrencyConflict, StorageUnavailable
+from recorder.model.admission import check_fits
+from recorder.model.tokens import full_input_ids
 from recorder.server.auth import session_id_of
 from recorder.server.bodies import read_body
 from recorder.server.context import CTX, ServerContext
-from recorder.server.errors import ApiError, contended_error, storage_error
+from recorder.server.errors import contended_error, storage_error
 from recorder.server.history import log_history
 from recorder.server.responders import JsonResponder, Responder, SseResponder, error_response
 from recorder.server.sessions import SessionContended, SessionState
 from recorder.server.turn import reject, run_turn
-from recorder.store.base import ConcurrencyConflict, StorageUnavailable
-from recorder.tokens import full_input_ids
-from recorder.translate import ChatRequest, InvalidRequest, parse_request
 
 log = logging.getLogger("recorder.server")
 

@@ -19,18 +19,19 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from aiohttp.web_urldispatcher import _default_expect_handler
 
+from recorder.dialects.errors import ApiError
 from recorder.server import admin, api
 from recorder.server.context import CTX, ServerConfig, ServerContext
-from recorder.server.errors import ApiError, anthropic_errors, error_response, too_large_message
+from recorder.server.errors import anthropic_errors, error_response, too_large_message
 from recorder.server.protocol import RecorderRunner
 from recorder.server.restore import catch_up, load_session_state
 from recorder.server.sessions import SessionRegistry
 
 if TYPE_CHECKING:
-    from recorder.engine import EngineClient
-    from recorder.parsers import OutputParser
-    from recorder.store.base import EventStore
-    from recorder.tokenizer import Tokenizer
+    from recorder.log.store.base import EventStore
+    from recorder.model.engine import EngineClient
+    from recorder.model.parsers import OutputParser
+    from recorder.model.tokenizer import Tokenizer
     from replay.rules import Rules
 
 log = logging.getLogger("recorder.server")

@@ -6,7 +6,7 @@ import hmac
 
 from aiohttp import web
 
-from recorder.server.errors import ApiError
+from recorder.dialects.errors import ApiError
 
 
 def bearer_or_api_key(request: web.Request) -> str | None:

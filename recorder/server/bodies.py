@@ -15,8 +15,8 @@ import asyncio
 
 from aiohttp import web
 
+from recorder.dialects.errors import ApiError
 from recorder.server.context import CTX
-from recorder.server.errors import ApiError
 
 
 async def read_body(request: web.Request) -> bytes:

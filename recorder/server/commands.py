@@ -193,8 +193,8 @@ def serve(
     except AdminTokenError as exc:
         raise click.ClickException(str(exc)) from None
     register_secret(admin_token)
-    from recorder.parsers import check_parser_names, default_backend
-    from recorder.tokenizer import TokenizerLoadError, load_tokenizer
+    from recorder.model.parsers import check_parser_names, default_backend
+    from recorder.model.tokenizer import TokenizerLoadError, load_tokenizer
     from replay.rules import RulesError, load_rules
 
     backend = parser_backend or default_backend()
@@ -247,10 +247,10 @@ class _StartupError(Exception):
 
 
 async def _serve(tokenizer, rules, **s) -> None:  # type: ignore[no-untyped-def]
-    from recorder.engine import EngineClient
-    from recorder.parsers import make_parser, prefills_reasoning
+    from recorder.log.store import StoreError, StoreOptions, open_store
+    from recorder.model.engine import EngineClient
+    from recorder.model.parsers import make_parser, prefills_reasoning
     from recorder.server.app import RecorderServer, freeze_startup_heap, make_context
-    from recorder.store import StoreError, StoreOptions, open_store
 
     engine = EngineClient(s["engines"], health_interval_s=s["engine_health_interval_s"])
     await engine.start()
@@ -328,18 +328,18 @@ def _claim_database(db_url: str) -> IO[bytes] | None:
     """SQLite: this server's claim on the file (one server per file); Postgres: None."""
     import sqlalchemy as sa
 
-    from recorder.store import normalize_url
+    from recorder.log.store import normalize_url
 
     url = normalize_url(db_url)
     if sa.make_url(url).get_backend_name() != "sqlite":
         return None  # replicas share Postgres under per-session locks
-    from recorder.store.sqlite import claim_sole_server
+    from recorder.log.store.sqlite import claim_sole_server
 
     return claim_sole_server(url)
 
 
 async def _engine_context_length(engine: object) -> int:
-    from recorder.engine import EngineClient
+    from recorder.model.engine import EngineClient
 
     assert isinstance(engine, EngineClient)
     lengths = [await engine.context_length(url) for url in engine.urls]
@@ -353,7 +353,7 @@ async def _engine_context_length(engine: object) -> int:
 
 
 async def _engine_model_name(engine: object) -> str:
-    from recorder.engine import EngineClient, EngineError
+    from recorder.model.engine import EngineClient, EngineError
 
     assert isinstance(engine, EngineClient)
     with contextlib.suppress(EngineError):

@@ -12,10 +12,10 @@ from recorder.admin_token import new_admin_token
 from recorder.server.sessions import SessionRegistry
 
 if TYPE_CHECKING:
-    from recorder.engine import EngineClient
-    from recorder.parsers import OutputParser
-    from recorder.store.base import EventStore
-    from recorder.tokenizer import Tokenizer
+    from recorder.log.store.base import EventStore
+    from recorder.model.engine import EngineClient
+    from recorder.model.parsers import OutputParser
+    from recorder.model.tokenizer import Tokenizer
     from replay.rules import Rules
 
 # Decisions the live server records (chain choice, clamp, TITO verdict) carry

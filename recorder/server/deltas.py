@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from recorder.events import ArrayRef
+from recorder.log.events import ArrayRef
 
 if TYPE_CHECKING:
-    from recorder.store.base import EventStore
-    from recorder.tokens import TurnPlan
+    from recorder.log.store.base import EventStore
+    from recorder.model.tokens import TurnPlan
 
 # Below this many shared bytes a body is stored whole: a delta would save
 # less than the extra piece costs.

@@ -1,74 +1,27 @@
-"""Errors in the Anthropic Messages API shape.
+"""The server's errors: every failure a handler lets escape becomes an answer.
 
-Every failure a client sees is `{"type": "error", "error": {"type", "message"}}`
-with the status Anthropic uses for that type, so SDK retry logic (408/409/429/
-5xx are retried) behaves the same against the recorder as against the real API.
+The shapes (`ApiError`, the error body) are wire format: `recorder.dialects.errors`.
+Here: the errors of the server's own failures (storage, a lost session lock),
+the response with its `x-should-retry` header, and the middleware that turns
+anything escaping a handler into an answer instead of an HTML page.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from recorder.redact import redact
+from recorder.dialects.errors import ApiError, error_payload, error_type_for_status
+from recorder.log.store.base import StorageUnavailable
 from recorder.server.journal import SessionMovedOn
 from recorder.server.sessions import SessionContended
-from recorder.store.base import StorageUnavailable
 
 log = logging.getLogger("recorder.server")
-
-ErrorType = Literal[
-    "invalid_request_error",
-    "authentication_error",
-    "permission_error",
-    "not_found_error",
-    "request_too_large",
-    "rate_limit_error",
-    "api_error",
-    "overloaded_error",
-]
-
-DEFAULT_STATUS: dict[str, int] = {
-    "invalid_request_error": 400,
-    "authentication_error": 401,
-    "permission_error": 403,
-    "not_found_error": 404,
-    "request_too_large": 413,
-    "rate_limit_error": 429,
-    "api_error": 500,
-    "overloaded_error": 529,
-}
-
-_STATUS_TO_TYPE: dict[int, str] = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "request_too_large",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
-    529: "overloaded_error",
-}
-
-
-class ApiError(Exception):
-    """An error to answer with; `status` defaults to the type's usual status.
-
-    Anthropic has no type of its own for 409: conflicts (closed session,
-    duplicate session id) are `invalid_request_error` with status 409.
-    """
-
-    def __init__(self, error_type: ErrorType, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.error_type: str = error_type
-        self.message = message
-        self.status = status if status is not None else DEFAULT_STATUS[error_type]
 
 
 def storage_error(exc: StorageUnavailable) -> ApiError:
@@ -92,12 +45,6 @@ def moved_on_error(exc: SessionMovedOn) -> ApiError:
     )
 
 
-def error_payload(error_type: str, message: str) -> dict[str, Any]:
-    """The error body; its message is redacted (no password or token reaches a client)."""
-    message = redact(message)
-    return {"type": "error", "error": {"type": error_type, "message": message}}
-
-
 def error_response(err: ApiError, payload: dict[str, Any] | None = None) -> web.Response:
     """Every error the server answers: `payload` in the dialect's shape (default Anthropic's),
     its status, and `x-should-retry: false` when a retry cannot fix it."""
@@ -116,12 +63,6 @@ def error_response(err: ApiError, payload: dict[str, Any] | None = None) -> web.
 def retry_can_fix(status: int) -> bool:
     """A timeout, a rate limit or a server-side failure may pass; a client's mistake will not."""
     return status >= 500 or status in (408, 429)
-
-
-def error_type_for_status(status: int) -> str:
-    if status in _STATUS_TO_TYPE:
-        return _STATUS_TO_TYPE[status]
-    return "invalid_request_error" if status < 500 else "api_error"
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -13,7 +13,6 @@ from collections.abc import Awaitable, Callable
 
 import numpy as np
 
-from recorder import events as ev
 from recorder.dialects.base import History
 from recorder.dialects.openai_common import decode
 from recorder.dialects.openai_responses import (
@@ -22,9 +21,10 @@ from recorder.dialects.openai_responses import (
     answered,
     request_messages,
 )
-from recorder.events import RecordedEvent
-from recorder.store.base import EventStore
-from recorder.translate import InvalidRequest, Message
+from recorder.dialects.translate import InvalidRequest, Message
+from recorder.log import events as ev
+from recorder.log.events import RecordedEvent
+from recorder.log.store.base import EventStore
 
 Events = Callable[[], Awaitable[list[RecordedEvent]]]
 

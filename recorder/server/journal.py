@@ -40,15 +40,15 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
-from recorder.events import AnyEvent, ArrayRef, NewEvent, SessionClosed, SessionOpened
-from recorder.ids import uuid7
-from recorder.store.arrays import EncodedArray, encode_array
-from recorder.store.base import ConcurrencyConflict
+from recorder.log.events import AnyEvent, ArrayRef, NewEvent, SessionClosed, SessionOpened
+from recorder.log.ids import uuid7
+from recorder.log.store.arrays import EncodedArray, encode_array
+from recorder.log.store.base import ConcurrencyConflict
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from recorder.store.base import EventStore
+    from recorder.log.store.base import EventStore
 
 T = TypeVar("T")
 

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from recorder.engine import SamplingParams
+from recorder.model.engine import SamplingParams
 
 _FORCED = (
     "temperature",

@@ -23,7 +23,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 
-from recorder.server.errors import ApiError, error_response, error_type_for_status
+from recorder.dialects.errors import ApiError, error_type_for_status
+from recorder.server.errors import error_response
 
 
 class AnthropicErrorsHandler(RequestHandler):

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 import msgspec
 from aiohttp import web
 
+from recorder.dialects.answer import Answer, usage_for
+from recorder.dialects.errors import ApiError
+from recorder.dialects.sse import SseStream
 from recorder.server import errors
-from recorder.server.answer import Answer, usage_for
-from recorder.server.errors import ApiError
-from recorder.server.sse import SseStream
 
 if TYPE_CHECKING:
     from recorder.dialects.base import Dialect

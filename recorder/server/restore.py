@@ -46,8 +46,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from recorder import events as ev
-from recorder.events import ArrayRef, RecordedEvent
+from recorder.dialects.translate import find_dispatches, response_message_digest
+from recorder.log import events as ev
+from recorder.log.events import ArrayRef, RecordedEvent
+from recorder.log.store.base import CorruptArray
+from recorder.model.tokens import SessionChains, commit_turn, note_dispatch, plan_turn, token_array
 from recorder.server.deltas import remember_refs
 from recorder.server.journal import Journal
 from recorder.server.overrides import InvalidOverride, SessionOverrides, overrides_from_config
@@ -60,9 +63,6 @@ from recorder.server.snapshot import (
     restored_records,
     token_refs,
 )
-from recorder.store.base import CorruptArray
-from recorder.tokens import SessionChains, commit_turn, note_dispatch, plan_turn, token_array
-from recorder.translate import find_dispatches, response_message_digest
 
 if TYPE_CHECKING:
     from recorder.dialects.base import History

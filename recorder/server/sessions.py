@@ -32,12 +32,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from recorder.events import ArrayRef
+from recorder.dialects.translate import ParseCache
+from recorder.log.events import ArrayRef
+from recorder.log.store.base import ConcurrencyConflict, SessionLocks
 from recorder.server.deltas import BodyPrefixes
 from recorder.server.journal import Journal
 from recorder.server.overrides import SessionOverrides
-from recorder.store.base import ConcurrencyConflict, SessionLocks
-from recorder.translate import ParseCache
 
 SessionStatus = Literal["open", "closed"]
 T = TypeVar("T")
@@ -73,7 +73,7 @@ class SessionState:
     close_status: str = ""
     # Forced sampling and the turn cap from the session's config (overrides.py).
     overrides: SessionOverrides = field(default_factory=SessionOverrides)
-    # Token chains (recorder.tokens.SessionChains) and, per chain id, the refs
+    # Token chains (recorder.model.tokens.SessionChains) and, per chain id, the refs
     # of stored prefixes of its tokens (length -> ref), so the next input is
     # stored as a delta (see deltas.remember_refs).
     chains: Any = None

@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
-from recorder import events as ev
-from recorder.events import ArrayRef
+from recorder.log import events as ev
+from recorder.log.events import ArrayRef
+from recorder.model.tokens import Boundary, Chain, PendingDispatch, SessionChains, token_array
 from recorder.server.deltas import keep_longest
 from recorder.server.overrides import SessionOverrides
-from recorder.tokens import Boundary, Chain, PendingDispatch, SessionChains, token_array
 
 if TYPE_CHECKING:
     from recorder.server.sessions import SessionState

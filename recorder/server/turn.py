@@ -44,20 +44,7 @@ from typing import Any, NoReturn, TypeVar
 import numpy as np
 from aiohttp import web
 
-from recorder import events as ev
-from recorder.admission import check_fits
-from recorder.engine import (
-    Attempt,
-    EngineError,
-    GenerateOutput,
-    MissingLogprobs,
-    SamplingParams,
-    TurnOutput,
-    generate_with_resume,
-)
-from recorder.events import ArrayRef
-from recorder.parsers import ParserError
-from recorder.server.answer import (
+from recorder.dialects.answer import (
     Answer,
     ToolCallOut,
     build_content,
@@ -66,15 +53,23 @@ from recorder.server.answer import (
     stop_reason_for,
     usage_for,
 )
-from recorder.server.context import LIVE_RULES_VERSION, ServerContext
-from recorder.server.deltas import put_body, put_input, remember_refs
-from recorder.server.errors import ApiError, moved_on_error, storage_error
-from recorder.server.journal import Journal, SessionMovedOn, finish_even_if_cancelled
-from recorder.server.responders import Responder
-from recorder.server.sessions import SessionState
-from recorder.server.snapshot import add_snapshot
-from recorder.store.base import ConcurrencyConflict, StorageUnavailable
-from recorder.tokens import (
+from recorder.dialects.errors import ApiError
+from recorder.dialects.translate import ChatRequest, find_dispatches, response_message_digest
+from recorder.log import events as ev
+from recorder.log.events import ArrayRef
+from recorder.log.store.base import ConcurrencyConflict, StorageUnavailable
+from recorder.model.admission import check_fits
+from recorder.model.engine import (
+    Attempt,
+    EngineError,
+    GenerateOutput,
+    MissingLogprobs,
+    SamplingParams,
+    TurnOutput,
+    generate_with_resume,
+)
+from recorder.model.parsers import ParserError
+from recorder.model.tokens import (
     ContextOverflow,
     TurnPlan,
     clamp_max_new_tokens,
@@ -84,7 +79,13 @@ from recorder.tokens import (
     render_chars,
     tito_check,
 )
-from recorder.translate import ChatRequest, find_dispatches, response_message_digest
+from recorder.server.context import LIVE_RULES_VERSION, ServerContext
+from recorder.server.deltas import put_body, put_input, remember_refs
+from recorder.server.errors import moved_on_error, storage_error
+from recorder.server.journal import Journal, SessionMovedOn, finish_even_if_cancelled
+from recorder.server.responders import Responder
+from recorder.server.sessions import SessionState
+from recorder.server.snapshot import add_snapshot
 
 log = logging.getLogger("recorder.server")
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from recorder.tokenizer import Tokenizer, load_tokenizer
+from recorder.model.tokenizer import Tokenizer, load_tokenizer
 from tests.conftest import smollm2_gguf
 
 FIXTURE_TOKENIZER = Path(__file__).resolve().parent.parent / "data" / "smollm2-tokenizer"

@@ -5,7 +5,7 @@ several calls and its reasoning. `corpus(family)` builds the cases the issue
 lists (text around calls, two calls, bad JSON next to a good call, an unknown
 tool, a call cut off at max_tokens, text after the last call, reasoning forced
 and not, reasoning then calls), each with the expected `ParsedOutput` written
-from recorder/parse_policy.py's rules, never from a parser's answer.
+from recorder/model/parse_policy.py's rules, never from a parser's answer.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from recorder.parse_policy import ParsedOutput, ToolCall
+from recorder.model.parse_policy import ParsedOutput, ToolCall
 
 TOOLS: list[dict[str, Any]] = [  # Anthropic-style, as agents send them
     {

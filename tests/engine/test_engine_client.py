@@ -8,7 +8,7 @@ import base64
 import numpy as np
 import pytest
 
-from recorder.engine import (
+from recorder.model.engine import (
     Attempt,
     EngineClient,
     EngineError,

@@ -10,8 +10,8 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from recorder.parse_policy import opened_calls, settle_calls, settle_reasoning
-from recorder.parsers import (
+from recorder.model.parse_policy import opened_calls, settle_calls, settle_reasoning
+from recorder.model.parsers import (
     SGLANG_REASONING_PARSERS,
     SGLANG_TOOL_PARSERS,
     HttpParser,
@@ -23,8 +23,8 @@ from recorder.parsers import (
     prefills_reasoning,
     split_reasoning_for,
 )
+from recorder.model.tokenizer import load_tokenizer
 from recorder.server.commands import serve
-from recorder.tokenizer import load_tokenizer
 from tests.conftest import REPO
 from tools.test_engine import ScriptedEngine, free_port
 
@@ -183,7 +183,7 @@ def test_a_broken_sglang_install_is_reported_not_crashed_on(tmp_path) -> None:  
     (broken / "function_call_parser.py").write_text("raise AttributeError('triton.language')\n")
     code = (
         "from recorder import sglang_compat\n"
-        "from recorder.parsers import default_backend, make_parser\n"
+        "from recorder.model.parsers import default_backend, make_parser\n"
         "assert not sglang_compat.available()\n"
         "assert default_backend() == 'builtin'\n"
         "try:\n"

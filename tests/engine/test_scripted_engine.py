@@ -9,7 +9,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from recorder.engine import EngineClient, SamplingParams, new_rid
+from recorder.model.engine import EngineClient, SamplingParams, new_rid
 from tools.test_engine import (
     EngineCore,
     Fault,

@@ -14,8 +14,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from recorder import sglang_compat
-from recorder.engine import EngineClient, SamplingParams, new_rid
+from recorder.model import sglang_compat
+from recorder.model.engine import EngineClient, SamplingParams, new_rid
 from tools.test_engine import ScriptedEngine
 from tools.test_engine.contract import (
     GenerateContract,

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from recorder import sglang_compat
-from recorder.parsers import (
+from recorder.model import sglang_compat
+from recorder.model.parsers import (
     SGLANG_REASONING_PARSERS,
     SGLANG_TOOL_PARSERS,
     SGLANG_VERSION,
@@ -43,11 +43,11 @@ def test_parsers_import_without_the_package_init() -> None:
     """In a fresh interpreter: `sglang/__init__` (triton, zmq: not installed here) never runs."""
     code = (
         "import sys\n"
-        "from recorder.parsers import make_parser\n"
+        "from recorder.model.parsers import make_parser\n"
         "make_parser('qwen25', 'qwen3', 'sglang')\n"
         "bad = [m for m in ('triton', 'zmq', 'sglang.srt.utils') if m in sys.modules]\n"
         "assert not bad, bad\n"
-        "from recorder.parsers import default_backend\n"
+        "from recorder.model.parsers import default_backend\n"
         "print(default_backend())\n"
     )
     out = subprocess.run(

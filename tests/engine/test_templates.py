@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recorder.tokenizer import load_tokenizer
+from recorder.model.tokenizer import load_tokenizer
 
 from .conftest import FIXTURE_TOKENIZER
 

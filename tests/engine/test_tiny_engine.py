@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from recorder.engine import EngineClient, SamplingParams, generate_with_resume, new_rid
-from recorder.tokenizer import load_tokenizer
+from recorder.model.engine import EngineClient, SamplingParams, generate_with_resume, new_rid
+from recorder.model.tokenizer import load_tokenizer
 from tools.test_engine import Fault
 
 from .conftest import FIXTURE_TOKENIZER, smollm2_gguf_or_skip

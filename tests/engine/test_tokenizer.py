@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from recorder.tokenizer import (
+from recorder.model.tokenizer import (
     TemplateNotIncremental,
     TokenizerLoadError,
     bundled_template,

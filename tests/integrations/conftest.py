@@ -68,7 +68,7 @@ def _wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path, timeout_s:
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    from recorder.tokenizer import load_tokenizer
+    from recorder.model.tokenizer import load_tokenizer
     from tools.tasks.build import build_all
     from tools.tasks.policy import task_policy
     from tools.test_engine.core import EngineCore

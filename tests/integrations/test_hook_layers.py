@@ -10,7 +10,7 @@ import recorder.integrations
 from tests.layers import imported_modules
 
 ROOT = Path(recorder.integrations.__file__).parent
-FORBIDDEN = ("recorder.server", "recorder.store")
+FORBIDDEN = ("recorder.server", "recorder.log.store")
 
 
 def test_no_hook_imports_the_server_the_store_or_slime() -> None:

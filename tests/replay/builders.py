@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from recorder.events import (
+from recorder.log.events import (
     ArrayRef,
     ChainDecision,
     ClientDisconnected,
@@ -152,7 +152,7 @@ class Log:
 
     def reward_v1(self, value: float) -> Log:
         """A RewardAssigned as written by schema v1 (decoded through the upcaster)."""
-        from recorder.events import decode_event
+        from recorder.log.events import decode_event
 
         raw = msgspec.msgpack.encode({"type": "reward_assigned", "value": value})
         return self.emit(decode_event("reward_assigned", 1, raw), version=1)

@@ -10,7 +10,7 @@ import pytest
 from builders import Log, small_logs, write_to
 from click.testing import CliRunner, Result
 
-from recorder.store import open_store
+from recorder.log.store import open_store
 from replay.cli import main
 from replay.export import read_samples
 from replay.rules import REDUCER_VERSION
@@ -24,8 +24,8 @@ BODY = json.dumps(
 
 def tito_log() -> Log:
     """A turn whose input is the real template render of BODY, with a TITO failure."""
-    from recorder.tokenizer import load_tokenizer
-    from recorder.translate import parse_request
+    from recorder.dialects.translate import parse_request
+    from recorder.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(TOKENIZER))
     req = parse_request(BODY)

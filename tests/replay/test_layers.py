@@ -33,13 +33,13 @@ def test_reducer_modules_import_no_clock_randomness_or_io(module: str) -> None:
     }
     assert not imported & IMPURE, f"replay/{module}.py imports {sorted(imported & IMPURE)}"
     text = (REPO / "replay" / f"{module}.py").read_text()
-    assert "recorder.server" not in text and "recorder.engine" not in text
+    assert "recorder.server" not in text and "recorder.model.engine" not in text
 
 
 def test_replay_cli_loads_no_server_or_engine() -> None:
     code = (
         "import sys, replay.cli, replay.reclassify, replay.reducer\n"
-        "bad = [m for m in ('recorder.server', 'recorder.engine', 'aiohttp') if m in sys.modules]\n"
+        "bad = [m for m in ('recorder.server', 'recorder.model.engine', 'aiohttp') if m in sys.modules]\n"
         "print(','.join(bad))\n"
     )
     out = subprocess.run(
@@ -52,7 +52,7 @@ def test_samples_and_reducer_load_no_storage_stack() -> None:
     """Trainer hooks read `replay.samples` inside Ray workers: no SQLAlchemy, no store."""
     code = (
         "import sys, replay.samples, replay.reducer, replay.placeholders\n"
-        "bad = [m for m in ('sqlalchemy', 'recorder.store', 'aiohttp') if m in sys.modules]\n"
+        "bad = [m for m in ('sqlalchemy', 'recorder.log.store', 'aiohttp') if m in sys.modules]\n"
         "print(','.join(bad))\n"
     )
     out = subprocess.run(

@@ -11,9 +11,9 @@ import pytest
 from builders import Log, small_logs, write_to
 from click.testing import CliRunner
 
-from recorder.events import ArrayRef, RecordedEvent, SandboxEvent
-from recorder.store import CorruptArray, EventStore, StoreOptions, open_store
-from recorder.store.sql import SqlEventStore
+from recorder.log.events import ArrayRef, RecordedEvent, SandboxEvent
+from recorder.log.store import CorruptArray, EventStore, StoreOptions, open_store
+from recorder.log.store.sql import SqlEventStore
 from replay import close_session_samples
 from replay.export import export_samples
 from replay.load import iter_session_logs, load_arrays, load_session
@@ -52,7 +52,7 @@ async def interleaved(store: EventStore) -> list[Log]:
         mappings.append({d: await store.put_array(a) for d, a in log.arrays.items()})
     from builders import _rewrite_refs
 
-    from recorder.events import NewEvent
+    from recorder.log.events import NewEvent
 
     cursors = [0] * len(logs)
     while any(c < len(log.events) for c, log in zip(cursors, logs, strict=True)):
@@ -140,7 +140,7 @@ async def test_late_event_after_close_re_yields_the_whole_session(sqlite_store: 
     other = Log("other").open()
     other.close()
     await write_to(sqlite_store, other)
-    from recorder.events import NewEvent, RewardAssigned
+    from recorder.log.events import NewEvent, RewardAssigned
 
     await sqlite_store.append("late", [NewEvent(event=RewardAssigned(reward=0.5))])
     yields = [
@@ -202,7 +202,7 @@ async def test_a_corrupt_array_only_loses_its_turn(sqlite_store: EventStore) -> 
 
 
 async def test_events_of_other_kinds_do_not_disturb_the_stream(sqlite_store: EventStore) -> None:
-    from recorder.events import NewEvent
+    from recorder.log.events import NewEvent
 
     await sqlite_store.append("sandbox-only", [NewEvent(event=SandboxEvent(kind="boot"))])
     log = small_logs()[0]
@@ -276,18 +276,18 @@ def test_whole_log_commands_open_the_store_lean(
     """reclassify/export/stats open with `StoreOptions.streaming()`; show keeps the defaults."""
     import asyncio
 
-    import recorder.store
+    import recorder.log.store
     from replay.cli import main
 
     asyncio.run(_written_logs(sqlite_url, 2))
     opened: list[StoreOptions | None] = []
-    real = recorder.store.open_store
+    real = recorder.log.store.open_store
 
     async def spy(url: str, **kwargs: Any) -> EventStore:
         opened.append(kwargs.get("options"))
         return await real(url, **kwargs)
 
-    monkeypatch.setattr(recorder.store, "open_store", spy)
+    monkeypatch.setattr(recorder.log.store, "open_store", spy)
     runner = CliRunner()
     for args in (
         ["reclassify", "--db", sqlite_url],

@@ -7,10 +7,10 @@ import uuid
 import msgspec
 from builders import Log, small_logs, write_to
 
-from recorder.events import NewEvent, SessionClosed, SessionOpened
-from recorder.store import EventStore, open_store
-from recorder.store.copy import copy_store
-from recorder.store.tables import events as events_table
+from recorder.log.events import NewEvent, SessionClosed, SessionOpened
+from recorder.log.store import EventStore, open_store
+from recorder.log.store.copy import copy_store
+from recorder.log.store.tables import events as events_table
 from replay import close_session_samples, encode_result
 from replay.reclassify import SAMPLES_PREFIX, SUMMARY_PREFIX, reclassify
 from replay.rules import PRESETS, Rules

@@ -10,7 +10,7 @@ from builders import Attempt, Log, TurnRef
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from recorder.events import GenerateResult
+from recorder.log.events import GenerateResult
 from replay.reducer import reduce_session
 from replay.rules import Rules
 from replay.samples import check_invariants, encode_result

@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from recorder.model.tokenizer import Tokenizer, load_tokenizer
 from recorder.rollout.sandbox.local import marked_pids
 from recorder.rollout.tasks import Task, load_tasks
-from recorder.tokenizer import Tokenizer, load_tokenizer
 from tests.server.conftest import FIXTURE_TOKENIZER, Harness, make_harness
 from tools.tasks.build import build_all
 from tools.tasks.policy import task_policy
@@ -44,7 +44,7 @@ async def policy_recorder(
 
 async def sandbox_ids(h: Harness, session_id: str) -> list[str]:
     """The sandboxes a rollout's log says it created."""
-    from recorder import events as ev
+    from recorder.log import events as ev
 
     created = [e for e in await h.payloads(session_id, ev.SandboxEvent)]
     return [str(e.detail["sandbox_id"]) for e in created if e.kind == "sandbox_created"]

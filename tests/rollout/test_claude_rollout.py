@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from rollout_harness import chat_tokenizer, leftovers, policy_recorder, sandbox_ids, shipped_tasks
 
-from recorder import events as ev
+from recorder.log import events as ev
 from recorder.rollout.agent import AgentSpec
 from recorder.rollout.driver import RolloutRequest, RolloutResult, run_group, run_rollout
 from recorder.rollout.sandbox import SandboxSpec

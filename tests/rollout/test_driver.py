@@ -12,7 +12,7 @@ import msgspec
 import pytest
 from rollout_harness import leftovers, policy_recorder, sandbox_ids, shipped_tasks
 
-from recorder import events as ev
+from recorder.log import events as ev
 from recorder.rollout.agent import AgentSpec
 from recorder.rollout.driver import RolloutRequest, run_group, run_rollout
 from recorder.rollout.sandbox import SandboxSpec

@@ -11,7 +11,7 @@ import pytest
 from rollout_harness import chat_tokenizer, policy_recorder, sandbox_ids, shipped_tasks
 from sandbox_backends import Backend
 
-from recorder import events as ev
+from recorder.log import events as ev
 from recorder.rollout.agent import AgentSpec
 from recorder.rollout.driver import RolloutRequest, run_group
 from tests.server.conftest import Harness

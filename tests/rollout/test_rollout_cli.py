@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from rollout_harness import shipped_tasks
 
-from recorder import events as ev
+from recorder.log import events as ev
+from recorder.log.store import open_store
 from recorder.rollout.sandbox.local import marked_pids
-from recorder.store import open_store
 from tests.conftest import claude_code_binary
 from tools.tasks.build import TASKS
 from tools.test_engine.launch import REPO_ROOT, free_port

@@ -9,7 +9,7 @@ from pathlib import Path
 import recorder.rollout
 from tests.layers import imported_modules
 
-FORBIDDEN = ("recorder.server", "recorder.store")
+FORBIDDEN = ("recorder.server", "recorder.log.store")
 ROOT = Path(recorder.rollout.__file__).parent
 
 

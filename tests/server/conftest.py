@@ -18,13 +18,13 @@ import anthropic
 import numpy as np
 import pytest
 
-from recorder.engine import EngineClient
-from recorder.events import AnyEvent, ArrayRef, RecordedEvent
-from recorder.parsers import OutputParser, make_parser
+from recorder.log.events import AnyEvent, ArrayRef, RecordedEvent
+from recorder.log.store import open_store
+from recorder.log.store.base import EventStore
+from recorder.model.engine import EngineClient
+from recorder.model.parsers import OutputParser, make_parser
+from recorder.model.tokenizer import Tokenizer, load_tokenizer
 from recorder.server import RecorderServer, ServerConfig, ServerContext, make_context
-from recorder.store import open_store
-from recorder.store.base import EventStore
-from recorder.tokenizer import Tokenizer, load_tokenizer
 from replay.rules import load_rules
 from tools.test_engine.scripted import ScriptedEngine
 

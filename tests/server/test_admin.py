@@ -8,7 +8,7 @@ from typing import Any
 import anthropic
 import pytest
 
-from recorder import events as ev
+from recorder.log import events as ev
 from replay import check_invariants, close_session_samples
 from tests.server.conftest import Harness, make_harness, tool_call_text
 from tests.server.test_e2e import ask, echo, tool_result

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from recorder.server.answer import (
+from recorder.dialects.answer import (
     Answer,
     ToolCallOut,
     build_content,
@@ -18,7 +18,7 @@ from recorder.server.answer import (
     thinking_signature,
     usage_for,
 )
-from recorder.server.sse import encode_sse
+from recorder.dialects.sse import encode_sse
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from recorder import events as ev
+from recorder.log import events as ev
 from recorder.server.app import free_port
 from tests.server.conftest import Harness, make_harness
 from tools.test_engine.scripted import Reply

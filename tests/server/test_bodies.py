@@ -6,10 +6,10 @@ import json
 import sqlite3
 from typing import Any
 
-from recorder import events as ev
-from recorder.store import StoreOptions, open_store
-from recorder.store import arrays as codec
-from recorder.store.sql import MAX_BASIS_DEPTH
+from recorder.log import events as ev
+from recorder.log.store import StoreOptions, open_store
+from recorder.log.store import arrays as codec
+from recorder.log.store.sql import MAX_BASIS_DEPTH
 from tests.server.conftest import SYSTEM, TOOLS, Harness
 
 TURNS = MAX_BASIS_DEPTH + 4  # past one bound on the basis chain

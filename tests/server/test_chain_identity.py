@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from recorder import events as ev
+from recorder.log import events as ev
 from replay.load import load_session
 from replay.reducer import reduce_session
 from replay.rules import Rules

@@ -23,7 +23,7 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from recorder.tokenizer import Tokenizer
+from recorder.model.tokenizer import Tokenizer
 from tests.server.conftest import Harness, make_harness, tool_call_text
 from tests.server.test_chain_identity import (
     COMPACT,

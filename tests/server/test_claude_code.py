@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from recorder import events as ev
+from recorder.log import events as ev
 from tests.conftest import claude_code_binary
 from tests.server.conftest import make_harness, tool_call_text
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from recorder import events as ev
-from recorder.tokenizer import Tokenizer
+from recorder.log import events as ev
+from recorder.model.tokenizer import Tokenizer
 from tests.conftest import (
     CLAUDE_CODE_VERSIONS,
     _create_database,

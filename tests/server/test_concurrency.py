@@ -7,7 +7,7 @@ from typing import Any
 
 import anthropic
 
-from recorder import events as ev
+from recorder.log import events as ev
 from replay import check_invariants
 from tests.server.conftest import Harness, make_harness
 from tests.server.test_e2e import ask, echo

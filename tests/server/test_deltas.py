@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 import json
 
+from recorder.log.store import open_store
 from recorder.server.deltas import MIN_SHARED_BYTES, BodyPrefixes, put_body, shared_prefix_len
-from recorder.store import open_store
 from tests.server.conftest import array_rows
 
 

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from recorder.admin_token import AdminTokenError, read_token_file, resolve_admin_token
+from recorder.dialects.errors import error_payload
 from recorder.redact import RedactingFilter, redact, register_secret
-from recorder.server.errors import error_payload
 from tests.server.conftest import FIXTURE_TOKENIZER, Harness
 from tests.server.test_e2e import ask
 
@@ -96,7 +96,7 @@ async def test_store_error_answer_is_redacted(harness: Harness) -> None:
     secret_url = "postgresql+asyncpg://trainer:hunter2@db/runs"
 
     async def failing_append(*args: Any, **kwargs: Any) -> Any:
-        from recorder.store import StoreError
+        from recorder.log.store import StoreError
 
         raise StoreError(f"could not write to {secret_url}")
 

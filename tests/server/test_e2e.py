@@ -9,9 +9,9 @@ from typing import Any
 import anthropic
 import pytest
 
-from recorder import events as ev
+from recorder.dialects.translate import parse_request
+from recorder.log import events as ev
 from recorder.server.deltas import MIN_SHARED_BYTES, shared_prefix_len
-from recorder.translate import parse_request
 from tests.server.conftest import (
     SYSTEM,
     TOOLS,

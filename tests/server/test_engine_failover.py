@@ -21,7 +21,7 @@ import msgspec
 import openai
 import pytest
 
-from recorder import events as ev
+from recorder.log import events as ev
 from recorder.server import free_port
 from replay.export import export_samples, read_samples
 from replay.rules import Rules

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from recorder import events as ev
-from recorder.admission import min_prompt_tokens
-from recorder.tokenizer import Tokenizer
-from recorder.translate import parse_request
+from recorder.dialects.translate import parse_request
+from recorder.log import events as ev
+from recorder.model.admission import min_prompt_tokens
+from recorder.model.tokenizer import Tokenizer
 from tests.server.conftest import Harness, make_harness
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -13,7 +13,7 @@ from typing import Any
 import anthropic
 import pytest
 
-from recorder import events as ev
+from recorder.log import events as ev
 from tests.server.conftest import FIXTURE_TOKENIZER, make_harness, tool_call_text
 from tests.server.test_e2e import ask, echo, tool_result
 from tools.test_engine import Fault
@@ -148,7 +148,7 @@ async def _admin(base: str, method: str, path: str, body: Any = None) -> Any:
 
 async def _until_recorded(db: Path, sid: str, kind: type, *, turn: int) -> None:
     """Until the server (another process) made an event of `kind` for `turn` durable."""
-    from recorder.store import open_store
+    from recorder.log.store import open_store
 
     store = await open_store(str(db))
     try:
@@ -163,7 +163,7 @@ async def _until_recorded(db: Path, sid: str, kind: type, *, turn: int) -> None:
 
 
 async def test_serve_command_exits_cleanly_on_sigterm(tokenizer: Any, tmp_path: Path) -> None:
-    from recorder.store import open_store
+    from recorder.log.store import open_store
 
     db = tmp_path / "runs.db"
     async with ScriptedEngine(tokenizer, context_length=4096) as engine:
@@ -196,7 +196,7 @@ async def test_serve_command_exits_cleanly_on_sigterm(tokenizer: Any, tmp_path: 
 
 async def test_kill_9_mid_turn_then_restart_and_go_on(tokenizer: Any, tmp_path: Path) -> None:
     """The server dies mid-generate; a new one picks the session up from the log."""
-    from recorder.store import open_store
+    from recorder.log.store import open_store
 
     db = tmp_path / "runs.db"
     async with ScriptedEngine(tokenizer, context_length=4096) as engine:

@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from recorder.log.store.sql import MAX_BASIS_DEPTH
+from recorder.model.tokenizer import Tokenizer
 from recorder.server.deltas import MAX_CHAIN_REFS
-from recorder.store.sql import MAX_BASIS_DEPTH
-from recorder.tokenizer import Tokenizer
 from tests.server.conftest import SYSTEM, Harness, make_harness
 
 TURNS = MAX_BASIS_DEPTH + 8  # past one rebase of the body's basis chain, past MAX_CHAIN_REFS

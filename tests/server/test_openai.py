@@ -14,8 +14,8 @@ import aiohttp
 import openai
 import pytest
 
-from recorder import events as ev
-from recorder.translate import InvalidRequest
+from recorder.dialects.translate import InvalidRequest
+from recorder.log import events as ev
 from tests.server.conftest import Harness, tool_call_text
 
 SYSTEM = "You are a careful coding agent."
@@ -715,7 +715,7 @@ async def test_models_list_reads_in_the_openai_sdk(harness: Harness) -> None:
 
 async def test_chat_parse_through_the_session_caches_equals_a_fresh_parse() -> None:
     from recorder.dialects import OPENAI_CHAT
-    from recorder.translate import ParseCache
+    from recorder.dialects.translate import ParseCache
 
     cache = ParseCache()
     messages: list[dict[str, Any]] = [
@@ -744,7 +744,7 @@ async def test_chat_parse_through_the_session_caches_equals_a_fresh_parse() -> N
 
 async def test_responses_parse_through_the_session_caches_equals_a_fresh_parse() -> None:
     from recorder.dialects import OPENAI_RESPONSES
-    from recorder.translate import Message, ParseCache
+    from recorder.dialects.translate import Message, ParseCache
 
     earlier = [Message(role="user", content="Earlier question"),
                Message(role="assistant", content="Earlier answer")]  # fmt: skip

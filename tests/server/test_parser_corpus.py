@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from recorder import events as ev
-from recorder.parsers import make_parser
-from recorder.tokenizer import Tokenizer
+from recorder.log import events as ev
+from recorder.model.parsers import make_parser
+from recorder.model.tokenizer import Tokenizer
 from replay.show import describe
 from tests.engine.parser_corpus import FAMILIES, LS, TOOLS, Family, anthropic_blocks, corpus
 from tools.test_engine.scripted import Reply

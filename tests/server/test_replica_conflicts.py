@@ -30,12 +30,12 @@ import anthropic
 import msgspec
 import pytest
 
-from recorder import events as ev
-from recorder.events import NewEvent
-from recorder.ids import uuid7
+from recorder.log import events as ev
+from recorder.log.events import NewEvent
+from recorder.log.ids import uuid7
+from recorder.log.store.base import EventStore
+from recorder.model.tokenizer import Tokenizer
 from recorder.server import RecorderServer
-from recorder.store.base import EventStore
-from recorder.tokenizer import Tokenizer
 from replay.samples import Sample
 from tests.server.conftest import Harness, make_harness
 from tests.server.test_e2e import echo

@@ -26,7 +26,7 @@ import anthropic
 import msgspec
 import pytest
 
-from recorder import events as ev
+from recorder.log import events as ev
 from replay.export import read_samples
 from replay.samples import Sample
 from tests.server.conftest import FIXTURE_TOKENIZER, make_harness
@@ -126,7 +126,7 @@ def _exported(db_url: str, out: Path) -> dict[str, list[Sample]]:
 async def test_three_replicas_random_routing_and_a_kill(
     tokenizer: Any, postgres_url: str, tmp_path: Path
 ) -> None:
-    from recorder.store import open_store
+    from recorder.log.store import open_store
 
     random.seed(14)
     async with ScriptedEngine(tokenizer, context_length=4096) as engine:
@@ -247,7 +247,7 @@ async def _kill_lock_connections(url: str, stop: asyncio.Event, killing: bool) -
     frees their locks while the turns they guard run on. Returns how many it killed."""
     import asyncpg
 
-    from recorder.store.session_locks import SESSION_LOCK_CLASS
+    from recorder.log.store.session_locks import SESSION_LOCK_CLASS
 
     killed = 0
     if not killing:
@@ -271,8 +271,8 @@ async def _kill_lock_connections(url: str, stop: asyncio.Event, killing: bool) -
 async def test_one_session_on_two_servers_without_a_working_lock(
     tokenizer: Any, postgres_url: str, tmp_path: Path, lock: str
 ) -> None:
-    from recorder.store import open_store
-    from recorder.store.base import SessionLocks
+    from recorder.log.store import open_store
+    from recorder.log.store.base import SessionLocks
 
     random.seed(14)
     h = await make_harness(tokenizer, postgres_url, engine_kwargs={"token_delay_s": 0.001})

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from recorder import events as ev
+from recorder.log import events as ev
 from tests.server.conftest import Harness, make_harness
 from tests.server.test_e2e import ask
 

@@ -8,11 +8,11 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from recorder.events import NewEvent, SandboxEvent
+from recorder.log.events import NewEvent, SandboxEvent
+from recorder.log.store.arrays import EncodedArray
+from recorder.log.store.base import ConcurrencyConflict
 from recorder.server.journal import Journal, finish_even_if_cancelled
 from recorder.server.sessions import SessionRegistry, SessionState
-from recorder.store.arrays import EncodedArray
-from recorder.store.base import ConcurrencyConflict
 
 
 class FakeStore:
@@ -211,7 +211,7 @@ async def test_conflict_keeps_the_batch_for_the_caller() -> None:
 
 
 def test_journal_event_ids_are_unique_and_time_ordered() -> None:
-    from recorder.ids import uuid7
+    from recorder.log.ids import uuid7
 
     ids = [uuid7() for _ in range(10_000)]
     assert len(set(ids)) == 10_000

@@ -21,14 +21,14 @@ from typing import Any
 import msgspec
 import pytest
 
-from recorder import events as ev
-from recorder.events import ArrayRef, NewEvent
+from recorder.dialects.translate import parse_request
+from recorder.log import events as ev
+from recorder.log.events import ArrayRef, NewEvent
+from recorder.model.tokens import plan_turn
 from recorder.server import restore, snapshot, turn
 from recorder.server.deltas import MAX_CHAIN_REFS
 from recorder.server.restore import load_session_state
 from recorder.server.sessions import SessionState
-from recorder.tokens import plan_turn
-from recorder.translate import parse_request
 from tests.server.conftest import Harness, array_rows, tool_call_text
 from tests.server.test_chain_identity import COMPACT, SUB_SYSTEM
 from tests.server.test_e2e import SYSTEM, TOOLS, ask, echo, tool_result

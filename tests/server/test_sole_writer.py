@@ -16,9 +16,9 @@ from typing import Any
 import anthropic
 import pytest
 
-from recorder import events as ev
-from recorder.store import open_store
-from recorder.tokenizer import Tokenizer
+from recorder.log import events as ev
+from recorder.log.store import open_store
+from recorder.model.tokenizer import Tokenizer
 from tests.server.conftest import Harness, make_harness
 from tests.server.test_e2e import ask, echo
 from tests.server.test_snapshots import plain_turns

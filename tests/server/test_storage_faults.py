@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from recorder import events as ev
-from recorder.tokenizer import Tokenizer
+from recorder.log import events as ev
+from recorder.model.tokenizer import Tokenizer
 from tests.conftest import _postgres_admin_url, missing
 from tests.server.conftest import Harness, make_harness
 

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from recorder import events as ev
-from recorder.engine import GenerateOutput
-from recorder.parsers import make_parser
+from recorder.log import events as ev
+from recorder.model.engine import GenerateOutput
+from recorder.model.parsers import make_parser
 from tests.conftest import smollm2_gguf
 from tests.server.conftest import FIXTURE_TOKENIZER, make_harness
 

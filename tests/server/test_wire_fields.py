@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from recorder import events as ev
+from recorder.log import events as ev
 from tests.server.conftest import SYSTEM, TOOLS, Harness, tool_call_text
 from tools.claude_traffic import tiny_png
 from tools.test_engine.scripted import Reply

@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from recorder.events import NewEvent, SandboxEvent
-from recorder.store import open_store
+from recorder.log.events import NewEvent, SandboxEvent
+from recorder.log.store import open_store
 
 
 async def writer(store: object, w: int) -> None:

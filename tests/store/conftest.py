@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from recorder.events import NewEvent, SandboxEvent
+from recorder.log.events import NewEvent, SandboxEvent
 
 MakeEvents = Callable[..., list[NewEvent]]
 

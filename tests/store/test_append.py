@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import pytest
 
-from recorder.events import NewEvent, SandboxEvent
-from recorder.store import ConcurrencyConflict, EventStore, IdempotencyConflict, open_store
+from recorder.log.events import NewEvent, SandboxEvent
+from recorder.log.store import ConcurrencyConflict, EventStore, IdempotencyConflict, open_store
 
 MakeEvents = Callable[..., list[NewEvent]]
 

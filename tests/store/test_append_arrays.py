@@ -8,10 +8,10 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 import pytest
 
-from recorder.events import ArrayRef, NewEvent, SandboxEvent
-from recorder.store import ArrayNotFound, ConcurrencyConflict, EventStore, open_store
-from recorder.store import arrays as codec
-from recorder.store.sql import SqlEventStore
+from recorder.log.events import ArrayRef, NewEvent, SandboxEvent
+from recorder.log.store import ArrayNotFound, ConcurrencyConflict, EventStore, open_store
+from recorder.log.store import arrays as codec
+from recorder.log.store.sql import SqlEventStore
 
 MakeEvents = Callable[..., list[NewEvent]]
 RawExecute = Callable[..., Awaitable[list[tuple[object, ...]]]]

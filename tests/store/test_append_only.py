@@ -6,8 +6,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from recorder.events import NewEvent, SandboxEvent
-from recorder.store import EventStore, open_store
+from recorder.log.events import NewEvent, SandboxEvent
+from recorder.log.store import EventStore, open_store
 
 RawExecute = Callable[..., Awaitable[list[tuple[object, ...]]]]
 

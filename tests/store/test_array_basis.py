@@ -9,12 +9,19 @@ import numpy as np
 import pytest
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from recorder.events import ArrayRef
-from recorder.store import ArrayNotFound, CorruptArray, StoreOptions, migrations, open_store, sql
-from recorder.store import arrays as codec
-from recorder.store.copy import copy_store
-from recorder.store.pieces import chain
-from recorder.store.sql import SqlEventStore
+from recorder.log.events import ArrayRef
+from recorder.log.store import (
+    ArrayNotFound,
+    CorruptArray,
+    StoreOptions,
+    migrations,
+    open_store,
+    sql,
+)
+from recorder.log.store import arrays as codec
+from recorder.log.store.copy import copy_store
+from recorder.log.store.pieces import chain
+from recorder.log.store.sql import SqlEventStore
 
 RawExecute = Callable[..., Awaitable[list[tuple[object, ...]]]]
 

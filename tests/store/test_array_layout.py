@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from recorder.events import ArrayRef
-from recorder.store import SchemaOutOfDate, migrations, open_store
-from recorder.store import arrays as codec
-from recorder.store.arrays import join_blob, split_blob
-from recorder.store.postgres import TOAST_CHUNK_BYTES
+from recorder.log.events import ArrayRef
+from recorder.log.store import SchemaOutOfDate, migrations, open_store
+from recorder.log.store import arrays as codec
+from recorder.log.store.arrays import join_blob, split_blob
+from recorder.log.store.postgres import TOAST_CHUNK_BYTES
 
 RawExecute = Callable[..., Awaitable[list[tuple[object, ...]]]]
 

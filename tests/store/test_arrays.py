@@ -11,10 +11,10 @@ import pytest
 import sqlalchemy as sa
 import zstandard
 
-from recorder.events import ArrayRef
-from recorder.store import ArrayNotFound, CorruptArray, EventStore, StoreOptions, open_store
-from recorder.store import arrays as codec
-from recorder.store.sql import SqlEventStore
+from recorder.log.events import ArrayRef
+from recorder.log.store import ArrayNotFound, CorruptArray, EventStore, StoreOptions, open_store
+from recorder.log.store import arrays as codec
+from recorder.log.store.sql import SqlEventStore
 
 RawExecute = Callable[..., Awaitable[list[tuple[object, ...]]]]
 

@@ -7,9 +7,9 @@ import itertools
 import random
 from collections.abc import Callable
 
-from recorder.events import NewEvent, SandboxEvent
-from recorder.store import ConcurrencyConflict, EventStore, open_store
-from recorder.store.sql import SqlEventStore
+from recorder.log.events import NewEvent, SandboxEvent
+from recorder.log.store import ConcurrencyConflict, EventStore, open_store
+from recorder.log.store.sql import SqlEventStore
 
 MakeEvents = Callable[..., list[NewEvent]]
 

@@ -9,8 +9,8 @@ import sys
 import uuid
 from pathlib import Path
 
-from recorder.events import NewEvent, SandboxEvent
-from recorder.store import open_store
+from recorder.log.events import NewEvent, SandboxEvent
+from recorder.log.store import open_store
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

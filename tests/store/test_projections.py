@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from recorder.store import EventStore
+from recorder.log.store import EventStore
 
 
 async def test_projection_upsert_and_order(store: EventStore) -> None:

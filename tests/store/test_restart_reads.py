@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from recorder.events import NewEvent, SandboxEvent, SessionOpened, StateSnapshot
-from recorder.store import ArrayNotFound, EventStore, open_store
+from recorder.log.events import NewEvent, SandboxEvent, SessionOpened, StateSnapshot
+from recorder.log.store import ArrayNotFound, EventStore, open_store
 
 
 def _snapshot(k: int) -> StateSnapshot:

@@ -14,10 +14,10 @@ import pytest
 from click.testing import CliRunner, Result
 
 from recorder.cli import main
-from recorder.events import NewEvent, RewardAssigned, SandboxEvent, SessionOpened
-from recorder.store import SchemaOutOfDate, open_store
-from recorder.store.migrations import head_revision
-from recorder.store.postgres import TOAST_CHUNK_BYTES
+from recorder.log.events import NewEvent, RewardAssigned, SandboxEvent, SessionOpened
+from recorder.log.store import SchemaOutOfDate, open_store
+from recorder.log.store.migrations import head_revision
+from recorder.log.store.postgres import TOAST_CHUNK_BYTES
 
 RawExecute = Callable[..., Awaitable[list[tuple[object, ...]]]]
 REPO = Path(__file__).resolve().parents[2]

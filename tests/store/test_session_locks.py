@@ -7,8 +7,8 @@ import asyncio
 import asyncpg
 import pytest
 
-from recorder.store import open_store
-from recorder.store.postgres import PostgresEventStore
+from recorder.log.store import open_store
+from recorder.log.store.postgres import PostgresEventStore
 
 pytestmark = pytest.mark.postgres
 

@@ -7,8 +7,8 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 
-from recorder.events import RewardAssigned
-from recorder.store import EventStore
+from recorder.log.events import RewardAssigned
+from recorder.log.store import EventStore
 
 RawExecute = Callable[..., Awaitable[list[tuple[object, ...]]]]
 
@@ -42,7 +42,7 @@ async def test_reward_v1_row_reads_as_v2(
 def test_messages_request_and_chain_decision_v1_read_as_v2() -> None:
     """v1 MessagesRequest had no chat message / tool counts (unknown: None); v1
     ChainDecision reads unchanged (v2 only added the reason "side")."""
-    from recorder.events import ArrayRef, ChainDecision, MessagesRequest, decode_event
+    from recorder.log.events import ArrayRef, ChainDecision, MessagesRequest, decode_event
 
     assert MessagesRequest.VERSION == 2 and ChainDecision.VERSION == 2
     body = ArrayRef(digest=b"\x01" * 16, length=3, dtype="uint8")

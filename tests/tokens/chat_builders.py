@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recorder.tokenizer import Tokenizer, load_tokenizer
-from recorder.tokens import SessionChains, TurnPlan, commit_turn, plan_turn
-from recorder.translate import ChatRequest, parse_request, response_message_digest
+from recorder.dialects.translate import ChatRequest, parse_request, response_message_digest
+from recorder.model.tokenizer import Tokenizer, load_tokenizer
+from recorder.model.tokens import SessionChains, TurnPlan, commit_turn, plan_turn
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER_DIR = REPO / "tests" / "data" / "smollm2-tokenizer"

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from recorder.tokenizer import Tokenizer
+from recorder.model.tokenizer import Tokenizer
 
 pytest.register_assert_rewrite("chat_builders")  # its assert helpers explain failures
 

@@ -15,8 +15,9 @@ from chat_builders import (
     canonical_output_ids,
 )
 
-from recorder.tokenizer import Tokenizer, load_tokenizer
-from recorder.tokens import (
+from recorder.dialects.translate import find_dispatches, parse_request, response_message_digest
+from recorder.model.tokenizer import Tokenizer, load_tokenizer
+from recorder.model.tokens import (
     MAX_PENDING_DISPATCHES,
     ContextOverflow,
     SessionChains,
@@ -28,7 +29,6 @@ from recorder.tokens import (
     render_chars,
     tito_check,
 )
-from recorder.translate import find_dispatches, parse_request, response_message_digest
 
 
 def _tool_loop(conv: Conversation, chains: SessionChains, tok: Tokenizer, turns: int) -> list:

@@ -18,15 +18,15 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from recorder.tokenizer import Tokenizer
-from recorder.tokens import SessionChains, commit_turn, note_dispatch, plan_turn
-from recorder.translate import (
+from recorder.dialects.translate import (
     ContentBlock,
     assistant_message,
     find_dispatches,
     parse_request,
     response_message_digest,
 )
+from recorder.model.tokenizer import Tokenizer
+from recorder.model.tokens import SessionChains, commit_turn, note_dispatch, plan_turn
 from tests.conftest import claude_code_binary
 
 pytestmark = pytest.mark.claude

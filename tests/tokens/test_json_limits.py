@@ -1,4 +1,4 @@
-"""JSON limits on raw bytes (recorder/json_limits.py): depth and 64-bit integers."""
+"""JSON limits on raw bytes (recorder/dialects/json_limits.py): depth and 64-bit integers."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from recorder.json_limits import _CHUNK, INT64_MAX, INT64_MIN, MAX_DEPTH, json_problem
+from recorder.dialects.json_limits import _CHUNK, INT64_MAX, INT64_MIN, MAX_DEPTH, json_problem
 
 
 def _body(value: object) -> bytes:

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from test_translate_fuzz import _body as garbage_bodies
 from test_translate_requests import MALFORMED
 
-import recorder.translate as translate
-from recorder.translate import ChatRequest, InvalidRequest, ParseCache, parse_request
+import recorder.dialects.translate as translate
+from recorder.dialects.translate import ChatRequest, InvalidRequest, ParseCache, parse_request
 
 Outcome = ChatRequest | tuple[str, str]
 

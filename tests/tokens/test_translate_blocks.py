@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from recorder.translate import InvalidRequest, ParseCache, parse_request
+from recorder.dialects.translate import InvalidRequest, ParseCache, parse_request
 from tools.claude_traffic import FIXTURES, load_fixture, tiny_png
 
 PNG_B64 = base64.b64encode(tiny_png()).decode()

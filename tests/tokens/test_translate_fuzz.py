@@ -8,7 +8,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from recorder.translate import ChatRequest, InvalidRequest, parse_request
+from recorder.dialects.translate import ChatRequest, InvalidRequest, parse_request
 
 _scalars = (
     st.none()

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from recorder.translate import (
+from recorder.dialects.translate import (
     InvalidRequest,
     find_dispatches,
     message_digest,

@@ -10,7 +10,7 @@ import asyncio
 
 import click
 
-from recorder.tokenizer import load_tokenizer
+from recorder.model.tokenizer import load_tokenizer
 from tools.tasks.policy import task_policy
 from tools.test_engine.launch import REPO_ROOT
 from tools.test_engine.scripted import ScriptedEngine

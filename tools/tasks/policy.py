@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from recorder.tokenizer import Tokenizer
+from recorder.model.tokenizer import Tokenizer
 from tools.test_engine.core import GenRequest
 from tools.test_engine.scripted import Reply
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from recorder.tokenizer import load_tokenizer
+from recorder.model.tokenizer import load_tokenizer
 
 from .core import EngineCore, EngineServer
 from .launch import REPO_ROOT

@@ -22,8 +22,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from recorder.engine import EngineClient, SamplingParams, new_rid
-from recorder.tokenizer import load_tokenizer
+from recorder.model.engine import EngineClient, SamplingParams, new_rid
+from recorder.model.tokenizer import load_tokenizer
 
 from .__main__ import FIXTURE_TOKENIZER
 from .scripted import ScriptedEngine

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from recorder import sglang_compat
+from recorder.model import sglang_compat
 
 StrOrList = str | list[str]
 

@@ -23,8 +23,8 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
-from recorder.parsers import check_parser_names, parse_tool_calls, split_reasoning_for
-from recorder.tokenizer import Tokenizer
+from recorder.model.parsers import check_parser_names, parse_tool_calls, split_reasoning_for
+from recorder.model.tokenizer import Tokenizer
 
 from .contract import contract_error
 
@@ -530,7 +530,7 @@ class _Endpoints:
 
     async def parse_function_call(self, request: web.Request) -> web.Response:
         """SGLang's raw split (text before the calls, calls of known tools); policy is the
-        recorder's job (recorder.parse_policy)."""
+        recorder's job (recorder.model.parse_policy)."""
         body = await _json_body(request)
         tools = body.get("tools") or []
         parser = body.get("tool_call_parser") or self.core.tool_call_parser or "hermes"

@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from recorder.tokenizer import Tokenizer
+from recorder.model.tokenizer import Tokenizer
 
 from .core import EngineCore, EngineServer, Fault, GenRequest
 

@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from recorder.tokenizer import Tokenizer
+from recorder.model.tokenizer import Tokenizer
 
 from .core import EngineCore, GenRequest
 from .launch import ThreadedEngine
@@ -60,7 +60,7 @@ def load_model(gguf: Path) -> Any:
 
 
 def _model_cache_dir(gguf: Path) -> Path:
-    from recorder.tokenizer import file_digest, tokenizer_cache_root
+    from recorder.model.tokenizer import file_digest, tokenizer_cache_root
 
     return tokenizer_cache_root() / "gguf-models" / file_digest(gguf)[:32]
 
@@ -184,7 +184,7 @@ def start_tiny_engine(
     port: int = 0,
 ) -> ThreadedEngine:
     """Start the tiny engine on a daemon thread (pytest-friendly); returns it started."""
-    from recorder.tokenizer import load_tokenizer
+    from recorder.model.tokenizer import load_tokenizer
 
     model_file = gguf or smollm2_gguf()
     tokenizer = load_tokenizer(tokenizer_path or str(model_file))

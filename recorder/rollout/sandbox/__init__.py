@@ -1,7 +1,7 @@
 """Sandboxes: `await open_sandbox(spec)` returns a running sandbox of the spec's backend.
 
 Backends are imported lazily (the `e2b` SDK is an optional extra), the way
-`recorder.store.open_store` picks a store by URL.
+`recorder.log.store.open_store` picks a store by URL.
 """
 
 from __future__ import annotations

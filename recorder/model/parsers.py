@@ -1,13 +1,13 @@
 """Split a model's output text into reasoning, plain text and tool calls.
 
 Three backends behind one protocol, chosen explicitly (`make_parser`):
-- `sglang`: SGLang's own parsers in-process (recorder.sglang_compat), every
+- `sglang`: SGLang's own parsers in-process (recorder.model.sglang_compat), every
   format SGLang knows;
 - `http`: the engine's `/separate_reasoning` and `/parse_function_call`;
 - `builtin`: hermes/qwen25 `<tool_call>{json}</tool_call>` and the `<think>`
   reasoning family, written here so the recorder works without SGLang.
 
-Each backend only finds its raw split; recorder.parse_policy decides what the
+Each backend only finds its raw split; recorder.model.parse_policy decides what the
 agent gets, so the same output gives the same answer on every backend (proven
 by tests/engine/test_sglang_parsers.py). Parsing never raises on model output.
 Pass the output text without its final EOS token, decoded from whole tokens.
@@ -22,8 +22,8 @@ from typing import Any, Literal, Protocol
 
 import aiohttp
 
-from recorder import sglang_compat
-from recorder.parse_policy import (
+from recorder.model import sglang_compat
+from recorder.model.parse_policy import (
     ParsedOutput,
     ToolCall,
     settle_calls,
@@ -49,7 +49,7 @@ __all__ = [
     "tool_names",
 ]
 
-log = logging.getLogger("recorder.parsers")
+log = logging.getLogger("recorder.model.parsers")
 
 Backend = Literal["builtin", "http", "sglang"]
 BACKENDS: tuple[Backend, ...] = ("builtin", "http", "sglang")
@@ -184,7 +184,7 @@ def parse_tool_calls(text: str, tool_parser: str = "hermes") -> tuple[str, list[
     """(text before the first call, raw calls) for hermes/qwen25 `<tool_call>{json}</tool_call>`.
 
     Raw calls are (name, arguments) as written; a block that is not a JSON
-    object with a name is skipped (recorder.parse_policy then keeps the text).
+    object with a name is skipped (recorder.model.parse_policy then keeps the text).
     """
     start, end = _CALL_MARKERS[tool_parser]
     first = text.find(start)

@@ -28,7 +28,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _RawTokenizer
 
-from recorder.events import TokenizerIdentity
+from recorder.log.events import TokenizerIdentity
 
 TEMPLATES_DIR = Path(__file__).parent / "templates"
 CACHE_ENV = "TR_TOKENIZER_CACHE"

@@ -15,10 +15,10 @@ from typing import Any
 import msgspec
 import sqlalchemy as sa
 
-from recorder.store.arrays import join_blob
-from recorder.store.base import StoreError
-from recorder.store.sql import SqlEventStore
-from recorder.store.tables import arrays, events, projection_names, projections
+from recorder.log.store.arrays import join_blob
+from recorder.log.store.base import StoreError
+from recorder.log.store.sql import SqlEventStore
+from recorder.log.store.tables import arrays, events, projection_names, projections
 
 EVENT_PAGE = 5_000
 ARRAY_PAGE = 200

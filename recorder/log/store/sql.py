@@ -46,7 +46,7 @@ import sqlalchemy as sa
 import zstandard
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from recorder.events import (
+from recorder.log.events import (
     ArrayRef,
     DType,
     NewEvent,
@@ -55,8 +55,8 @@ from recorder.events import (
     encode_event,
     type_name,
 )
-from recorder.store import arrays as arr
-from recorder.store.base import (
+from recorder.log.store import arrays as arr
+from recorder.log.store.base import (
     ArrayNotFound,
     ConcurrencyConflict,
     EventStore,
@@ -64,9 +64,9 @@ from recorder.store.base import (
     StorageUnavailable,
     StoreError,
 )
-from recorder.store.group_commit import GroupCommitter, WriteRequest
-from recorder.store.pieces import PieceReader, chain, chunks
-from recorder.store.tables import arrays, events, projection_names, projections
+from recorder.log.store.group_commit import GroupCommitter, WriteRequest
+from recorder.log.store.pieces import PieceReader, chain, chunks
+from recorder.log.store.tables import arrays, events, projection_names, projections
 
 # Bound on events + pieces per group transaction (keeps a group's latency and
 # memory modest while still amortising the commit over thousands of rows).

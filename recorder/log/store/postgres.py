@@ -27,9 +27,9 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from recorder.store import arrays as arr
-from recorder.store.session_locks import AdvisorySessionLocks
-from recorder.store.sql import (
+from recorder.log.store import arrays as arr
+from recorder.log.store.session_locks import AdvisorySessionLocks
+from recorder.log.store.sql import (
     EventRow,
     GroupRequest,
     NewRow,

@@ -12,7 +12,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from recorder.store.base import SchemaOutOfDate
+from recorder.log.store.base import SchemaOutOfDate
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 # Serialises concurrent upgrades of one Postgres database.

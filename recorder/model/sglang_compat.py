@@ -8,7 +8,7 @@ closure (tools/requirements-sglang-cpu.txt), so the `sglang` package is
 registered here as a bare package over its directory and the submodules are
 imported from it. Everything SGLang raises while importing (a broken or partial
 install, not only ImportError) becomes `SglangUnavailable`, whose message says
-how to install it. Callers: recorder.parsers (the `sglang` backend, name lists)
+how to install it. Callers: recorder.model.parsers (the `sglang` backend, name lists)
 and tools/test_engine (the request contract).
 """
 

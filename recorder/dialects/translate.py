@@ -33,7 +33,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 import msgspec
 import numpy as np
 
-from recorder.json_limits import MAX_DEPTH, json_problem
+from recorder.dialects.json_limits import MAX_DEPTH, json_problem
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header"
 DISPATCH_TOOL_NAMES = frozenset({"Agent", "Task"})

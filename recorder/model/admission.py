@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from recorder.tokens import ContextOverflow
-from recorder.translate import ChatRequest
+from recorder.dialects.translate import ChatRequest
+from recorder.model.tokens import ContextOverflow
 
 _RENDERED_ROLES = frozenset({"user", "tool", "system"})
 

@@ -40,10 +40,10 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import AsyncAdaptedQueuePool
 
-from recorder.store import arrays as arr
-from recorder.store.base import StoreError
-from recorder.store.pieces import IN_CHUNK
-from recorder.store.sql import (
+from recorder.log.store import arrays as arr
+from recorder.log.store.base import StoreError
+from recorder.log.store.pieces import IN_CHUNK
+from recorder.log.store.sql import (
     READER_PAGE_CACHE_BYTES,
     WRITER_PAGE_CACHE_BYTES,
     EventRow,

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from recorder.store import migrations
-from recorder.store.arrays import EncodedArray, encode_array
-from recorder.store.base import (
+from recorder.log.store import migrations
+from recorder.log.store.arrays import EncodedArray, encode_array
+from recorder.log.store.base import (
     ArrayNotFound,
     ConcurrencyConflict,
     CorruptArray,
@@ -23,7 +23,7 @@ from recorder.store.base import (
     SchemaOutOfDate,
     StoreError,
 )
-from recorder.store.sql import StoreOptions
+from recorder.log.store.sql import StoreOptions
 
 __all__ = [
     "ArrayNotFound",
@@ -76,7 +76,7 @@ async def open_store(
     url = normalize_url(url_or_path)
     backend = sa.make_url(url).get_backend_name()
     if backend == "sqlite":
-        from recorder.store.sqlite import SqliteEventStore, create_private, database_path
+        from recorder.log.store.sqlite import SqliteEventStore, create_private, database_path
 
         path = database_path(url)
         if create and path is not None:
@@ -88,7 +88,7 @@ async def open_store(
             )
         store: EventStore = SqliteEventStore.connect(url, options)
     else:
-        from recorder.store.postgres import PostgresEventStore
+        from recorder.log.store.postgres import PostgresEventStore
 
         store = PostgresEventStore.connect(url, options)
     engine = store.write_engine  # type: ignore[attr-defined]

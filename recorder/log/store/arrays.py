@@ -32,8 +32,8 @@ import msgspec
 import numpy as np
 import zstandard
 
-from recorder.events import ArrayRef, DType
-from recorder.store.errors import ArrayNotFound, CorruptArray
+from recorder.log.events import ArrayRef, DType
+from recorder.log.store.errors import ArrayNotFound, CorruptArray
 
 DIGEST_SIZE: Final = 16
 _NO_PARENT: Final = b"\x00" * DIGEST_SIZE

@@ -1,6 +1,6 @@
 """The one store interface every backend implements (SQLite, Postgres).
 
-Callers see only this module: `open_store(url)` in `recorder.store` picks the
+Callers see only this module: `open_store(url)` in `recorder.log.store` picks the
 backend from the URL. The shared test suite in `tests/store/` runs against
 every backend.
 """
@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
 
-from recorder.events import ArrayRef, NewEvent, RecordedEvent
-from recorder.store.arrays import EncodedArray
-from recorder.store.errors import (
+from recorder.log.events import ArrayRef, NewEvent, RecordedEvent
+from recorder.log.store.arrays import EncodedArray
+from recorder.log.store.errors import (
     ArrayNotFound,
     ConcurrencyConflict,
     CorruptArray,
@@ -43,7 +43,7 @@ class SessionLocks:
 
     One process per database (SQLite, see `recorder serve`): the in-process
     session lock already serialises a session's turns. Postgres overrides
-    it (`recorder.store.session_locks`).
+    it (`recorder.log.store.session_locks`).
     """
 
     async def lock(self, session_id: str) -> None:
@@ -116,7 +116,7 @@ class EventStore(ProjectionStore):
         and writes nothing new; a known id with a different payload raises
         `IdempotencyConflict`.
 
-        `arrays` (from `recorder.store.arrays.encode_array`) are written in
+        `arrays` (from `recorder.log.store.arrays.encode_array`) are written in
         the same transaction as the events, so the refs the events name are
         durable when this returns, at the cost of one commit instead of one
         per array. An `extends=` parent this database does not hold raises

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal
 
 import msgspec
 
-from recorder.ids import uuid7
+from recorder.log.ids import uuid7
 
 # --------------------------------------------------------------------------
 # Array references (token ids, logprobs, routed experts live in the store)

@@ -19,9 +19,9 @@ from typing import Any
 
 import asyncpg
 
-from recorder.store.base import SessionLocks
+from recorder.log.store.base import SessionLocks
 
-log = logging.getLogger("recorder.store")
+log = logging.getLogger("recorder.log.store")
 
 # Class id of the two-key advisory lock space (disjoint from single-key locks
 # such as the writers' lock); the second key is the session id's hash. Two

@@ -28,7 +28,7 @@ from typing import Any, Literal, Protocol
 import msgspec
 import numpy as np
 
-from recorder.translate import ChatRequest, same_message
+from recorder.dialects.translate import ChatRequest, same_message
 
 DEFAULT_MAX_CHAINS = 32
 MAX_PENDING_DISPATCHES = 64
@@ -53,7 +53,7 @@ _PIECES: weakref.WeakKeyDictionary[Any, dict[str, tuple[str, str] | None]] = (
 
 
 class Tokenizer(Protocol):
-    """What this module needs of `recorder.tokenizer.Tokenizer`."""
+    """What this module needs of `recorder.model.tokenizer.Tokenizer`."""
 
     eos_token_ids: tuple[int, ...]
 

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from recorder.events import ArrayRef
-from recorder.store import arrays as arr
-from recorder.store.errors import CorruptArray
+from recorder.log.events import ArrayRef
+from recorder.log.store import arrays as arr
+from recorder.log.store.errors import CorruptArray
 
 # Digests per IN (...) query.
 IN_CHUNK = 500

@@ -1,0 +1,1 @@
+"""The model side: tokenizer and chat templates, token chains, output parsers, the engine client."""
