@@ -353,7 +353,8 @@ async def _engine_context_length(engine: object) -> int:
 
 
 async def _engine_model_name(engine: object) -> str:
-    from recorder.model.engine import EngineClient, EngineError
+    from recorder.model.engine import EngineClient
+    from recorder.model.engine_wire import EngineError
 
     assert isinstance(engine, EngineClient)
     with contextlib.suppress(EngineError):

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from recorder.model.engine import SamplingParams
+from recorder.model.engine_wire import SamplingParams
 
 _FORCED = (
     "temperature",

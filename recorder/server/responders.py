@@ -15,8 +15,8 @@ from aiohttp import web
 
 from recorder.dialects.answer import Answer, usage_for
 from recorder.dialects.errors import ApiError
-from recorder.dialects.sse import SseStream
 from recorder.server import errors
+from recorder.server.sse import SseStream
 
 if TYPE_CHECKING:
     from recorder.dialects.base import Dialect

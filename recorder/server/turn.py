@@ -59,16 +59,9 @@ from recorder.log import events as ev
 from recorder.log.events import ArrayRef
 from recorder.log.store.base import ConcurrencyConflict, StorageUnavailable
 from recorder.model.admission import check_fits
-from recorder.model.engine import (
-    Attempt,
-    EngineError,
-    GenerateOutput,
-    MissingLogprobs,
-    SamplingParams,
-    TurnOutput,
-    generate_with_resume,
-)
+from recorder.model.engine_wire import EngineError, GenerateOutput, MissingLogprobs, SamplingParams
 from recorder.model.parsers import ParserError
+from recorder.model.resume import Attempt, TurnOutput, generate_with_resume
 from recorder.model.tokens import (
     ContextOverflow,
     TurnPlan,

@@ -8,17 +8,16 @@ import base64
 import numpy as np
 import pytest
 
-from recorder.model.engine import (
-    Attempt,
-    EngineClient,
+from recorder.model.engine import EngineClient
+from recorder.model.engine_wire import (
     EngineError,
     GenerateOutput,
     MissingLogprobs,
     SamplingParams,
-    generate_with_resume,
     new_rid,
     parse_generate_response,
 )
+from recorder.model.resume import Attempt, generate_with_resume
 from tools.test_engine import Fault, Reply, ScriptedEngine, free_port, hashed_logprob
 
 PROMPT_TEXT = "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"

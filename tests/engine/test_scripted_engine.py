@@ -9,7 +9,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from recorder.model.engine import EngineClient, SamplingParams, new_rid
+from recorder.model.engine import EngineClient
+from recorder.model.engine_wire import SamplingParams, new_rid
 from tools.test_engine import (
     EngineCore,
     Fault,

@@ -15,7 +15,8 @@ import aiohttp
 import pytest
 
 from recorder.model import sglang_compat
-from recorder.model.engine import EngineClient, SamplingParams, new_rid
+from recorder.model.engine import EngineClient
+from recorder.model.engine_wire import SamplingParams, new_rid
 from tools.test_engine import ScriptedEngine
 from tools.test_engine.contract import (
     GenerateContract,

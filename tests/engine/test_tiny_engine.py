@@ -6,7 +6,9 @@ import math
 
 import pytest
 
-from recorder.model.engine import EngineClient, SamplingParams, generate_with_resume, new_rid
+from recorder.model.engine import EngineClient
+from recorder.model.engine_wire import SamplingParams, new_rid
+from recorder.model.resume import generate_with_resume
 from recorder.model.tokenizer import load_tokenizer
 from tools.test_engine import Fault
 

@@ -7,8 +7,8 @@ import socket
 
 from aiohttp import web
 
-from recorder.dialects.sse import SseStream
 from recorder.server.app import free_port
+from recorder.server.sse import SseStream
 
 # Far more than the socket buffers on both sides can hold.
 _BIG_EVENT = ("content_block_delta", {"text": "x" * (16 * 1024 * 1024)})

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from recorder.log import events as ev
-from recorder.model.engine import GenerateOutput
+from recorder.model.engine_wire import GenerateOutput
 from recorder.model.parsers import make_parser
 from tests.conftest import smollm2_gguf
 from tests.server.conftest import FIXTURE_TOKENIZER, make_harness

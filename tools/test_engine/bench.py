@@ -22,7 +22,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from recorder.model.engine import EngineClient, SamplingParams, new_rid
+from recorder.model.engine import EngineClient
+from recorder.model.engine_wire import SamplingParams, new_rid
 from recorder.model.tokenizer import load_tokenizer
 
 from .__main__ import FIXTURE_TOKENIZER

@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from recorder.log.store.base import SchemaOutOfDate
 
-MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+MIGRATIONS_DIR = Path(__file__).resolve().parents[3] / "migrations"
 # Serialises concurrent upgrades of one Postgres database.
 MIGRATION_LOCK_KEY = 0x7472_6D69_6772_6174  # "trmigrat"
 

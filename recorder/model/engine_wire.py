@@ -1,0 +1,256 @@
+"""SGLang's `/generate` contract: sampling settings out, one attempt's answer in (pure).
+
+What the engine client sends (`SamplingParams.to_sglang`) and how its answer
+is read (`parse_generate_response`): exactly the output tokens and one
+logprob each, or an error that says what was wrong. No I/O here.
+"""
+
+from __future__ import annotations
+
+import base64
+import uuid
+from array import array
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+
+FinishReason = Literal["stop", "length", "abort", "unknown"]
+ErrorKind = Literal["unreachable", "http", "timeout", "protocol"]
+
+
+# Sampling fields sent to SGLang only when they differ from their neutral value.
+_NEUTRAL_PENALTIES = (
+    ("min_p", 0.0),
+    ("repetition_penalty", 1.0),
+    ("frequency_penalty", 0.0),
+    ("presence_penalty", 0.0),
+)
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    """Sampling settings; only keys SGLang knows (0.5.23 rejects unknown ones)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    # Trainer-forced settings (a session's `config.sampling`); sent only when set.
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # A JSON schema (as JSON text) the output must follow: SGLang's constrained decoding.
+    json_schema: str | None = None
+
+    def to_sglang(self) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            # Output must be the exact tokens: no trimming, no special-token games.
+            "skip_special_tokens": False,
+            "spaces_between_special_tokens": False,
+            "no_stop_trim": True,
+        }
+        if self.stop:
+            params["stop"] = list(self.stop)
+        if self.stop_token_ids:
+            params["stop_token_ids"] = list(self.stop_token_ids)
+        if self.json_schema is not None:
+            params["json_schema"] = self.json_schema
+        for name, neutral in _NEUTRAL_PENALTIES:
+            if (value := getattr(self, name)) != neutral:
+                params[name] = value
+        return params
+
+    def with_max_new_tokens(self, n: int) -> SamplingParams:
+        return msgspec.structs.replace(self, max_new_tokens=n)
+
+
+class GenerateOutput(msgspec.Struct):
+    """One `/generate` attempt's answer. `logprobs` is None when the engine sent
+    none (or fewer than one per output token)."""
+
+    output_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: FinishReason
+    finish_detail: str
+    weight_version: str
+    prompt_tokens: int
+    cached_tokens: int
+    routed_experts: bytes | None
+    latency_s: float
+
+
+class EngineError(Exception):
+    """The engine could not be reached or answered badly."""
+
+    def __init__(
+        self,
+        kind: ErrorKind,
+        message: str,
+        *,
+        status: int = 0,
+        url: str = "",
+        may_be_running: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.kind: ErrorKind = kind
+        self.status = status
+        self.url = url
+        self.message = message
+        # The request reached the engine and may still be generating (the
+        # connection dropped mid-request): its rid should be aborted.
+        self.may_be_running = may_be_running
+
+    def __str__(self) -> str:
+        where = f" ({self.url})" if self.url else ""
+        status = f" HTTP {self.status}" if self.status else ""
+        return f"engine {self.kind}{status}{where}: {self.message}"
+
+
+class MissingLogprobs(Exception):
+    """The engine returned output tokens without one logprob each.
+
+    The turn must fail: re-tokenizing the text would give tokens without
+    logprobs (seed 003). Start SGLang so it returns logprobs
+    (`return_logprob` must reach it) and check its version.
+    """
+
+    def __init__(self, rid: str, output_tokens: int) -> None:
+        super().__init__(
+            f"engine returned {output_tokens} output tokens without a logprob for each (rid "
+            f"{rid}); the turn is aborted, its text is never re-tokenized"
+        )
+        self.rid = rid
+        self.output_tokens = output_tokens
+
+
+def new_rid() -> str:
+    """A request id of fixed length (32 hex): SGLang aborts by rid prefix, so
+    no rid may be a prefix of another."""
+    return uuid.uuid4().hex
+
+
+# --------------------------------------------------------------------------
+# Parsing the engine's answer (pure)
+# --------------------------------------------------------------------------
+
+
+def parse_generate_response(
+    body: Any, *, rid: str, latency_s: float, url: str = ""
+) -> GenerateOutput:
+    """Turn SGLang's `/generate` JSON into a GenerateOutput (raises EngineError(protocol))."""
+    if isinstance(body, list) and len(body) == 1:
+        body = body[0]
+    if not isinstance(body, dict):
+        raise EngineError("protocol", f"expected a JSON object, got {type(body).__name__}", url=url)
+    if "error" in body:
+        raise EngineError("http", error_message(body), url=url)
+    meta = body.get("meta_info")
+    ids = body.get("output_ids")
+    if not isinstance(meta, dict) or not isinstance(ids, list):
+        raise EngineError(
+            "protocol", "response lacks output_ids/meta_info (is this SGLang /generate?)", url=url
+        )
+    if not all(isinstance(i, int) for i in ids):
+        raise EngineError("protocol", "output_ids must be integers", url=url)
+    reason, detail = _finish(meta.get("finish_reason"))
+    return GenerateOutput(
+        output_ids=ids,
+        logprobs=_logprobs(meta.get("output_token_logprobs"), ids, url),
+        finish_reason=reason,
+        finish_detail=detail,
+        weight_version=str(meta.get("weight_version") or ""),
+        prompt_tokens=int(meta.get("prompt_tokens") or 0),
+        cached_tokens=int(meta.get("cached_tokens") or 0),
+        routed_experts=_routed_experts(meta.get("routed_experts"), url),
+        latency_s=latency_s,
+    )
+
+
+def _finish(raw: Any) -> tuple[FinishReason, str]:
+    if isinstance(raw, str):
+        raw = {"type": raw}
+    if not isinstance(raw, dict):
+        return "unknown", ""
+    kind = raw.get("type")
+    if kind == "stop":
+        matched = raw.get("matched")
+        return "stop", "" if matched is None else str(matched)
+    if kind == "length":
+        return "length", str(raw.get("length", ""))
+    if kind == "abort":
+        return "abort", str(raw.get("message") or "")
+    return "unknown", str(kind)
+
+
+def _logprobs(raw: Any, ids: list[int], url: str) -> list[float] | None:
+    """Logprob triples `[logprob, token_id, text]`, one per output id, or None."""
+    if not ids:
+        return []
+    if not isinstance(raw, list) or len(raw) < len(ids):
+        return None
+    out: list[float] = []
+    for i, (entry, token) in enumerate(zip(raw, ids, strict=False)):
+        if not isinstance(entry, list | tuple) or len(entry) < 2:
+            raise EngineError("protocol", f"output_token_logprobs[{i}] is not a triple", url=url)
+        logprob, token_id = entry[0], entry[1]
+        if logprob is None:
+            return None
+        if token_id != token:
+            raise EngineError(
+                "protocol",
+                f"output_token_logprobs[{i}] is for token {token_id}, output_ids has {token}",
+                url=url,
+            )
+        out.append(float(logprob))
+    return out
+
+
+def _routed_experts(raw: Any, url: str) -> bytes | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, str):
+        raise EngineError("protocol", "routed_experts must be a base64 string", url=url)
+    try:
+        return base64.b64decode(raw)
+    except ValueError as exc:
+        raise EngineError("protocol", f"routed_experts is not base64: {exc}", url=url) from exc
+
+
+def json_ids(ids: Sequence[int] | np.ndarray) -> list[int] | np.ndarray:
+    """Token ids in a form orjson serializes at C speed, without copying them.
+
+    Plans hold int32 `array`s (viewed as numpy here); lists pass through.
+    Converting a 100k-token prompt between the two every turn would make the
+    per-turn cost grow with the context.
+    """
+    if type(ids) is list:
+        return ids
+    if isinstance(ids, array) and ids.typecode == "i":
+        return np.frombuffer(ids, dtype=np.int32) if len(ids) else np.zeros(0, np.int32)
+    return np.asarray(ids, dtype=np.int32)
+
+
+def resumed_prompt(prompt: list[int] | np.ndarray, output: list[int]) -> list[int] | np.ndarray:
+    """The prompt of a resumed attempt: the turn's input + its partial output so far."""
+    if not output:
+        return prompt
+    if isinstance(prompt, list):
+        return prompt + output
+    return np.concatenate([prompt, np.asarray(output, dtype=np.int32)])
+
+
+def error_message(body: Any) -> str:
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict):
+            return str(err.get("message") or err)
+        return str(err)
+    return str(body)
