@@ -852,28 +852,59 @@ def message_digest(message: dict[str, Any]) -> str:
     of our answers are ours (random, unique), and clients re-send a call's
     input normalised (Claude Code adds schema defaults such as
     `"replace_all": false` first, reorders keys), which is still our answer.
-    An assistant message with reasoning gets `<digest>+<reasoning digest>`, so
-    that `same_message` can also match an echo from which the client dropped
-    the thinking (clients may strip thinking from earlier turns).
+
+    The digest has up to three parts, `<message>[|<calls alone>][+<reasoning>]`,
+    so that `same_message` also matches the echoes clients make of our answers:
+    without the thinking (clients strip it from earlier turns), and, for an
+    answer with tool calls, without its text (`content: null` or `""` beside
+    `tool_calls`, a Responses `function_call` item alone: many agent frameworks
+    drop empty or whitespace text, and some drop all of it).
     """
     calls = message.get("tool_calls")
-    normalized = (
-        message["role"],
-        message.get("content", "").strip(),
-        [(c["id"], c["function"]["name"]) for c in calls]  # type: ignore[union-attr]
-        if calls
-        else None,
-        message.get("tool_call_id"),
-        message.get("is_error", False),
-    )
-    digest = _digest_obj(normalized)
+    ids = [(c["id"], c["function"]["name"]) for c in calls] if calls else None
+    text = (message.get("content") or "").strip()
+    rest = (message.get("tool_call_id"), message.get("is_error", False))
+    digest = _digest_obj((message["role"], text, ids, *rest))
+    if ids and text:
+        digest += "|" + _digest_obj((message["role"], "", ids, *rest))
     reasoning = (message.get("reasoning_content") or "").strip()
     return f"{digest}+{_digest_text(reasoning)}" if reasoning else digest
 
 
 def same_message(ours: str, echoed: str) -> bool:
-    """Does the client's `echoed` message digest match `ours` (thinking may have been dropped)?"""
-    return ours == echoed or (ours.partition("+")[0] == echoed and "+" not in echoed)
+    """Is the client's `echoed` message digest an echo of `ours` (see `message_digest`)?
+
+    The echo may drop the thinking, and the text beside tool calls; it may
+    not change or add anything.
+    """
+    if ours == echoed:
+        return True
+    echoed_reasoning = echoed.partition("+")[2]
+    if echoed_reasoning and echoed_reasoning != ours.partition("+")[2]:
+        return False
+    return message_key(echoed) in echo_keys(ours)
+
+
+def echo_keys(ours: str) -> tuple[str, ...]:
+    """Message keys (`message_key`) under which an echo of `ours` can appear."""
+    head = ours.partition("+")[0]
+    full, _, calls = head.partition("|")
+    return (full, calls) if calls else (full,)
+
+
+def message_key(echoed: str) -> str:
+    """The part of an echoed digest `echo_keys` looks up: the message as it was echoed."""
+    return echoed.partition("+")[0].partition("|")[0]
+
+
+def answer_keys(req: ChatRequest) -> tuple[str, ...]:
+    """`message_key`s of the assistant messages `req` carries, in order, once each."""
+    keys = (
+        message_key(d)
+        for m, d in zip(req.messages, req.message_digests, strict=True)
+        if m["role"] == "assistant"
+    )
+    return tuple(dict.fromkeys(keys))
 
 
 def response_message_digest(content: Sequence[dict[str, Any]]) -> str:

@@ -84,7 +84,12 @@ from recorder.tokens import (
     render_chars,
     tito_check,
 )
-from recorder.translate import ChatRequest, find_dispatches, response_message_digest
+from recorder.translate import (
+    ChatRequest,
+    answer_keys,
+    find_dispatches,
+    response_message_digest,
+)
 
 log = logging.getLogger("recorder.server")
 
@@ -355,6 +360,7 @@ def _request_events(
             n_chat_messages=len(chat.messages),
             n_tools=len(chat.tools),
             dialect=dialect,
+            answer_keys=None if plan.action == "extend" else answer_keys(chat),
         ),
         ev.ChainDecision(
             rules_version=LIVE_RULES_VERSION,
