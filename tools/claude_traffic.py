@@ -74,13 +74,20 @@ def prompt_parts(text: str) -> tuple[str, str]:
 
 
 def responder(tokenizer: Tokenizer, rules: list[Rule]) -> Callable[[GenRequest], Reply]:
-    """The scripted engine's reply function: the first rule whose marker fits, else 'Done.'."""
+    """The scripted engine's reply function: the first rule whose marker fits, else 'Done.'.
+
+    A reply's `{n}` becomes how many times its rule has answered (1, 2, ...): a
+    real model's summaries differ from round to round, and two identical ones
+    would make two conversations the same tokens.
+    """
+    fired = [0] * len(rules)
 
     def reply(req: GenRequest) -> Reply:
         system, latest = prompt_parts(tokenizer.decode(req.input_ids))
-        for rule in rules:
+        for i, rule in enumerate(rules):
             if rule.marker in (system if rule.in_system else latest):
-                return Reply(text=rule.reply)
+                fired[i] += 1
+                return Reply(text=rule.reply.replace("{n}", str(fired[i])))
         return Reply(text="Done.")
 
     return reply
@@ -223,6 +230,20 @@ def _context_limit(wd: Path) -> list[Rule]:
     ]
 
 
+def _partial_compaction(wd: Path) -> list[Rule]:
+    """Each follow-up's output (~3.7k tokens) takes the session over the context length: the
+    CLI learns the limit from the 400 and compacts the head of the conversation, keeping the
+    answers after it verbatim after the summary."""
+    big = str(wd / "big.txt")
+    return [
+        Rule("Your task is to create a detailed summary", "<summary>Head, then tails ({n}).</summary>"),
+        Rule("Show the head", tool_call("Bash", {"command": f"echo HEAD-SHOWN; head -c 12000 {big}"})),
+        Rule("tail", tool_call("Bash", {"command": f"echo TAIL-SHOWN; tail -c 12000 {big}"}, "Reading it.\n")),
+        Rule("HEAD-SHOWN", "Done."),
+        Rule("TAIL-SHOWN", "I read the tail."),
+    ]  # fmt: skip
+
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
@@ -257,6 +278,22 @@ SCENARIOS: dict[str, Scenario] = {
             "Read big.txt, then cat it.",
             _context_limit,
             context_length=24_000,
+        ),
+        Scenario(
+            "partial_compaction",
+            "Show the head of big.txt.",
+            _partial_compaction,
+            follow_ups=("Now show its tail.",),
+            versions=("2.1.330",),
+            context_length=18_000,
+        ),
+        Scenario(
+            "partial_compaction_3",
+            "Show the head of big.txt.",
+            _partial_compaction,
+            follow_ups=("Now show its tail.", "Show its tail again.", "Once more, its tail."),
+            versions=("2.1.330",),
+            context_length=18_000,
         ),
     )
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 
 import msgspec
+import pytest
 from builders import Log, small_logs, write_to
 
 from recorder.events import NewEvent, SessionClosed, SessionOpened
@@ -174,3 +175,33 @@ async def test_workers_give_the_same_projection(store: EventStore) -> None:
     rows = await store.load_projection(two.projection)
     for sid, (_pos, _digest, payload) in rows.items():
         assert payload == encode_result(await close_session_samples(store, sid, Rules()))
+
+
+async def test_the_acted_on_rule_reclassifies_an_old_log(
+    sqlite_store: EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reducer 4 trains a left branch's acted-on answers: a log reduced under reducer 3
+    (where such a branch was abandoned) reclassifies with that one session changed."""
+    from test_acted_on import partial_compaction
+
+    import replay.chains
+    import replay.rules
+
+    logs = await fill(sqlite_store)
+    old_log = Log("partial-v2").open()
+    partial_compaction(old_log, keys=False, answered=True)  # written before answer_keys
+    old_log.reward(1.0).close()
+    await write_to(sqlite_store, old_log)
+    with monkeypatch.context() as m:  # reducer 3: no branch left was ever trained
+        m.setattr(replay.rules, "REDUCER_VERSION", "3")
+        m.setattr(replay.chains.Evidence, "acted_on", lambda self, t: False)
+        m.setattr(replay.chains, "_acted_on_part", lambda c, owner, evidence: None)
+        before = await reclassify(sqlite_store, Rules())
+    after = await reclassify(sqlite_store, Rules())
+    assert after.previous == before.summary_projection
+    assert after.changed_samples == after.changed_segmentation == ["partial-v2"]
+    assert after.trainable_after == before.trainable_after + 5  # turns 1 (2 tokens) and 2 (3)
+    assert after.kinds_after["wipe"] == before.kinds_after["wipe"] + 1
+    assert after.new_sessions == 0 and len(logs) + 1 == sum(
+        1 for _ in await sqlite_store.session_ids()
+    )

@@ -165,7 +165,7 @@ def _cases(
     ]
 
 
-ALL = tuple(n for n in SCENARIOS if n != "context_limit")
+ALL = tuple(n for n in SCENARIOS if "compaction" not in n and n != "context_limit")
 
 
 def _with_engine_tokens(run: ScenarioRun) -> None:
@@ -345,6 +345,33 @@ async def test_context_limit_makes_2_1_330_compact(scenario_run: ScenarioRun) ->
     assert scenario_run.kinds()[-1] == "final" and set(scenario_run.kinds()[:-1]) == {"wipe"}
     (summary,) = [s for s in segments if set(s["turns"]) == summaries]
     assert summary["kind"] == "wipe"
+
+
+@pytest.mark.parametrize(
+    "scenario_run", _cases("partial_compaction", "partial_compaction_3"), indirect=True
+)
+async def test_compaction_at_the_context_limit_trains_every_answer(
+    scenario_run: ScenarioRun,
+) -> None:
+    """The CLI learns the limit from a 400 and compacts the head of the conversation.
+
+    The summary request re-sends only the head, so it forks the main chain
+    early; the answers after the head (acted on: kept verbatim after the
+    summary) must still be trained, in the old context's `wipe` segment.
+    """
+    run = scenario_run
+    assert run.codes == [0] * len(run.codes), run.outputs[-1][-2000:]
+    assert run.results[-1]["result"] == "I read the tail."
+    rejected = run.of(ev.RequestRejected)
+    assert rejected and all(r.message.startswith("prompt is too long") for r in rejected)
+    summaries = run.turns_with("Your task is to create a detailed summary")
+    assert len(summaries) >= (1 if run.name == "partial_compaction" else 3)
+    acc = run.closed["token_accounting"]
+    assert acc["trained"] == acc["engine output"] == run.engine_tokens > 0, acc
+    assert run.trained_tokens == run.engine_tokens
+    assert not [d for d in run.closed["diagnostics"] if "abandoned" in d]
+    assert run.kinds()[-1] == "final" and set(run.kinds()[:-1]) == {"wipe"}
+    assert not any(s.get("dropped") for s in run.closed["segments"])
 
 
 @pytest.mark.parametrize("version", CLAUDE_CODE_VERSIONS)
