@@ -16,6 +16,7 @@ from rollout_harness import chat_tokenizer, policy_recorder
 from sandbox_backends import Backend
 from task_repos import FAIL_TO_PASS, MARKER, PASS_TO_PASS, base_repo, git, hide_the_fix_everywhere
 
+from recorder import events as ev
 from recorder.rollout.agent import AgentSpec
 from recorder.rollout.driver import RolloutRequest, RolloutResult, run_rollout
 from recorder.rollout.tasks import Task, task_from_dict
@@ -130,3 +131,95 @@ async def test_the_agent_finds_nothing_newer_than_base_commit(
 
     solved = await rollout(recorder, backend, task, FIX)
     assert (solved.outcome, solved.reward) == ("passed", 1.0), solved.evidence
+
+
+# -- protected tests -------------------------------------------------------------------
+
+# Rewrites the listed tests to pass and adds a conftest.py that passes everything.
+REWRITE = (
+    "printf 'def test_add():\\n    pass\\n\\n\\ndef test_sub():\\n    pass\\n' "
+    "> tests/test_calc.py && "
+    "printf 'import pytest\\n\\n\\n@pytest.hookimpl(tryfirst=True)\\n"
+    "def pytest_runtest_call(item):\\n    return True\\n' > tests/conftest.py"
+)
+# The test SWE-bench style tasks ship in test_patch: a new test file for add().
+ADD_TEST = "from calc import add\n\n\ndef test_add_sums():\n    assert add(2, 3) == 5\n"
+TEST_PATCH = (
+    "diff --git a/tests/test_add.py b/tests/test_add.py\nnew file mode 100644\n"
+    "--- /dev/null\n+++ b/tests/test_add.py\n@@ -0,0 +1,5 @@\n"
+    + "".join(f"+{line}\n" for line in ADD_TEST.splitlines())
+)
+# Pre-creates test_patch's new file with a test that always passes.
+PLANT = "printf 'def test_add_sums():\\n    pass\\n' > tests/test_add.py"
+
+
+def local(tmp_path: Path) -> Backend:
+    (tmp_path / "local").mkdir(exist_ok=True)
+    return Backend("local", tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("protection", "agent", "reward"),
+    [
+        ("default", REWRITE, 0.0),
+        ("protected_paths", REWRITE, 0.0),
+        ("test_patch", PLANT, 0.0),
+        ("test_patch", FIX, 1.0),
+        ("none", REWRITE, 1.0),  # the attack is real: a task that opts out pays for it
+    ],
+)
+async def test_rewriting_the_tests_earns_nothing(
+    recorder: Harness, tmp_path: Path, protection: str, agent: str, reward: float
+) -> None:
+    src = tmp_path / "src"
+    base = base_repo(src)
+    pytest_all = {"tests": None, "eval_cmd": "python -m pytest -q -p no:cacheprovider tests"}
+    task = {
+        "default": lambda: calc_task(str(src), base),
+        "protected_paths": lambda: calc_task(str(src), base, protected_paths=["tests/**"], **pytest_all),
+        "test_patch": lambda: calc_task(
+            str(src), base, tests={"FAIL_TO_PASS": ["tests/test_add.py::test_add_sums"]},
+            test_patch=TEST_PATCH,
+        ),
+        "none": lambda: calc_task(str(src), base, protected_paths=[], **pytest_all),
+    }[protection]()  # fmt: skip
+    result = await rollout(recorder, local(tmp_path), task, agent)
+    assert (result.reward, result.infra_cause) == (reward, None), result.evidence
+    edited = (
+        ["tests/test_add.py"] if agent == PLANT else ["tests/conftest.py", "tests/test_calc.py"]
+    )
+    if agent != FIX:
+        for path in edited:  # the trainer still sees the attempt
+            assert f"+++ b/{path}" in result.diff
+    if reward == 0.0:
+        assert sorted(result.evidence["protected_changed"]) == edited
+        (restored,) = [
+            e.detail
+            for e in await recorder.payloads(result.session_id, ev.SandboxEvent)
+            if e.kind == "protected_restored"
+        ]
+        assert sorted(restored["paths"]) == edited
+
+
+async def test_a_test_patch_the_agent_conflicts_with_is_reward_zero_with_the_reason(
+    recorder: Harness, tmp_path: Path
+) -> None:
+    src = tmp_path / "src"
+    base = base_repo(src)
+    # Changes the line the agent's edit changes too; the task protects nothing.
+    test_patch = (
+        "diff --git a/tests/test_calc.py b/tests/test_calc.py\n"
+        "--- a/tests/test_calc.py\n+++ b/tests/test_calc.py\n@@ -4,2 +4,2 @@\n"
+        " def test_add():\n-    assert add(2, 3) == 5\n+    assert add(2, 3) == 5 and add(0, 0) == 0\n"
+    )
+    task = calc_task(str(src), base, protected_paths=[], test_patch=test_patch)
+    rewrite = "sed -i 's/assert add(2, 3) == 5/assert add(2, 3) == -1/' tests/test_calc.py"
+    result = await rollout(recorder, local(tmp_path), task, rewrite)
+    assert (result.outcome, result.reward, result.infra_cause) == ("failed", 0.0, None)
+    assert result.evidence["failure"] == "test_patch_conflict"
+    assert "tests/test_calc.py" in result.evidence["output_tail"]
+    assert "test_patch does not apply" in result.evidence["output_tail"]
+    (reward,) = await recorder.payloads(result.session_id, ev.RewardAssigned)
+    assert reward.reward == 0.0 and reward.detail["failure"] == "test_patch_conflict"
+    kinds = [e.kind for e in await recorder.payloads(result.session_id, ev.SandboxEvent)]
+    assert "test_patch_applied" not in kinds and kinds[-2] == "eval_result"
