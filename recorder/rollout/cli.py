@@ -227,6 +227,12 @@ def summary(tally: Tally, interrupted: bool) -> Any:
 
 @click.command("rollout")
 @click.option("--tasks", "tasks_file", required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--repo-mirrors",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    help="Local clones for `owner/name` repos (DIR/owner__name or DIR/owner/name).",
+)
 @click.option("--engine", "engines", multiple=True, help="SGLang URL (for its own recorder).")
 @click.option("--recorder", "recorder_url", help="A running recorder (else one starts on --db).")
 @click.option("--db", default="runs.db", show_default=True, help="Event log of its own recorder.")
@@ -260,7 +266,7 @@ def summary(tally: Tally, interrupted: bool) -> Any:
 @click.option("--no-progress", is_flag=True, help="No progress bar (logs only).")
 def rollout(**o: Any) -> None:
     """Run agent rollouts of a task file through the recorder; write their samples."""
-    tasks, errors = load_tasks(o["tasks_file"])
+    tasks, errors = load_tasks(o["tasks_file"], mirrors=o["repo_mirrors"])
     for err in errors:
         click.echo(click.style("skipping ", fg="yellow") + f"{o['tasks_file']}: {err}", err=True)
     if not tasks:
