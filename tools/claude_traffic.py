@@ -185,6 +185,35 @@ def _tool_search(wd: Path) -> list[Rule]:
     ]
 
 
+NOTEBOOK = {
+    "cells": [
+        {
+            "cell_type": "code",
+            "id": "c1",
+            "metadata": {},
+            "source": ["print('nb-marker broken')"],
+            "outputs": [],
+            "execution_count": None,
+        }
+    ],
+    "metadata": {},
+    "nbformat": 4,
+    "nbformat_minor": 5,
+}
+
+
+def _deferred_call(wd: Path) -> list[Rule]:
+    """Read a notebook, load the deferred NotebookEdit with ToolSearch, then call it."""
+    path = str(wd / "nb.ipynb")
+    edit = {"notebook_path": path, "cell_id": "c1", "new_source": "print('nb-fixed')"}
+    return [
+        Rule("nb-fixed", "The notebook cell is fixed."),
+        Rule('"name": "NotebookEdit"', tool_call("NotebookEdit", edit, "Editing the cell.\n")),
+        Rule("nb-marker broken", tool_call("ToolSearch", {"query": "select:NotebookEdit", "max_results": 1})),
+        Rule("Fix the notebook", tool_call("Read", {"file_path": path})),
+    ]  # fmt: skip
+
+
 def _image(wd: Path) -> list[Rule]:
     return [
         Rule("Describe pixel.png", tool_call("Read", {"file_path": str(wd / "pixel.png")})),
@@ -244,6 +273,13 @@ SCENARIOS: dict[str, Scenario] = {
             env={"ENABLE_TOOL_SEARCH": "true"},
             versions=("2.1.330",),
         ),
+        Scenario(
+            "deferred_call",
+            "Fix the notebook nb.ipynb in the current directory.",
+            _deferred_call,
+            env={"ENABLE_TOOL_SEARCH": "true"},
+            versions=("2.1.330",),
+        ),
         Scenario("image", "Describe pixel.png in the current directory.", _image),
         Scenario(
             "nonessential",
@@ -270,6 +306,7 @@ def make_workdir(wd: Path) -> None:
     wd.mkdir(parents=True, exist_ok=True)
     (wd / "hello.py").write_text(HELLO_PY)
     (wd / "pixel.png").write_bytes(tiny_png())
+    (wd / "nb.ipynb").write_text(json.dumps(NOTEBOOK, indent=1))
     words = " ".join(WORDS[i % len(WORDS)] for i in range(3000))
     (wd / "big.txt").write_text(
         "\n".join(words[i : i + 100] for i in range(0, len(words), 100)) + "\nzulu-end\n"

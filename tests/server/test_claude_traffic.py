@@ -2,7 +2,8 @@
 
 The scenarios are tools/claude_traffic.py's (the script that recorded
 tests/data/claude_traffic): a Read/Edit/Bash rollout, background and
-synchronous subagents, `/compact` after a tool result, ToolSearch, reading a
+synchronous subagents, `/compact` after a tool result, ToolSearch (and calling the
+tool it loaded), reading a
 PNG, and nonessential traffic on. Each runs once per module (`_RUNS`); two
 kinds of test read the run:
 
@@ -59,6 +60,7 @@ class ScenarioRun:
     schemas: list[str | None]  # the json_schema of each engine request
     bodies: list[dict[str, Any]]  # every Messages request body, as the CLI sent it
     closed: dict[str, Any]
+    workdir: Path  # where the CLI ran (its files after the run)
 
     def of(self, type_: type) -> list[Any]:
         return [e for e in self.events if isinstance(e, type_)]
@@ -127,6 +129,7 @@ async def _run(
         schemas=schemas,
         bodies=bodies,
         closed=closed,
+        workdir=root / "work",
     )
 
 
@@ -234,7 +237,28 @@ async def test_tokens_coding_rollout_has_no_false_fork(scenario_run: ScenarioRun
     assert scenario_run.kinds() == ["final"]
 
 
-@pytest.mark.parametrize("scenario_run", _cases("image", "tool_search"), indirect=True)
+@pytest.mark.parametrize("scenario_run", _cases("deferred_call"), indirect=True)
+async def test_wire_a_tool_loaded_by_tool_search_is_called_and_run(
+    scenario_run: ScenarioRun,
+) -> None:
+    """Read, ToolSearch loads the deferred NotebookEdit, the model calls it, the CLI runs it."""
+    uses = [
+        b["name"]
+        for s in scenario_run.of(ev.ResponseSent)
+        for b in s.content
+        if b["type"] == "tool_use"
+    ]
+    assert uses == ["Read", "ToolSearch", "NotebookEdit"]
+    (first, *_), last = scenario_run.bodies, scenario_run.bodies[-1]
+    assert "NotebookEdit" not in {t["name"] for t in first["tools"]}  # deferred, not yet loaded
+    assert "Updated cell c1" in json.dumps(last["messages"][-1])  # the CLI ran the call
+    assert "print('nb-fixed')" in (scenario_run.workdir / "nb.ipynb").read_text()
+    assert scenario_run.results[-1]["result"] == "The notebook cell is fixed."
+
+
+@pytest.mark.parametrize(
+    "scenario_run", _cases("image", "tool_search", "deferred_call"), indirect=True
+)
 async def test_tokens_image_and_tool_search_rollouts(scenario_run: ScenarioRun) -> None:
     """One chain: a loaded tool (2.1.330 then lists it in `tools`) is no compaction or fork."""
     decisions = scenario_run.of(ev.ChainDecision)
