@@ -2,9 +2,8 @@
 
 The scenarios are tools/claude_traffic.py's (the script that recorded
 tests/data/claude_traffic): a Read/Edit/Bash rollout, background and
-synchronous subagents, `/compact` after a tool result, ToolSearch (and calling the
-tool it loaded), reading a
-PNG, and nonessential traffic on. Each runs once per module (`_RUNS`); two
+synchronous subagents, `/compact` after a tool result, ToolSearch (and calling
+the tool it loaded), reading a PNG, and nonessential traffic on. Each runs once per module (`_RUNS`); two
 kinds of test read the run:
 
 - `test_wire_*`: the CLI finishes, the recorder refused nothing, and the
