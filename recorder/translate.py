@@ -461,7 +461,14 @@ _CachedPiece = tuple[
 
 
 def _translate_message(message: Message, path: str, seen: set[str]) -> _Piece:
-    """`seen`: the tool_use ids of the messages before this one."""
+    """`seen`: the tool_use ids of the messages before this one.
+
+    A system message without text (Claude Code 2.1.33x sends `{"role": "system",
+    "content": []}` after `/compact`) adds nothing the model could read: it
+    becomes no chat message, rather than an empty system block in the prompt.
+    """
+    if message.role == "system" and _is_empty_system(message.content, path):
+        return _Piece("system", (), (), (), ())
     if isinstance(message.content, str):
         # The short form of one text block: any role's chat message is that text
         # (what the general path makes of it, without building the block).
@@ -693,6 +700,11 @@ def _load_references(
         out.append(loaded)
         out_digests[i] = message_digest(loaded)
     return out, out_digests, tuple(loaded_names)
+
+
+def _is_empty_system(content: str | list[ContentBlock], path: str) -> bool:
+    text = content if isinstance(content, str) else _text_only(content, path)
+    return not text.strip()
 
 
 def _text_only(blocks: list[ContentBlock], path: str) -> str:

@@ -267,6 +267,13 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario("compact", "Say the marker with echo.", _compact, follow_ups=("/compact",)),
         Scenario(
+            "compact_then_work",  # 2.1.33x: the turn after /compact holds an empty system message
+            "Say the marker with echo.",
+            _compact,
+            follow_ups=("/compact", "Say the marker with echo once more."),
+            versions=("2.1.330",),
+        ),
+        Scenario(
             "tool_search",
             "Find the notebook tool.",
             _tool_search,

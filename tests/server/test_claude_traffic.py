@@ -200,6 +200,20 @@ async def test_wire_tool_reference_loads_the_deferred_tool(scenario_run: Scenari
     assert loaded.lstrip().startswith('<tools>\n{"type": "function", "function": {"name": "Note')
 
 
+@pytest.mark.parametrize("scenario_run", _cases("compact_then_work"), indirect=True)
+async def test_wire_empty_system_message_renders_no_empty_block(
+    scenario_run: ScenarioRun,
+) -> None:
+    """After /compact 2.1.330 sends `{"role": "system", "content": []}`: the engine sees none."""
+    assert any(
+        m["role"] == "system" and not m["content"]
+        for body in scenario_run.bodies
+        for m in body["messages"]
+    )
+    for prompt in scenario_run.prompts.values():
+        assert "<|im_start|>system\n<|im_end|>" not in prompt
+
+
 @pytest.mark.parametrize(
     "scenario_run", _cases("nonessential", versions=("2.1.197",)), indirect=True
 )
