@@ -57,6 +57,7 @@ class Rule:
     marker: str
     reply: str
     in_system: bool = False
+    token_delay_s: float | None = None  # a slow answer (lets the CLI's side requests come)
 
 
 def prompt_parts(text: str) -> tuple[str, str]:
@@ -80,7 +81,7 @@ def responder(tokenizer: Tokenizer, rules: list[Rule]) -> Callable[[GenRequest],
         system, latest = prompt_parts(tokenizer.decode(req.input_ids))
         for rule in rules:
             if rule.marker in (system if rule.in_system else latest):
-                return Reply(text=rule.reply)
+                return Reply(text=rule.reply, token_delay_s=rule.token_delay_s)
         return Reply(text="Done.")
 
     return reply
@@ -116,6 +117,7 @@ class Scenario:
     versions: tuple[str, ...] = ("2.1.197", "2.1.330")
     # The recorder's context length (the engine's is 200k): the CLI assumes 1M for its models.
     context_length: int = 200_000
+    args: tuple[str, ...] = ()  # more CLI arguments (e.g. `--tools ""`)
 
 
 def _coding(wd: Path) -> list[Rule]:
@@ -294,6 +296,16 @@ SCENARIOS: dict[str, Scenario] = {
             _nonessential,
             env={"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": ""},
         ),
+        Scenario(
+            "no_tools",  # a main line that offers no tools, beside the title request
+            "Say the marker with echo.",
+            lambda wd: [
+                Rule("sentence-case title", '{"title": "Greeting"}', in_system=True),
+                Rule("Say the marker", "I cannot run echo here: no tools.", token_delay_s=0.2),
+            ],
+            env={"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": ""},
+            args=("--tools", ""),
+        ),
         Scenario("tool_inputs", "Exercise the tools.", _tool_inputs),
         Scenario(
             "context_limit",  # the 2nd (2.1.197) or 3rd (2.1.330) request is over 24k tokens
@@ -342,11 +354,18 @@ def cli_env(base_url: str, session_id: str, home: Path, extra: dict[str, str]) -
 
 
 async def run_cli(
-    binary: str, prompt: str, cwd: Path, env: dict[str, str], *, allowed: str, resume: bool
+    binary: str,
+    prompt: str,
+    cwd: Path,
+    env: dict[str, str],
+    *,
+    allowed: str,
+    resume: bool,
+    extra: tuple[str, ...] = (),
 ) -> tuple[int, list[dict[str, Any]], str]:
     """One `claude -p` run: (exit code, stream-json lines, raw output)."""
     args = [binary, "-p", prompt, "--allowedTools", allowed, "--output-format", "stream-json"]
-    args += ["--verbose", "--dangerously-skip-permissions"]
+    args += ["--verbose", "--dangerously-skip-permissions", *extra]
     if resume:
         args.append("--continue")
     proc = await asyncio.create_subprocess_exec(
@@ -377,7 +396,15 @@ async def run_scenario(
     runs = []
     for i, prompt in enumerate((scenario.prompt, *scenario.follow_ups)):
         runs.append(
-            await run_cli(binary, prompt, wd, env, allowed=scenario.allowed_tools, resume=i > 0)
+            await run_cli(
+                binary,
+                prompt,
+                wd,
+                env,
+                allowed=scenario.allowed_tools,
+                resume=i > 0,
+                extra=scenario.args,
+            )
         )
     return runs
 

@@ -51,6 +51,7 @@ class ScenarioRun:
     """What one CLI run left: its outcome, the session's log, its rendered prompts, its samples."""
 
     name: str
+    version: str
     codes: list[int]
     results: list[dict[str, Any]]
     outputs: list[str]
@@ -120,6 +121,7 @@ async def _run(
         await h.close()
     return ScenarioRun(
         name=name,
+        version=version,
         codes=[code for code, _, _ in runs],
         results=[lines[-1] if lines else {} for _, lines, _ in runs],
         outputs=[text for _, _, text in runs],
@@ -326,6 +328,25 @@ async def test_tokens_side_requests_are_their_own_kind(scenario_run: ScenarioRun
     assert "side_requests" in (segments[0]["dropped"] or "")  # left out: no sample trains it
     main = scenario_run.engine_tokens - scenario_run.tokens_of(title)
     assert scenario_run.trained_tokens == main == segments[1]["trainable_tokens"]
+
+
+@pytest.mark.parametrize("scenario_run", _cases("no_tools"), indirect=True)
+async def test_tokens_without_tools_the_conversation_is_final(scenario_run: ScenarioRun) -> None:
+    """`--tools ""` with nonessential traffic: no request offers tools. 2.1.197 asks for a
+    title first; the conversation still takes the main line and `final`, the title is `side`."""
+    _with_engine_tokens(scenario_run)
+    assert scenario_run.results[-1]["result"] == "I cannot run echo here: no tools."
+    assert all(not b.get("tools") for b in scenario_run.bodies)
+    title = scenario_run.turns_with("sentence-case title")
+    segments = scenario_run.closed["segments"]
+    assert bool(title) == (scenario_run.version == "2.1.197")  # 2.1.330 -p sends no title
+    if title:
+        assert [s["kind"] for s in segments] == ["side", "final"]
+        assert set(segments[0]["turns"]) == title
+    else:
+        assert [s["kind"] for s in segments] == ["final"]
+    main = scenario_run.engine_tokens - scenario_run.tokens_of(title)
+    assert scenario_run.trained_tokens == main == segments[-1]["trainable_tokens"] > 0
 
 
 @pytest.mark.parametrize(
