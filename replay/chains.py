@@ -32,7 +32,7 @@ from typing import Literal
 
 import numpy as np
 
-from recorder.tokens import is_side_request
+from recorder.tokens import is_side_request, takes_main_line
 from recorder.translate import echo_keys, response_message_digest
 from replay.rules import Rules
 from replay.samples import SegmentKind
@@ -139,14 +139,37 @@ def _is_side(t: Turn, main_digest: str | None) -> bool:
 
 
 def main_system_digest(turns: Sequence[Turn]) -> str | None:
-    """The main line's system digest: the first request's, unless that one offered no
-    tools and a later one with tools has another system prompt (a title request came first).
+    """The main line's system digest: the line that carries the session's work.
+
+    The first request offering tools has it (a title request without tools
+    may have come first). When no request offers tools, the lines take it
+    from each other as the live planner does (`recorder.tokens.takes_main_line`):
+    a new conversation with another system prompt takes it when its input is
+    longer than the main line's latest input.
     """
-    first = next((t.system_digest for t in turns if t.request is not None), None)
     for t in turns:
         if t.request is not None and t.request.n_tools != 0:
             return t.system_digest
-    return first
+    digest: str | None = None
+    latest = 0
+    for t in turns:
+        if t.request is None:
+            continue
+        if digest is None:
+            digest = t.system_digest
+        if t.rendered is None or t.response is None:
+            continue  # no answer: the live chains never saw it
+        size = t.rendered.input_ids.length
+        if t.system_digest == digest:
+            latest = size
+        elif _fresh(t) and takes_main_line(0, t.system_digest or "", size, 0, digest or "", latest):
+            digest, latest = t.system_digest, size
+    return digest
+
+
+def _fresh(t: Turn) -> bool:
+    """Was the turn's input rendered whole (it extended no chain)?"""
+    return t.rendered is not None and t.rendered.prefix_len == 0
 
 
 @dataclass(slots=True)

@@ -57,6 +57,7 @@ class Rule:
     marker: str
     reply: str
     in_system: bool = False
+    token_delay_s: float | None = None  # a slow answer (lets the CLI's side requests come)
 
 
 def prompt_parts(text: str) -> tuple[str, str]:
@@ -87,7 +88,8 @@ def responder(tokenizer: Tokenizer, rules: list[Rule]) -> Callable[[GenRequest],
         for i, rule in enumerate(rules):
             if rule.marker in (system if rule.in_system else latest):
                 fired[i] += 1
-                return Reply(text=rule.reply.replace("{n}", str(fired[i])))
+                text = rule.reply.replace("{n}", str(fired[i]))
+                return Reply(text=text, token_delay_s=rule.token_delay_s)
         return Reply(text="Done.")
 
     return reply
@@ -123,6 +125,7 @@ class Scenario:
     versions: tuple[str, ...] = ("2.1.197", "2.1.330")
     # The recorder's context length (the engine's is 200k): the CLI assumes 1M for its models.
     context_length: int = 200_000
+    args: tuple[str, ...] = ()  # more CLI arguments (e.g. `--tools ""`)
 
 
 def _coding(wd: Path) -> list[Rule]:
@@ -192,6 +195,35 @@ def _tool_search(wd: Path) -> list[Rule]:
     ]
 
 
+NOTEBOOK = {
+    "cells": [
+        {
+            "cell_type": "code",
+            "id": "c1",
+            "metadata": {},
+            "source": ["print('nb-marker broken')"],
+            "outputs": [],
+            "execution_count": None,
+        }
+    ],
+    "metadata": {},
+    "nbformat": 4,
+    "nbformat_minor": 5,
+}
+
+
+def _deferred_call(wd: Path) -> list[Rule]:
+    """Read a notebook, load the deferred NotebookEdit with ToolSearch, then call it."""
+    path = str(wd / "nb.ipynb")
+    edit = {"notebook_path": path, "cell_id": "c1", "new_source": "print('nb-fixed')"}
+    return [
+        Rule("nb-fixed", "The notebook cell is fixed."),
+        Rule('"name": "NotebookEdit"', tool_call("NotebookEdit", edit, "Editing the cell.\n")),
+        Rule("nb-marker broken", tool_call("ToolSearch", {"query": "select:NotebookEdit", "max_results": 1})),
+        Rule("Fix the notebook", tool_call("Read", {"file_path": path})),
+    ]  # fmt: skip
+
+
 def _image(wd: Path) -> list[Rule]:
     return [
         Rule("Describe pixel.png", tool_call("Read", {"file_path": str(wd / "pixel.png")})),
@@ -259,9 +291,23 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario("compact", "Say the marker with echo.", _compact, follow_ups=("/compact",)),
         Scenario(
+            "compact_then_work",  # 2.1.33x: the turn after /compact holds an empty system message
+            "Say the marker with echo.",
+            _compact,
+            follow_ups=("/compact", "Say the marker with echo once more."),
+            versions=("2.1.330",),
+        ),
+        Scenario(
             "tool_search",
             "Find the notebook tool.",
             _tool_search,
+            env={"ENABLE_TOOL_SEARCH": "true"},
+            versions=("2.1.330",),
+        ),
+        Scenario(
+            "deferred_call",
+            "Fix the notebook nb.ipynb in the current directory.",
+            _deferred_call,
             env={"ENABLE_TOOL_SEARCH": "true"},
             versions=("2.1.330",),
         ),
@@ -271,6 +317,16 @@ SCENARIOS: dict[str, Scenario] = {
             "Say the marker with echo.",
             _nonessential,
             env={"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": ""},
+        ),
+        Scenario(
+            "no_tools",  # a main line that offers no tools, beside the title request
+            "Say the marker with echo.",
+            lambda wd: [
+                Rule("sentence-case title", '{"title": "Greeting"}', in_system=True),
+                Rule("Say the marker", "I cannot run echo here: no tools.", token_delay_s=0.2),
+            ],
+            env={"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": ""},
+            args=("--tools", ""),
         ),
         Scenario("tool_inputs", "Exercise the tools.", _tool_inputs),
         Scenario(
@@ -307,6 +363,7 @@ def make_workdir(wd: Path) -> None:
     wd.mkdir(parents=True, exist_ok=True)
     (wd / "hello.py").write_text(HELLO_PY)
     (wd / "pixel.png").write_bytes(tiny_png())
+    (wd / "nb.ipynb").write_text(json.dumps(NOTEBOOK, indent=1))
     words = " ".join(WORDS[i % len(WORDS)] for i in range(3000))
     (wd / "big.txt").write_text(
         "\n".join(words[i : i + 100] for i in range(0, len(words), 100)) + "\nzulu-end\n"
@@ -335,11 +392,18 @@ def cli_env(base_url: str, session_id: str, home: Path, extra: dict[str, str]) -
 
 
 async def run_cli(
-    binary: str, prompt: str, cwd: Path, env: dict[str, str], *, allowed: str, resume: bool
+    binary: str,
+    prompt: str,
+    cwd: Path,
+    env: dict[str, str],
+    *,
+    allowed: str,
+    resume: bool,
+    extra: tuple[str, ...] = (),
 ) -> tuple[int, list[dict[str, Any]], str]:
     """One `claude -p` run: (exit code, stream-json lines, raw output)."""
     args = [binary, "-p", prompt, "--allowedTools", allowed, "--output-format", "stream-json"]
-    args += ["--verbose", "--dangerously-skip-permissions"]
+    args += ["--verbose", "--dangerously-skip-permissions", *extra]
     if resume:
         args.append("--continue")
     proc = await asyncio.create_subprocess_exec(
@@ -370,7 +434,15 @@ async def run_scenario(
     runs = []
     for i, prompt in enumerate((scenario.prompt, *scenario.follow_ups)):
         runs.append(
-            await run_cli(binary, prompt, wd, env, allowed=scenario.allowed_tools, resume=i > 0)
+            await run_cli(
+                binary,
+                prompt,
+                wd,
+                env,
+                allowed=scenario.allowed_tools,
+                resume=i > 0,
+                extra=scenario.args,
+            )
         )
     return runs
 

@@ -258,6 +258,13 @@ def summary(tally: Tally, interrupted: bool) -> Any:
 @click.option("--max-new-tokens", type=int, default=None)
 @click.option("--agent-command", default=None, help="Agent command template (see AgentSpec).")
 @click.option("--agent-binary", default=None, help="The agent CLI inside the sandbox.")
+@click.option(
+    "--compact-at",
+    type=click.FloatRange(0.0, 1.0, min_open=False),
+    default=0.8,
+    show_default=True,
+    help="Claude Code compacts at this share of the recorder's context length (0: leave it).",
+)
 @click.option("--tokenizer", default=None, help="Own recorder: tokenizer (recorder serve).")
 @click.option("--chat-template", default=None, help="Own recorder: chat template.")
 @click.option("--tool-parser", default=None, help="Own recorder: tool-call parser.")
@@ -281,6 +288,7 @@ def rollout(**o: Any) -> None:
     agent = AgentSpec(
         **({"command": o["agent_command"]} if o["agent_command"] else {}),
         binary=o["agent_binary"] or (local_binary() if o["sandbox"] == "local" else None),
+        compact_at=o["compact_at"] or None,
     )
     options = dict(opt.split("=", 1) for opt in o["sandbox_options"] if "=" in opt)
     if len(options) != len(o["sandbox_options"]):

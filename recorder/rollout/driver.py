@@ -36,7 +36,14 @@ from typing import Any
 
 import msgspec
 
-from recorder.rollout.agent import AgentRun, AgentSpec, agent_env, ensure_agent, run_agent
+from recorder.rollout.agent import (
+    AgentRun,
+    AgentSpec,
+    agent_env,
+    compaction_env,
+    ensure_agent,
+    run_agent,
+)
 from recorder.rollout.client import RecorderClient, RecorderError, RolloutEvent
 from recorder.rollout.errors import InfraError
 from recorder.rollout.evaluate import Grade, run_grader
@@ -247,8 +254,12 @@ class _Rollout:
         env = agent_env(
             sb, req.agent, base_url=req.agent_base_url or req.recorder_url, session_id=self.sid
         )
+        compaction = await self.compaction()
+        env = {**compaction, **env}  # the agent's own `env` wins
         budget = self.deadline - time.monotonic()
-        self.note("agent_started", binary=binary, wall_budget_s=round(budget, 3))
+        self.note(
+            "agent_started", binary=binary, wall_budget_s=round(budget, 3), compaction=compaction
+        )
         await self.flush()
         with self.timed("agent_s"):
             run = await run_agent(
@@ -279,6 +290,14 @@ class _Rollout:
         with self.timed("cleanup_s"):
             await asyncio.gather(*self.killing, return_exceptions=True)
         return patch
+
+    async def compaction(self) -> dict[str, str]:
+        """The agent's compaction settings, from the recorder's context length."""
+        if self.req.agent.compact_at is None:
+            return {}
+        with self.timed("recorder_s"):
+            context_length = await self.client.context_length()
+        return compaction_env(context_length, self.req.agent.compact_at)
 
     async def after_agent(self, run: AgentRun) -> None:
         """Record how the agent ended; raise InfraError when that was not the model's doing."""

@@ -714,7 +714,7 @@ async def _compose(
             text, chat.stop_sequences, matched=output.finish_detail
         )
     # No tools offered (`tools: []`, `tool_choice: none`): no calls, the text stays text.
-    parsed = await ctx.parser.parse(text, [] if chat.tool_choice == "none" else chat.tools)
+    parsed = await ctx.parser.parse(text, [] if chat.tool_choice == "none" else chat.callable_tools)
     calls = [ToolCallOut(name=c.name, arguments=dict(c.arguments)) for c in parsed.tool_calls]
     # Thinking comes back only when the request enabled it, as with the real API.
     shown = parsed.reasoning if chat.thinking in ("enabled", "adaptive") else None
