@@ -1,11 +1,25 @@
 """Chains: turns linked by exact token-prefix extension, classified by line.
 
 A turn whose input extends no chain but repeats a chain's first turns (a
-retried request, an edited message) forks that chain: the fork inherits the
-turns before the divergence, so they are trained once, in the branch the
-conversation went on with. The abandoned branch yields no segment (seed 004:
-divergence is not a segment kind); compaction shares no turn, so the chain
-before it stays a `wipe` segment.
+retried request, an edited message, a compaction summary that re-sends the
+head of the conversation) forks that chain: the fork inherits the turns
+before the divergence, so they are trained once, in the branch the
+conversation went on with.
+
+An answer the client went on to act on is trained, whatever branch it sits
+in. Evidence of acting on it, all from recorded facts: a later turn of its
+own chain (whose input carries the answer), a later request answering one
+of its tool calls, or a later request that carries the answer itself
+(`MessagesRequest.answer_keys`: the turns Claude Code keeps verbatim after
+a partial compaction's summary, the text a client echoes without). A branch
+the conversation left after such answers is closed into a segment of its
+line's kind (a main-line branch is a `wipe`) holding its turns up to the
+last acted-on one; the turns it shares with a branch trained before it are
+masked there (`Chain.trained_elsewhere`). Only the turns no later request
+shows the client ever used (a retry after a timeout, a regenerate) are an
+abandoned branch and yield no segment (seed 004: divergence is not a
+segment kind). Compaction that shares no turn leaves the chain before it a
+`wipe` segment.
 
 Part of the pure reducer (see `replay.reducer` for the rules it implements).
 """
@@ -18,7 +32,8 @@ from typing import Literal
 
 import numpy as np
 
-from recorder.model.tokens import is_side_request
+from recorder.dialects.translate import echo_keys, response_message_digest
+from recorder.model.tokens import is_side_request, takes_main_line
 from replay.rules import Rules
 from replay.samples import SegmentKind
 from replay.turns import Turn
@@ -37,6 +52,9 @@ class Chain:
     owner: Chain | None = None
     nested_dropped_turns: int = 0
     forked_from: Chain | None = None  # the branch this one diverged from
+    # Leading turns trained in another segment (shared with the branch the
+    # conversation went on with): context here, masked.
+    trained_elsewhere: int = 0
 
     @property
     def root(self) -> Chain:
@@ -121,14 +139,75 @@ def _is_side(t: Turn, main_digest: str | None) -> bool:
 
 
 def main_system_digest(turns: Sequence[Turn]) -> str | None:
-    """The main line's system digest: the first request's, unless that one offered no
-    tools and a later one with tools has another system prompt (a title request came first).
+    """The main line's system digest: the line that carries the session's work.
+
+    The first request offering tools has it (a title request without tools
+    may have come first). When no request offers tools, the lines take it
+    from each other as the live planner does (`recorder.model.tokens.takes_main_line`):
+    a new conversation with another system prompt takes it when its input is
+    longer than the main line's latest input.
     """
-    first = next((t.system_digest for t in turns if t.request is not None), None)
     for t in turns:
         if t.request is not None and t.request.n_tools != 0:
             return t.system_digest
-    return first
+    digest: str | None = None
+    latest = 0
+    for t in turns:
+        if t.request is None:
+            continue
+        if digest is None:
+            digest = t.system_digest
+        if t.rendered is None or t.response is None:
+            continue  # no answer: the live chains never saw it
+        size = t.rendered.input_ids.length
+        if t.system_digest == digest:
+            latest = size
+        elif _fresh(t) and takes_main_line(0, t.system_digest or "", size, 0, digest or "", latest):
+            digest, latest = t.system_digest, size
+    return digest
+
+
+def _fresh(t: Turn) -> bool:
+    """Was the turn's input rendered whole (it extended no chain)?"""
+    return t.rendered is not None and t.rendered.prefix_len == 0
+
+
+@dataclass(slots=True)
+class Evidence:
+    """What later requests show the client kept: the latest seq that showed each.
+
+    `tool_results`: tool_use id -> seq of the last request answering it;
+    `answers`: message key (`translate.message_key`) -> seq of the last
+    request carrying that assistant message.
+    """
+
+    tool_results: dict[str, int] = field(default_factory=dict)
+    answers: dict[str, int] = field(default_factory=dict)
+
+    def note(self, t: Turn) -> None:
+        r = t.request
+        if r is None:
+            return
+        for tid in r.tool_result_ids:
+            self.tool_results[tid] = t.first_seq
+        for key in r.answer_keys or ():
+            self.answers[key] = t.first_seq
+
+    def acted_on(self, t: Turn) -> bool:
+        """Did a request after `t` answer one of its tool calls or carry its answer?"""
+        if t.response is None:
+            return False
+        content = t.response.content
+        ids = (b.get("id") for b in content if isinstance(b, dict) and b.get("type") == "tool_use")
+        if any(self.tool_results.get(str(i), -1) > t.first_seq for i in ids):
+            return True
+        if not self.answers:
+            return False
+        try:
+            keys = echo_keys(response_message_digest(content))
+        except ValueError:  # content that is no Anthropic blocks: no message to find
+            return False
+        return any(self.answers.get(k, -1) > t.first_seq for k in keys)
 
 
 class ChainBuilder:
@@ -142,10 +221,12 @@ class ChainBuilder:
         self.main_pending: dict[str, Dispatch] = {}
         self.nested_pending: dict[str, Chain] = {}
         self.last_main: Chain | None = None
+        self.evidence = Evidence()
 
     def add(self, t: Turn) -> None:
         if self.main_digest is None and t.system_digest is not None:
             self.main_digest = t.system_digest
+        self.evidence.note(t)
         self._returns(t)
         chain = self._assign(t) if t.unusable is None else None
         self._dispatches(t, chain)
@@ -370,20 +451,31 @@ class ChainBuilder:
 
 
 def classify_chains(
-    chains: list[Chain], last_main: Chain | None, diags: list[str] | None = None
+    chains: list[Chain],
+    last_main: Chain | None,
+    diags: list[str] | None = None,
+    evidence: Evidence | None = None,
 ) -> list[tuple[SegmentKind, Chain]]:
     """(segment kind, chain) per chain that yields a segment, final last.
 
-    Of each fork tree only one branch counts: the last main chain if the tree
-    holds it, else the branch extended last (see the module docstring).
+    Of each fork tree the branch the conversation went on with trains all its
+    turns: the last main chain if the tree holds it, else the branch extended
+    last. Every other branch yields a segment of its acted-on turns not
+    trained yet (see the module docstring), the rest is abandoned.
     """
     live = _live_branches(chains, last_main)
+    owner: dict[int, Chain] = {id(t): c for c in live.values() for t in c.turns}
     out: list[tuple[SegmentKind, Chain]] = []
     for c in chains:
         branch = live[c.root]
         if c is not branch:
+            kept = _acted_on_part(c, owner, evidence or Evidence())
+            if kept is not None and c.line in ("main", "subagent", "side"):
+                for t in kept.turns[kept.trained_elsewhere :]:
+                    owner[id(t)] = kept
+                out.append(("wipe" if c.line == "main" else c.line, kept))  # type: ignore[arg-type]
             if diags is not None and c.line in ("main", "subagent"):
-                diags.append(_abandoned(c, branch))
+                diags.extend(_left_branch(c, branch, kept, owner))
         elif c.line in ("subagent", "side"):
             out.append((c.line, c))
         elif c.line == "main":
@@ -392,8 +484,35 @@ def classify_chains(
     return out
 
 
+def _acted_on_part(c: Chain, owner: dict[int, Chain], evidence: Evidence) -> Chain | None:
+    """`c` up to its last acted-on turn, if that holds a turn no segment trains yet.
+
+    Every turn but the last was acted on: the next turn's input carries it.
+    """
+    end = len(c.turns) if evidence.acted_on(c.turns[-1]) else len(c.turns) - 1
+    shared = 0
+    while shared < end and id(c.turns[shared]) in owner:
+        shared += 1
+    if shared >= end:
+        return None
+    last = c.turns[end - 1]
+    assert last.input is not None and last.output is not None
+    return Chain(
+        chain_id=c.chain_id,
+        line=c.line,
+        system_digest=c.system_digest,
+        seq_tokens=np.concatenate([last.input, last.output]),
+        turns=c.turns[:end],
+        dispatch_id=c.dispatch_id,
+        owner=c.owner,
+        nested_dropped_turns=c.nested_dropped_turns,
+        forked_from=c.forked_from,
+        trained_elsewhere=shared,
+    )
+
+
 def _live_branches(chains: list[Chain], last_main: Chain | None) -> dict[Chain, Chain]:
-    """root -> the one branch of its fork tree that yields a segment."""
+    """root -> the one branch of its fork tree that the conversation went on with."""
     live: dict[Chain, Chain] = {}
     for c in chains:
         current = live.get(c.root)
@@ -404,12 +523,20 @@ def _live_branches(chains: list[Chain], last_main: Chain | None) -> dict[Chain, 
     return live
 
 
-def _abandoned(c: Chain, live: Chain) -> str:
-    shared = 0
-    while shared < min(len(c.turns), len(live.turns)) and c.turns[shared] is live.turns[shared]:
-        shared += 1
-    return (
-        f"chain {c.chain_id}: abandoned branch (retry or edited history; the conversation "
-        f"went on in chain {live.chain_id}): its {len(c.turns) - shared} turn(s) after the "
-        "divergence are not trained"
-    )
+def _left_branch(c: Chain, live: Chain, kept: Chain | None, owner: dict[int, Chain]) -> list[str]:
+    """What became of the turns of `c`, a branch the conversation left for `live`."""
+    out = []
+    if kept is not None:
+        out.append(
+            f"chain {c.chain_id}: left for chain {live.chain_id} after answers the client "
+            f"acted on: turns {[t.turn for t in kept.turns[kept.trained_elsewhere :]]} "
+            "trained in a segment of their own"
+        )
+    lost = sum(1 for t in c.turns if id(t) not in owner)
+    if lost:
+        out.append(
+            f"chain {c.chain_id}: abandoned branch (retry or edited history; the conversation "
+            f"went on in chain {live.chain_id}): its {lost} turn(s) after the divergence "
+            "are not trained"
+        )
+    return out

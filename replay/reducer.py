@@ -127,7 +127,7 @@ def _reduce(
         samples=samples,
         placeholder=placeholder_reason is not None,
         turns_total=len(s.turns),
-        turns_used=sum(len(b.chain.turns) for b in built),
+        turns_used=sum(len(b.chain.turns) - b.chain.trained_elsewhere for b in built),
         tito_failed_turns=sum(1 for t in s.turns if t.tito is not None and not t.tito.ok),
         aborts=sum(t.aborts for t in s.turns),
         diagnostics=s.diagnostics,
@@ -149,7 +149,8 @@ def _build_segments(
     budget = rules.context_length or (s.opened.context_length if s.opened else None)
     built: list[BuiltSegment] = []
     dropped: list[BuiltSegment] = []
-    for kind, chain in classify_chains(builder.chains, builder.last_main, s.diagnostics):
+    classified = classify_chains(builder.chains, builder.last_main, s.diagnostics, builder.evidence)
+    for kind, chain in classified:
         b = build_segment(kind, chain, rules)
         if b.tokens.size - b.prompt_len == 0:
             b.dropped = "no response tokens"

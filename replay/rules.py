@@ -21,7 +21,9 @@ from typing import Any, Literal
 import msgspec
 
 # Bump when the reducer changes what it builds from the same log and rules.
-REDUCER_VERSION = "3"  # 3: no false forks, side segments, final never dropped (replay.chains)
+REDUCER_VERSION = "4"  # 4: acted-on answers of a branch left are trained; without tools,
+# the main line is the conversation carrying the work (replay.chains)
+# 3: no false forks, side segments, final never dropped (replay.chains)
 
 SampleMode = Literal["fan_out", "collapse_to_final"]
 RewardMode = Literal["uniform", "copy", "final_only"]

@@ -41,7 +41,7 @@ def build_segment(kind: SegmentKind, c: Chain, rules: Rules) -> BuiltSegment:
     mask = np.zeros(r, dtype=np.int8)
     logprobs = np.zeros(r, dtype=np.float64)
     versions = [""] * r
-    for t in c.turns:
+    for t in c.turns[c.trained_elsewhere :]:  # the shared turns before are context here
         assert t.input is not None and t.output is not None and t.mask is not None
         s = int(t.input.size) - p
         n = int(t.output.size)
@@ -124,6 +124,9 @@ def to_sample(
         "dispatch_tool_use_id": c.dispatch_id,
         "finish_reason": last.finish_reason,
         "turns": [t.turn for t in c.turns],
+        # Turns this sample holds as context only: trained in the segment of the
+        # branch the conversation went on with (`replay.chains`).
+        "turns_trained_elsewhere": [t.turn for t in c.turns[: c.trained_elsewhere]],
         "aborts": sum(t.aborts for t in c.turns),
         "tito_masked_turns": [t.turn for t in c.turns if t.tito_masked],
         "stale_weight_masked_tokens": sum(t.stale_masked for t in c.turns),
@@ -195,7 +198,9 @@ def account_tokens(
     "trained" add up to "engine output" (the reducer's tests check it).
     """
     out: Counter[str] = Counter({"engine output": 0, "trained": 0})
-    segment_of = {id(t): b for b in (*built, *dropped) for t in b.chain.turns}
+    segment_of = {
+        id(t): b for b in (*built, *dropped) for t in b.chain.turns[b.chain.trained_elsewhere :]
+    }
     for t in turns:
         n = sum(r.output_ids.length for r in t.results.values())
         out["engine output"] += n

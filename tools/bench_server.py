@@ -257,7 +257,7 @@ async def bench(sessions: int, turns: int, db: str) -> None:
                 f"{pct(run.latencies, 50):>8.1f}{pct(run.latencies, 99):>8.1f}{o50}{o99}{cpu}"
             )
         print(
-            f"{'':<17}ratio recorder/engine: throughput {len(rec.latencies) / rec.wall_s / (len(base.latencies) / base.wall_s):.2f}x, "
+            f"{'':<17}ratio recorder/model/engine: throughput {len(rec.latencies) / rec.wall_s / (len(base.latencies) / base.wall_s):.2f}x, "
             f"p50 latency {pct(rec.latencies, 50) / pct(base.latencies, 50):.1f}x"
         )
         total += len(rec.latencies)

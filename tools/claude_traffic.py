@@ -57,6 +57,7 @@ class Rule:
     marker: str
     reply: str
     in_system: bool = False
+    token_delay_s: float | None = None  # a slow answer (lets the CLI's side requests come)
 
 
 def prompt_parts(text: str) -> tuple[str, str]:
@@ -74,13 +75,21 @@ def prompt_parts(text: str) -> tuple[str, str]:
 
 
 def responder(tokenizer: Tokenizer, rules: list[Rule]) -> Callable[[GenRequest], Reply]:
-    """The scripted engine's reply function: the first rule whose marker fits, else 'Done.'."""
+    """The scripted engine's reply function: the first rule whose marker fits, else 'Done.'.
+
+    A reply's `{n}` becomes how many times its rule has answered (1, 2, ...): a
+    real model's summaries differ from round to round, and two identical ones
+    would make two conversations the same tokens.
+    """
+    fired = [0] * len(rules)
 
     def reply(req: GenRequest) -> Reply:
         system, latest = prompt_parts(tokenizer.decode(req.input_ids))
-        for rule in rules:
+        for i, rule in enumerate(rules):
             if rule.marker in (system if rule.in_system else latest):
-                return Reply(text=rule.reply)
+                fired[i] += 1
+                text = rule.reply.replace("{n}", str(fired[i]))
+                return Reply(text=text, token_delay_s=rule.token_delay_s)
         return Reply(text="Done.")
 
     return reply
@@ -116,6 +125,7 @@ class Scenario:
     versions: tuple[str, ...] = ("2.1.197", "2.1.330")
     # The recorder's context length (the engine's is 200k): the CLI assumes 1M for its models.
     context_length: int = 200_000
+    args: tuple[str, ...] = ()  # more CLI arguments (e.g. `--tools ""`)
 
 
 def _coding(wd: Path) -> list[Rule]:
@@ -185,6 +195,35 @@ def _tool_search(wd: Path) -> list[Rule]:
     ]
 
 
+NOTEBOOK = {
+    "cells": [
+        {
+            "cell_type": "code",
+            "id": "c1",
+            "metadata": {},
+            "source": ["print('nb-marker broken')"],
+            "outputs": [],
+            "execution_count": None,
+        }
+    ],
+    "metadata": {},
+    "nbformat": 4,
+    "nbformat_minor": 5,
+}
+
+
+def _deferred_call(wd: Path) -> list[Rule]:
+    """Read a notebook, load the deferred NotebookEdit with ToolSearch, then call it."""
+    path = str(wd / "nb.ipynb")
+    edit = {"notebook_path": path, "cell_id": "c1", "new_source": "print('nb-fixed')"}
+    return [
+        Rule("nb-fixed", "The notebook cell is fixed."),
+        Rule('"name": "NotebookEdit"', tool_call("NotebookEdit", edit, "Editing the cell.\n")),
+        Rule("nb-marker broken", tool_call("ToolSearch", {"query": "select:NotebookEdit", "max_results": 1})),
+        Rule("Fix the notebook", tool_call("Read", {"file_path": path})),
+    ]  # fmt: skip
+
+
 def _image(wd: Path) -> list[Rule]:
     return [
         Rule("Describe pixel.png", tool_call("Read", {"file_path": str(wd / "pixel.png")})),
@@ -223,6 +262,20 @@ def _context_limit(wd: Path) -> list[Rule]:
     ]
 
 
+def _partial_compaction(wd: Path) -> list[Rule]:
+    """Each follow-up's output (~3.7k tokens) takes the session over the context length: the
+    CLI learns the limit from the 400 and compacts the head of the conversation, keeping the
+    answers after it verbatim after the summary."""
+    big = str(wd / "big.txt")
+    return [
+        Rule("Your task is to create a detailed summary", "<summary>Head, then tails ({n}).</summary>"),
+        Rule("Show the head", tool_call("Bash", {"command": f"echo HEAD-SHOWN; head -c 12000 {big}"})),
+        Rule("tail", tool_call("Bash", {"command": f"echo TAIL-SHOWN; tail -c 12000 {big}"}, "Reading it.\n")),
+        Rule("HEAD-SHOWN", "Done."),
+        Rule("TAIL-SHOWN", "I read the tail."),
+    ]  # fmt: skip
+
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
@@ -238,9 +291,23 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario("compact", "Say the marker with echo.", _compact, follow_ups=("/compact",)),
         Scenario(
+            "compact_then_work",  # 2.1.33x: the turn after /compact holds an empty system message
+            "Say the marker with echo.",
+            _compact,
+            follow_ups=("/compact", "Say the marker with echo once more."),
+            versions=("2.1.330",),
+        ),
+        Scenario(
             "tool_search",
             "Find the notebook tool.",
             _tool_search,
+            env={"ENABLE_TOOL_SEARCH": "true"},
+            versions=("2.1.330",),
+        ),
+        Scenario(
+            "deferred_call",
+            "Fix the notebook nb.ipynb in the current directory.",
+            _deferred_call,
             env={"ENABLE_TOOL_SEARCH": "true"},
             versions=("2.1.330",),
         ),
@@ -251,12 +318,38 @@ SCENARIOS: dict[str, Scenario] = {
             _nonessential,
             env={"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": ""},
         ),
+        Scenario(
+            "no_tools",  # a main line that offers no tools, beside the title request
+            "Say the marker with echo.",
+            lambda wd: [
+                Rule("sentence-case title", '{"title": "Greeting"}', in_system=True),
+                Rule("Say the marker", "I cannot run echo here: no tools.", token_delay_s=0.2),
+            ],
+            env={"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": ""},
+            args=("--tools", ""),
+        ),
         Scenario("tool_inputs", "Exercise the tools.", _tool_inputs),
         Scenario(
             "context_limit",  # the 2nd (2.1.197) or 3rd (2.1.330) request is over 24k tokens
             "Read big.txt, then cat it.",
             _context_limit,
             context_length=24_000,
+        ),
+        Scenario(
+            "partial_compaction",
+            "Show the head of big.txt.",
+            _partial_compaction,
+            follow_ups=("Now show its tail.",),
+            versions=("2.1.330",),
+            context_length=18_000,
+        ),
+        Scenario(
+            "partial_compaction_3",
+            "Show the head of big.txt.",
+            _partial_compaction,
+            follow_ups=("Now show its tail.", "Show its tail again.", "Once more, its tail."),
+            versions=("2.1.330",),
+            context_length=18_000,
         ),
     )
 }
@@ -270,6 +363,7 @@ def make_workdir(wd: Path) -> None:
     wd.mkdir(parents=True, exist_ok=True)
     (wd / "hello.py").write_text(HELLO_PY)
     (wd / "pixel.png").write_bytes(tiny_png())
+    (wd / "nb.ipynb").write_text(json.dumps(NOTEBOOK, indent=1))
     words = " ".join(WORDS[i % len(WORDS)] for i in range(3000))
     (wd / "big.txt").write_text(
         "\n".join(words[i : i + 100] for i in range(0, len(words), 100)) + "\nzulu-end\n"
@@ -298,11 +392,18 @@ def cli_env(base_url: str, session_id: str, home: Path, extra: dict[str, str]) -
 
 
 async def run_cli(
-    binary: str, prompt: str, cwd: Path, env: dict[str, str], *, allowed: str, resume: bool
+    binary: str,
+    prompt: str,
+    cwd: Path,
+    env: dict[str, str],
+    *,
+    allowed: str,
+    resume: bool,
+    extra: tuple[str, ...] = (),
 ) -> tuple[int, list[dict[str, Any]], str]:
     """One `claude -p` run: (exit code, stream-json lines, raw output)."""
     args = [binary, "-p", prompt, "--allowedTools", allowed, "--output-format", "stream-json"]
-    args += ["--verbose", "--dangerously-skip-permissions"]
+    args += ["--verbose", "--dangerously-skip-permissions", *extra]
     if resume:
         args.append("--continue")
     proc = await asyncio.create_subprocess_exec(
@@ -333,7 +434,15 @@ async def run_scenario(
     runs = []
     for i, prompt in enumerate((scenario.prompt, *scenario.follow_ups)):
         runs.append(
-            await run_cli(binary, prompt, wd, env, allowed=scenario.allowed_tools, resume=i > 0)
+            await run_cli(
+                binary,
+                prompt,
+                wd,
+                env,
+                allowed=scenario.allowed_tools,
+                resume=i > 0,
+                extra=scenario.args,
+            )
         )
     return runs
 

@@ -1,7 +1,7 @@
 """Server-sent events on the wire: a frame is (event name, data), encoded as SSE text.
 
 Every dialect answers a stream as a list of frames (`Dialect.frames`);
-`recorder.server.sse` writes them to the client.
+`recorder.dialects.sse` writes them to the client.
 """
 
 from __future__ import annotations

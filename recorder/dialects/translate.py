@@ -226,6 +226,12 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     `render_digest` covers what besides the messages changes how they render
     (the tool schemas): a chain only extends under the same one. Template
     kwargs (`enable_thinking`) may only change the generation prompt.
+
+    `tools` is the prompt's tool list (what the template renders up front);
+    `loaded_tools` are the `defer_loading` tools a `tool_reference` in the
+    history has loaded. Their schemas reach the model inside that tool result,
+    never in the list, yet the model may call them: `callable_tools` is what
+    the output parser accepts.
     """
 
     model: str
@@ -254,6 +260,12 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     json_schema: dict[str, Any] | None = None
     # The answer carries each output token's logprob (OpenAI `logprobs: true`).
     logprobs: bool = False
+    loaded_tools: list[dict[str, Any]] = []
+
+    @property
+    def callable_tools(self) -> list[dict[str, Any]]:
+        """The tools the model may call now: the listed ones and the loaded deferred ones."""
+        return [*self.tools, *self.loaded_tools] if self.loaded_tools else self.tools
 
 
 # --------------------------------------------------------------------------
@@ -363,7 +375,9 @@ def _chat_request(req: _RequestFields, conversation: _Conversation) -> ChatReque
     tools = [_tool_schema(t) for t in req.tools or [] if not t.defer_loading]
     deferred = {t.name: _tool_schema(t) for t in req.tools or [] if t.defer_loading}
     by_name = {**{t["function"]["name"]: t for t in tools}, **deferred}
-    messages, digests = _load_references(conversation.messages, conversation.digests, by_name)
+    messages, digests, loaded = _load_references(
+        conversation.messages, conversation.digests, by_name
+    )
     thinking = req.thinking
     template_kwargs: dict[str, Any] = {}
     if thinking is not None:
@@ -393,6 +407,7 @@ def _chat_request(req: _RequestFields, conversation: _Conversation) -> ChatReque
         metadata=dict(req.metadata or {}),
         template_kwargs=template_kwargs,
         json_schema=_json_schema(req),
+        loaded_tools=[deferred[name] for name in loaded if name in deferred],
     )
 
 
@@ -446,7 +461,14 @@ _CachedPiece = tuple[
 
 
 def _translate_message(message: Message, path: str, seen: set[str]) -> _Piece:
-    """`seen`: the tool_use ids of the messages before this one."""
+    """`seen`: the tool_use ids of the messages before this one.
+
+    A system message without text (Claude Code 2.1.33x sends `{"role": "system",
+    "content": []}` after `/compact`) adds nothing the model could read: it
+    becomes no chat message, rather than an empty system block in the prompt.
+    """
+    if message.role == "system" and _is_empty_system(message.content, path):
+        return _Piece("system", (), (), (), ())
     if isinstance(message.content, str):
         # The short form of one text block: any role's chat message is that text
         # (what the general path makes of it, without building the block).
@@ -639,7 +661,7 @@ def _reference_mark(name: str) -> str:
 
 def _load_references(
     messages: list[dict[str, Any]], digests: list[str], tools: dict[str, dict[str, Any]]
-) -> tuple[list[dict[str, Any]], list[str]]:
+) -> tuple[list[dict[str, Any]], list[str], tuple[str, ...]]:
     """Each `tool_reference` becomes the referenced tool's schema, where the model meets it.
 
     The Messages API expands a reference into the tool's full definition at
@@ -650,10 +672,14 @@ def _load_references(
     (Claude Code adds a tool to `tools` once it is loaded: that must not
     break the chain), and a loaded message's digest is that of its expanded
     text. Messages are shared with the ParseCache: copied, never changed.
+
+    Also returns the names loaded, in order of first reference: from that
+    point on the model may call them (as with the real API).
     """
     if not any("tool_references" in m for m in messages):
-        return messages, digests
+        return messages, digests, ()
     out, out_digests = [], list(digests)
+    loaded_names: dict[str, None] = {}
     for i, message in enumerate(messages):
         names = message.get("tool_references")
         if names is None:
@@ -669,10 +695,16 @@ def _load_references(
                 )
             schema = json.dumps(tools[name], ensure_ascii=False)
             text = text.replace(_reference_mark(name), f"<tools>\n{schema}\n</tools>", 1)
+            loaded_names[name] = None
         loaded = {**{k: v for k, v in message.items() if k != "tool_references"}, "content": text}
         out.append(loaded)
         out_digests[i] = message_digest(loaded)
-    return out, out_digests
+    return out, out_digests, tuple(loaded_names)
+
+
+def _is_empty_system(content: str | list[ContentBlock], path: str) -> bool:
+    text = content if isinstance(content, str) else _text_only(content, path)
+    return not text.strip()
 
 
 def _text_only(blocks: list[ContentBlock], path: str) -> str:
@@ -852,28 +884,59 @@ def message_digest(message: dict[str, Any]) -> str:
     of our answers are ours (random, unique), and clients re-send a call's
     input normalised (Claude Code adds schema defaults such as
     `"replace_all": false` first, reorders keys), which is still our answer.
-    An assistant message with reasoning gets `<digest>+<reasoning digest>`, so
-    that `same_message` can also match an echo from which the client dropped
-    the thinking (clients may strip thinking from earlier turns).
+
+    The digest has up to three parts, `<message>[|<calls alone>][+<reasoning>]`,
+    so that `same_message` also matches the echoes clients make of our answers:
+    without the thinking (clients strip it from earlier turns), and, for an
+    answer with tool calls, without its text (`content: null` or `""` beside
+    `tool_calls`, a Responses `function_call` item alone: many agent frameworks
+    drop empty or whitespace text, and some drop all of it).
     """
     calls = message.get("tool_calls")
-    normalized = (
-        message["role"],
-        message.get("content", "").strip(),
-        [(c["id"], c["function"]["name"]) for c in calls]  # type: ignore[union-attr]
-        if calls
-        else None,
-        message.get("tool_call_id"),
-        message.get("is_error", False),
-    )
-    digest = _digest_obj(normalized)
+    ids = [(c["id"], c["function"]["name"]) for c in calls] if calls else None
+    text = (message.get("content") or "").strip()
+    rest = (message.get("tool_call_id"), message.get("is_error", False))
+    digest = _digest_obj((message["role"], text, ids, *rest))
+    if ids and text:
+        digest += "|" + _digest_obj((message["role"], "", ids, *rest))
     reasoning = (message.get("reasoning_content") or "").strip()
     return f"{digest}+{_digest_text(reasoning)}" if reasoning else digest
 
 
 def same_message(ours: str, echoed: str) -> bool:
-    """Does the client's `echoed` message digest match `ours` (thinking may have been dropped)?"""
-    return ours == echoed or (ours.partition("+")[0] == echoed and "+" not in echoed)
+    """Is the client's `echoed` message digest an echo of `ours` (see `message_digest`)?
+
+    The echo may drop the thinking, and the text beside tool calls; it may
+    not change or add anything.
+    """
+    if ours == echoed:
+        return True
+    echoed_reasoning = echoed.partition("+")[2]
+    if echoed_reasoning and echoed_reasoning != ours.partition("+")[2]:
+        return False
+    return message_key(echoed) in echo_keys(ours)
+
+
+def echo_keys(ours: str) -> tuple[str, ...]:
+    """Message keys (`message_key`) under which an echo of `ours` can appear."""
+    head = ours.partition("+")[0]
+    full, _, calls = head.partition("|")
+    return (full, calls) if calls else (full,)
+
+
+def message_key(echoed: str) -> str:
+    """The part of an echoed digest `echo_keys` looks up: the message as it was echoed."""
+    return echoed.partition("+")[0].partition("|")[0]
+
+
+def answer_keys(req: ChatRequest) -> tuple[str, ...]:
+    """`message_key`s of the assistant messages `req` carries, in order, once each."""
+    keys = (
+        message_key(d)
+        for m, d in zip(req.messages, req.message_digests, strict=True)
+        if m["role"] == "assistant"
+    )
+    return tuple(dict.fromkeys(keys))
 
 
 def response_message_digest(content: Sequence[dict[str, Any]]) -> str:

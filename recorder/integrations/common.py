@@ -224,16 +224,16 @@ def _grader(f: dict[str, Any]) -> dict[str, Any]:
         return {"eval_script": str(f["eval_script"])}
     if f.get("FAIL_TO_PASS") or f.get("PASS_TO_PASS"):
         cmd = str(f.get("test_cmd") or DEFAULT_TEST_CMD)
-        if f.get("test_patch"):
-            # SWE-bench's tests arrive as a patch applied on top of the agent's diff.
-            cmd = f"git apply - <<'TR_TEST_PATCH'\n{f['test_patch']}\nTR_TEST_PATCH\n{cmd}"
-        return {
+        tests = {
             "tests": {
                 "FAIL_TO_PASS": _as_list(f.get("FAIL_TO_PASS") or []),
                 "PASS_TO_PASS": _as_list(f.get("PASS_TO_PASS") or []),
                 "cmd": cmd,
             }
         }
+        # SWE-bench's tests arrive as a patch: the driver applies it after the agent's
+        # diff, its files restored from base_commit first (recorder.rollout.protect).
+        return {**tests, "test_patch": str(f["test_patch"])} if f.get("test_patch") else tests
     if f.get("f2p_script"):
         # A self-contained pytest file ending in sys.exit(pytest.main(...)).
         return {"eval_script": f"python3 - <<'TR_F2P'\n{f['f2p_script']}\nTR_F2P\n"}

@@ -107,9 +107,15 @@ class MessagesRequest(Event, frozen=True, kw_only=True, tag="messages_request"):
 
     v2 added `n_chat_messages` (messages after translation, system included)
     and `n_tools`; None = not recorded (a v1 event).
+    v3 added `answer_keys`: the assistant messages the request carries, each
+    as `translate.message_key` of its digest, when the request extends no
+    chain (an extending request's earlier messages are that chain's tokens):
+    the reducer's evidence that the client kept an answer it branched away
+    from, e.g. the turns kept verbatim after a compaction summary. None = not
+    recorded (an extending request, or a v1/v2 event).
     """
 
-    VERSION: ClassVar[int] = 2
+    VERSION: ClassVar[int] = 3
     request_id: str
     turn: int
     body: ArrayRef
@@ -123,6 +129,7 @@ class MessagesRequest(Event, frozen=True, kw_only=True, tag="messages_request"):
     n_tools: int | None = None
     # The wire format of `body` (recorder/dialects); logs from before dialects are Anthropic's.
     dialect: str = "anthropic"
+    answer_keys: tuple[str, ...] | None = None
 
 
 class RenderedInput(Event, frozen=True, kw_only=True, tag="rendered_input"):
@@ -409,6 +416,12 @@ def _reward_v1_to_v2(raw: dict[str, Any]) -> dict[str, Any]:
 def _messages_request_v1_to_v2(raw: dict[str, Any]) -> dict[str, Any]:
     """v1 did not record the chat message and tool counts: unknown (None)."""
     return {**raw, "n_chat_messages": None, "n_tools": None}
+
+
+@upcaster("messages_request", 2)
+def _messages_request_v2_to_v3(raw: dict[str, Any]) -> dict[str, Any]:
+    """v2 did not record the answers a request carries: unknown (None)."""
+    return raw
 
 
 @upcaster("chain_decision", 1)

@@ -441,10 +441,13 @@ def _fresh(
     """A new chain from a full render, classified by how it relates to the main line."""
     input_ids = token_array(full_input_ids(req, tok))
     main = chains.main
-    if (
-        main is not None
-        and req.tools
-        and is_side_request(main.n_tools, main.system_digest, req.system_digest)
+    if main is not None and takes_main_line(
+        len(req.tools),
+        req.system_digest,
+        len(input_ids),
+        main.n_tools,
+        main.system_digest,
+        main.boundaries[-1].input_len if main.boundaries else 0,
     ):
         main = None  # the session began with a side request: this is its real main line
     dispatch = _dispatch_for(chains, req)
@@ -485,6 +488,31 @@ def is_side_request(n_tools: int, system_digest: str, main_system_digest: str) -
     (`replay.chains`).
     """
     return n_tools == 0 and system_digest != main_system_digest
+
+
+def takes_main_line(
+    n_tools: int,
+    system_digest: str,
+    input_len: int,
+    main_n_tools: int,
+    main_system_digest: str,
+    main_input_len: int,
+) -> bool:
+    """Does a new conversation take the main line from the one that held it so far?
+
+    The main line is the conversation that carries the session's work, not
+    simply the first system prompt: a side request (a title, sent first) may
+    come before it. So a request with a system prompt of its own takes the
+    main line from a main line that offered no tools when it offers tools,
+    or, when neither does (`claude --tools ""`), when its input is longer
+    than the main line's latest input (a side request's prompt is short and
+    its own; the agent's carries its instructions and its work). The
+    earlier line is then a side request, never `final`. The reducer applies
+    the same test to recorded facts (`replay.chains.main_system_digest`).
+    """
+    if main_n_tools != 0 or system_digest == main_system_digest:
+        return False
+    return n_tools > 0 or input_len > main_input_len
 
 
 def _dispatch_for(chains: SessionChains, req: ChatRequest) -> PendingDispatch | None:

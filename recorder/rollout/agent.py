@@ -47,6 +47,9 @@ class AgentSpec(msgspec.Struct, frozen=True, kw_only=True):
     # The agent's own retries of a failed API call (Claude Code retries a 529 ten
     # times with backoff by default: minutes before a dead engine is noticed).
     max_retries: int = 2
+    # Claude Code compacts once its context reaches this share of the recorder's
+    # context length (`compaction_env`); None leaves the CLI's own settings alone.
+    compact_at: float | None = 0.8
 
 
 class AgentRun(msgspec.Struct, frozen=True, kw_only=True):
@@ -121,6 +124,34 @@ def agent_env(sb: Sandbox, spec: AgentSpec, *, base_url: str, session_id: str) -
         "IS_SANDBOX": "1",
         "CLAUDE_CODE_MAX_RETRIES": str(spec.max_retries),
         **spec.env,
+    }
+
+
+# Claude Code's auto-compaction, as measured with 2.1.197 and 2.1.330 (README, "Claude Code
+# settings"): it compacts once its token count reaches CLAUDE_AUTOCOMPACT_PCT_OVERRIDE percent
+# of (window - 20,000), where window is CLAUDE_CODE_AUTO_COMPACT_WINDOW, taken as at least
+# 100,000 (30k, 40k, 80k and 100k gave the same threshold). Its token count is the last
+# answer's usage (the recorder's own token count) plus its estimate of the newer messages.
+_SUMMARY_RESERVE = 20_000
+_MIN_WINDOW = 100_000
+
+
+def compaction_env(context_length: int, compact_at: float) -> dict[str, str]:
+    """Environment that makes Claude Code compact before the recorder's context limit.
+
+    The CLI does not know the recorder's context length: it assumes its model's
+    window (1M tokens), reaches the limit, gets a 400 `prompt is too long` and
+    compacts only then. With these settings it compacts once its context reaches
+    `compact_at` of `context_length`; the rest of the window is room for the turn
+    that crossed the line and for the summary request and its answer.
+    """
+    if not 0 < compact_at <= 1:
+        raise ValueError(f"compact_at must be in (0, 1], got {compact_at}")
+    window = max(_MIN_WINDOW, context_length + _SUMMARY_RESERVE)
+    percent = int(100 * compact_at * context_length / (window - _SUMMARY_RESERVE))
+    return {
+        "CLAUDE_CODE_AUTO_COMPACT_WINDOW": str(window),
+        "CLAUDE_AUTOCOMPACT_PCT_OVERRIDE": str(max(1, percent)),
     }
 
 

@@ -227,6 +227,12 @@ def summary(tally: Tally, interrupted: bool) -> Any:
 
 @click.command("rollout")
 @click.option("--tasks", "tasks_file", required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--repo-mirrors",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    help="Local clones for `owner/name` repos (DIR/owner__name or DIR/owner/name).",
+)
 @click.option("--engine", "engines", multiple=True, help="SGLang URL (for its own recorder).")
 @click.option("--recorder", "recorder_url", help="A running recorder (else one starts on --db).")
 @click.option("--db", default="runs.db", show_default=True, help="Event log of its own recorder.")
@@ -252,6 +258,13 @@ def summary(tally: Tally, interrupted: bool) -> Any:
 @click.option("--max-new-tokens", type=int, default=None)
 @click.option("--agent-command", default=None, help="Agent command template (see AgentSpec).")
 @click.option("--agent-binary", default=None, help="The agent CLI inside the sandbox.")
+@click.option(
+    "--compact-at",
+    type=click.FloatRange(0.0, 1.0, min_open=False),
+    default=0.8,
+    show_default=True,
+    help="Claude Code compacts at this share of the recorder's context length (0: leave it).",
+)
 @click.option("--tokenizer", default=None, help="Own recorder: tokenizer (recorder serve).")
 @click.option("--chat-template", default=None, help="Own recorder: chat template.")
 @click.option("--tool-parser", default=None, help="Own recorder: tool-call parser.")
@@ -260,7 +273,7 @@ def summary(tally: Tally, interrupted: bool) -> Any:
 @click.option("--no-progress", is_flag=True, help="No progress bar (logs only).")
 def rollout(**o: Any) -> None:
     """Run agent rollouts of a task file through the recorder; write their samples."""
-    tasks, errors = load_tasks(o["tasks_file"])
+    tasks, errors = load_tasks(o["tasks_file"], mirrors=o["repo_mirrors"])
     for err in errors:
         click.echo(click.style("skipping ", fg="yellow") + f"{o['tasks_file']}: {err}", err=True)
     if not tasks:
@@ -275,6 +288,7 @@ def rollout(**o: Any) -> None:
     agent = AgentSpec(
         **({"command": o["agent_command"]} if o["agent_command"] else {}),
         binary=o["agent_binary"] or (local_binary() if o["sandbox"] == "local" else None),
+        compact_at=o["compact_at"] or None,
     )
     options = dict(opt.split("=", 1) for opt in o["sandbox_options"] if "=" in opt)
     if len(options) != len(o["sandbox_options"]):

@@ -108,6 +108,11 @@ class RecorderClient:
         if events:
             await self._call("POST", f"/sessions/{session_id}/events", {"events": list(events)})
 
+    async def context_length(self) -> int:
+        """The recorder's context length in tokens (`GET /health`)."""
+        health = msgspec.json.decode(await self._call("GET", "/health"))
+        return int(health["context_length"])
+
     async def inspect(self, session_id: str) -> dict[str, Any]:
         return msgspec.json.decode(await self._call("GET", f"/sessions/{session_id}"))
 

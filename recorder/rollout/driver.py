@@ -9,7 +9,12 @@ one rollout, each step also appended to the session's log as a SandboxEvent
     open session (sampling forced, turn cap)   sandbox_created (agent)
     repo checked out at base_commit, setup     agent_started ... agent_finished
     diff_taken, agent sandbox killed           sandbox_created (eval): a FRESH one
-    patch applied, grader run: eval_result     close with reward and evidence
+    patch applied, protected paths restored,   close with reward and evidence
+    test_patch applied, grader run: eval_result
+
+The agent's sandbox is dead before the eval sandbox exists (nothing it left
+running can touch the grading); the eval sandbox restores the task's protected
+paths from `base_commit` and applies its `test_patch` (`recorder.rollout.protect`).
 
 `run_rollout` never raises (except CancelledError, after cleanup): a policy
 failure is reward 0, an infrastructure failure (`errors.InfraError`) closes
@@ -31,10 +36,18 @@ from typing import Any
 
 import msgspec
 
-from recorder.rollout.agent import AgentRun, AgentSpec, agent_env, ensure_agent, run_agent
+from recorder.rollout.agent import (
+    AgentRun,
+    AgentSpec,
+    agent_env,
+    compaction_env,
+    ensure_agent,
+    run_agent,
+)
 from recorder.rollout.client import RecorderClient, RecorderError, RolloutEvent
 from recorder.rollout.errors import InfraError
 from recorder.rollout.evaluate import Grade, run_grader
+from recorder.rollout.protect import protected_pathspecs
 from recorder.rollout.sandbox import (
     CommandTimeout,
     Sandbox,
@@ -44,7 +57,15 @@ from recorder.rollout.sandbox import (
     open_sandbox,
 )
 from recorder.rollout.tasks import Task
-from recorder.rollout.workspace import apply_patch, checkout, run_setup, tail, take_diff
+from recorder.rollout.workspace import (
+    apply_patch,
+    apply_test_patch,
+    checkout,
+    restore_protected,
+    run_setup,
+    tail,
+    take_diff,
+)
 from replay.placeholders import minimal_sample
 from replay.samples import Sample
 
@@ -80,6 +101,9 @@ class RolloutResult(msgspec.Struct, frozen=True, kw_only=True):
     evidence: dict[str, Any] = {}  # tests passed/failed, exit code, output tail
     turns: int = 0
     timings: dict[str, float] = {}  # agent_s, eval_s, total_s, ...
+    # The agent's whole diff against base_commit (tests included: edits to protected
+    # paths are here even though grading reverted them); "" when there was none.
+    diff: str = ""
 
 
 def session_id_for(req: RolloutRequest) -> str:
@@ -123,6 +147,8 @@ class _Rollout:
         self.events: list[RolloutEvent] = []
         self.timings: dict[str, float] = {}
         self.turns = 0
+        self.base = req.task.base_commit  # its full hash once checked out
+        self.diff = b""
         self.started = time.perf_counter()
         self.deadline = time.monotonic() + req.wall_budget_s
 
@@ -203,11 +229,12 @@ class _Rollout:
     async def prepare(self, sb: Sandbox, role: str) -> str:
         task = self.req.task
         with self.timed("checkout_s"):
-            repo, cloned = await checkout(sb, task)
+            done = await checkout(sb, task)
+        repo, self.base = done.path, done.commit
         with self.timed("setup_s"):
             results = await run_setup(sb, task, repo)
         for cmd, result in zip(
-            ["git clone + checkout", *task.setup], [cloned, *results], strict=True
+            ["git checkout of base_commit", *task.setup], [done.result, *results], strict=True
         ):
             self.note(
                 "command_run",
@@ -227,8 +254,12 @@ class _Rollout:
         env = agent_env(
             sb, req.agent, base_url=req.agent_base_url or req.recorder_url, session_id=self.sid
         )
+        compaction = await self.compaction()
+        env = {**compaction, **env}  # the agent's own `env` wins
         budget = self.deadline - time.monotonic()
-        self.note("agent_started", binary=binary, wall_budget_s=round(budget, 3))
+        self.note(
+            "agent_started", binary=binary, wall_budget_s=round(budget, 3), compaction=compaction
+        )
         await self.flush()
         with self.timed("agent_s"):
             run = await run_agent(
@@ -243,15 +274,30 @@ class _Rollout:
             )
         await self.after_agent(run)
         with self.timed("diff_s"):
-            patch = await take_diff(sb, repo, req.task.base_commit)
+            patch = await take_diff(sb, repo, self.base)
+        self.diff = patch
+        paths = re.findall(rb"^diff --git a/(.*) b/", patch, flags=re.M)
         self.note(
             "diff_taken",
             bytes=len(patch),
-            files=patch.count(b"diff --git "),
+            files=len(paths),
+            paths=[p.decode(errors="replace") for p in paths[:200]],
             empty=not patch.strip(),
         )
         self.release(sb, "agent")
+        # Dead before the eval sandbox exists: a process the agent left behind must not
+        # get to edit the tree being graded (local sandboxes share one file system).
+        with self.timed("cleanup_s"):
+            await asyncio.gather(*self.killing, return_exceptions=True)
         return patch
+
+    async def compaction(self) -> dict[str, str]:
+        """The agent's compaction settings, from the recorder's context length."""
+        if self.req.agent.compact_at is None:
+            return {}
+        with self.timed("recorder_s"):
+            context_length = await self.client.context_length()
+        return compaction_env(context_length, self.req.agent.compact_at)
 
     async def after_agent(self, run: AgentRun) -> None:
         """Record how the agent ended; raise InfraError when that was not the model's doing."""
@@ -305,12 +351,35 @@ class _Rollout:
             repo = await self.prepare(sb, "eval")
             await apply_patch(sb, repo, patch)
             self.note("patch_applied", bytes=len(patch))
-            t = time.perf_counter()
-            grade = await run_grader(sb, self.req.task, repo)
-            self.timings["grader_s"] = time.perf_counter() - t
-        self.note("eval_result", **grade.evidence(), duration_s=round(self.timings["grader_s"], 3))
+            grade = await self.grade(sb, repo)
+        self.note(
+            "eval_result", **grade.evidence(), duration_s=round(self.timings.get("grader_s", 0), 3)
+        )
         self.release(sb, "eval")
         return grade
+
+    async def grade(self, sb: Sandbox, repo: str) -> Grade:
+        """Protected paths back to base_commit, the task's test_patch on top, then the grader."""
+        task = self.req.task
+        changed = await restore_protected(sb, repo, self.base, protected_pathspecs(task))
+        if changed:
+            self.note("protected_restored", paths=changed[:200], count=len(changed))
+        if task.test_patch:
+            conflict = await apply_test_patch(sb, repo, task.test_patch)
+            if conflict is not None:
+                return Grade(
+                    reward=0.0,
+                    passed=False,
+                    exit_code=None,
+                    failure="test_patch_conflict",
+                    output_tail=conflict,
+                    protected_changed=changed,
+                )
+            self.note("test_patch_applied", bytes=len(task.test_patch.encode()))
+        t = time.perf_counter()
+        grade = await run_grader(sb, task, repo)
+        self.timings["grader_s"] = time.perf_counter() - t
+        return msgspec.structs.replace(grade, protected_changed=changed)
 
     async def finish(self, grade: Grade) -> RolloutResult:
         await self.flush()
@@ -331,6 +400,7 @@ class _Rollout:
             evidence=grade.evidence(),
             turns=self.turns,
             timings=self.total_timings(),
+            diff=self.diff.decode(errors="replace"),
         )
 
     def total_timings(self) -> dict[str, float]:

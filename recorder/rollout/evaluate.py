@@ -33,6 +33,10 @@ class Grade(msgspec.Struct, frozen=True, kw_only=True):
     tests_failed: list[str] = []
     timed_out: bool = False
     output_tail: str = ""
+    # Why the patch was not graded as is: "test_patch_conflict" (reward 0).
+    failure: str | None = None
+    # Protected paths the agent's patch changed (restored from base_commit before grading).
+    protected_changed: list[str] = []
 
     def evidence(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)

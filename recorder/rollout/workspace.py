@@ -1,10 +1,23 @@
 """The task's repository inside a sandbox: checkout at `base_commit`, setup, diff, apply.
 
-A local repository travels as a `git bundle` written into the sandbox (made
-once per repository and commit, then cached), so the same code path serves a
-sandbox on this machine and one in the cloud; a URL is cloned in the sandbox.
+The agent's repository holds `base_commit` and its ancestors, nothing else: a
+task's fix is often a later commit of the same repository (the branch head, a
+tag, a stash), and an agent that can `git log --all` would copy it. So the
+repository is never cloned: the objects reachable from `base_commit` travel as
+one packfile (`git pack-objects --revs`), indexed into a fresh `git init`
+repository and checked out detached at the commit. No branch, tag, remote,
+remote URL, stash, reflog entry or object of a later commit exists in it; the
+pack file and any staging copy are deleted before the agent starts.
+
+A local repository is packed here (once per repository and commit, then
+cached) and written into the sandbox, so one code path serves a sandbox on
+this machine and one in the cloud. A URL is cloned bare into a staging
+directory in the sandbox, packed there the same way, and the staging
+directory removed.
+
 The diff is `git diff --binary` of the whole tree (after `git add -A`) against
-`base_commit`: new, deleted and binary files included.
+the full `base_commit` hash resolved at checkout (an agent-made ref named like
+a short hash cannot move it): new, deleted and binary files included.
 """
 
 from __future__ import annotations
@@ -13,60 +26,106 @@ import asyncio
 import posixpath
 import shlex
 
+import msgspec
+
 from recorder.rollout.errors import InfraError
 from recorder.rollout.sandbox import ExecResult, Sandbox
 from recorder.rollout.tasks import Task
 
 REPO_DIR = "repo"
 _GIT = "git -c core.fileMode=false -c advice.detachedHead=false"
-_bundles: dict[tuple[str, str], asyncio.Task[bytes]] = {}
+_PACK = ".tr-base.pack"  # in the sandbox's workdir, deleted once indexed
+_STAGING = ".tr-staging.git"  # a URL repository's whole clone, deleted once packed
+_packs: dict[tuple[str, str], asyncio.Task[BasePack]] = {}
+
+
+class BasePack(msgspec.Struct, frozen=True):
+    """The objects reachable from one commit, as one self-contained git packfile."""
+
+    commit: str  # the full hash `base_commit` names
+    data: bytes
+
+
+class Checkout(msgspec.Struct, frozen=True):
+    path: str  # the repository in the sandbox
+    commit: str  # the full hash of `base_commit`: diffs and restores are taken against it
+    result: ExecResult
 
 
 def repo_path(sb: Sandbox) -> str:
     return posixpath.join(sb.workdir, REPO_DIR)
 
 
-async def _make_bundle(repo: str, commit: str) -> bytes:
+async def _git_host(repo: str, *args: str, stdin: bytes | None = None) -> bytes:
     proc = await asyncio.create_subprocess_exec(
-        "git", "-C", repo, "bundle", "create", "-", "--all",
+        "git", "-C", repo, *args,
+        stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
-    out, err = await proc.communicate()
+    out, err = await proc.communicate(stdin)
     if proc.returncode != 0:
         raise InfraError(
-            "repo_checkout", f"cannot bundle the local repository {repo}: {err.decode()[-500:]}"
+            "repo_checkout",
+            f"git {args[0]} failed in the local repository {repo}: {err.decode()[-500:]}",
         )
     return out
 
 
-async def bundle(repo: str, commit: str) -> bytes:
-    """The local repository as a git bundle, made once per (repo, commit) and shared."""
+async def _make_pack(repo: str, commit: str) -> BasePack:
+    full = (await _git_host(repo, "rev-parse", "--verify", "-q", f"{commit}^{{commit}}")).strip()
+    data = await _git_host(repo, "pack-objects", "--revs", "--stdout", "-q", stdin=full + b"\n")
+    return BasePack(full.decode(), data)
+
+
+async def base_pack(repo: str, commit: str) -> BasePack:
+    """`commit`'s history of the local repository as a packfile, made once and shared."""
     key = (repo, commit)
-    task = _bundles.get(key)
+    task = _packs.get(key)
     if task is None or (task.done() and task.exception() is not None):
-        task = _bundles[key] = asyncio.ensure_future(_make_bundle(repo, commit))
+        task = _packs[key] = asyncio.ensure_future(_make_pack(repo, commit))
     return await asyncio.shield(task)
 
 
-async def checkout(sb: Sandbox, task: Task) -> tuple[str, ExecResult]:
-    """Put the task's repository at `base_commit` in the sandbox: (its path there, the run)."""
-    dest = repo_path(sb)
-    if task.is_local_repo:
-        source = posixpath.join(sb.workdir, "repo.bundle")
-        await sb.write_file(source, await bundle(task.repo, task.base_commit))
-    else:
-        source = task.repo
-    cmd = (
-        f"{_GIT} clone -q --no-checkout {shlex.quote(source)} {shlex.quote(dest)} && "
-        f"cd {shlex.quote(dest)} && {_GIT} checkout -q {shlex.quote(task.base_commit)}"
+def _index_and_checkout(dest: str, pack: str, commit_word: str) -> str:
+    """Shell: a fresh repository at `dest` holding only the pack's objects, HEAD detached at
+    the commit (`commit_word`, a quoted shell word; its full hash is printed last), the pack
+    file removed."""
+    q = shlex.quote
+    return (
+        f"rm -rf {q(dest)} && {_GIT} init -q {q(dest)} && cd {q(dest)} && "
+        f"{_GIT} index-pack --stdin < {q(pack)} > /dev/null && rm -f {q(pack)} && "
+        f"{_GIT} checkout -q --detach {commit_word} && "
+        f"{_GIT} rev-parse --verify HEAD"
     )
+
+
+async def checkout(sb: Sandbox, task: Task) -> Checkout:
+    """Put the task's repository at `base_commit` in the sandbox, with nothing newer in it."""
+    dest = repo_path(sb)
+    pack = posixpath.join(sb.workdir, _PACK)
+    q = shlex.quote
+    if task.is_local_repo:
+        made = await base_pack(task.repo, task.base_commit)
+        await sb.write_file(pack, made.data)
+        cmd = _index_and_checkout(dest, pack, q(made.commit))
+    else:
+        staging = posixpath.join(sb.workdir, _STAGING)
+        resolve = (
+            f"{_GIT} -C {q(staging)} rev-parse --verify -q {q(task.base_commit + '^{commit}')}"
+        )
+        cmd = (
+            f"rm -rf {q(staging)} && {_GIT} clone -q --bare {q(task.repo)} {q(staging)} && "
+            f'full=$({resolve}) && echo "$full" | '
+            f"{_GIT} -C {q(staging)} pack-objects --revs --stdout -q > {q(pack)} && "
+            f"rm -rf {q(staging)} && " + _index_and_checkout(dest, pack, '"$full"')
+        )
     result = await sb.exec(cmd, timeout_s=task.setup_timeout_s, cwd=sb.workdir)
     if result.exit_code != 0:
         raise InfraError(
             "repo_checkout",
             f"cannot check out {task.repo} at {task.base_commit}: {tail(result.stderr)}",
         )
-    return dest, result
+    return Checkout(dest, result.stdout.strip().splitlines()[-1], result)
 
 
 async def run_setup(sb: Sandbox, task: Task, repo: str) -> list[ExecResult]:
@@ -87,8 +146,11 @@ async def take_diff(sb: Sandbox, repo: str, base_commit: str) -> bytes:
     """Everything the agent changed since `base_commit`, as a binary git diff (read as
     bytes from a file, so text in any encoding survives)."""
     out = posixpath.join(sb.workdir, "agent.diff")
+    # The agent owns .git/config: pin what would change the diff's shape (prefixes,
+    # textconv, a relative diff), so its patch always applies where it is graded.
     cmd = (
-        f"{_GIT} add -A && {_GIT} diff --cached --binary --no-color --no-ext-diff "
+        f"{_GIT} -c core.fsmonitor=false add -A && {_GIT} diff --cached --binary --no-color "
+        "--no-ext-diff --no-textconv --no-relative --src-prefix=a/ --dst-prefix=b/ "
         f"{shlex.quote(base_commit)} > {shlex.quote(out)}"
     )
     result = await sb.exec(cmd, timeout_s=300, cwd=repo)
@@ -107,6 +169,60 @@ async def apply_patch(sb: Sandbox, repo: str, patch: bytes) -> None:
         raise InfraError(
             "patch_apply", f"the agent's diff does not apply on a clean checkout: {result.stderr}"
         )
+
+
+async def restore_protected(
+    sb: Sandbox, repo: str, base_commit: str, pathspecs: list[str]
+) -> list[str]:
+    """Put the protected paths back as `base_commit` has them (files the patch added there
+    are removed); returns the paths the patch had changed (the attempt, for the evidence)."""
+    if not pathspecs:
+        return []
+    specs = " ".join(shlex.quote(p) for p in pathspecs)
+    listed = await sb.exec(
+        f"{_GIT} add -A && {_GIT} diff --cached --name-status -z --no-renames "
+        f"{shlex.quote(base_commit)} -- {specs}",
+        timeout_s=300,
+        cwd=repo,
+    )
+    if listed.exit_code != 0:
+        raise InfraError("eval_crashed", f"cannot list the protected paths: {tail(listed.stderr)}")
+    fields = listed.stdout.split("\0")
+    changed = list(zip(fields[0::2], fields[1::2], strict=False))
+    added = [path for status, path in changed if status == "A"]
+    restored = [path for status, path in changed if status != "A"]
+    steps = []
+    if added:
+        steps.append(f"{_GIT} rm -q -f -- {_literal(added)}")
+    if restored:
+        steps.append(f"{_GIT} checkout -q {shlex.quote(base_commit)} -- {_literal(restored)}")
+    if steps:
+        done = await sb.exec(" && ".join(steps), timeout_s=300, cwd=repo)
+        if done.exit_code != 0:
+            raise InfraError(
+                "eval_crashed", f"cannot restore the protected paths: {tail(done.stderr)}"
+            )
+    return [path for _, path in changed]
+
+
+def _literal(paths: list[str]) -> str:
+    return " ".join(shlex.quote(f":(literal){p}") for p in paths)
+
+
+async def apply_test_patch(sb: Sandbox, repo: str, patch: str) -> str | None:
+    """Apply the task's `test_patch` on the agent's tree; None, or why it does not apply
+    (the agent's patch conflicts with it: the task's reward is 0)."""
+    path = posixpath.join(sb.workdir, ".tr-test.patch")
+    await sb.write_file(path, patch)
+    q = shlex.quote
+    result = await sb.exec(
+        f"{_GIT} apply --binary --whitespace=nowarn {q(path)}; rc=$?; rm -f {q(path)}; exit $rc",
+        timeout_s=300,
+        cwd=repo,
+    )
+    if result.exit_code != 0:
+        return f"the task's test_patch does not apply on the agent's patch: {tail(result.stderr, 1000)}"
+    return None
 
 
 def tail(text: str, limit: int = 2000) -> str:

@@ -20,10 +20,10 @@ from recorder.dialects.errors import ApiError
 from recorder.dialects.translate import ChatRequest, InvalidRequest, parse_request
 from recorder.log.store.base import ConcurrencyConflict, StorageUnavailable
 from recorder.model.admission import check_fits
-from recorder.model.tokens import full_input_ids
 from recorder.server.auth import session_id_of
 from recorder.server.bodies import read_body
 from recorder.server.context import CTX, ServerContext
+from recorder.server.counting import next_input_tokens
 from recorder.server.errors import contended_error, storage_error
 from recorder.server.history import log_history
 from recorder.server.responders import JsonResponder, Responder, SseResponder, error_response
@@ -222,19 +222,20 @@ def _closed_session(session_id: str) -> str:
 
 
 async def count_tokens(request: web.Request) -> web.Response:
-    """POST /v1/messages/count_tokens: the real count, rendered with the chat template."""
+    """POST /v1/messages/count_tokens: the next turn's engine input length (counting.py)."""
     ctx = request.app[CTX]
     session_id = session_id_of(request)
     body = await read_body(request)
-    if await ctx.registry.get(session_id) is None:
+    state = await ctx.registry.get(session_id)
+    if state is None:
         raise ApiError("authentication_error", _unknown_session(session_id))
     try:
         chat = parse_request(body, count_tokens=True)
         check_fits(chat, ctx.tokenizer, ctx.config.context_length)
-        ids = await asyncio.to_thread(full_input_ids, chat, ctx.tokenizer)
+        n = await next_input_tokens(state.chains, chat, ctx.tokenizer, len(body))
     except (InvalidRequest, ValueError) as exc:
         raise ApiError("invalid_request_error", str(exc)) from None
-    return _json({"input_tokens": len(ids)})
+    return _json({"input_tokens": n})
 
 
 def _model_entry(ctx: ServerContext, model_id: str | None = None) -> dict[str, Any]:

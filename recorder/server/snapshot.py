@@ -41,11 +41,13 @@ if TYPE_CHECKING:
 
 # Bump when `LiveState` or the meaning of any of its fields changes (including
 # how message digests are computed: `translate.message_digest`).
-SNAPSHOT_FORMAT = 2
+# 3: an assistant message with text and tool calls digests as `<message>|<calls alone>`.
+SNAPSHOT_FORMAT = 3
 
 # A message digest is 32 hex digits, or two joined by "+" (with reasoning):
-# stored as a 0 byte and its 16 or 32 raw bytes (half the text). Anything
-# else is stored as a 1 byte and its UTF-8 text.
+# stored as a 0 byte and its 16 or 32 raw bytes (half the text); with "|"
+# (`<message>|<calls alone>[+<reasoning>]`) as a 2 byte and its 32 or 48 raw
+# bytes. Anything else is stored as a 1 byte and its UTF-8 text.
 # See `_tokens_ref`. Needs the chain's stored prefixes of 2 * SPINE_TURNS
 # turns back (deltas.MAX_CHAIN_REFS).
 SPINE_TURNS = 8
@@ -54,7 +56,8 @@ SPINE_TURNS = 8
 RECORD_SPINE = 32
 
 _HEX_DIGEST = re.compile(r"[0-9a-f]{32}(\+[0-9a-f]{32})?")
-_RAW, _TEXT = b"\x00", b"\x01"
+_CALLS_DIGEST = re.compile(r"[0-9a-f]{32}\|[0-9a-f]{32}(\+[0-9a-f]{32})?")
+_RAW, _TEXT, _CALLS = b"\x00", b"\x01", b"\x02"
 
 
 class SnapshotUnusable(ValueError):
@@ -289,6 +292,8 @@ def _boundaries_of(data: np.ndarray) -> list[Boundary]:
 def _pack_digest(digest: str) -> bytes:
     if _HEX_DIGEST.fullmatch(digest):
         return _RAW + bytes.fromhex(digest.replace("+", ""))
+    if _CALLS_DIGEST.fullmatch(digest):  # `<message>|<calls alone>[+<reasoning>]`
+        return _CALLS + bytes.fromhex(digest.replace("+", "").replace("|", ""))
     return _TEXT + digest.encode()
 
 
@@ -300,6 +305,9 @@ def _unpack_digest(packed: bytes) -> str:
         return body.hex()
     if tag == _RAW and len(body) == 32:
         return f"{body[:16].hex()}+{body[16:].hex()}"
+    if tag == _CALLS and len(body) in (32, 48):
+        reasoning = f"+{body[32:].hex()}" if len(body) == 48 else ""
+        return f"{body[:16].hex()}|{body[16:32].hex()}{reasoning}"
     raise SnapshotUnusable(f"a message digest of {len(packed)} bytes")
 
 

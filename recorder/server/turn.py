@@ -54,7 +54,12 @@ from recorder.dialects.answer import (
     usage_for,
 )
 from recorder.dialects.errors import ApiError
-from recorder.dialects.translate import ChatRequest, find_dispatches, response_message_digest
+from recorder.dialects.translate import (
+    ChatRequest,
+    answer_keys,
+    find_dispatches,
+    response_message_digest,
+)
 from recorder.log import events as ev
 from recorder.log.events import ArrayRef
 from recorder.log.store.base import ConcurrencyConflict, StorageUnavailable
@@ -349,6 +354,7 @@ def _request_events(
             n_chat_messages=len(chat.messages),
             n_tools=len(chat.tools),
             dialect=dialect,
+            answer_keys=None if plan.action == "extend" else answer_keys(chat),
         ),
         ev.ChainDecision(
             rules_version=LIVE_RULES_VERSION,
@@ -702,7 +708,7 @@ async def _compose(
             text, chat.stop_sequences, matched=output.finish_detail
         )
     # No tools offered (`tools: []`, `tool_choice: none`): no calls, the text stays text.
-    parsed = await ctx.parser.parse(text, [] if chat.tool_choice == "none" else chat.tools)
+    parsed = await ctx.parser.parse(text, [] if chat.tool_choice == "none" else chat.callable_tools)
     calls = [ToolCallOut(name=c.name, arguments=dict(c.arguments)) for c in parsed.tool_calls]
     # Thinking comes back only when the request enabled it, as with the real API.
     shown = parsed.reasoning if chat.thinking in ("enabled", "adaptive") else None

@@ -116,8 +116,9 @@ def test_swe_bench_row_under_remote_env_info() -> None:
     assert task.repo == "https://github.com/astropy/astropy.git"
     assert task.problem_statement == "The bug is ..."
     assert task.tests is not None and task.tests.fail_to_pass == ["t.py::test_a"]
-    assert task.tests.cmd.startswith("git apply - <<'TR_TEST_PATCH'\ndiff --git a/t.py b/t.py\n")
-    assert task.tests.cmd.endswith("{tests}")
+    # The driver applies the test_patch (after restoring its files), not the test command.
+    assert task.test_patch == "diff --git a/t.py b/t.py\n"
+    assert task.tests.cmd.endswith("{tests}") and "git apply" not in task.tests.cmd
     assert task.metadata["image"] == "swebench/astropy:1"
 
 

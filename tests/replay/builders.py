@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from recorder.dialects.translate import message_key, response_message_digest
 from recorder.log.events import (
     ArrayRef,
     ChainDecision,
@@ -101,6 +102,7 @@ class Log:
         self._seq = first_seq
         self._position = first_position
         self._turn = 0
+        self.responses: dict[int, list[dict[str, Any]]] = {}
 
     # -- low level --------------------------------------------------------
 
@@ -125,6 +127,10 @@ class Log:
         digest = hashlib.blake2b(dtype.encode() + arr.tobytes(), digest_size=16).digest()
         self.arrays[digest] = arr
         return ArrayRef(digest=digest, length=int(arr.size), dtype=dtype)  # type: ignore[arg-type]
+
+    def answer_key(self, t: TurnRef) -> str:
+        """The message key under which a client's echo of `t`'s answer is recorded."""
+        return message_key(response_message_digest(self.responses[t.turn]))
 
     # -- session lifecycle --------------------------------------------------
 
@@ -186,8 +192,14 @@ class Log:
         reencoded: Sequence[int] | None = None,
         n_chat_messages: int | None = None,
         n_tools: int | None = None,
+        answers: Sequence[TurnRef] = (),
     ) -> TurnRef:
-        """One engine call. `tool_uses` = (id, name) blocks in the response."""
+        """One engine call. `tool_uses` = (id, name) blocks in the response.
+
+        `answers`: earlier turns whose answers this request carries (recorded
+        as `MessagesRequest.answer_keys`, as the server does for a request
+        that extends no chain).
+        """
         turn = self._turn
         self._turn += 1
         rid = f"req-{self.session_id}-{turn}"
@@ -203,6 +215,7 @@ class Log:
                 n_messages=turn * 2 + 1,
                 n_chat_messages=n_chat_messages,
                 n_tools=n_tools,
+                answer_keys=tuple(self.answer_key(a) for a in answers) if answers else None,
             )
         )
         action, reason = decision or (("new", "first") if turn == 0 else ("extend", "extends"))
@@ -296,6 +309,7 @@ class Log:
                 {"type": "tool_use", "id": tid, "name": name, "input": {}}
                 for tid, name in tool_uses
             ]
+            self.responses[turn] = content
             self.emit(
                 ResponseSent(
                     request_id=rid,

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 
 import msgspec
+import pytest
 from builders import Log, small_logs, write_to
 
 from recorder.log.events import NewEvent, SessionClosed, SessionOpened
@@ -12,9 +14,12 @@ from recorder.log.store import EventStore, open_store
 from recorder.log.store.copy import copy_store
 from recorder.log.store.tables import events as events_table
 from replay import close_session_samples, encode_result
+from replay import reducer as reducer_module
+from replay import rules as rules_module
 from replay.reclassify import SAMPLES_PREFIX, SUMMARY_PREFIX, reclassify
 from replay.rules import PRESETS, Rules
 from replay.samples import decode_result, digest_bytes
+from replay.turns import Turn
 
 
 async def fill(store: EventStore) -> list[Log]:
@@ -174,3 +179,68 @@ async def test_workers_give_the_same_projection(store: EventStore) -> None:
     rows = await store.load_projection(two.projection)
     for sid, (_pos, _digest, payload) in rows.items():
         assert payload == encode_result(await close_session_samples(store, sid, Rules()))
+
+
+async def test_the_acted_on_rule_reclassifies_an_old_log(
+    sqlite_store: EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reducer 4 trains a left branch's acted-on answers: a log reduced under reducer 3
+    (where such a branch was abandoned) reclassifies with that one session changed."""
+    from test_acted_on import partial_compaction
+
+    import replay.chains
+    import replay.rules
+
+    logs = await fill(sqlite_store)
+    old_log = Log("partial-v2").open()
+    partial_compaction(old_log, keys=False, answered=True)  # written before answer_keys
+    old_log.reward(1.0).close()
+    await write_to(sqlite_store, old_log)
+    with monkeypatch.context() as m:  # reducer 3: no branch left was ever trained
+        m.setattr(replay.rules, "REDUCER_VERSION", "3")
+        m.setattr(replay.chains.Evidence, "acted_on", lambda self, t: False)
+        m.setattr(replay.chains, "_acted_on_part", lambda c, owner, evidence: None)
+        before = await reclassify(sqlite_store, Rules())
+    after = await reclassify(sqlite_store, Rules())
+    assert after.previous == before.summary_projection
+    assert after.changed_samples == after.changed_segmentation == ["partial-v2"]
+    assert after.trainable_after == before.trainable_after + 5  # turns 1 (2 tokens) and 2 (3)
+    assert after.kinds_after["wipe"] == before.kinds_after["wipe"] + 1
+    assert after.new_sessions == 0 and len(logs) + 1 == sum(
+        1 for _ in await sqlite_store.session_ids()
+    )
+
+
+def _first_request_main_digest(turns: Sequence[Turn]) -> str | None:
+    """Reducer version 3's rule: the first request's system prompt, unless a later request
+    offering tools has another (kept here to replay an old log the old way)."""
+    first = next((t.system_digest for t in turns if t.request is not None), None)
+    for t in turns:
+        if t.request is not None and t.request.n_tools != 0:
+            return t.system_digest
+    return first
+
+
+async def test_new_side_request_rule_reports_the_sessions_it_changes(
+    sqlite_store: EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reducer version 4 (without tools the main line is the conversation, not a title sent
+    first): reclassify re-derives every session and reports exactly the one that changed."""
+    await fill(sqlite_store)
+    log = Log("e-no-tools").open()
+    log.turn([90, 91], [92, 2], system="sys-title", n_tools=0)
+    m0 = log.turn([1, 2, 3, 4, 5], [6, 2], n_tools=0, decision=("new", "first"), chain_id=1)
+    log.turn(m0.then([7, 8]), [9, 2], n_tools=0, prefix_len=7, chain_id=1)
+    log.close()
+    await write_to(sqlite_store, log)
+    with monkeypatch.context() as old:
+        old.setattr(rules_module, "REDUCER_VERSION", "3")
+        old.setattr(reducer_module, "main_system_digest", _first_request_main_digest)
+        before = await reclassify(sqlite_store, Rules())
+    after = await reclassify(sqlite_store, Rules())
+    assert before.projection.startswith(f"{SAMPLES_PREFIX}r3-")
+    assert after.projection.startswith(f"{SAMPLES_PREFIX}r4-")
+    assert after.previous == before.summary_projection
+    assert after.changed_segmentation == ["e-no-tools"]
+    assert after.changed_samples == ["e-no-tools"]
+    assert after.trainable_after == before.trainable_after + 2  # the title's 2 -> the talk's 4

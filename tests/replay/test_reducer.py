@@ -712,6 +712,29 @@ def test_main_system_prompt_is_the_first_requests() -> None:
     assert kinds(reduce(log)) == ["final"]
 
 
+@pytest.mark.parametrize("title_first", [True, False])
+def test_without_tools_the_longer_conversation_is_the_main_line(title_first: bool) -> None:
+    """No request offers tools: a short title request is `side` whether it comes first or
+    last; the conversation (longer input, two turns) is `final`, every token trained."""
+    log = Log("no-tools").open()
+
+    def title() -> None:
+        log.turn([90, 91], [92, 2], system="sys-title", n_tools=0, decision=("new", "first"),
+                 chain_id=9)  # fmt: skip
+
+    if title_first:
+        title()
+    m0 = log.turn([1, 2, 3, 4, 5], [6, 2], n_tools=0, decision=("new", "first"))
+    m1 = log.turn(m0.then([7, 8]), [9, 2], n_tools=0, prefix_len=7)
+    if not title_first:
+        title()
+    log.close()
+    result = reduce(log, side_requests="train")
+    assert kinds(result) == ["side", "final"]
+    final = result.samples[-1]
+    assert sum(final.loss_mask) == len(m0.output) + len(m1.output)
+
+
 def test_compaction_summary_without_the_last_answer_is_no_fork() -> None:
     """Claude Code's summary request after a tool result leaves out the last answer."""
     log = Log("summary").open()

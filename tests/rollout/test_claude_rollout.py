@@ -7,19 +7,22 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 from rollout_harness import chat_tokenizer, leftovers, policy_recorder, sandbox_ids, shipped_tasks
 
 from recorder.log import events as ev
-from recorder.rollout.agent import AgentSpec
+from recorder.rollout.agent import AgentSpec, compaction_env
 from recorder.rollout.driver import RolloutRequest, RolloutResult, run_group, run_rollout
 from recorder.rollout.sandbox import SandboxSpec
 from recorder.rollout.tasks import Task
 from replay.samples import Sample
 from tests.conftest import claude_code_binary
-from tests.server.conftest import Harness
-from tools.tasks.policy import MARKER, task_policy
+from tests.server.conftest import Harness, make_harness
+from tools.claude_traffic import Rule, responder
+from tools.claude_traffic import tool_call as traffic_call
+from tools.tasks.policy import FIXES, MARKER, task_policy
 
 pytestmark = pytest.mark.claude
 
@@ -156,5 +159,89 @@ async def test_turn_budget_stops_the_agent_and_the_session_says_so(
         ]  # fmt: skip
         assert finished.detail["stop"] == "turn_budget"
         assert len(await h.payloads(result.session_id, ev.GenerateResult)) == 1
+    finally:
+        await h.close()
+
+
+# -- compaction before the recorder's context limit (README: "Claude Code settings") ----------
+
+SUMMARY_ASKED = "Your task is to create a detailed summary"
+PARTS = 10
+
+
+def _growing_policy(tokenizer: Any) -> Any:
+    """Print PARTS chunks of ~3.4k tokens with Bash, then apply calc-add's fix."""
+    phrase, fix, _ = FIXES["calc-add"]
+    rules = [
+        Rule(SUMMARY_ASKED, "<summary>Printed parts of the output. Next: apply the fix.</summary>"),
+        Rule(MARKER, "I fixed the bug; the tests should pass now."),
+        Rule("Next: apply the fix", traffic_call("Bash", {"command": f"{fix} && echo {MARKER}"})),
+        Rule(f"part-{PARTS}-end", traffic_call("Bash", {"command": f"{fix} && echo {MARKER}"})),
+    ]
+    for i in range(PARTS, 0, -1):
+        cmd = f"seq -f 'p{i}-%g' 1 700; echo part-{i}-end"
+        rules.append(
+            Rule(f"part-{i - 1}-end" if i > 1 else phrase, traffic_call("Bash", {"command": cmd}))
+        )
+    return responder(tokenizer, rules)
+
+
+async def _growing_rollout(
+    sqlite_url: str, tmp_path: Path, compact_at: float | None
+) -> tuple[Harness, RolloutResult]:
+    h = await make_harness(
+        chat_tokenizer(),
+        sqlite_url,
+        engine_kwargs={
+            "context_length": 200_000,
+            "default_reply": _growing_policy(chat_tokenizer()),
+        },
+        context_length=40_000,
+    )
+    agent = AgentSpec(binary=claude_code_binary("2.1.330"), max_retries=0, compact_at=compact_at)
+    tmp_path.mkdir()
+    req = request(h, tmp_path, shipped_tasks()["calc-add"])
+    return h, await run_rollout(msgspec.structs.replace(req, agent=agent))
+
+
+async def test_the_driver_makes_claude_code_compact_before_the_context_limit(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """At --context-length 40000, 2.1.330 left alone reaches the limit (a 400 `prompt is too
+    long`, then a reactive compaction); with the driver's settings, derived from the
+    recorder's context length, it compacts first and never gets a 400."""
+    h, result = await _growing_rollout(sqlite_url, tmp_path / "on", 0.8)
+    try:
+        sid = result.session_id
+        assert result.outcome == "passed", result.evidence
+        (started,) = [
+            e for e in await h.payloads(sid, ev.SandboxEvent) if e.kind == "agent_started"
+        ]
+        assert (
+            started.detail["compaction"]
+            == compaction_env(40_000, 0.8)
+            == {
+                "CLAUDE_CODE_AUTO_COMPACT_WINDOW": "100000",
+                "CLAUDE_AUTOCOMPACT_PCT_OVERRIDE": "40",
+            }
+        )
+        assert await h.payloads(sid, ev.RequestRejected) == []
+        prompts = [
+            h.tokenizer.decode(await h.array(r.input_ids))
+            for r in await h.payloads(sid, ev.RenderedInput)
+        ]
+        assert any(SUMMARY_ASKED in p for p in prompts)  # it compacted, before any 400
+        assert max(r.input_ids.length for r in await h.payloads(sid, ev.RenderedInput)) < 40_000
+        # Proactive compaction re-sends the whole context: every engine token is trained.
+        assert trained_tokens(result.samples) == await engine_tokens(h, sid)
+        assert [s.metadata["segment_kind"] for s in result.samples][-1] == "final"
+    finally:
+        await h.close()
+    h, left_alone = await _growing_rollout(
+        f"sqlite+aiosqlite:///{tmp_path / 'off.db'}", tmp_path / "off", None
+    )
+    try:
+        rejected = await h.payloads(left_alone.session_id, ev.RequestRejected)
+        assert rejected and rejected[0].message.startswith("prompt is too long")
     finally:
         await h.close()

@@ -13,7 +13,7 @@ import pytest
 from rollout_harness import leftovers, policy_recorder, sandbox_ids, shipped_tasks
 
 from recorder.log import events as ev
-from recorder.rollout.agent import AgentSpec
+from recorder.rollout.agent import AgentSpec, compaction_env
 from recorder.rollout.driver import RolloutRequest, run_group, run_rollout
 from recorder.rollout.sandbox import SandboxSpec
 from recorder.rollout.tasks import Task
@@ -195,3 +195,44 @@ async def test_a_grader_that_cannot_run_is_infrastructure(
     assert (result.outcome, result.infra_cause) == ("infra_error", "eval_crashed")
     (closed,) = await recorder.payloads(result.session_id, ev.SessionClosed)
     assert closed.status == "aborted"
+
+
+FIX_CALC = "sed -i '0,/return a - b/s//return a + b/' calc.py"
+
+
+@pytest.mark.parametrize(
+    ("spec", "window", "percent"),
+    [
+        ({}, "220000", "80"),  # the recorder's 200k context: compact at 160k
+        ({"compact_at": 0.5}, "220000", "50"),
+        ({"env": {"CLAUDE_AUTOCOMPACT_PCT_OVERRIDE": "7"}}, "220000", "7"),  # the spec's own wins
+        ({"compact_at": None}, "", ""),  # left to the CLI
+    ],
+)
+async def test_agent_gets_compaction_settings_from_the_recorders_context_length(
+    recorder: Harness, tmp_path: Path, spec: dict[str, Any], window: str, percent: str
+) -> None:
+    """The driver reads the context length from the recorder (GET /health): the agent's
+    environment is checked by the agent itself, which fixes the bug only if it is right."""
+    check = (
+        f'test "$CLAUDE_CODE_AUTO_COMPACT_WINDOW" = "{window}" && '
+        f'test "$CLAUDE_AUTOCOMPACT_PCT_OVERRIDE" = "{percent}" && {FIX_CALC}'
+    )
+    agent = AgentSpec(command=check, **spec)
+    result = await run_rollout(
+        request(recorder, tmp_path, shipped_tasks()["calc-add"], agent=agent)
+    )
+    assert result.outcome == "passed", result.evidence
+
+
+def test_compaction_env_is_a_share_of_the_context_length() -> None:
+    """Claude Code compacts at PCT percent of (max(WINDOW, 100k) - 20k) tokens (measured)."""
+    assert compaction_env(40_000, 0.8) == {
+        "CLAUDE_CODE_AUTO_COMPACT_WINDOW": "100000",
+        "CLAUDE_AUTOCOMPACT_PCT_OVERRIDE": "40",  # 40% of 80k = 32k = 0.8 x 40k
+    }
+    assert compaction_env(131_072, 0.75)["CLAUDE_AUTOCOMPACT_PCT_OVERRIDE"] == "75"
+    assert compaction_env(1_000, 0.5)["CLAUDE_AUTOCOMPACT_PCT_OVERRIDE"] == "1"  # never 0 (= off)
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match="compact_at"):
+            compaction_env(40_000, bad)

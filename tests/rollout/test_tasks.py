@@ -9,7 +9,7 @@ import pytest
 
 from recorder.rollout.evaluate import grade_exit, grade_tests, parse_test_report
 from recorder.rollout.sandbox import ExecResult
-from recorder.rollout.tasks import TestSpec, load_tasks, task_from_dict
+from recorder.rollout.tasks import TaskError, TestSpec, load_tasks, task_from_dict
 
 GOOD = {
     "instance_id": "t-1",
@@ -113,3 +113,107 @@ def test_report_parsing_and_rewards() -> None:
 def test_test_spec_validation(tests: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         task_from_dict({**GOOD, "eval_cmd": None, "tests": tests})
+
+
+# A row as SWE-bench publishes it (the test lists are JSON strings), and as SWE-Gym
+# (lists) and SWE-smith (no base_commit nor test_patch; an image name) do.
+SWE_BENCH = {
+    "repo": "acme/calc",
+    "instance_id": "acme__calc-1",
+    "base_commit": "0123abcd",
+    "patch": "diff --git a/calc.py b/calc.py\n",
+    "test_patch": "diff --git a/tests/test_add.py b/tests/test_add.py\n",
+    "problem_statement": "add() subtracts",
+    "hints_text": "",
+    "created_at": "2023-01-01T00:00:00Z",
+    "version": "1.0",
+    "FAIL_TO_PASS": '["tests/test_add.py::test_add_sums"]',
+    "PASS_TO_PASS": "[]",
+    "environment_setup_commit": "0123abcd",
+    "difficulty": "<15 min fix",  # SWE-bench Verified's extra column
+}
+
+
+def test_published_rows_load_as_they_are(tmp_path: Path) -> None:
+    mirrors = tmp_path / "mirrors"
+    (mirrors / "acme__calc").mkdir(parents=True)
+    (mirrors / "swesmith" / "acme__calc.0123").mkdir(parents=True)
+    gym = {**SWE_BENCH, "instance_id": "gym-1", "FAIL_TO_PASS": ["a.py::t"], "PASS_TO_PASS": []}
+    smith = {
+        "instance_id": "acme__calc.0123.lm_rewrite__x1",
+        "repo": "swesmith/acme__calc.0123",
+        "patch": "diff --git a/calc.py b/calc.py\n",
+        "FAIL_TO_PASS": ["tests/test_calc.py::test_add"],
+        "PASS_TO_PASS": ["tests/test_calc.py::test_sub"],
+        "image_name": "jyangballin/swesmith.x86_64.acme__calc.0123",
+        "problem_statement": "add() subtracts",
+        "created_at": "2025-01-01",
+    }
+    github = {
+        **SWE_BENCH,
+        "instance_id": "django-1",
+        "repo": "django/django",
+        "test_cmd": "x {tests}",
+    }
+    path = tmp_path / "swe.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in (SWE_BENCH, gym, smith, github)) + "\n")
+    (bench, gym_task, smith_task, django), errors = load_tasks(path, mirrors=mirrors)
+    assert errors == []
+    assert bench.repo == str(mirrors / "acme__calc")
+    assert bench.tests is not None and bench.tests.fail_to_pass == [
+        "tests/test_add.py::test_add_sums"
+    ]
+    assert bench.tests.pass_to_pass == [] and "-rA" in bench.tests.cmd
+    assert bench.test_patch == SWE_BENCH["test_patch"]
+    assert bench.gold_patch == SWE_BENCH["patch"] and "patch" not in bench.metadata
+    assert bench.metadata == {
+        k: SWE_BENCH[k]
+        for k in ("hints_text", "created_at", "version", "environment_setup_commit", "difficulty")
+    }
+    assert gym_task.tests is not None and gym_task.tests.fail_to_pass == ["a.py::t"]
+    assert smith_task.repo == str(mirrors / "swesmith" / "acme__calc.0123")
+    assert smith_task.base_commit == smith["instance_id"]  # SWE-smith: a branch per instance
+    assert smith_task.metadata["image_name"] == smith["image_name"]
+    assert django.repo == "https://github.com/django/django.git"  # not mirrored: GitHub
+    assert django.tests is not None and django.tests.cmd == "x {tests}"
+
+
+def test_a_published_row_that_is_wrong_says_where() -> None:
+    bad = {**SWE_BENCH, "FAIL_TO_PASS": "not json", "PASS_TO_PASS": "[]"}
+    with pytest.raises(TaskError, match="FAIL_TO_PASS: not a list"):
+        task_from_dict(bad)
+    with pytest.raises(TaskError, match="at least one test"):
+        task_from_dict({**SWE_BENCH, "FAIL_TO_PASS": "[]"})
+    # A native task's unknown field is kept, never an error.
+    assert task_from_dict({**GOOD, "source": "x"}).metadata == {"source": "x"}
+
+
+def test_the_default_protection_follows_the_tests_and_the_test_patch() -> None:
+    from recorder.rollout.protect import patch_paths, protected_pathspecs
+
+    patch = (
+        "diff --git a/tests/a.py b/tests/b.py\nrename from tests/a.py\nrename to tests/b.py\n"
+        "--- /dev/null\n+++ b/tests/new.py\t2023\n"
+    )
+    assert patch_paths(patch) == ["tests/a.py", "tests/b.py", "tests/new.py"]
+    task = task_from_dict(
+        {
+            **SWE_BENCH,
+            "FAIL_TO_PASS": ["pkg/tests/test_x.py::test_a[1-2]", "test_y (app.tests.T)"],
+            "test_patch": patch,
+        }
+    )
+    assert protected_pathspecs(task) == [
+        f":(literal){p}"
+        for p in (
+            "pkg/tests/test_x.py",
+            "pkg/tests/conftest.py",
+            "pkg/conftest.py",
+            "conftest.py",
+            "tests/a.py",
+            "tests/b.py",
+            "tests/new.py",
+        )
+    ]
+    explicit = task_from_dict({**SWE_BENCH, "protected_paths": ["tests/**", "setup.cfg"]})
+    assert protected_pathspecs(explicit) == [":(glob)tests/**", ":(glob)setup.cfg"]

@@ -279,6 +279,70 @@ async def test_side_requests_are_their_own_kind_first_or_last(any_harness: Harne
     assert total == await engine_output_tokens(h, sid)
 
 
+AGENT_SYSTEM = (
+    "You are an interactive agent that helps users with software engineering tasks. "
+    "Read the code before changing it, keep changes small, run the tests, and report "
+    "what you did and what you could not do. Answer in the user's language."
+)
+
+
+async def test_without_tools_the_main_line_is_the_conversation_not_the_title(
+    any_harness: Harness,
+) -> None:
+    """`claude -p ... --tools ""` with nonessential traffic: a title request comes first and no
+    request offers tools. The agent's conversation (longer: its instructions and work) takes the
+    main line; the title and a later check are `side`, never `final`."""
+    h = any_harness
+    sid = await h.open_session(instance_id="side-no-tools")
+    client = h.client(sid)
+    h.engine.push('{"title": "Greeting"}', "Hi there!", "Goodbye!", '{"safe": true}')
+    title = [{"role": "user", "content": "<session>\nSay hi.\n</session>"}]
+    await ask(client, title, stream=False, system=TITLE_SYSTEM, tools=[], max_tokens=64)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Say hi."}]
+    first = await ask(client, messages, stream=False, system=AGENT_SYSTEM, tools=[])
+    messages += [echo(first), {"role": "user", "content": "Thanks, bye."}]
+    await ask(client, messages, stream=False, system=AGENT_SYSTEM, tools=[])
+    check = [{"role": "user", "content": "Is `echo hi` safe?"}]
+    await ask(client, check, stream=False, system="Classify commands.", tools=[], max_tokens=32)
+    await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
+
+    decisions = await h.payloads(sid, ev.ChainDecision)
+    assert [(d.action, d.reason) for d in decisions] == [  # type: ignore[attr-defined]
+        ("new", "first"),
+        ("new", "first"),  # the conversation takes the main line from the title request
+        ("extend", "extends"),
+        ("new", "side"),
+    ]
+    result = await replayed(h, sid)
+    assert_live_equals_offline(result)
+    assert [(s.kind, s.turns) for s in result.segments] == [
+        ("side", [0]),
+        ("side", [3]),
+        ("final", [1, 2]),
+    ]
+    results = await h.payloads(sid, ev.GenerateResult)
+    main_tokens = sum(r.output_ids.length for r in results if r.turn in (1, 2))  # type: ignore[attr-defined]
+    assert sum(sum(s.loss_mask) for s in result.samples) == main_tokens
+
+
+async def test_without_tools_a_title_after_the_answer_stays_side(any_harness: Harness) -> None:
+    """The same two requests the other way round: the short title request takes nothing."""
+    h = any_harness
+    sid = await h.open_session(instance_id="side-no-tools-after")
+    client = h.client(sid)
+    h.engine.push("Hi there!", '{"title": "Greeting"}')
+    await ask(client, [{"role": "user", "content": "Say hi."}], stream=False,
+              system=AGENT_SYSTEM, tools=[])  # fmt: skip
+    title = [{"role": "user", "content": "<session>\nSay hi.\n</session>"}]
+    await ask(client, title, stream=False, system=TITLE_SYSTEM, tools=[], max_tokens=64)
+    await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
+    decisions = await h.payloads(sid, ev.ChainDecision)
+    assert [d.reason for d in decisions] == ["first", "side"]  # type: ignore[attr-defined]
+    result = await replayed(h, sid)
+    assert_live_equals_offline(result)
+    assert [(s.kind, s.turns) for s in result.segments] == [("side", [1]), ("final", [0])]
+
+
 async def test_subagent_sharing_the_main_system_prompt_agrees_live_and_offline(
     any_harness: Harness,
 ) -> None:

@@ -2,8 +2,8 @@
 
 The scenarios are tools/claude_traffic.py's (the script that recorded
 tests/data/claude_traffic): a Read/Edit/Bash rollout, background and
-synchronous subagents, `/compact` after a tool result, ToolSearch, reading a
-PNG, and nonessential traffic on. Each runs once per module (`_RUNS`); two
+synchronous subagents, `/compact` after a tool result, ToolSearch (and calling
+the tool it loaded), reading a PNG, and nonessential traffic on. Each runs once per module (`_RUNS`); two
 kinds of test read the run:
 
 - `test_wire_*`: the CLI finishes, the recorder refused nothing, and the
@@ -51,6 +51,7 @@ class ScenarioRun:
     """What one CLI run left: its outcome, the session's log, its rendered prompts, its samples."""
 
     name: str
+    version: str
     codes: list[int]
     results: list[dict[str, Any]]
     outputs: list[str]
@@ -59,6 +60,7 @@ class ScenarioRun:
     schemas: list[str | None]  # the json_schema of each engine request
     bodies: list[dict[str, Any]]  # every Messages request body, as the CLI sent it
     closed: dict[str, Any]
+    workdir: Path  # where the CLI ran (its files after the run)
 
     def of(self, type_: type) -> list[Any]:
         return [e for e in self.events if isinstance(e, type_)]
@@ -119,6 +121,7 @@ async def _run(
         await h.close()
     return ScenarioRun(
         name=name,
+        version=version,
         codes=[code for code, _, _ in runs],
         results=[lines[-1] if lines else {} for _, lines, _ in runs],
         outputs=[text for _, _, text in runs],
@@ -127,6 +130,7 @@ async def _run(
         schemas=schemas,
         bodies=bodies,
         closed=closed,
+        workdir=root / "work",
     )
 
 
@@ -165,7 +169,7 @@ def _cases(
     ]
 
 
-ALL = tuple(n for n in SCENARIOS if n != "context_limit")
+ALL = tuple(n for n in SCENARIOS if "compaction" not in n and n != "context_limit")
 
 
 def _with_engine_tokens(run: ScenarioRun) -> None:
@@ -196,6 +200,20 @@ async def test_wire_tool_reference_loads_the_deferred_tool(scenario_run: Scenari
     assert '"name": "NotebookEdit"' not in first  # deferred: not in the tool list
     loaded = last.rpartition("<tool_response>")[2]
     assert loaded.lstrip().startswith('<tools>\n{"type": "function", "function": {"name": "Note')
+
+
+@pytest.mark.parametrize("scenario_run", _cases("compact_then_work"), indirect=True)
+async def test_wire_empty_system_message_renders_no_empty_block(
+    scenario_run: ScenarioRun,
+) -> None:
+    """After /compact 2.1.330 sends `{"role": "system", "content": []}`: the engine sees none."""
+    assert any(
+        m["role"] == "system" and not m["content"]
+        for body in scenario_run.bodies
+        for m in body["messages"]
+    )
+    for prompt in scenario_run.prompts.values():
+        assert "<|im_start|>system\n<|im_end|>" not in prompt
 
 
 @pytest.mark.parametrize(
@@ -234,7 +252,28 @@ async def test_tokens_coding_rollout_has_no_false_fork(scenario_run: ScenarioRun
     assert scenario_run.kinds() == ["final"]
 
 
-@pytest.mark.parametrize("scenario_run", _cases("image", "tool_search"), indirect=True)
+@pytest.mark.parametrize("scenario_run", _cases("deferred_call"), indirect=True)
+async def test_wire_a_tool_loaded_by_tool_search_is_called_and_run(
+    scenario_run: ScenarioRun,
+) -> None:
+    """Read, ToolSearch loads the deferred NotebookEdit, the model calls it, the CLI runs it."""
+    uses = [
+        b["name"]
+        for s in scenario_run.of(ev.ResponseSent)
+        for b in s.content
+        if b["type"] == "tool_use"
+    ]
+    assert uses == ["Read", "ToolSearch", "NotebookEdit"]
+    (first, *_), last = scenario_run.bodies, scenario_run.bodies[-1]
+    assert "NotebookEdit" not in {t["name"] for t in first["tools"]}  # deferred, not yet loaded
+    assert "Updated cell c1" in json.dumps(last["messages"][-1])  # the CLI ran the call
+    assert "print('nb-fixed')" in (scenario_run.workdir / "nb.ipynb").read_text()
+    assert scenario_run.results[-1]["result"] == "The notebook cell is fixed."
+
+
+@pytest.mark.parametrize(
+    "scenario_run", _cases("image", "tool_search", "deferred_call"), indirect=True
+)
 async def test_tokens_image_and_tool_search_rollouts(scenario_run: ScenarioRun) -> None:
     """One chain: a loaded tool (2.1.330 then lists it in `tools`) is no compaction or fork."""
     decisions = scenario_run.of(ev.ChainDecision)
@@ -291,6 +330,25 @@ async def test_tokens_side_requests_are_their_own_kind(scenario_run: ScenarioRun
     assert scenario_run.trained_tokens == main == segments[1]["trainable_tokens"]
 
 
+@pytest.mark.parametrize("scenario_run", _cases("no_tools"), indirect=True)
+async def test_tokens_without_tools_the_conversation_is_final(scenario_run: ScenarioRun) -> None:
+    """`--tools ""` with nonessential traffic: no request offers tools. 2.1.197 asks for a
+    title first; the conversation still takes the main line and `final`, the title is `side`."""
+    _with_engine_tokens(scenario_run)
+    assert scenario_run.results[-1]["result"] == "I cannot run echo here: no tools."
+    assert all(not b.get("tools") for b in scenario_run.bodies)
+    title = scenario_run.turns_with("sentence-case title")
+    segments = scenario_run.closed["segments"]
+    assert bool(title) == (scenario_run.version == "2.1.197")  # 2.1.330 -p sends no title
+    if title:
+        assert [s["kind"] for s in segments] == ["side", "final"]
+        assert set(segments[0]["turns"]) == title
+    else:
+        assert [s["kind"] for s in segments] == ["final"]
+    main = scenario_run.engine_tokens - scenario_run.tokens_of(title)
+    assert scenario_run.trained_tokens == main == segments[-1]["trainable_tokens"] > 0
+
+
 @pytest.mark.parametrize(
     "scenario_run", _cases("nonessential", versions=("2.1.330",)), indirect=True
 )
@@ -345,6 +403,33 @@ async def test_context_limit_makes_2_1_330_compact(scenario_run: ScenarioRun) ->
     assert scenario_run.kinds()[-1] == "final" and set(scenario_run.kinds()[:-1]) == {"wipe"}
     (summary,) = [s for s in segments if set(s["turns"]) == summaries]
     assert summary["kind"] == "wipe"
+
+
+@pytest.mark.parametrize(
+    "scenario_run", _cases("partial_compaction", "partial_compaction_3"), indirect=True
+)
+async def test_compaction_at_the_context_limit_trains_every_answer(
+    scenario_run: ScenarioRun,
+) -> None:
+    """The CLI learns the limit from a 400 and compacts the head of the conversation.
+
+    The summary request re-sends only the head, so it forks the main chain
+    early; the answers after the head (acted on: kept verbatim after the
+    summary) must still be trained, in the old context's `wipe` segment.
+    """
+    run = scenario_run
+    assert run.codes == [0] * len(run.codes), run.outputs[-1][-2000:]
+    assert run.results[-1]["result"] == "I read the tail."
+    rejected = run.of(ev.RequestRejected)
+    assert rejected and all(r.message.startswith("prompt is too long") for r in rejected)
+    summaries = run.turns_with("Your task is to create a detailed summary")
+    assert len(summaries) >= (1 if run.name == "partial_compaction" else 3)
+    acc = run.closed["token_accounting"]
+    assert acc["trained"] == acc["engine output"] == run.engine_tokens > 0, acc
+    assert run.trained_tokens == run.engine_tokens
+    assert not [d for d in run.closed["diagnostics"] if "abandoned" in d]
+    assert run.kinds()[-1] == "final" and set(run.kinds()[:-1]) == {"wipe"}
+    assert not any(s.get("dropped") for s in run.closed["segments"])
 
 
 @pytest.mark.parametrize("version", CLAUDE_CODE_VERSIONS)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from typing import Any
 
 import anthropic
@@ -11,6 +12,7 @@ import pytest
 
 from recorder.dialects.translate import parse_request
 from recorder.log import events as ev
+from recorder.model.tokens import full_input_ids
 from recorder.server.deltas import MIN_SHARED_BYTES, shared_prefix_len
 from tests.server.conftest import (
     SYSTEM,
@@ -750,6 +752,50 @@ async def test_count_tokens_is_the_real_count(harness: Harness) -> None:
     (rendered,) = await h.payloads(sid, ev.RenderedInput)
     assert counted.input_tokens == rendered.input_ids.length
     assert not any(isinstance(e, ev.RequestRejected) for e in await h.payloads(sid))
+
+
+@pytest.mark.parametrize("thinking", [None, {"type": "enabled", "budget_tokens": 64}])
+async def test_count_tokens_after_hidden_reasoning_is_the_next_turns_input(
+    any_harness: Harness, thinking: dict[str, Any] | None
+) -> None:
+    """The chain keeps the model's `<think>` verbatim; a client that never saw it (thinking
+    not enabled) echoes the answer without it. The count is the next turn's real input,
+    whether the reasoning was hidden or shown, and counting leaves the session as it was."""
+    h = any_harness
+    sid = await h.open_session()
+    client = h.client(sid)
+    extra = {} if thinking is None else {"thinking": thinking}
+    h.engine.push(
+        Reply(text="<think>\nThe user wants a listing; ls will do it.\n</think>\n\n"
+              + tool_call_text("Bash", {"command": "ls"})),
+        "It holds a.txt. Done.",
+    )  # fmt: skip
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "What is in this repo?"}]
+    first = await ask(client, messages, stream=False, **extra)
+    assert any(b.type == "thinking" for b in first.content) == (thinking is not None)
+    messages += [echo(first), tool_result(first.content[-1].id, "a.txt")]
+    counts = [
+        (
+            await client.messages.count_tokens(
+                model="m",
+                messages=messages,
+                system=SYSTEM,
+                tools=TOOLS,
+                **extra,  # type: ignore[arg-type]
+            )
+        ).input_tokens
+        for _ in range(2)
+    ]
+    fresh = len(full_input_ids(parse_request(json.dumps(
+        {"model": "m", "messages": messages, "system": SYSTEM, "tools": TOOLS, **extra}
+    ).encode(), count_tokens=True), h.tokenizer))  # fmt: skip
+    await ask(client, messages, stream=False, **extra)
+    rendered = await h.payloads(sid, ev.RenderedInput)
+    decisions = await h.payloads(sid, ev.ChainDecision)
+    assert [d.action for d in decisions] == ["new", "extend"]  # type: ignore[attr-defined]
+    assert counts == [rendered[-1].input_ids.length] * 2  # type: ignore[attr-defined]
+    if thinking is None:  # a from-scratch render misses the hidden reasoning
+        assert fresh < counts[0]
 
 
 async def test_disconnect_recorded_even_when_the_engine_is_paused(

@@ -422,3 +422,26 @@ async def test_a_snapshot_without_record_depths_is_restored_and_stores_records_w
     rows = array_rows(sqlite_url)
     assert rows[after.chains[0].message_digests.digest][0] is None  # whole: a root piece
     assert after.chains[0].digests_depth == 1
+
+
+def test_every_form_of_message_digest_packs_and_unpacks() -> None:
+    """Plain, with reasoning, with calls alone, both: stored as raw bytes, read back equal."""
+    from recorder.dialects.translate import message_digest
+
+    calls = [{"id": "toolu_1", "type": "function", "function": {"name": "Bash", "arguments": {}}}]
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "ok", "reasoning_content": "think"},
+        {"role": "assistant", "content": "Let me look.", "tool_calls": calls},
+        {
+            "role": "assistant",
+            "content": "Let me look.",
+            "tool_calls": calls,
+            "reasoning_content": "t",
+        },
+    ]
+    digests = [message_digest(m) for m in messages]
+    assert [d.count("|") for d in digests] == [0, 0, 1, 1]
+    packed = snapshot._digest_array(digests)
+    assert snapshot._digests_of(packed) == digests
+    assert packed.size == sum(1 + 1 + 16 * (1 + d.count("+") + d.count("|")) for d in digests)

@@ -39,12 +39,12 @@ async def test_reward_v1_row_reads_as_v2(
     assert page == got
 
 
-def test_messages_request_and_chain_decision_v1_read_as_v2() -> None:
-    """v1 MessagesRequest had no chat message / tool counts (unknown: None); v1
-    ChainDecision reads unchanged (v2 only added the reason "side")."""
+def test_messages_request_and_chain_decision_v1_read_as_today() -> None:
+    """v1 MessagesRequest had no chat message / tool counts (unknown: None), v1 and v2 no
+    answer keys (None); v1 ChainDecision reads unchanged (v2 only added the reason "side")."""
     from recorder.log.events import ArrayRef, ChainDecision, MessagesRequest, decode_event
 
-    assert MessagesRequest.VERSION == 2 and ChainDecision.VERSION == 2
+    assert MessagesRequest.VERSION == 3 and ChainDecision.VERSION == 2
     body = ArrayRef(digest=b"\x01" * 16, length=3, dtype="uint8")
     v1 = msgspec.msgpack.encode(
         {"type": "messages_request", "request_id": "r", "turn": 0, "body": body, "n_messages": 3}
@@ -52,6 +52,12 @@ def test_messages_request_and_chain_decision_v1_read_as_v2() -> None:
     got = decode_event("messages_request", 1, v1)
     assert isinstance(got, MessagesRequest)
     assert got.n_messages == 3 and got.n_chat_messages is None and got.n_tools is None
+    assert got.answer_keys is None
+    v2 = msgspec.msgpack.encode(
+        {"type": "messages_request", "request_id": "r", "turn": 1, "body": body, "n_tools": 2}
+    )
+    got = decode_event("messages_request", 2, v2)
+    assert isinstance(got, MessagesRequest) and got.n_tools == 2 and got.answer_keys is None
     decision = {
         "type": "chain_decision",
         "rules_version": "live-1",

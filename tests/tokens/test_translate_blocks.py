@@ -159,3 +159,17 @@ def test_every_recorded_claude_code_body_translates(version: str, scenario: str)
         assert parse_request(raw, cache=cache, count_tokens=count) == parse_request(
             raw, count_tokens=count
         )
+
+
+def test_a_loaded_deferred_tool_is_callable_and_an_unloaded_one_is_not() -> None:
+    """The parser's tools: listed ones, plus deferred ones a tool_reference loaded (once)."""
+    tools = [BASH, NOTEBOOK, {**NOTEBOOK, "name": "CronList"}]
+    ref = [{"type": "tool_reference", "tool_name": "NotebookEdit"}]
+    chat = parse_request(_searched([*ref, *ref], tools))
+    assert [t["function"]["name"] for t in chat.tools] == ["Bash"]
+    assert [t["function"]["name"] for t in chat.callable_tools] == ["Bash", "NotebookEdit"]
+    plain = parse_request(_searched([{"type": "text", "text": "none found"}], tools))
+    assert [t["function"]["name"] for t in plain.callable_tools] == ["Bash"]
+    # A reference to a listed tool loads nothing new.
+    listed = parse_request(_searched([{"type": "tool_reference", "tool_name": "Bash"}], tools))
+    assert [t["function"]["name"] for t in listed.callable_tools] == ["Bash"]

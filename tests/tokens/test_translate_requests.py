@@ -9,12 +9,14 @@ import pytest
 
 from recorder.dialects.translate import (
     InvalidRequest,
+    ParseCache,
     find_dispatches,
     message_digest,
     parse_request,
     response_message_digest,
     same_message,
 )
+from tests.tokens.chat_builders import load_test_tokenizer
 
 
 def _body(**over: Any) -> dict[str, Any]:
@@ -573,3 +575,26 @@ def test_a_string_content_is_the_same_as_one_text_block(text: str) -> None:
         as_block.messages,
         as_block.message_digests,
     )
+
+
+@pytest.mark.parametrize("empty", [[], "", "  \n", [{"type": "text", "text": ""}]])
+def test_an_empty_system_message_is_dropped(empty: Any) -> None:
+    """2.1.33x sends `{"role": "system", "content": []}` after /compact: no empty system block.
+
+    The request translates exactly as the one without that message (also through the
+    parse cache), so the prompt renders no `<|im_start|>system\\n<|im_end|>`.
+    """
+    tok = load_test_tokenizer()
+    head = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Summary."}]},
+    ]
+    tail = [{"role": "user", "content": "go on"}]
+    with_empty = json.dumps(_msgs(*head, {"role": "system", "content": empty}, *tail)).encode()
+    without = parse_request(json.dumps(_msgs(*head, *tail)).encode())
+    for chat in (parse_request(with_empty), parse_request(with_empty, cache=ParseCache())):
+        assert (chat.messages, chat.message_digests) == (without.messages, without.message_digests)
+        assert all(m["role"] != "system" for m in chat.messages[1:])
+    prompt = tok.render(parse_request(with_empty).messages, None, True)
+    assert "<|im_start|>system\n<|im_end|>" not in prompt
+    assert prompt.count("<|im_start|>system") == 1  # the request's system prompt only

@@ -1,0 +1,225 @@
+"""A reward is earned only by solving the task: the agent's repository holds base_commit
+and its ancestors, nothing later (on every sandbox backend, from a local path or a URL);
+edited tests are restored before grading; the gold patch never reaches a sandbox.
+
+The agents are shell scripts run through the real driver, the real git, real sandboxes
+(E2B through the real SDK against its doubles) and a real recorder."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rollout_harness import chat_tokenizer, policy_recorder
+from sandbox_backends import Backend
+from task_repos import FAIL_TO_PASS, MARKER, PASS_TO_PASS, base_repo, git, hide_the_fix_everywhere
+
+from recorder.log import events as ev
+from recorder.rollout.agent import AgentSpec
+from recorder.rollout.driver import RolloutRequest, RolloutResult, run_rollout
+from recorder.rollout.tasks import Task, task_from_dict
+from tests.server.conftest import Harness
+
+FIX = "sed -i '0,/return a - b/s//return a + b/' calc.py"
+
+# Everything an agent can ask git about its repository, written to findings.txt (which
+# travels back in the agent's diff), then the one-liner that scored 1 before.
+SEARCH = r"""
+set -u
+M=%(marker)s
+{
+echo "== rev-list"; git rev-list --all
+echo "== log"; git log --all --format=%%H
+echo "== refs"; git for-each-ref
+echo "== reflog"; git reflog show --all --format=%%H 2>&1
+echo "== stash"; git stash list
+echo "== fsck"; git fsck --lost-found --unreachable --no-progress 2>&1
+echo "== objects"; git cat-file --batch-all-objects --batch-check
+echo "== remotes"; git remote -v
+echo "== marker"; git cat-file --batch-all-objects --batch 2>/dev/null | grep -a -c "$M"
+echo "== packs"; for i in .git/objects/pack/*.idx; do git verify-pack -v "$i"; done \
+    | grep -c -E '^[0-9a-f]{40} (commit|tree|blob|tag) '
+echo "== workdir"; ls -A ..
+echo "== grep"; grep -r -a -l "$M" .. 2>/dev/null | grep -v findings.txt
+echo "== end"
+} > findings.txt 2>&1
+git checkout "$(git rev-list --all -n1)" -- .
+"""
+
+
+@pytest.fixture
+async def recorder(sqlite_url: str) -> AsyncIterator[Harness]:
+    h = await policy_recorder(chat_tokenizer(), sqlite_url)
+    try:
+        yield h
+    finally:
+        await h.close()
+
+
+def calc_task(repo: str, base: str, **kw: Any) -> Task:
+    row: dict[str, Any] = {
+        "instance_id": "calc-hidden-fix",
+        "repo": repo,
+        "base_commit": base,
+        "problem_statement": "add() in calc.py subtracts; make tests/test_calc.py pass.",
+        "tests": {"FAIL_TO_PASS": FAIL_TO_PASS, "PASS_TO_PASS": PASS_TO_PASS},
+        **kw,
+    }
+    return task_from_dict(row)
+
+
+async def rollout(h: Harness, backend: Backend, task: Task, command: str) -> RolloutResult:
+    req = RolloutRequest(
+        task=task,
+        recorder_url=h.url,
+        admin_token=h.config.admin_token,
+        sandbox=backend.spec(),
+        agent=AgentSpec(command=command),
+    )
+    return await run_rollout(req)
+
+
+def findings(diff: str) -> dict[str, list[str]]:
+    """The sections of findings.txt, read back from the agent's diff."""
+    start = diff.index("+++ b/findings.txt")
+    sections: dict[str, list[str]] = {}
+    current: list[str] = []
+    for line in diff[start:].splitlines()[2:]:
+        if not line.startswith("+"):
+            break
+        text = line[1:]
+        if text.startswith("== "):
+            current = sections.setdefault(text[3:], [])
+        elif text.strip():
+            current.append(text)
+    return sections
+
+
+@pytest.mark.parametrize("source", ["path", "url"])
+async def test_the_agent_finds_nothing_newer_than_base_commit(
+    recorder: Harness, backend: Backend, tmp_path: Path, source: str
+) -> None:
+    src = tmp_path / "src"
+    base = base_repo(src, history=3)
+    hide_the_fix_everywhere(src, tmp_path / "upstream")
+    assert MARKER in (src / "calc.py").read_text()  # the task repo's own HEAD has the fix
+    repo = str(src) if source == "path" else f"file://{src}"
+    task = calc_task(repo, base[:10])  # a short hash, as task files often name it
+
+    script = tmp_path / "search.sh"
+    script.write_text(SEARCH % {"marker": MARKER})
+    cheat = await rollout(recorder, backend, task, f"bash {script}")
+    assert (cheat.outcome, cheat.reward) == ("failed", 0.0), cheat.evidence
+    found = findings(cheat.diff)
+    history = git(src, "rev-list", base).split()
+    objects = git(src, "rev-list", "--objects", base).splitlines()
+    assert sorted(found["rev-list"]) == sorted(history)
+    assert sorted(found["log"]) == sorted(history)
+    assert found["refs"] == []
+    assert set(found["reflog"]) <= {base}
+    assert found["stash"] == []
+    assert found["fsck"] == []
+    assert len(found["objects"]) == len(objects)
+    assert found["remotes"] == []
+    assert found["marker"] == ["0"]
+    assert found["packs"] == [str(len(objects))]
+    assert not [f for f in found["workdir"] if "pack" in f or "bundle" in f or "tr-" in f]
+    assert found["grep"] == []
+    assert cheat.evidence["tests_failed"] == FAIL_TO_PASS
+
+    solved = await rollout(recorder, backend, task, FIX)
+    assert (solved.outcome, solved.reward) == ("passed", 1.0), solved.evidence
+
+
+# -- protected tests -------------------------------------------------------------------
+
+# Rewrites the listed tests to pass and adds a conftest.py that passes everything.
+REWRITE = (
+    "printf 'def test_add():\\n    pass\\n\\n\\ndef test_sub():\\n    pass\\n' "
+    "> tests/test_calc.py && "
+    "printf 'import pytest\\n\\n\\n@pytest.hookimpl(tryfirst=True)\\n"
+    "def pytest_runtest_call(item):\\n    return True\\n' > tests/conftest.py"
+)
+# The test SWE-bench style tasks ship in test_patch: a new test file for add().
+ADD_TEST = "from calc import add\n\n\ndef test_add_sums():\n    assert add(2, 3) == 5\n"
+TEST_PATCH = (
+    "diff --git a/tests/test_add.py b/tests/test_add.py\nnew file mode 100644\n"
+    "--- /dev/null\n+++ b/tests/test_add.py\n@@ -0,0 +1,5 @@\n"
+    + "".join(f"+{line}\n" for line in ADD_TEST.splitlines())
+)
+# Pre-creates test_patch's new file with a test that always passes.
+PLANT = "printf 'def test_add_sums():\\n    pass\\n' > tests/test_add.py"
+
+
+def local(tmp_path: Path) -> Backend:
+    (tmp_path / "local").mkdir(exist_ok=True)
+    return Backend("local", tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("protection", "agent", "reward"),
+    [
+        ("default", REWRITE, 0.0),
+        ("protected_paths", REWRITE, 0.0),
+        ("test_patch", PLANT, 0.0),
+        ("test_patch", FIX, 1.0),
+        ("none", REWRITE, 1.0),  # the attack is real: a task that opts out pays for it
+    ],
+)
+async def test_rewriting_the_tests_earns_nothing(
+    recorder: Harness, tmp_path: Path, protection: str, agent: str, reward: float
+) -> None:
+    src = tmp_path / "src"
+    base = base_repo(src)
+    pytest_all = {"tests": None, "eval_cmd": "python -m pytest -q -p no:cacheprovider tests"}
+    task = {
+        "default": lambda: calc_task(str(src), base),
+        "protected_paths": lambda: calc_task(str(src), base, protected_paths=["tests/**"], **pytest_all),
+        "test_patch": lambda: calc_task(
+            str(src), base, tests={"FAIL_TO_PASS": ["tests/test_add.py::test_add_sums"]},
+            test_patch=TEST_PATCH,
+        ),
+        "none": lambda: calc_task(str(src), base, protected_paths=[], **pytest_all),
+    }[protection]()  # fmt: skip
+    result = await rollout(recorder, local(tmp_path), task, agent)
+    assert (result.reward, result.infra_cause) == (reward, None), result.evidence
+    edited = (
+        ["tests/test_add.py"] if agent == PLANT else ["tests/conftest.py", "tests/test_calc.py"]
+    )
+    if agent != FIX:
+        for path in edited:  # the trainer still sees the attempt
+            assert f"+++ b/{path}" in result.diff
+    if reward == 0.0:
+        assert sorted(result.evidence["protected_changed"]) == edited
+        (restored,) = [
+            e.detail
+            for e in await recorder.payloads(result.session_id, ev.SandboxEvent)
+            if e.kind == "protected_restored"
+        ]
+        assert sorted(restored["paths"]) == edited
+
+
+async def test_a_test_patch_the_agent_conflicts_with_is_reward_zero_with_the_reason(
+    recorder: Harness, tmp_path: Path
+) -> None:
+    src = tmp_path / "src"
+    base = base_repo(src)
+    # Changes the line the agent's edit changes too; the task protects nothing.
+    test_patch = (
+        "diff --git a/tests/test_calc.py b/tests/test_calc.py\n"
+        "--- a/tests/test_calc.py\n+++ b/tests/test_calc.py\n@@ -4,2 +4,2 @@\n"
+        " def test_add():\n-    assert add(2, 3) == 5\n+    assert add(2, 3) == 5 and add(0, 0) == 0\n"
+    )
+    task = calc_task(str(src), base, protected_paths=[], test_patch=test_patch)
+    rewrite = "sed -i 's/assert add(2, 3) == 5/assert add(2, 3) == -1/' tests/test_calc.py"
+    result = await rollout(recorder, local(tmp_path), task, rewrite)
+    assert (result.outcome, result.reward, result.infra_cause) == ("failed", 0.0, None)
+    assert result.evidence["failure"] == "test_patch_conflict"
+    assert "tests/test_calc.py" in result.evidence["output_tail"]
+    assert "test_patch does not apply" in result.evidence["output_tail"]
+    (reward,) = await recorder.payloads(result.session_id, ev.RewardAssigned)
+    assert reward.reward == 0.0 and reward.detail["failure"] == "test_patch_conflict"
+    kinds = [e.kind for e in await recorder.payloads(result.session_id, ev.SandboxEvent)]
+    assert "test_patch_applied" not in kinds and kinds[-2] == "eval_result"
