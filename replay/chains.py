@@ -32,7 +32,8 @@ from typing import Literal
 
 import numpy as np
 
-from recorder.dialects.translate import echo_keys, response_message_digest
+from recorder.dialects.chat import echo_keys
+from recorder.dialects.translate import response_message_digest
 from recorder.model.tokens import is_side_request, takes_main_line
 from replay.rules import Rules
 from replay.samples import SegmentKind

@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from recorder.dialects import ANTHROPIC, OPENAI_CHAT, OPENAI_RESPONSES, Dialect  # noqa: E402
-from recorder.dialects.translate import ParseCache  # noqa: E402
+from recorder.dialects.parse_cache import ParseCache  # noqa: E402
 
 SYSTEM = "You are a coding agent. Follow the repository's conventions. " * 300
 SCHEMA = {"type": "object", "properties": {"command": {"type": "string"}}}

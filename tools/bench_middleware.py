@@ -81,14 +81,11 @@ from rich.table import Table
 
 import recorder.server.turn as turn_module
 from recorder.dialects.anthropic import Anthropic
+from recorder.dialects.chat import ChatRequest
 from recorder.dialects.openai_chat import OpenAIChat
 from recorder.dialects.openai_responses import OpenAIResponses
-from recorder.dialects.translate import (
-    ChatRequest,
-    ParseCache,
-    parse_request,
-    response_message_digest,
-)
+from recorder.dialects.parse_cache import ParseCache
+from recorder.dialects.translate import parse_request, response_message_digest
 from recorder.log import events as ev
 from recorder.log.store import open_store
 from recorder.log.store.base import EventStore
@@ -105,7 +102,7 @@ from tools.test_engine.scripted import Reply, ScriptedBackend
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "tests" / "data" / "smollm2-tokenizer"
-TEMPLATE = REPO / "recorder" / "templates" / "chatml-tools.jinja"
+TEMPLATE = REPO / "recorder" / "model" / "templates" / "chatml-tools.jinja"
 
 
 # ==========================================================================

@@ -45,7 +45,7 @@ import msgspec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = REPO_ROOT / "tests" / "data" / "smollm2-tokenizer"
-CHAT_TEMPLATE = REPO_ROOT / "recorder" / "templates" / "chatml-tools.jinja"
+CHAT_TEMPLATE = REPO_ROOT / "recorder" / "model" / "templates" / "chatml-tools.jinja"
 MODEL = "quickstart-model"
 
 

@@ -6,9 +6,11 @@ from typing import Any
 
 from recorder.dialects.answer import Answer, content_events, message_json, message_start_event
 from recorder.dialects.base import Dialect, History
+from recorder.dialects.chat import ChatRequest
 from recorder.dialects.errors import ApiError, error_payload
+from recorder.dialects.parse_cache import ParseCache
 from recorder.dialects.sse import SseFrame
-from recorder.dialects.translate import ChatRequest, ParseCache, parse_request
+from recorder.dialects.translate import parse_request
 
 
 class Anthropic:

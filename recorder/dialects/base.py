@@ -7,9 +7,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from recorder.dialects.answer import Answer
+from recorder.dialects.anthropic_wire import Message
+from recorder.dialects.chat import ChatRequest
 from recorder.dialects.errors import ApiError
+from recorder.dialects.parse_cache import ParseCache
 from recorder.dialects.sse import SseFrame
-from recorder.dialects.translate import ChatRequest, Message, ParseCache
 from recorder.redact import redact
 
 History = Callable[[str], Awaitable[list[Message]]]

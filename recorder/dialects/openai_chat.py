@@ -15,7 +15,17 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from recorder.dialects.answer import Answer
+from recorder.dialects.anthropic_wire import (
+    ContentBlock,
+    JsonSchemaFormat,
+    Message,
+    OutputConfig,
+    TextBlock,
+    ToolResultBlock,
+    ToolUseBlock,
+)
 from recorder.dialects.base import OPENAI_PING, Dialect, History, openai_error, usage_numbers
+from recorder.dialects.chat import ChatRequest, InvalidRequest
 from recorder.dialects.errors import ApiError
 from recorder.dialects.openai_common import (
     NonEmpty,
@@ -31,19 +41,8 @@ from recorder.dialects.openai_common import (
     tool,
     tool_choice,
 )
+from recorder.dialects.parse_cache import ParseCache
 from recorder.dialects.sse import SseFrame
-from recorder.dialects.translate import (
-    ChatRequest,
-    ContentBlock,
-    InvalidRequest,
-    JsonSchemaFormat,
-    Message,
-    OutputConfig,
-    ParseCache,
-    TextBlock,
-    ToolResultBlock,
-    ToolUseBlock,
-)
 
 _PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 

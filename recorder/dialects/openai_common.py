@@ -16,15 +16,11 @@ from typing import Annotated, Any
 
 import msgspec
 
-from recorder.dialects.json_limits import MAX_DEPTH, json_problem
-from recorder.dialects.translate import (
+from recorder.dialects.anthropic_wire import (
     AnthropicRequest,
     Base64Source,
-    ChatRequest,
     ImageBlock,
-    InvalidRequest,
     Message,
-    ParseCache,
     TextBlock,
     Tool,
     ToolChoice,
@@ -33,10 +29,12 @@ from recorder.dialects.translate import (
     ToolChoiceNone,
     ToolChoiceTool,
     UrlSource,
-    _from_validation_error,
-    outside_messages,
-    parse_request,
+    from_validation_error,
 )
+from recorder.dialects.chat import ChatRequest, InvalidRequest
+from recorder.dialects.json_limits import MAX_DEPTH, json_problem
+from recorder.dialects.parse_cache import ParseCache
+from recorder.dialects.translate import outside_messages, parse_request
 
 NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
 _encoder = msgspec.json.Encoder()
@@ -52,7 +50,7 @@ def decode(body: bytes, kind: type[Any]) -> Any:
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
-        raise _from_validation_error(exc) from None
+        raise from_validation_error(exc) from None
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"not valid JSON (UTF-8): {exc}", "body") from None
 

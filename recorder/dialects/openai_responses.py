@@ -18,7 +18,18 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from recorder.dialects.answer import Answer
+from recorder.dialects.anthropic_wire import (
+    ContentBlock,
+    JsonSchemaFormat,
+    Message,
+    OutputConfig,
+    TextBlock,
+    ToolResultBlock,
+    ToolUseBlock,
+    from_validation_error,
+)
 from recorder.dialects.base import OPENAI_PING, Dialect, History, openai_error, usage_numbers
+from recorder.dialects.chat import ChatRequest, InvalidRequest
 from recorder.dialects.errors import ApiError
 from recorder.dialects.openai_common import (
     NonEmpty,
@@ -33,20 +44,8 @@ from recorder.dialects.openai_common import (
     tool,
     tool_choice,
 )
+from recorder.dialects.parse_cache import ParseCache
 from recorder.dialects.sse import SseFrame
-from recorder.dialects.translate import (
-    ChatRequest,
-    ContentBlock,
-    InvalidRequest,
-    JsonSchemaFormat,
-    Message,
-    OutputConfig,
-    ParseCache,
-    TextBlock,
-    ToolResultBlock,
-    ToolUseBlock,
-    _from_validation_error,
-)
 
 
 class Part(msgspec.Struct, kw_only=True):
@@ -318,7 +317,7 @@ def _item(raw: dict[str, Any], where: str) -> Any:
     try:
         return msgspec.convert(raw, struct)
     except msgspec.ValidationError as exc:
-        inner = _from_validation_error(exc)
+        inner = from_validation_error(exc)
         raise InvalidRequest(str(inner)[len(inner.field) + 2 :], f"{where}.{inner.field}") from None
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from recorder.dialects.translate import ChatRequest
+from recorder.dialects.chat import ChatRequest
 from recorder.model.tokens import ContextOverflow
 
 _RENDERED_ROLES = frozenset({"user", "tool", "system"})

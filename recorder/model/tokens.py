@@ -28,7 +28,7 @@ from typing import Any, Literal, Protocol
 import msgspec
 import numpy as np
 
-from recorder.dialects.translate import ChatRequest, same_message
+from recorder.dialects.chat import ChatRequest, same_message
 
 DEFAULT_MAX_CHAINS = 32
 MAX_PENDING_DISPATCHES = 64

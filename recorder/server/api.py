@@ -16,8 +16,9 @@ from aiohttp import web
 
 from recorder.dialects import ANTHROPIC, OPENAI_CHAT, OPENAI_RESPONSES, Dialect
 from recorder.dialects.answer import new_message_id
+from recorder.dialects.chat import ChatRequest, InvalidRequest
 from recorder.dialects.errors import ApiError
-from recorder.dialects.translate import ChatRequest, InvalidRequest, parse_request
+from recorder.dialects.translate import parse_request
 from recorder.log.store.base import ConcurrencyConflict, StorageUnavailable
 from recorder.model.admission import check_fits
 from recorder.server.auth import session_id_of

@@ -22,7 +22,7 @@ import asyncio
 
 import msgspec
 
-from recorder.dialects.translate import ChatRequest
+from recorder.dialects.chat import ChatRequest
 from recorder.model.tokens import SessionChains, Tokenizer, full_input_ids, plan_turn
 
 # Counting a fresh render of a Claude Code body (~80 KB, ~20k tokens) takes ~50 ms:

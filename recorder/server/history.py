@@ -13,7 +13,9 @@ from collections.abc import Awaitable, Callable
 
 import numpy as np
 
+from recorder.dialects.anthropic_wire import Message
 from recorder.dialects.base import History
+from recorder.dialects.chat import InvalidRequest
 from recorder.dialects.openai_common import decode
 from recorder.dialects.openai_responses import (
     OPENAI_RESPONSES,
@@ -21,7 +23,6 @@ from recorder.dialects.openai_responses import (
     answered,
     request_messages,
 )
-from recorder.dialects.translate import InvalidRequest, Message
 from recorder.log import events as ev
 from recorder.log.events import RecordedEvent
 from recorder.log.store.base import EventStore

@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from recorder.dialects.translate import find_dispatches, response_message_digest
+from recorder.dialects.chat import find_dispatches
+from recorder.dialects.translate import response_message_digest
 from recorder.log import events as ev
 from recorder.log.events import ArrayRef, RecordedEvent
 from recorder.log.store.base import CorruptArray

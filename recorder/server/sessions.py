@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from recorder.dialects.translate import ParseCache
+from recorder.dialects.parse_cache import ParseCache
 from recorder.log.events import ArrayRef
 from recorder.log.store.base import ConcurrencyConflict, SessionLocks
 from recorder.server.deltas import BodyPrefixes

@@ -53,13 +53,9 @@ from recorder.dialects.answer import (
     stop_reason_for,
     usage_for,
 )
+from recorder.dialects.chat import ChatRequest, answer_keys, find_dispatches
 from recorder.dialects.errors import ApiError
-from recorder.dialects.translate import (
-    ChatRequest,
-    answer_keys,
-    find_dispatches,
-    response_message_digest,
-)
+from recorder.dialects.translate import response_message_digest
 from recorder.log import events as ev
 from recorder.log.events import ArrayRef
 from recorder.log.store.base import ConcurrencyConflict, StorageUnavailable

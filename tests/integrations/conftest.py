@@ -26,7 +26,7 @@ from recorder.rollout.tasks import Task, load_tasks
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = REPO / "tests" / "data" / "smollm2-tokenizer"
-TEMPLATE = REPO / "recorder" / "templates" / "chatml-tools.jinja"
+TEMPLATE = REPO / "recorder" / "model" / "templates" / "chatml-tools.jinja"
 MINI_AGENT = Path(__file__).resolve().parent / "mini_agent.py"
 ADMIN = "hook-test-admin"
 

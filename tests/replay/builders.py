@@ -23,7 +23,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from recorder.dialects.translate import message_key, response_message_digest
+from recorder.dialects.chat import message_key
+from recorder.dialects.translate import response_message_digest
 from recorder.log.events import (
     ArrayRef,
     ChainDecision,

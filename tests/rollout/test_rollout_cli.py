@@ -23,7 +23,7 @@ from tools.tasks.build import TASKS
 from tools.test_engine.launch import REPO_ROOT, free_port
 
 TOKENIZER = REPO_ROOT / "tests" / "data" / "smollm2-tokenizer"
-TEMPLATE = REPO_ROOT / "recorder" / "templates" / "chatml-tools.jinja"
+TEMPLATE = REPO_ROOT / "recorder" / "model" / "templates" / "chatml-tools.jinja"
 
 
 def env() -> dict[str, str]:

@@ -14,7 +14,7 @@ import aiohttp
 import openai
 import pytest
 
-from recorder.dialects.translate import InvalidRequest
+from recorder.dialects.chat import InvalidRequest
 from recorder.log import events as ev
 from tests.server.conftest import Harness, tool_call_text
 
@@ -715,7 +715,7 @@ async def test_models_list_reads_in_the_openai_sdk(harness: Harness) -> None:
 
 async def test_chat_parse_through_the_session_caches_equals_a_fresh_parse() -> None:
     from recorder.dialects import OPENAI_CHAT
-    from recorder.dialects.translate import ParseCache
+    from recorder.dialects.parse_cache import ParseCache
 
     cache = ParseCache()
     messages: list[dict[str, Any]] = [
@@ -744,7 +744,8 @@ async def test_chat_parse_through_the_session_caches_equals_a_fresh_parse() -> N
 
 async def test_responses_parse_through_the_session_caches_equals_a_fresh_parse() -> None:
     from recorder.dialects import OPENAI_RESPONSES
-    from recorder.dialects.translate import Message, ParseCache
+    from recorder.dialects.anthropic_wire import Message
+    from recorder.dialects.parse_cache import ParseCache
 
     earlier = [Message(role="user", content="Earlier question"),
                Message(role="assistant", content="Earlier answer")]  # fmt: skip

@@ -426,7 +426,7 @@ async def test_a_snapshot_without_record_depths_is_restored_and_stores_records_w
 
 def test_every_form_of_message_digest_packs_and_unpacks() -> None:
     """Plain, with reasoning, with calls alone, both: stored as raw bytes, read back equal."""
-    from recorder.dialects.translate import message_digest
+    from recorder.dialects.chat import message_digest
 
     calls = [{"id": "toolu_1", "type": "function", "function": {"name": "Bash", "arguments": {}}}]
     messages = [

@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recorder.dialects.translate import ChatRequest, parse_request, response_message_digest
+from recorder.dialects.chat import ChatRequest
+from recorder.dialects.translate import parse_request, response_message_digest
 from recorder.model.tokenizer import Tokenizer, load_tokenizer
 from recorder.model.tokens import SessionChains, TurnPlan, commit_turn, plan_turn
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER_DIR = REPO / "tests" / "data" / "smollm2-tokenizer"
-TEMPLATE = REPO / "recorder" / "templates" / "chatml-tools.jinja"
+TEMPLATE = REPO / "recorder" / "model" / "templates" / "chatml-tools.jinja"
 
 
 def load_test_tokenizer() -> Tokenizer:

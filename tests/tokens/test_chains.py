@@ -15,7 +15,8 @@ from chat_builders import (
     canonical_output_ids,
 )
 
-from recorder.dialects.translate import find_dispatches, parse_request, response_message_digest
+from recorder.dialects.chat import find_dispatches
+from recorder.dialects.translate import parse_request, response_message_digest
 from recorder.model.tokenizer import Tokenizer, load_tokenizer
 from recorder.model.tokens import (
     MAX_PENDING_DISPATCHES,

@@ -18,13 +18,9 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from recorder.dialects.translate import (
-    ContentBlock,
-    assistant_message,
-    find_dispatches,
-    parse_request,
-    response_message_digest,
-)
+from recorder.dialects.anthropic_wire import ContentBlock
+from recorder.dialects.chat import find_dispatches
+from recorder.dialects.translate import assistant_message, parse_request, response_message_digest
 from recorder.model.tokenizer import Tokenizer
 from recorder.model.tokens import SessionChains, commit_turn, note_dispatch, plan_turn
 from tests.conftest import claude_code_binary

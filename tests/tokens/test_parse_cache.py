@@ -22,7 +22,9 @@ from test_translate_fuzz import _body as garbage_bodies
 from test_translate_requests import MALFORMED
 
 import recorder.dialects.translate as translate
-from recorder.dialects.translate import ChatRequest, InvalidRequest, ParseCache, parse_request
+from recorder.dialects.chat import ChatRequest, InvalidRequest
+from recorder.dialects.parse_cache import ParseCache
+from recorder.dialects.translate import parse_request
 
 Outcome = ChatRequest | tuple[str, str]
 

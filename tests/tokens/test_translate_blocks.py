@@ -12,7 +12,9 @@ from typing import Any
 
 import pytest
 
-from recorder.dialects.translate import InvalidRequest, ParseCache, parse_request
+from recorder.dialects.chat import InvalidRequest
+from recorder.dialects.parse_cache import ParseCache
+from recorder.dialects.translate import parse_request
 from tools.claude_traffic import FIXTURES, load_fixture, tiny_png
 
 PNG_B64 = base64.b64encode(tiny_png()).decode()

@@ -8,7 +8,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from recorder.dialects.translate import ChatRequest, InvalidRequest, parse_request
+from recorder.dialects.chat import ChatRequest, InvalidRequest
+from recorder.dialects.translate import parse_request
 
 _scalars = (
     st.none()

@@ -7,15 +7,9 @@ from typing import Any
 
 import pytest
 
-from recorder.dialects.translate import (
-    InvalidRequest,
-    ParseCache,
-    find_dispatches,
-    message_digest,
-    parse_request,
-    response_message_digest,
-    same_message,
-)
+from recorder.dialects.chat import InvalidRequest, find_dispatches, message_digest, same_message
+from recorder.dialects.parse_cache import ParseCache
+from recorder.dialects.translate import parse_request, response_message_digest
 from tests.tokens.chat_builders import load_test_tokenizer
 
 

@@ -16,7 +16,7 @@ from tools.test_engine.launch import REPO_ROOT
 from tools.test_engine.scripted import ScriptedEngine
 
 TOKENIZER_DIR = REPO_ROOT / "tests" / "data" / "smollm2-tokenizer"
-CHAT_TEMPLATE = REPO_ROOT / "recorder" / "templates" / "chatml-tools.jinja"
+CHAT_TEMPLATE = REPO_ROOT / "recorder" / "model" / "templates" / "chatml-tools.jinja"
 CONTEXT_LENGTH = 200_000
 
 

@@ -1,0 +1,172 @@
+"""The turn model every dialect translates into: `ChatRequest`, message digests, dispatches.
+
+A `ChatRequest` is what the token layer and the engine need of one request,
+whatever its wire format: chat-template messages, tool schemas, sampling
+settings. Besides the messages it carries digests of a normalized form of
+each. The token-chain layer compares them to decide whether a request
+extends an earlier one: the normalized form ignores what a client may
+legitimately change when it echoes our answer back (surrounding whitespace,
+cache_control, signatures, block splitting, the text beside tool calls) and
+keeps what the model saw.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import msgspec
+
+DISPATCH_TOOL_NAMES = frozenset({"Agent", "Task"})
+
+
+class InvalidRequest(ValueError):
+    """The request body cannot be served; the message names the offending field."""
+
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+
+
+# --------------------------------------------------------------------------
+# The translated request
+# --------------------------------------------------------------------------
+
+
+class ChatRequest(msgspec.Struct, kw_only=True):
+    """What the token layer and the engine need from one Messages request.
+
+    `messages` are chat-template dicts (role, content, reasoning_content,
+    tool_calls, tool_call_id); the system prompt, if any, is `messages[0]`.
+    `message_digests[i]` is the digest of the normalized `messages[i]`.
+    `render_digest` covers what besides the messages changes how they render
+    (the tool schemas): a chain only extends under the same one. Template
+    kwargs (`enable_thinking`) may only change the generation prompt.
+
+    `tools` is the prompt's tool list (what the template renders up front);
+    `loaded_tools` are the `defer_loading` tools a `tool_reference` in the
+    history has loaded. Their schemas reach the model inside that tool result,
+    never in the list, yet the model may call them: `callable_tools` is what
+    the output parser accepts.
+    """
+
+    model: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    message_digests: tuple[str, ...]
+    system: str
+    system_digest: str
+    render_digest: str
+    tool_result_ids: tuple[str, ...]
+    n_input_messages: int
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop_sequences: tuple[str, ...] = ()
+    tool_choice: Literal["auto", "any", "tool", "none"] = "auto"
+    tool_choice_name: str | None = None
+    disable_parallel_tool_use: bool = False
+    thinking: Literal["enabled", "disabled", "adaptive"] | None = None
+    thinking_budget: int | None = None
+    stream: bool = False
+    metadata: dict[str, Any] = {}
+    template_kwargs: dict[str, Any] = {}
+    # `output_config.format` / `output_format`: the engine decodes under this JSON schema.
+    json_schema: dict[str, Any] | None = None
+    # The answer carries each output token's logprob (OpenAI `logprobs: true`).
+    logprobs: bool = False
+    loaded_tools: list[dict[str, Any]] = []
+
+    @property
+    def callable_tools(self) -> list[dict[str, Any]]:
+        """The tools the model may call now: the listed ones and the loaded deferred ones."""
+        return [*self.tools, *self.loaded_tools] if self.loaded_tools else self.tools
+
+
+# --------------------------------------------------------------------------
+# Digests of a normalized form
+# --------------------------------------------------------------------------
+
+_encoder = msgspec.json.Encoder(order="sorted")
+
+
+def digest_obj(obj: Any) -> str:
+    return hashlib.blake2b(_encoder.encode(obj), digest_size=16).hexdigest()
+
+
+def digest_text(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def message_digest(message: dict[str, Any]) -> str:
+    """Digest of what the model sees of a chat message, ignoring surrounding whitespace.
+
+    A tool call is identified by its id and name, not its arguments: the ids
+    of our answers are ours (random, unique), and clients re-send a call's
+    input normalised (Claude Code adds schema defaults such as
+    `"replace_all": false` first, reorders keys), which is still our answer.
+
+    The digest has up to three parts, `<message>[|<calls alone>][+<reasoning>]`,
+    so that `same_message` also matches the echoes clients make of our answers:
+    without the thinking (clients strip it from earlier turns), and, for an
+    answer with tool calls, without its text (`content: null` or `""` beside
+    `tool_calls`, a Responses `function_call` item alone: many agent frameworks
+    drop empty or whitespace text, and some drop all of it).
+    """
+    calls = message.get("tool_calls")
+    ids = [(c["id"], c["function"]["name"]) for c in calls] if calls else None
+    text = (message.get("content") or "").strip()
+    rest = (message.get("tool_call_id"), message.get("is_error", False))
+    digest = digest_obj((message["role"], text, ids, *rest))
+    if ids and text:
+        digest += "|" + digest_obj((message["role"], "", ids, *rest))
+    reasoning = (message.get("reasoning_content") or "").strip()
+    return f"{digest}+{digest_text(reasoning)}" if reasoning else digest
+
+
+def same_message(ours: str, echoed: str) -> bool:
+    """Is the client's `echoed` message digest an echo of `ours` (see `message_digest`)?
+
+    The echo may drop the thinking, and the text beside tool calls; it may
+    not change or add anything.
+    """
+    if ours == echoed:
+        return True
+    echoed_reasoning = echoed.partition("+")[2]
+    if echoed_reasoning and echoed_reasoning != ours.partition("+")[2]:
+        return False
+    return message_key(echoed) in echo_keys(ours)
+
+
+def echo_keys(ours: str) -> tuple[str, ...]:
+    """Message keys (`message_key`) under which an echo of `ours` can appear."""
+    head = ours.partition("+")[0]
+    full, _, calls = head.partition("|")
+    return (full, calls) if calls else (full,)
+
+
+def message_key(echoed: str) -> str:
+    """The part of an echoed digest `echo_keys` looks up: the message as it was echoed."""
+    return echoed.partition("+")[0].partition("|")[0]
+
+
+def answer_keys(req: ChatRequest) -> tuple[str, ...]:
+    """`message_key`s of the assistant messages `req` carries, in order, once each."""
+    keys = (
+        message_key(d)
+        for m, d in zip(req.messages, req.message_digests, strict=True)
+        if m["role"] == "assistant"
+    )
+    return tuple(dict.fromkeys(keys))
+
+
+def find_dispatches(content: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(tool_use id, prompt) of every Agent/Task subagent dispatch in response `content`."""
+    found = []
+    for block in content:
+        if block.get("type") == "tool_use" and block.get("name") in DISPATCH_TOOL_NAMES:
+            prompt = (block.get("input") or {}).get("prompt")
+            found.append((str(block["id"]), prompt if isinstance(prompt, str) else ""))
+    return found

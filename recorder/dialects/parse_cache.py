@@ -1,0 +1,141 @@
+"""The per-session cache of translated messages (one per session, LRU, bounded).
+
+A client resends the whole conversation every turn. With a `ParseCache`
+only the messages whose JSON bytes were not seen before are decoded,
+validated and translated (by the `translate_message` the caller passes), so
+a turn costs what its new messages cost plus one scan of the body.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import msgspec
+
+# A translated message as the cache keeps it: a plain tuple (role, chat messages,
+# digests, tool_use ids, tool_result ids), so an entry costs the cyclic GC two
+# tracked objects (this tuple and its tuple of message dicts; the dicts of plain
+# text and the tuples of strings are untracked), not three.
+CachedPiece = tuple[
+    str, tuple[dict[str, Any], ...], tuple[str, ...], tuple[str, ...], tuple[str, ...]
+]
+
+
+class Conversation(Protocol):
+    """What the cache needs of the conversation it adds messages to."""
+
+    def check_tool_results(self, piece: CachedPiece, index: int) -> None: ...
+
+    def add(self, piece: CachedPiece) -> None: ...
+
+
+class ParseCache:
+    """One session's translated messages, keyed by their exact JSON bytes (LRU, bounded).
+
+    Identical bytes decode to the identical message, so a hit needs no
+    decoding, validation or translation; only the cross-message rules run
+    again (`_Conversation`). The previous request's keys are kept in order:
+    a message at the same position as before is matched by a byte compare,
+    so only messages that moved or are new get hashed.
+
+    Bounds: the least recently used messages go beyond `max_entries` or
+    `max_bytes`, where a message is charged twice its JSON size (the key plus
+    its translation) plus a fixed overhead; and a message no request used in
+    the last `max_idle_requests` (history replaced by a compaction, a
+    finished subagent) goes too. The previous request's key list may keep a
+    few evicted keys alive until the next request. Not thread-safe: one
+    session's requests are parsed on the server's event loop.
+
+    No object per entry: a translation is kept as a plain tuple and its last
+    use as an int in a flat dict (untracked by the cyclic GC), two tracked
+    objects per message instead of three. Every full collection walks them
+    all: after a restart, 256 restored caches of 200 messages made full
+    collections take ~150-200 ms each, most of what the restart cost beyond
+    its reads and parses (tests/tokens/test_parse_cache.py counts them).
+    """
+
+    # Per message beyond 2x its JSON: the translation's dicts and strings (~600 bytes
+    # measured by tests/server/test_memory.py) and the dict slot.
+    ENTRY_OVERHEAD = 640
+
+    def __init__(
+        self, max_entries: int = 4096, max_bytes: int = 16 << 20, max_idle_requests: int = 64
+    ) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.max_idle_requests = max_idle_requests
+        self._entries: OrderedDict[bytes, CachedPiece] = OrderedDict()  # LRU first
+        self._last_used: dict[bytes, int] = {}  # key -> number of the request
+        self._previous: list[bytes] = []
+        self._nbytes = 0
+        self._requests = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        """Memory charged for the cached messages (see the class docstring)."""
+        return self._nbytes
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._last_used.clear()
+        self._previous = []
+        self._nbytes = 0
+
+    def add_messages(
+        self,
+        raws: Sequence[msgspec.Raw],
+        conversation: Conversation,
+        translate_message: Callable[[bytes, int, Conversation], CachedPiece],
+    ) -> None:
+        """Add each message to `conversation`, translating only those not cached.
+
+        `translate_message(json bytes, index, conversation)` checks, decodes and
+        translates one message (raising `InvalidRequest`).
+        """
+        self._requests += 1
+        now = self._requests
+        previous, keys, entries, last_used = self._previous, [], self._entries, self._last_used
+        for i, raw in enumerate(raws):
+            data = bytes(raw)
+            key = previous[i] if i < len(previous) and previous[i] == data else data
+            piece = entries.get(key)
+            if piece is None:
+                piece = translate_message(data, i, conversation)
+                self._put(key, piece, now)
+            else:
+                last_used[key] = now
+                entries.move_to_end(key)
+                if piece[4]:
+                    conversation.check_tool_results(piece, i)
+            conversation.add(piece)
+            keys.append(key)
+        self._previous = keys
+        idle_before = now - self.max_idle_requests
+        self._evict(lambda oldest: last_used[oldest] < idle_before)
+
+    def _put(self, key: bytes, piece: CachedPiece, now: int) -> None:
+        self._entries[key] = piece
+        self._last_used[key] = now
+        self._nbytes += self._cost(key)
+        # Checked inline first: a session's first request after a restart puts
+        # every message of its history (hundreds), and is rarely over a bound.
+        if len(self._entries) > self.max_entries:
+            self._evict(lambda _: len(self._entries) > self.max_entries)
+        if self._nbytes > self.max_bytes:
+            self._evict(lambda _: self._nbytes > self.max_bytes)
+
+    def _evict(self, while_oldest: Callable[[bytes], bool]) -> None:
+        """Drop least recently used entries while `while_oldest(the oldest entry's key)` holds."""
+        entries = self._entries
+        while entries and while_oldest(next(iter(entries))):
+            key, _ = entries.popitem(last=False)
+            del self._last_used[key]
+            self._nbytes -= self._cost(key)
+
+    def _cost(self, key: bytes) -> int:
+        return 2 * len(key) + self.ENTRY_OVERHEAD
