@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from recorder.rollout.tasks import Task, load_tasks
+from tests.conftest import sandbox_reachable_tmp_path
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = REPO / "tests" / "data" / "smollm2-tokenizer"
@@ -110,3 +111,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.fixture
+def tmp_path(request: pytest.FixtureRequest) -> Iterator[Path]:
+    """A temporary directory local sandboxes' own users can reach (tests run as root)."""
+    yield from sandbox_reachable_tmp_path(request.node.name)
