@@ -78,7 +78,8 @@ async def run_setup(sb: Sandbox, task: Task, repo: str) -> list[ExecResult]:
         if result.exit_code != 0:
             raise InfraError(
                 "setup_failed",
-                f"setup command {cmd!r} exited {result.exit_code}: {tail(result.stderr)}",
+                f"setup command {cmd!r} exited {result.exit_code}: "
+                f"{_output(result) or '(no output)'}",
             )
     return results
 
@@ -107,6 +108,12 @@ async def apply_patch(sb: Sandbox, repo: str, patch: bytes) -> None:
         raise InfraError(
             "patch_apply", f"the agent's diff does not apply on a clean checkout: {result.stderr}"
         )
+
+
+def _output(result: ExecResult, limit: int = 1000) -> str:
+    """A failed command's stdout and stderr tails (a build tool often errs on stdout)."""
+    parts = [(n, t.strip()) for n, t in (("stdout", result.stdout), ("stderr", result.stderr))]
+    return "; ".join(f"{name}: {tail(text, limit)}" for name, text in parts if text)
 
 
 def tail(text: str, limit: int = 2000) -> str:
