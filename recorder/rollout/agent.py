@@ -113,10 +113,12 @@ async def ensure_agent(sb: Sandbox, spec: AgentSpec) -> str:
 
 
 async def _npm_log_tail(sb: Sandbox) -> str:
-    """The end of npm's newest debug log: `--silent` prints nothing when it fails."""
+    """The error lines of npm's newest debug log (else its end): `--silent` prints nothing
+    when it fails."""
     found = await sb.exec(
         'log=$(ls -t "${npm_config_cache:-$HOME/.npm}"/_logs/*.log 2>/dev/null | head -n 1); '
-        '[ -n "$log" ] && tail -n 25 "$log"',
+        '[ -n "$log" ] || exit 0; errors=$(grep -E "^[0-9]+ error " "$log" | head -n 8); '
+        'if [ -n "$errors" ]; then printf "%s\\n" "$errors"; else tail -n 20 "$log"; fi',
         timeout_s=30,
     )
     return found.stdout.strip()
