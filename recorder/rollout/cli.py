@@ -260,8 +260,9 @@ def start_warnings(
     """What the user should know before the run starts (each a sentence with its fix)."""
     warnings = []
     if backend == "e2b":
-        seen_by_agent = agent_base_url or recorder_url or "http://127.0.0.1 (its own recorder)"
-        if is_loopback_url(seen_by_agent):
+        seen_by_agent = agent_base_url or recorder_url
+        if seen_by_agent is None or is_loopback_url(seen_by_agent):
+            seen_by_agent = seen_by_agent or "http://127.0.0.1 (its own recorder)"
             warnings.append(
                 f"--sandbox e2b: the agent would reach the recorder at {seen_by_agent}, a "
                 "loopback address of this machine that an E2B sandbox in the cloud cannot "

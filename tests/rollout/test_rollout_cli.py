@@ -18,6 +18,7 @@ import pytest
 from rollout_harness import shipped_tasks
 
 from recorder import events as ev
+from recorder.rollout.cli import is_loopback_url, start_warnings
 from recorder.rollout.sandbox.local import marked_pids
 from recorder.store import open_store
 from tests.conftest import claude_code_binary
@@ -312,3 +313,36 @@ def test_an_agent_cannot_forge_its_reward_from_a_local_sandbox(
         assert rewards == [0.0]
         (closed,) = [e for e in logs[sid] if isinstance(e, ev.SessionClosed)]
         assert closed.status == "completed"
+
+
+@pytest.mark.parametrize(
+    ("url", "loopback"),
+    [
+        ("http://127.0.0.1:8080", True),
+        ("http://localhost:1", True),
+        ("http://[::1]:80", True),
+        ("http://127.3.2.1", True),
+        ("https://recorder.example.com", False),
+        ("http://10.0.0.5:8080", False),
+    ],
+)
+def test_loopback_urls(url: str, loopback: bool) -> None:
+    assert is_loopback_url(url) is loopback
+
+
+def test_start_warnings_e2b_with_a_loopback_recorder() -> None:
+    (warning,) = start_warnings("e2b", None, None, {})
+    assert "--agent-base-url" in warning
+    (warning,) = start_warnings("e2b", "http://127.0.0.1:8080", None, {})
+    assert "127.0.0.1" in warning
+    assert start_warnings("e2b", "http://127.0.0.1:8080", "https://rec.example.com", {}) == []
+    # Local sandboxes as root get users of their own: nothing to warn about.
+    assert start_warnings("local", None, None, {}) == ([] if os.geteuid() == 0 else [ANY])
+
+
+class _Any:
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, str) and "not as unprivileged users" in other
+
+
+ANY = _Any()
