@@ -47,7 +47,10 @@ class Stack:
         return {
             "TR_RECORDER_URL": self.recorder_url,
             "TR_ADMIN_TOKEN": ADMIN,
-            "TR_SANDBOX": "local",
+            # The stand-in agent is this interpreter with the anthropic SDK, under /root
+            # (pyenv) here: a sandbox user of its own could not run it. Isolation is
+            # tested in tests/rollout; these tests are about the hooks.
+            "TR_SANDBOX": json.dumps({"backend": "local", "options": {"user": "driver"}}),
             "TR_AGENT": json.dumps(agent),
             "TR_WALL_BUDGET_S": "120",
         }
