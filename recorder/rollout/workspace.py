@@ -137,7 +137,8 @@ async def run_setup(sb: Sandbox, task: Task, repo: str) -> list[ExecResult]:
         if result.exit_code != 0:
             raise InfraError(
                 "setup_failed",
-                f"setup command {cmd!r} exited {result.exit_code}: {tail(result.stderr)}",
+                f"setup command {cmd!r} exited {result.exit_code}: "
+                f"{_output(result) or '(no output)'}",
             )
     return results
 
@@ -223,6 +224,12 @@ async def apply_test_patch(sb: Sandbox, repo: str, patch: str) -> str | None:
     if result.exit_code != 0:
         return f"the task's test_patch does not apply on the agent's patch: {tail(result.stderr, 1000)}"
     return None
+
+
+def _output(result: ExecResult, limit: int = 1000) -> str:
+    """A failed command's stdout and stderr tails (a build tool often errs on stdout)."""
+    parts = [(n, t.strip()) for n, t in (("stdout", result.stdout), ("stderr", result.stderr))]
+    return "; ".join(f"{name}: {tail(text, limit)}" for name, text in parts if text)
 
 
 def tail(text: str, limit: int = 2000) -> str:

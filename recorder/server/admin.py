@@ -286,8 +286,10 @@ async def append_events(request: web.Request) -> web.Response:
 
     The rollout driver's facts (sandbox created, command run, agent started and
     finished, diff taken, eval result, killed, failed) join the session's log,
-    so `replay show` tells the whole rollout. Appended under the session lock,
-    after any turn in flight; an open session only.
+    so `replay show` tells the whole rollout. Appended under the session lock
+    (201); an open session only. They never wait for a turn in flight: then
+    they are kept (202, `"deferred"`) and written when that turn ends, or
+    first thing by the next events or close request, whichever comes first.
     """
     ctx = request.app[CTX]
     require_admin(request, ctx.config.admin_token)
@@ -299,22 +301,37 @@ async def append_events(request: web.Request) -> web.Response:
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         message = str(exc).replace("- at `$.", "- at `").replace("- at `$`", "- at `body`")
         raise ApiError("invalid_request_error", f"body: {message}") from None
-    events = [SandboxEvent(kind=e.kind, detail=e.detail) for e in body.events]
+    events: list[Any] = [SandboxEvent(kind=e.kind, detail=e.detail) for e in body.events]
+    state = await _known(ctx, session_id)
+    if state.status == "closed":
+        raise _closed_for_events(session_id)
+    if state.lock.locked():
+        waiting = ctx.registry.defer_events(session_id, events)
+        return _json({"appended": 0, "deferred": waiting, "events": state.next_seq}, status=202)
 
     async def append(state: SessionState) -> int:
         if state.status == "closed":
-            raise ApiError(
-                "invalid_request_error",
-                f"session {session_id!r} is closed; events go to an open session",
-                status=409,
-            )
-        await finish_even_if_cancelled(state.journal.write(*events))
+            raise _closed_for_events(session_id)
+        batch = [*ctx.registry.take_deferred(session_id), *events]
+        try:
+            await finish_even_if_cancelled(state.journal.write(*batch))
+        except BaseException:
+            ctx.registry.defer_events(session_id, batch[: len(batch) - len(events)])
+            raise
         return state.next_seq
 
     next_seq = await ctx.registry.locked(session_id, append)
     if next_seq is None:
         raise ApiError("not_found_error", f"no session {session_id!r} in this log")
     return _json({"appended": len(events), "events": next_seq}, status=201)
+
+
+def _closed_for_events(session_id: str) -> ApiError:
+    return ApiError(
+        "invalid_request_error",
+        f"session {session_id!r} is closed; events go to an open session",
+        status=409,
+    )
 
 
 # --------------------------------------------------------------------------
@@ -325,8 +342,12 @@ async def append_events(request: web.Request) -> web.Response:
 async def close_session(request: web.Request) -> web.Response:
     """POST /sessions/{id}/close: `{reward?, reward_detail?, status?, reason?}` -> samples.
 
-    Waits for an in-flight turn of the session to finish (the session lock),
-    records the reward and the close durably, then reduces the session's log.
+    With status `aborted`, an in-flight turn of the session is stopped at once
+    (its engine request aborted, the turn recorded failed) and the close goes
+    ahead. Any other status waits for that turn to finish (the session lock;
+    at most the turn's own budget, `turn_budget_s`), so its answer is part of
+    the samples. Records the rollout events still waiting, the reward and the
+    close durably, then reduces the session's log.
     """
     ctx = request.app[CTX]
     require_admin(request, ctx.config.admin_token)
@@ -342,6 +363,10 @@ async def close_session(request: web.Request) -> web.Response:
     if reward is not None:
         events.append(RewardAssigned(reward=float(reward), detail=detail))
     events.append(SessionClosed(status=status, reason=reason))  # type: ignore[arg-type]
+    if status == "aborted" and ctx.registry.stop_turn(
+        session_id, f"the session was closed aborted while this turn ran: {reason[:200]}"
+    ):
+        log.info("session %s: closing aborted stops its in-flight turn", session_id)
 
     async def close(state: SessionState) -> bool:
         if state.status == "closed":
@@ -351,9 +376,14 @@ async def close_session(request: web.Request) -> web.Response:
                 f"GET /sessions/{session_id}/samples",
                 status=409,
             )
+        deferred = ctx.registry.take_deferred(session_id)
 
         async def write() -> None:
-            await state.journal.write(*events)
+            try:
+                await state.journal.write(*deferred, *events)
+            except BaseException:
+                ctx.registry.defer_events(session_id, deferred)
+                raise
             state.status = "closed"
             state.close_status = status
             forget_tokens(state)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import re
 import time
 from collections import OrderedDict
@@ -39,6 +40,8 @@ from recorder.server.deltas import BodyPrefixes
 from recorder.server.journal import Journal
 from recorder.server.overrides import SessionOverrides
 
+log = logging.getLogger("recorder.server")
+
 SessionStatus = Literal["open", "closed"]
 T = TypeVar("T")
 
@@ -52,6 +55,19 @@ MAX_CLOSED_CACHED = 1024
 # again before the request is answered with a retryable error. Each retry
 # waits for the database lock first, so once the lock is back one suffices.
 MAX_CONFLICT_RETRIES = 3
+
+
+@dataclass
+class TurnStop:
+    """The stop signal of one in-flight turn: set by an aborting close (admin.py)."""
+
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    reason: str = ""
+
+    def stop(self, reason: str) -> None:
+        if not self.event.is_set():
+            self.reason = reason
+            self.event.set()
 
 
 class SessionContended(Exception):
@@ -152,6 +168,10 @@ class SessionRegistry:
         # time their loads took, summed (`/health`: what a restart costs).
         self.loads = 0
         self.load_s = 0.0
+        # The stop signal of each session's in-flight turn (at most one: the lock).
+        self._turns: dict[str, TurnStop] = {}
+        # Rollout events that arrived while a turn held the session (`defer_events`).
+        self._deferred: dict[str, list[Any]] = {}
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -269,6 +289,58 @@ class SessionRegistry:
             self._raise_outage(exc)
             raise
 
+    # -- what must not wait behind a turn ---------------------------------------------------
+
+    def turn_started(self, session_id: str) -> TurnStop:
+        """The stop signal of the turn that now runs under the session's lock."""
+        stop = self._turns[session_id] = TurnStop()
+        return stop
+
+    def turn_ended(self, session_id: str, stop: TurnStop) -> None:
+        if self._turns.get(session_id) is stop:
+            del self._turns[session_id]
+
+    def stop_turn(self, session_id: str, reason: str) -> bool:
+        """Stop the session's in-flight turn, if any (its engine request is aborted)."""
+        stop = self._turns.get(session_id)
+        if stop is None:
+            return False
+        stop.stop(reason)
+        return True
+
+    def defer_events(self, session_id: str, events: list[Any]) -> int:
+        """Keep events for the session's next unit of work (a turn holds it now); how many
+        wait. They are written when that turn ends, or with the next events or close."""
+        waiting = self._deferred.setdefault(session_id, [])
+        waiting.extend(events)
+        return len(waiting)
+
+    def take_deferred(self, session_id: str) -> list[Any]:
+        """The deferred events, handed over (the caller writes them before its own)."""
+        return self._deferred.pop(session_id, [])
+
+    async def _write_deferred(self, state: SessionState) -> None:
+        """End of a unit of work: write what waited for it (best effort: a failure keeps
+        them for the next events or close, which write them first)."""
+        events = self.take_deferred(state.session_id)
+        if not events:
+            return
+        if state.status == "closed":
+            log.warning(
+                "session %s: %d rollout events arrived while it was being closed; dropped",
+                state.session_id,
+                len(events),
+            )
+            return
+        if state.suspect:  # rebuilt before the next unit, which writes them
+            self._deferred[state.session_id] = events + self.take_deferred(state.session_id)
+            return
+        try:
+            await state.journal.write(*events)
+        except Exception:
+            log.warning("session %s: deferred rollout events not written yet", state.session_id)
+            self._deferred[state.session_id] = events + self.take_deferred(state.session_id)
+
     async def locked(
         self, session_id: str, work: Callable[[SessionState], Awaitable[T]]
     ) -> T | None:
@@ -287,13 +359,17 @@ class SessionRegistry:
         try:
             while True:
                 try:
-                    return await work(state)
+                    result = await work(state)
+                    break
                 except ConcurrencyConflict as exc:
                     if retries == MAX_CONFLICT_RETRIES:
                         raise SessionContended(str(exc)) from exc
                     retries += 1
                     self.conflicts_retried += 1
                     state = await self._retake(state)
+            if session_id in self._deferred:
+                await self._write_deferred(state)
+            return result
         finally:
             self.release(state)
 

@@ -78,7 +78,7 @@ from recorder.server.deltas import put_body, put_input, remember_refs
 from recorder.server.errors import moved_on_error, storage_error
 from recorder.server.journal import Journal, SessionMovedOn, finish_even_if_cancelled
 from recorder.server.responders import Responder
-from recorder.server.sessions import SessionState
+from recorder.server.sessions import SessionState, TurnStop
 from recorder.server.snapshot import add_snapshot
 
 log = logging.getLogger("recorder.server")
@@ -127,6 +127,8 @@ async def run_turn(
         raise
     except ApiError as err:
         return await responder.fail(err)
+    except TurnStopped as exc:
+        return await _stopped(state, record, str(exc), responder)
     except ConcurrencyConflict:
         record.outcome = "claim_lost"
         state.next_turn = record.turn  # not taken: the next free one is read from the log
@@ -191,7 +193,13 @@ async def _run(
     model = chat.model or ctx.config.model_name
     await responder.started(record.request_id, model, usage_for(len(plan.input_ids), 0, 0))
     params = state.overrides.sampling.apply(_sampling_params(ctx, chat, max_new))
-    output = await _unless_claim_lost(state.journal, _generate(ctx, state, plan, params, record))
+    stop = ctx.registry.turn_started(state.session_id)
+    try:
+        output = await _unless_claim_lost(
+            state.journal, _generate(ctx, state, plan, params, record), stop
+        )
+    finally:
+        ctx.registry.turn_ended(state.session_id, stop)
     answer = await _answer(ctx, state, chat, plan, output, record, model)
 
     async def finish() -> None:
@@ -210,26 +218,43 @@ async def _run(
     return await responder.answer(answer)
 
 
-async def _unless_claim_lost(journal: Journal, work: Awaitable[T]) -> T:
-    """`work` (the engine call), stopped as soon as the turn's claiming append loses.
+# How long a stopped turn waits for its engine request's abort to be acknowledged
+# before it lets the close go on (the abort itself still goes out, in the
+# background): a hung engine may not answer /abort_request either.
+_STOP_ABORT_WAIT_S = 1.0
 
-    Its input was planned from a stale head, so its answer would be thrown
-    away: the engine is asked to abort (as when the client leaves) and the
-    conflict is raised at once instead of after the whole generation.
+
+class TurnStopped(Exception):
+    """An aborting close stopped the turn; its engine request was aborted."""
+
+
+async def _unless_claim_lost(journal: Journal, work: Awaitable[T], stop: TurnStop) -> T:
+    """`work` (the engine call), stopped as soon as the turn's claiming append loses,
+    or the session is closed `aborted` (`stop`: raises TurnStopped).
+
+    A lost claim: its input was planned from a stale head, so its answer would
+    be thrown away. Either way the engine is asked to abort (as when the
+    client leaves) and the turn ends at once instead of after the generation.
     """
     task = asyncio.ensure_future(work)
     lost = asyncio.ensure_future(journal.claim_lost())
+    stopped = asyncio.ensure_future(stop.event.wait())
     try:
-        done, _ = await asyncio.wait([task, lost], return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait([task, lost, stopped], return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
         task.cancel()
         await asyncio.wait([task])  # the engine's abort goes out before the cancel is recorded
         raise
     finally:
         lost.cancel()
+        stopped.cancel()
     if task in done:
         return task.result()
     task.cancel()
+    if stop.event.is_set() and not lost.done():
+        await asyncio.wait([task], timeout=_STOP_ABORT_WAIT_S)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        raise TurnStopped(stop.reason)
     await asyncio.wait([task])
     if not task.cancelled():
         task.exception()  # retrieved: the lost claim is what the turn reports
@@ -808,6 +833,21 @@ async def reject(
         "session %s request %s rejected (%d): %s", state.session_id, request_id, err.status, message
     )
     return await responder.fail(err)
+
+
+async def _stopped(
+    state: SessionState, record: TurnRecord, reason: str, responder: Responder
+) -> web.StreamResponse:
+    """Record the turn an aborting close stopped (unanswered), and tell the client."""
+    record.outcome = "stopped"
+    try:
+        await finish_even_if_cancelled(state.journal.write(_turn_failed(record, reason)))
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        state.suspect = True
+        log.exception("session %s: could not record the stopped turn", state.session_id)
+    return await responder.fail(ApiError("invalid_request_error", reason, status=409))
 
 
 async def _record_cancel(ctx: ServerContext, state: SessionState, record: TurnRecord) -> None:

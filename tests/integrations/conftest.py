@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from recorder.rollout.tasks import Task, load_tasks
+from tests.conftest import sandbox_reachable_tmp_path
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = REPO / "tests" / "data" / "smollm2-tokenizer"
@@ -46,7 +47,10 @@ class Stack:
         return {
             "TR_RECORDER_URL": self.recorder_url,
             "TR_ADMIN_TOKEN": ADMIN,
-            "TR_SANDBOX": "local",
+            # The stand-in agent is this interpreter with the anthropic SDK, under /root
+            # (pyenv) here: a sandbox user of its own could not run it. Isolation is
+            # tested in tests/rollout; these tests are about the hooks.
+            "TR_SANDBOX": json.dumps({"backend": "local", "options": {"user": "driver"}}),
             "TR_AGENT": json.dumps(agent),
             "TR_WALL_BUDGET_S": "120",
         }
@@ -110,3 +114,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.fixture
+def tmp_path(request: pytest.FixtureRequest) -> Iterator[Path]:
+    """A temporary directory local sandboxes' own users can reach (tests run as root)."""
+    yield from sandbox_reachable_tmp_path(request.node.name)

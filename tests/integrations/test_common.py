@@ -8,6 +8,7 @@ import pytest
 
 from recorder.integrations.common import (
     HookConfigError,
+    agent_for,
     engine_sampling,
     resolve_settings,
     run_one,
@@ -146,3 +147,21 @@ async def test_a_row_the_task_format_rejects_is_a_failure_not_an_exception() -> 
                         session_metadata={})  # fmt: skip
     assert got.outcome == "infra_error" and got.samples == []
     assert got.infra_cause is not None and got.infra_cause.startswith("TaskError")
+
+
+def test_sandbox_and_agent_env_reach_the_specs_and_nothing_else_does() -> None:
+    env = {
+        "TR_RECORDER_URL": "http://r",
+        "TR_SANDBOX": '{"backend": "local", "env": {"A": "from-sandbox"}}',
+        "TR_AGENT": '{"env": {"B": "from-agent"}}',
+        "TR_SANDBOX_ENV": '{"PIP_INDEX_URL": "http://mirror/simple"}',
+        "TR_AGENT_ENV": '{"MAX_THINKING_TOKENS": "0"}',
+        "CLAUDE_CONFIG_DIR": "/host/claude",  # the worker's own: not a setting, not passed
+    }
+    s = resolve_settings({}.get, where="args", env=env)
+    spec = sandbox_for(s, {})
+    assert spec.env == {"A": "from-sandbox", "PIP_INDEX_URL": "http://mirror/simple"}
+    assert agent_for(s).env == {"B": "from-agent", "MAX_THINKING_TOKENS": "0"}
+    with pytest.raises(HookConfigError) as info:
+        resolve_settings({}.get, where="args", env={**env, "TR_AGENT_ENV": '{"N": 1}'})
+    assert "agent_env" in str(info.value)

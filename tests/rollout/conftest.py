@@ -8,7 +8,7 @@ so it needs no cloud key and is never skipped.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,7 +16,7 @@ import pytest
 from sandbox_backends import Backend
 
 from recorder.rollout.sandbox import Sandbox, open_sandbox
-from tests.conftest import missing
+from tests.conftest import missing, sandbox_reachable_tmp_path
 
 if TYPE_CHECKING:
     from e2b_doubles import E2BDoubles
@@ -65,3 +65,9 @@ async def e2b_doubles(tmp_path: Path) -> AsyncIterator[E2BDoubles]:
         yield doubles
     finally:
         await doubles.close()
+
+
+@pytest.fixture
+def tmp_path(request: pytest.FixtureRequest) -> Iterator[Path]:
+    """A temporary directory local sandboxes' own users can reach (tests run as root)."""
+    yield from sandbox_reachable_tmp_path(request.node.name)

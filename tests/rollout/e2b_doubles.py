@@ -154,6 +154,8 @@ class ProcessService:
     ) -> AsyncIterator[process_pb.StartResponse]:
         sandbox = self._sandbox(ctx)
         config = request.process or process_pb.ProcessConfig()
+        if self._doubles.start_latency_s:
+            await asyncio.sleep(self._doubles.start_latency_s)  # a busy VM's envd
         proc = DoubleProcess(cmd=config)
         queue = proc.follow()
         try:
@@ -400,6 +402,7 @@ class E2BDoubles:
         self._envd_down = 0
         self._lost_answers = 0
         self.gate: asyncio.Event | None = None  # when set up, creations wait for it
+        self.start_latency_s = 0.0  # envd waits this long before starting a process
         self.in_flight = 0
         self.max_in_flight = 0
         self._by_key: dict[str, str] = {}

@@ -245,3 +245,27 @@ async def test_the_driver_makes_claude_code_compact_before_the_context_limit(
         assert rejected and rejected[0].message.startswith("prompt is too long")
     finally:
         await h.close()
+
+
+async def test_the_drivers_environment_changes_nothing_in_a_rollout(
+    sqlite_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Host variables that once sent every agent past the recorder (Bedrock), into one
+    shared transcript directory (CLAUDE_CONFIG_DIR) or to the admin API (the token):
+    the agent never sees them, it still reaches the recorder and passes."""
+    host_config = tmp_path / "host-claude-config"
+    host_config.mkdir(mode=0o777)
+    host_config.chmod(0o777)  # even if the sandbox user could write there, nothing must
+    monkeypatch.setenv("CLAUDE_CONFIG_DIR", str(host_config))
+    monkeypatch.setenv("CLAUDE_CODE_USE_BEDROCK", "1")
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-host-key")
+    monkeypatch.setenv("TR_ADMIN_TOKEN", "host-admin-token")
+    h = await policy_recorder(chat_tokenizer(), sqlite_url)
+    try:
+        result = await run_rollout(request(h, tmp_path, shipped_tasks()["calc-add"]))
+        assert (result.outcome, result.reward) == ("passed", 1.0), result.evidence
+        await assert_trained_on_engine_output(h, result)
+        assert list(host_config.iterdir()) == []  # no transcript, no config landed there
+    finally:
+        await h.close()

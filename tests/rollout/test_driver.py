@@ -142,6 +142,9 @@ async def test_infrastructure_failures_abort_only_their_own_rollout(
         assert r.samples and all(s.status == "aborted" and not any(s.loss_mask) for s in r.samples)
         failed = [e for e in await recorder.payloads(r.session_id, ev.SandboxEvent)]
         assert failed[-1].kind == "failed" and failed[-1].detail["cause"] == r.infra_cause
+    # The agent's sandbox, killed on the budget path, is logged as the agent's.
+    killed = await recorder.payloads(results[2].session_id, ev.SandboxEvent)
+    assert [e.detail["role"] for e in killed if e.kind == "sandbox_killed"] == ["agent"]
     opened = [(await recorder.payloads(r.session_id, ev.SessionOpened))[0] for r in results]
     assert {o.metadata["group_index"] for o in opened} == {4}
     ids = [i for r in results for i in await sandbox_ids(recorder, r.session_id)]
@@ -168,6 +171,10 @@ async def test_cancel_kills_the_agent_removes_sandboxes_and_aborts_the_session(
     assert closed.status == "aborted" and closed.reason.startswith("cancelled")
     kinds = [e.kind for e in await recorder.payloads(sid, ev.SandboxEvent)]
     assert kinds[-2:] == ["sandbox_killed", "failed"]
+    killed = [
+        e for e in await recorder.payloads(sid, ev.SandboxEvent) if e.kind == "sandbox_killed"
+    ]
+    assert [e.detail["role"] for e in killed] == ["agent"]
     assert leftovers(root, await sandbox_ids(recorder, sid)) == []
 
 
@@ -236,3 +243,29 @@ def test_compaction_env_is_a_share_of_the_context_length() -> None:
     for bad in (0.0, 1.5, -0.1):
         with pytest.raises(ValueError, match="compact_at"):
             compaction_env(40_000, bad)
+
+
+async def test_failure_causes_carry_what_the_command_said(
+    recorder: Harness, tmp_path: Path
+) -> None:
+    """setup_failed keeps a build tool's stdout; agent_install shows npm's own log when
+    `npm --silent` prints nothing (here: a registry that refuses connections)."""
+    task = shipped_tasks()["calc-add"]
+    root = tmp_path / "sbx"
+    root.mkdir()
+    setup = msgspec.structs.replace(task, setup=["echo 'make: *** [all] Error 2'; exit 3"])
+    offline = SandboxSpec(
+        options={"root": str(root)},
+        env={"npm_config_registry": "http://127.0.0.1:9/", "npm_config_fetch_retries": "0"},
+    )
+    install = AgentSpec(binary="/nonexistent/claude", version="2.1.197")
+    results = await run_group(
+        [
+            request(recorder, root, setup),
+            msgspec.structs.replace(request(recorder, root, task, agent=install), sandbox=offline),
+        ]
+    )
+    assert [r.infra_cause for r in results] == ["setup_failed", "agent_install"]
+    assert "make: *** [all] Error 2" in results[0].evidence["error"]
+    said = results[1].evidence["error"]
+    assert "ECONNREFUSED" in said or "127.0.0.1:9" in said, said

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -17,6 +19,7 @@ from rollout_harness import shipped_tasks
 
 from recorder.log import events as ev
 from recorder.log.store import open_store
+from recorder.rollout.cli import is_loopback_url, start_warnings
 from recorder.rollout.sandbox.local import marked_pids
 from tests.conftest import claude_code_binary
 from tools.tasks.build import TASKS
@@ -127,6 +130,13 @@ def test_ctrl_c_kills_agents_removes_sandboxes_and_aborts_sessions(
     assert len(ids) == 4
     assert [pid for i in ids for pid in marked_pids(i)] == []
     assert list(root.iterdir()) == []
+    # The cancelled rollouts are in --out too, as the log has them: aborted, `cancelled`.
+    lines = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert sorted(x["result"]["session_id"] for x in lines) == sorted(logs)
+    for line in lines:
+        result = line["result"]
+        assert (result["outcome"], result["infra_cause"]) == ("infra_error", "cancelled")
+        assert all(s["status"] == "aborted" and not any(s["loss_mask"]) for s in result["samples"])
 
 
 @pytest.mark.claude
@@ -139,3 +149,200 @@ def test_quickstart_rollout_runs_real_rollouts() -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "3 rollouts passed" in done.stdout
     assert "eval_result" in done.stdout and "session_closed" in done.stdout  # replay show
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_kill_9_of_the_driver_takes_its_recorder_serve_with_it(
+    tmp_path: Path, task_engine: str
+) -> None:
+    root = tmp_path / "sbx"
+    root.mkdir()
+    cmd = cli(tmp_path, task_engine, "--samples-per-task", "1", "--agent-command", "sleep 600")
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while len([p for p in root.iterdir() if (p / "prompt.txt").exists()]) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        (serve,) = [
+            pid for pid in children(proc.pid)
+            if b"serve" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]  # fmt: skip
+        proc.kill()
+        proc.wait(30)
+        deadline = time.monotonic() + 60
+        while alive(serve):
+            assert time.monotonic() < deadline, f"recorder serve {serve} outlived its driver"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        # kill -9 leaves the agents (no cleanup ran): sweep them for the next tests.
+        for sandbox in root.iterdir():
+            for pid in marked_pids(sandbox.name):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+FORGE = r"""
+close() {
+  curl -s -o /dev/null -w '%{http_code}' -X POST -H "Authorization: Bearer $1" \
+    -H 'Content-Type: application/json' -d '{"reward": 1.0}' \
+    "$ANTHROPIC_BASE_URL/sessions/$ANTHROPIC_AUTH_TOKEN/close"
+}
+out="$REPORT/$ANTHROPIC_AUTH_TOKEN"
+echo "env_token=[${TR_ADMIN_TOKEN:-}]" >> "$out"
+echo "env_close=$(close "${TR_ADMIN_TOKEN:-}")" >> "$out"
+token=$(cat "$TOKEN_FILE" 2>&1)
+echo "file_read=$?" >> "$out"
+echo "file_said=$token" >> "$out"
+echo "file_close=$(close "$token")" >> "$out"
+environ=$( { tr '\000' '\n' < "/proc/$RECORDER_PID/environ"; } 2>&1)
+echo "proc_read=$?" >> "$out"
+echo "proc_said=$(printf '%s\n' "$environ" | head -n 1)" >> "$out"
+token=$(printf '%s\n' "$environ" | sed -n 's/^TR_ADMIN_TOKEN=//p')
+echo "proc_close=$(close "$token")" >> "$out"
+echo "scan=$(grep -l -a TR_ADMIN_TOKEN= /proc/[0-9]*/environ 2>/dev/null | wc -l)" >> "$out"
+echo "uid=$(id -u)" >> "$out"
+exit 0
+"""
+
+
+def report(path: Path) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in path.read_text().splitlines())
+
+
+def test_an_agent_cannot_forge_its_reward_from_a_local_sandbox(
+    tmp_path: Path, task_engine: str
+) -> None:
+    """The three ways an agent once closed its own session with reward 1.0 (HTTP 200), run
+    from inside the local sandbox while the driver and the recorder run as root: the token
+    inherited from the driver, the recorder's 0600 token file, its /proc/<pid>/environ."""
+    if os.geteuid() != 0:
+        pytest.skip("sandboxes get users of their own only when the driver runs as root")
+    token = secrets.token_hex(16)
+    state = tmp_path / "state"
+    state.mkdir(mode=0o755)
+    token_file = state / "admin-token"
+    token_file.write_text(token + "\n")
+    token_file.chmod(0o600)
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    reports.chmod(0o777)
+    (tmp_path / "forge.sh").write_text(FORGE)
+    port = free_port()
+    serve_cmd = [
+        sys.executable, "-m", "recorder.cli", "serve", "--db", str(tmp_path / "runs.db"),
+        "--port", str(port), "--engine", task_engine, "--tokenizer", str(TOKENIZER),
+        "--chat-template", str(TEMPLATE), "--context-length", "200000",
+        "--admin-token-file", str(token_file),
+    ]  # fmt: skip
+    serve_log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115
+    server = subprocess.Popen(
+        serve_cmd, env={**env(), "TR_ADMIN_TOKEN": token}, stdout=serve_log, stderr=serve_log
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        import urllib.request
+
+        deadline = time.monotonic() + 60
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, "serve did not start"
+            with contextlib.suppress(OSError), urllib.request.urlopen(url + "/health", timeout=2):
+                break
+            time.sleep(0.2)
+        (tmp_path / "sbx").mkdir()
+        cmd = [
+            a for a in cli(tmp_path, task_engine, "--samples-per-task", "1")
+            if a not in ("--engine", task_engine)
+        ]  # fmt: skip
+        cmd += ["--recorder", url, "--agent-command", f"sh {tmp_path / 'forge.sh'}"]
+        for key, value in (
+            ("TOKEN_FILE", token_file),
+            ("RECORDER_PID", server.pid),
+            ("REPORT", reports),
+        ):
+            cmd += ["--agent-env", f"{key}={value}"]
+        # As the README's slime example has it: the driver holds the token in its env.
+        done = subprocess.run(
+            cmd, env={**env(), "TR_ADMIN_TOKEN": token}, capture_output=True, text=True,
+            timeout=600,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+    finally:
+        server.terminate()
+        server.wait(60)
+        serve_log.close()
+    lines = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert len(lines) == len(shipped_tasks())
+    logs = asyncio.run(sessions(tmp_path / "runs.db"))
+    for line in lines:
+        result = line["result"]
+        sid = result["session_id"]
+        found = report(reports / sid)
+        assert found["uid"] != "0"
+        assert (found["env_token"], found["env_close"]) == ("[]", "401"), found
+        assert found["file_read"] != "0" and "Permission denied" in found["file_said"], found
+        assert found["file_close"] == "401", found
+        assert found["proc_read"] != "0" and "Permission denied" in found["proc_said"], found
+        assert found["proc_close"] == "401", found
+        assert found["scan"] == "0", found
+        # The real reward is the grader's: the agent changed nothing, so 0.
+        assert (result["outcome"], result["reward"]) == ("failed", 0.0), result
+        rewards = [e.reward for e in logs[sid] if isinstance(e, ev.RewardAssigned)]
+        assert rewards == [0.0]
+        (closed,) = [e for e in logs[sid] if isinstance(e, ev.SessionClosed)]
+        assert closed.status == "completed"
+
+
+@pytest.mark.parametrize(
+    ("url", "loopback"),
+    [
+        ("http://127.0.0.1:8080", True),
+        ("http://localhost:1", True),
+        ("http://[::1]:80", True),
+        ("http://127.3.2.1", True),
+        ("https://recorder.example.com", False),
+        ("http://10.0.0.5:8080", False),
+    ],
+)
+def test_loopback_urls(url: str, loopback: bool) -> None:
+    assert is_loopback_url(url) is loopback
+
+
+def test_start_warnings_e2b_with_a_loopback_recorder() -> None:
+    (warning,) = start_warnings("e2b", None, None, {})
+    assert "--agent-base-url" in warning
+    (warning,) = start_warnings("e2b", "http://127.0.0.1:8080", None, {})
+    assert "127.0.0.1" in warning
+    assert start_warnings("e2b", "http://127.0.0.1:8080", "https://rec.example.com", {}) == []
+    # Local sandboxes as root get users of their own: nothing to warn about.
+    assert start_warnings("local", None, None, {}) == ([] if os.geteuid() == 0 else [ANY])
+
+
+class _Any:
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, str) and "not as unprivileged users" in other
+
+
+ANY = _Any()

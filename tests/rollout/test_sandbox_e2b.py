@@ -217,3 +217,12 @@ async def test_the_sdk_lists_sandboxes_and_extends_their_lifetime(e2b_doubles: E
         assert remaining >= 7200
     page = AsyncSandbox.list(**connection(e2b_doubles))
     assert await page.next_items() == []
+
+
+async def test_a_commands_duration_includes_its_start(e2b_doubles: E2BDoubles) -> None:
+    """A busy VM's envd can take seconds to start a process: that is the command's time too
+    (the driver's command_run events and timings would otherwise leave it out)."""
+    async with await open_sandbox(spec(e2b_doubles)) as sb:
+        e2b_doubles.start_latency_s = 0.5
+        result = await sb.exec("true")
+    assert result.exit_code == 0 and result.duration_s >= 0.5

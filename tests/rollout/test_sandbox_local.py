@@ -1,10 +1,16 @@
-"""What only the local backend has to get right: processes that leave their group, and
-many sandboxes at once leaving nothing behind (the shared contract is in test_sandbox_suite.py)."""
+"""What only the local backend has to get right: processes that leave their group, many
+sandboxes at once leaving nothing behind, a user of its own per sandbox when the driver
+is root, and no host environment beyond the basics (the shared contract is in
+test_sandbox_suite.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import stat
 from pathlib import Path
+
+import pytest
 
 from recorder.rollout.sandbox import SandboxSpec, open_sandbox
 from recorder.rollout.sandbox.local import marked_pids
@@ -30,3 +36,52 @@ async def test_many_sandboxes_leave_no_process_and_no_directory(tmp_path: Path) 
     await asyncio.gather(*(sb.kill() for sb in sandboxes))
     assert [pid for sb in sandboxes for pid in marked_pids(sb.id)] == []
     assert list(tmp_path.iterdir()) == []
+
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="sandboxes get users of their own only when the driver is root"
+)
+
+
+@needs_root
+async def test_as_root_each_sandbox_runs_as_a_user_of_its_own(tmp_path: Path) -> None:
+    secret = tmp_path / "admin-token"
+    secret.write_text("s3cret\n")
+    secret.chmod(0o600)
+    spec = SandboxSpec(options={"root": str(tmp_path)})
+    async with await open_sandbox(spec) as a, await open_sandbox(spec) as b:
+        ids = [await sb.exec("id -u") for sb in (a, b)]
+        uids = {int(r.stdout) for r in ids}
+        assert 0 not in uids and len(uids) == 2  # unprivileged, and not shared
+        st = os.stat(a.workdir)
+        assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o700, int(ids[0].stdout))
+        home = await a.exec('echo "$HOME"; test -w "$HOME" && echo writable')
+        assert home.stdout == f"{a.workdir}/home\nwritable\n"
+        await b.write_file("notes.txt", "b's own")
+        # Another sandbox's directory, a root-only file, the driver's environment: closed.
+        for path in (f"{b.workdir}/notes.txt", str(secret), f"/proc/{os.getpid()}/environ"):
+            denied = await a.exec(f"cat {path}")
+            assert denied.exit_code != 0 and "Permission denied" in denied.stderr, path
+        # A symlink the command plants reaches no more through the driver's own reads.
+        await a.exec(f"ln -s {secret} leak.txt")
+        with pytest.raises(PermissionError):
+            await a.read_file("leak.txt")
+        assert await b.read_file("notes.txt") == b"b's own"
+
+
+async def test_commands_get_the_host_basics_not_the_host_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TR_ADMIN_TOKEN", "host-token")
+    monkeypatch.setenv("CLAUDE_CONFIG_DIR", "/host/claude")
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+    monkeypatch.setenv("LC_ALL", "C.UTF-8")
+    spec = SandboxSpec(options={"root": str(tmp_path)}, env={"GIVEN": "on purpose"})
+    async with await open_sandbox(spec) as sb:
+        seen = dict(
+            line.split("=", 1) for line in (await sb.exec("env")).stdout.splitlines() if "=" in line
+        )
+    assert "TR_ADMIN_TOKEN" not in seen and "CLAUDE_CONFIG_DIR" not in seen
+    assert seen["HTTPS_PROXY"] == "http://proxy.example:3128" and seen["LC_ALL"] == "C.UTF-8"
+    assert seen["GIVEN"] == "on purpose" and seen["PATH"] == os.environ["PATH"]
+    assert seen["HOME"] == f"{sb.workdir}/home" and seen["TMPDIR"] == f"{sb.workdir}/tmp"

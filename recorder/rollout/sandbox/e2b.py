@@ -153,11 +153,12 @@ def _sdk_errors(sandbox_id: str, what: str) -> Iterator[None]:
 class E2BHandle(CommandHandle):
     """A command running in an E2B sandbox, followed over envd's Start stream."""
 
-    def __init__(self, sandbox: E2BSandbox, cmd: str, handle: Any) -> None:
+    def __init__(self, sandbox: E2BSandbox, cmd: str, handle: Any, started: float) -> None:
         self._sandbox = sandbox
         self._cmd = cmd
         self._handle = handle
-        self._started = time.monotonic()
+        # From before envd was asked to start it: a command's duration includes its start.
+        self._started = started
         self._finished = asyncio.ensure_future(self._collect())
         # A background command nobody waits for may end in an error (its sandbox was
         # killed): that is no news, so it must not be logged as never retrieved.
@@ -276,6 +277,7 @@ class E2BSandbox(Sandbox):
         on_stderr: OutputCallback | None = None,
     ) -> E2BHandle:
         self._check()
+        started = time.monotonic()
         with _sdk_errors(self.id, f"start {cmd[:80]!r}"):
             handle = await self._sdk.commands.run(
                 cmd,
@@ -287,7 +289,7 @@ class E2BSandbox(Sandbox):
                 on_stderr=on_stderr,
                 timeout=0,  # the deadline is ours (E2BHandle.wait), not the stream's
             )
-        return E2BHandle(self, cmd, handle)
+        return E2BHandle(self, cmd, handle, started)
 
     # -- files ------------------------------------------------------------------------------
 

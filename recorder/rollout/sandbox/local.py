@@ -12,10 +12,19 @@ of it, here: `exec` (and a background command) ends when its command ends; what
 the command left in its group is killed then, and so is a process that left the
 group still holding the command's output (it would keep the pipes open forever).
 Use `start` for a server; a daemon with its own output lives until `kill`.
-Commands inherit the host's environment, then the spec's `env`, then their own.
 
-This is isolation by directory and process group, not a security boundary: a
-command can read and write anything the user running the driver can.
+Environment: never the driver's whole one. Commands start from the host's
+basics (`environment.host_basics`: PATH, locale, CA settings, proxies), a
+`HOME` and `TMPDIR` inside the sandbox, then the spec's `env`, then their own.
+
+Users: when the driver runs as root, each sandbox runs as an unprivileged user
+of its own (`users.py`, `tr-sbx-N`), which owns the sandbox directory (0700):
+it cannot read the recorder's admin token (file or `/proc/<pid>/environ`),
+another sandbox's directory or root's files, and the driver's own file reads
+and writes in the sandbox are done as that user too (a symlink the agent
+plants reaches nothing more). `options["user"] = "driver"` opts out. Not root:
+the commands run as the driver's user and a warning says so once; that is
+isolation by directory and process group only, not a security boundary.
 """
 
 from __future__ import annotations
@@ -46,6 +55,8 @@ from recorder.rollout.sandbox.base import (
     SandboxGone,
     SandboxSpec,
 )
+from recorder.rollout.sandbox.environment import host_basics
+from recorder.rollout.sandbox.users import SandboxUser, UserPoolError, claim_user
 
 MARK = "TR_SANDBOX_ID"  # in every command's environment; `kill` sweeps for it
 COMMAND_MARK = "TR_SANDBOX_COMMAND"  # one per command: what a finished `exec` left is swept
@@ -179,9 +190,10 @@ class LocalHandle(CommandHandle):
 class LocalSandbox(Sandbox):
     """A temporary directory plus the process groups of the commands run in it."""
 
-    def __init__(self, spec: SandboxSpec, workdir: Path) -> None:
+    def __init__(self, spec: SandboxSpec, workdir: Path, user: SandboxUser | None = None) -> None:
         self.id = workdir.name
         self.workdir = str(workdir)
+        self.user = user  # None: commands run as the driver's own user
         self._spec = spec
         self._handles: list[LocalHandle] = []
         self._commands = 0
@@ -191,16 +203,24 @@ class LocalSandbox(Sandbox):
 
     @classmethod
     async def create(cls, spec: SandboxSpec) -> LocalSandbox:
-        """A fresh directory under `options["root"]` (default: the system's temp dir)."""
-        root = spec.options.get("root")
+        """A fresh directory under `options["root"]` (default: the system's temp dir), owned
+        by the sandbox's own user when the driver is root (`options["user"]`: "auto")."""
+        mode = str(spec.options.get("user", "auto"))
+        if mode not in ("auto", "driver"):
+            raise SandboxBootError(f"options['user'] is 'auto' or 'driver', not {mode!r}")
         try:
-            workdir = Path(tempfile.mkdtemp(prefix=f"tr-sbx-{uuid.uuid4().hex[:8]}-", dir=root))
-        except OSError as exc:
+            user = await asyncio.to_thread(claim_user) if mode == "auto" else None
+        except (UserPoolError, OSError) as exc:
             raise SandboxBootError(
-                f"cannot create a local sandbox directory under {root or tempfile.gettempdir()}: "
-                f"{exc}; set options['root'] to a writable directory"
+                f"cannot give the local sandbox a user of its own: {exc}"
             ) from exc
-        return cls(spec, workdir)
+        try:
+            workdir = await asyncio.to_thread(_make_workdir, spec.options.get("root"), user)
+        except BaseException:
+            if user is not None:
+                await asyncio.to_thread(user.release)
+            raise
+        return cls(spec, workdir, user)
 
     # -- commands ---------------------------------------------------------------------------
 
@@ -209,7 +229,20 @@ class LocalSandbox(Sandbox):
             raise SandboxGone(f"local sandbox {self.id} was killed or expired; open a new one")
 
     def _env(self, env: Mapping[str, str] | None, mark: str) -> dict[str, str]:
-        return {**os.environ, **self._spec.env, **(env or {}), MARK: self.id, COMMAND_MARK: mark}
+        own = {
+            "HOME": str(Path(self.workdir, HOME_DIR)),
+            "TMPDIR": str(Path(self.workdir, TMP_DIR)),
+        }
+        if self.user is not None:
+            own |= {"USER": self.user.name, "LOGNAME": self.user.name}
+        return {
+            **host_basics(os.environ),
+            **own,
+            **self._spec.env,
+            **(env or {}),
+            MARK: self.id,
+            COMMAND_MARK: mark,
+        }
 
     def _cwd(self, cwd: str | None) -> str:
         return str(Path(self.workdir, cwd)) if cwd else self.workdir
@@ -235,6 +268,7 @@ class LocalSandbox(Sandbox):
                 cwd=self._cwd(cwd),
                 env=self._env(env, mark),
                 start_new_session=True,
+                **_as_user(self.user),
             )
         except FileNotFoundError as exc:  # the cwd does not exist
             raise FileNotFoundError(f"cannot run in {self._cwd(cwd)}: {exc}") from exc
@@ -251,11 +285,16 @@ class LocalSandbox(Sandbox):
     async def write_file(self, path: str, data: bytes | str) -> None:
         self._check()
         raw = data.encode() if isinstance(data, str) else data
-        await asyncio.to_thread(_write, self._path(path), raw)
+        if self.user is None:
+            await asyncio.to_thread(_write, self._path(path), raw)
+        else:
+            await asyncio.to_thread(_write_as, self.user, self._path(path), raw)
 
     async def read_file(self, path: str) -> bytes:
         self._check()
-        return await asyncio.to_thread(self._path(path).read_bytes)
+        if self.user is None:
+            return await asyncio.to_thread(self._path(path).read_bytes)
+        return await asyncio.to_thread(_read_as, self.user, self._path(path))
 
     # -- lifetime ---------------------------------------------------------------------------
 
@@ -276,11 +315,98 @@ class LocalSandbox(Sandbox):
         await asyncio.gather(*(h.kill() for h in handles))
         await asyncio.to_thread(_sweep, MARK, self.id)
         await asyncio.to_thread(_remove_tree, Path(self.workdir))
+        if self.user is not None:
+            await asyncio.to_thread(self.user.release)
 
     async def kill(self) -> None:
         """Returns once every process and the directory are gone, also when the sandbox's
         lifetime had already started the removal (a cancelled caller does not stop it)."""
         await asyncio.shield(self._tear_down())
+
+
+HOME_DIR = "home"  # the sandbox's own HOME, inside its directory
+TMP_DIR = "tmp"  # and its TMPDIR
+
+
+def _make_workdir(root: str | None, user: SandboxUser | None) -> Path:
+    """The sandbox's directory (0700, with `home` and `tmp`), owned by `user` if any."""
+    try:
+        workdir = Path(tempfile.mkdtemp(prefix=f"tr-sbx-{uuid.uuid4().hex[:8]}-", dir=root))
+        for sub in (HOME_DIR, TMP_DIR):
+            (workdir / sub).mkdir(mode=0o700)
+    except OSError as exc:
+        raise SandboxBootError(
+            f"cannot create a local sandbox directory under {root or tempfile.gettempdir()}: "
+            f"{exc}; set options['root'] to a writable directory"
+        ) from exc
+    if user is None:
+        return workdir
+    blocked = _unreachable_parent(workdir, user.uid)
+    if blocked is not None:
+        _remove_tree(workdir)
+        raise SandboxBootError(
+            f"the sandbox user {user.name} cannot reach {workdir}: {blocked} is closed to other "
+            f"users; choose options['root'] (--sandbox-option root=DIR) under directories "
+            f"others may traverse, or run `chmod o+x {blocked}`"
+        )
+    for path in (workdir, workdir / HOME_DIR, workdir / TMP_DIR):
+        os.chown(path, user.uid, user.gid)
+    return workdir
+
+
+def _unreachable_parent(workdir: Path, uid: int) -> Path | None:
+    """The first ancestor of `workdir` that a user `uid` (in no other group) cannot enter."""
+    for parent in reversed(workdir.parents):
+        st = parent.stat()
+        if st.st_uid != uid and not st.st_mode & stat.S_IXOTH:
+            return parent
+    return None
+
+
+def _as_user(user: SandboxUser | None) -> dict[str, object]:
+    """Popen arguments that run the child as `user` with no supplementary groups."""
+    if user is None:
+        return {}
+    return {"user": user.uid, "group": user.gid, "extra_groups": [], "umask": 0o077}
+
+
+def _write_as(user: SandboxUser, path: Path, raw: bytes) -> None:
+    """Write `path` with the sandbox user's rights (a planted symlink reaches no more)."""
+    script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
+    done = subprocess.run(
+        ["/bin/sh", "-c", script, "sh", str(path)],
+        input=raw, capture_output=True, env={"PATH": "/usr/bin:/bin"}, check=False,
+        **_as_user(user),  # type: ignore[arg-type]
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise _os_error(done.stderr, path)
+
+
+def _read_as(user: SandboxUser, path: Path) -> bytes:
+    """Read `path` with the sandbox user's rights."""
+    done = subprocess.run(
+        ["/bin/cat", "--", str(path)],
+        capture_output=True, env={"PATH": "/usr/bin:/bin"}, check=False,
+        **_as_user(user),  # type: ignore[arg-type]
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise _os_error(done.stderr, path)
+    return done.stdout
+
+
+def _os_error(stderr: bytes, path: Path) -> OSError:
+    """The OSError a direct open would have raised, from a child's message."""
+    text = stderr.decode(errors="replace").strip()
+    kinds: list[tuple[str, type[OSError]]] = [
+        ("No such file", FileNotFoundError),
+        ("Permission denied", PermissionError),
+        ("Is a directory", IsADirectoryError),
+        ("Not a directory", NotADirectoryError),
+    ]
+    for needle, kind in kinds:
+        if needle in text:
+            return kind(f"{path}: {text}")
+    return OSError(f"{path}: {text}")
 
 
 def _write(path: Path, raw: bytes) -> None:
