@@ -16,6 +16,11 @@ calls, per request and under the session's lock:
 `plan_turn` changes nothing but a chain-id counter, so a failed turn leaves the
 chains as they were. Replaying those calls over a session's recorded requests
 and outputs rebuilds the same state after a restart.
+
+One module (~700 lines) on purpose: planning and committing read and write
+the same `SessionChains` state, and the rules that decide a request's chain
+(extend, retry, compaction beside, side request, subagent claim) are one
+decision, read top to bottom in `plan_turn`.
 """
 
 from __future__ import annotations

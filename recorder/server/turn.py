@@ -28,6 +28,10 @@ is aborted and `ConcurrencyConflict` leaves `run_turn` with nothing of the
 turn in the log: the caller plans it again from the new head
 (`SessionRegistry.locked`). Later appends follow the other process's events;
 the state is then rebuilt from the log before the session's next request.
+
+Recording the engine attempts is `recorder.server.attempts`'s job. This module
+(~650 lines) keeps the whole pipeline of one turn, plan to answer to its
+failure paths, in the order a turn runs.
 """
 
 from __future__ import annotations

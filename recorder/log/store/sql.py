@@ -29,6 +29,11 @@ batches get their original positions. If even that fails, each request gets
 its own transaction so one bad request cannot sink its neighbours.
 
 `NewEvent.ts == 0.0` means "unset": the store stamps the append time.
+
+One module (~950 lines) on purpose: `SqlEventStore` is the one implementation
+of the `EventStore` contract both backends share, and its write path (group
+commit, fast path, generic path, idempotent re-sends, array pieces travelling
+with their events) is one transaction's steps, which must be read together.
 """
 
 from __future__ import annotations
