@@ -114,7 +114,8 @@ async def checkout(sb: Sandbox, task: Task) -> Checkout:
             f"{_GIT} -C {q(staging)} rev-parse --verify -q {q(task.base_commit + '^{commit}')}"
         )
         cmd = (
-            f"rm -rf {q(staging)} && {_GIT} clone -q --bare {q(task.repo)} {q(staging)} && "
+            f"rm -rf {q(staging)} && {_GIT} clone -q --bare{_upload_pack(task.repo)} "
+            f"{q(task.repo)} {q(staging)} && "
             f'full=$({resolve}) && echo "$full" | '
             f"{_GIT} -C {q(staging)} pack-objects --revs --stdout -q > {q(pack)} && "
             f"rm -rf {q(staging)} && " + _index_and_checkout(dest, pack, '"$full"')
@@ -126,6 +127,16 @@ async def checkout(sb: Sandbox, task: Task) -> Checkout:
             f"cannot check out {task.repo} at {task.base_commit}: {tail(result.stderr)}",
         )
     return Checkout(dest, result.stdout.strip().splitlines()[-1], result)
+
+
+def _upload_pack(url: str) -> str:
+    """For a file:// URL: serve it whoever owns it. The repository may be another user's
+    (a host mirror read by the sandbox's own user), and git refuses to serve a repository
+    of another owner ("dubious ownership"); the local transport drops `-c` settings, so
+    the setting goes into the upload-pack command itself."""
+    if not url.startswith("file://"):
+        return ""
+    return " --upload-pack " + shlex.quote("git -c safe.directory=* upload-pack")
 
 
 async def run_setup(sb: Sandbox, task: Task, repo: str) -> list[ExecResult]:
