@@ -33,7 +33,7 @@ import psutil
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from recorder import events as ev  # noqa: E402
+from recorder.log import events as ev  # noqa: E402
 from recorder.log.store import open_store  # noqa: E402
 from tools.test_engine.launch import free_port, start_subprocess  # noqa: E402
 

@@ -182,7 +182,7 @@ def test_a_broken_sglang_install_is_reported_not_crashed_on(tmp_path) -> None:  
     (tmp_path / "sglang" / "__init__.py").write_text("raise SystemError('never run')\n")
     (broken / "function_call_parser.py").write_text("raise AttributeError('triton.language')\n")
     code = (
-        "from recorder import sglang_compat\n"
+        "from recorder.model import sglang_compat\n"
         "from recorder.model.parsers import default_backend, make_parser\n"
         "assert not sglang_compat.available()\n"
         "assert default_backend() == 'builtin'\n"
