@@ -42,6 +42,10 @@ class Columns:
     def header(self) -> str:
         return self.row(*(name for name, _, _ in self.spec))
 
+    def rule(self) -> str:
+        """The header's width in dashes, keeping its `|` (a markdown table's second line)."""
+        return "".join(c if c == "|" else "-" for c in self.header())
+
     def row(self, *cells: object) -> str:
         """Cells in column order (already formatted); fewer cells than columns is fine."""
         parts = [
