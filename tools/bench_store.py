@@ -71,6 +71,8 @@ from recorder.log.store.sqlite import (
     configure_connection,
 )
 from recorder.server.deltas import BodyPrefixes, put_body
+from tools.benchkit.stats import pct
+from tools.benchkit.table import print_grid
 
 BATCH = 1000
 APPENDERS = 256
@@ -639,8 +641,7 @@ async def raw_sqlite_turn_latencies(url: str) -> list[float]:
 
 
 def fmt_latency(samples: list[float]) -> str:
-    p50, p99 = np.percentile(samples, [50, 99]) * 1e3
-    return f"p50 {p50:.2f} ms, p99 {p99:.2f} ms"
+    return f"p50 {pct(samples, 50):.2f} ms, p99 {pct(samples, 99):.2f} ms"
 
 
 def latency_ratio(ours: list[float], base: list[float]) -> str:
@@ -825,15 +826,7 @@ async def bench(events: int, rounds: int, per_appender: int, pg_admin: str | Non
 
 
 def print_table(rows: list[Row]) -> None:
-    header: Row = ("benchmark", "backend", "result", "baseline (same run)", "ratio")
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(5)]
-    line = "  ".join("-" * w for w in widths)
-    print(line)
-    for r in [header, *rows]:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
-        if r is header:
-            print(line)
-    print(line)
+    print_grid(("benchmark", "backend", "result", "baseline (same run)", "ratio"), rows)
 
 
 def main() -> None:

@@ -19,6 +19,13 @@ def pct(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values) * 1000, q)) if len(values) else float("nan")
 
 
+def rank_ms(values: Sequence[float], q: float) -> float:
+    """The sample at rank floor(q * (n - 1)) of seconds, in ms: a quantile that is
+    always a measured value (no interpolation)."""
+    ms = sorted(v * 1000 for v in values)
+    return ms[int(q * (len(ms) - 1))]
+
+
 def median(values: Sequence[float]) -> float:
     """The median, NaN for no values (a column that was not measured)."""
     return statistics.median(values) if values else float("nan")
