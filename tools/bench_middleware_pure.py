@@ -147,11 +147,7 @@ def pure_table(rows: list[dict[str, float]]) -> Table:
             f"{r['context']:,}",
             f"{r['new']:,}",
             f"{r['body_kb']:.0f}",
-            f"{r['parse']:.2f}",
-            f"{r['parse_uncached']:.2f}",
-            f"{r['plan']:.2f}",
-            f"{r['chain']:.2f}",
-            f"{r['base']:.2f}",
+            *(f"{r[k]:.2f}" for k in ("parse", "parse_uncached", "plan", "chain", "base")),
             f"{r['base'] / r['chain']:.1f}x",
         )
         for r in rows
