@@ -83,6 +83,7 @@ from tools.benchkit.stats import (
     Span,
     engine_seconds,
     fmean_ms,
+    inside,
     ints,
     median,
     overlap,
@@ -189,10 +190,12 @@ def attribute(sample: TurnSample, engine: list[Span], store: list[Span]) -> None
     """Engine CPU time and the store's unhidden in-flight time inside one turn."""
     what = f"{sample.mode} turn {sample.request_id}"
     sample.engine_s = engine_seconds(engine, sample.started, sample.ended, what)
-    engine_inside = [s for s in engine if s.start >= sample.started and s.end <= sample.ended]
     stored = overlap(sample.started, sample.ended, store)
+    in_flight = [Span(*iv) for iv in stored]
     hidden = [
-        iv for s in engine_inside for iv in overlap(s.start, s.end, [Span(*iv) for iv in stored])
+        iv
+        for s in inside(engine, sample.started, sample.ended)
+        for iv in overlap(s.start, s.end, in_flight)
     ]
     sample.store_s = union_length(stored) - union_length(hidden)
 

@@ -44,7 +44,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python tools/...`
 
 from tools.benchkit import wire
-from tools.benchkit.engine import test_engine
+from tools.benchkit.engine import start_test_engine
 from tools.benchkit.recorder import ADMIN, RecorderProcess
 from tools.benchkit.stats import pct
 from tools.benchkit.table import Columns
@@ -363,7 +363,7 @@ async def snapshot_cost(reps: int = 30) -> None:
 async def bench(
     pg: str, sessions: int, turns: int, rec_sessions: int, history: list[int], restarts: int
 ) -> None:
-    engine_proc, engine_url = test_engine(131072)
+    engine_proc, engine_url = start_test_engine(131072)
     try:
         if sessions:
             await bench_replicas(engine_url, pg, sessions, turns)

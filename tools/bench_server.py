@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python t
 from recorder.log import events as ev
 from recorder.log.store import open_store
 from tools.benchkit import wire
-from tools.benchkit.engine import test_engine
+from tools.benchkit.engine import start_test_engine
 from tools.benchkit.recorder import ADMIN, RecorderProcess
 from tools.benchkit.stats import pct
 from tools.benchkit.table import Columns
@@ -149,7 +149,7 @@ async def measure(
 
 
 async def bench(sessions: int, turns: int, db: str) -> None:
-    engine_proc, engine_url = test_engine(32768)
+    engine_proc, engine_url = start_test_engine(32768)
     recorder = RecorderProcess(engine_url, db, log=True)
     url = recorder.url
     phases: list[tuple[str, Run, Run]] = []

@@ -10,7 +10,7 @@ monotonic clock, comparable across processes).
 `EngineThread` runs it on its own loop and thread of this process (it then
 shares the GIL and the garbage collector with whatever else runs here);
 `EngineProcess` in a child (`python -m tools.benchkit.engine PORT`), as a real
-engine runs. `test_engine` starts the test engine's own CLI as a subprocess.
+engine runs. `start_test_engine` starts the test engine's own CLI as a subprocess.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def fixture_tokenizer() -> Tokenizer:
     return load_tokenizer(str(TOKENIZER), "chatml-tools")
 
 
-def test_engine(context_length: int) -> tuple[subprocess.Popen[bytes], str]:
+def start_test_engine(context_length: int) -> tuple[subprocess.Popen[bytes], str]:
     """The test engine's scripted backend in a subprocess, zero latency, no history kept."""
     return start_subprocess(
         ["--backend", "scripted", "--context-length", str(context_length), "--no-keep-history"]

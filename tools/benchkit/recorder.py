@@ -62,11 +62,14 @@ class RecorderProcess:
         if profile:
             module = ["cProfile", "-o", profile, "-m", *module]
         self.log_file: Path | None = None
-        output = {}
         if log:
             self.log_file = Path(tempfile.mkstemp(prefix="bench_server_", suffix=".log")[1])
-            output = {"stdout": self.log_file.open("wb"), "stderr": subprocess.STDOUT}
-        self.proc = python_module(module[0], *module[1:], *serve_args, **output)
+            with self.log_file.open("wb") as out:  # the child keeps its own descriptor
+                self.proc = python_module(
+                    module[0], *module[1:], *serve_args, stdout=out, stderr=subprocess.STDOUT
+                )
+        else:
+            self.proc = python_module(module[0], *module[1:], *serve_args)
         self.memory = ProcessMemory(self.proc.pid)
 
     async def wait_healthy(self, http: aiohttp.ClientSession) -> None:
