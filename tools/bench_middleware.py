@@ -59,7 +59,6 @@ import argparse
 import asyncio
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -149,36 +148,25 @@ class LiveSession:
 
     async def turn(self, mode: str, tool_result_words: int | None) -> TurnSample:
         """Answer the last tool call (if any) and take one turn with `mode`'s planner."""
-        if tool_result_words is not None:
-            self.conversation.add_tool_result(tool_result_words)
-        body = self.conversation.body()
-        headers = wire.messages_headers(self.session_id)
-        path = wire.MESSAGES_PATH
-        if self.dialect == "openai-chat":
-            body, path = wire.chat_body(body), "/v1/chat/completions"
-            headers = {"authorization": f"Bearer {self.session_id}", **headers}
         stack = self.stack
         stack.planner.mode = mode
-        url = stack.server.url + path
-        started = time.perf_counter()
-        async with stack.http.post(url, data=body, headers=headers) as resp:
-            raw = await resp.read()
-            status = resp.status
-        ended = time.perf_counter()
-        if status != 200:
-            raise RuntimeError(f"turn failed with HTTP {status}: {raw[:500]!r}")
-        parse = wire.parse_sse if self.dialect == "anthropic" else wire.parse_chat_sse
-        request_id, content, usage = parse(raw)
-        self.conversation.add_answer(content)
+        answered = await wire.take_turn(
+            stack.http,
+            stack.server.url,
+            self.session_id,
+            self.conversation,
+            tool_result_words,
+            self.dialect,
+        )
         call = stack.planner.calls[-1]
         new_tokens = call.new_tokens + self.output_tokens  # the previous output joins the context
         self.prompt_tokens = call.prompt_tokens
-        self.output_tokens = usage.get("output_tokens", 0)
+        self.output_tokens = answered.usage.get("output_tokens", 0)
         return TurnSample(
             mode,
-            request_id,
-            started,
-            ended,
+            answered.request_id,
+            answered.started,
+            answered.ended,
             call.prompt_tokens,
             new_tokens,
             call.seconds,

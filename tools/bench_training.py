@@ -103,23 +103,13 @@ class Driver:
         self.context = {}
 
     async def turn(self, session_id: str, conversation: Conversation, words: int | None) -> Sample:
-        if words is not None:
-            conversation.add_tool_result(words)
-        body = conversation.body()
-        headers = wire.messages_headers(session_id)
-        url = self.recorder.url + wire.MESSAGES_PATH
-        started = time.perf_counter()
-        async with self.http.post(url, data=body, headers=headers) as resp:
-            raw = await resp.read()
-            status = resp.status
-        ended = time.perf_counter()
-        if status != 200:
-            raise RuntimeError(f"turn failed with HTTP {status}: {raw[:500]!r}")
-        _, content, usage = wire.parse_sse(raw)
-        conversation.add_answer(content)
+        answered = await wire.take_turn(
+            self.http, self.recorder.url, session_id, conversation, words
+        )
+        usage = answered.usage
         prompt = usage.get("input_tokens", 0) + usage.get("cache_read_input_tokens", 0)
         self.context[session_id] = prompt + usage.get("output_tokens", 0)
-        return Sample(started, ended, prompt)
+        return Sample(answered.started, answered.ended, prompt)
 
     async def round(self, words: int | None) -> list[Sample]:
         return [await self.turn(sid, conv, words) for sid, conv in self.sessions]

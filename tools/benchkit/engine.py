@@ -35,6 +35,7 @@ from tools.benchkit.stats import Span
 from tools.benchkit.wire import wait_healthy
 from tools.test_engine.core import EngineCore, build_app
 from tools.test_engine.launch import free_port, start_subprocess
+from tools.test_engine.scripted import Reply, ScriptedBackend
 
 TOKENIZER = REPO / "tests" / "data" / "smollm2-tokenizer"
 
@@ -66,8 +67,6 @@ def engine_app(
     would a real engine's. `max_spans`: keep only the newest (a long run reads
     them as it goes).
     """
-    from tools.test_engine.scripted import Reply, ScriptedBackend
-
     count = itertools.count()
     backend = ScriptedBackend(
         tok,

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+
+from tools.benchkit.conversation import Conversation
 
 MESSAGES_PATH = "/v1/messages?beta=true"
 
@@ -70,6 +74,47 @@ async def wait_healthy(
             pass
         await asyncio.sleep(0.1)
     raise RuntimeError(f"{what} did not become healthy in {timeout_s:g} s")
+
+
+@dataclass(frozen=True)
+class Answered:
+    """One turn as the client saw it: wall interval (perf_counter) and the parsed answer."""
+
+    started: float
+    ended: float
+    request_id: str
+    content: list[dict[str, Any]]
+    usage: dict[str, int]
+
+
+async def take_turn(
+    http: aiohttp.ClientSession,
+    url: str,
+    session_id: str,
+    conversation: Conversation,
+    tool_result_words: int | None,
+    dialect: str = "anthropic",
+) -> Answered:
+    """Answer the last tool call (if any), send the whole conversation as a streamed
+    request (Messages, or its Chat Completions twin), and add the answer to it."""
+    if tool_result_words is not None:
+        conversation.add_tool_result(tool_result_words)
+    body, path = conversation.body(), MESSAGES_PATH
+    headers = messages_headers(session_id)
+    if dialect == "openai-chat":
+        body, path = chat_body(body), "/v1/chat/completions"
+        headers = {"authorization": f"Bearer {session_id}", **headers}
+    started = time.perf_counter()
+    async with http.post(url + path, data=body, headers=headers) as resp:
+        raw = await resp.read()
+        status = resp.status
+    ended = time.perf_counter()
+    if status != 200:
+        raise RuntimeError(f"turn failed with HTTP {status}: {raw[:500]!r}")
+    parse = parse_sse if dialect == "anthropic" else parse_chat_sse
+    request_id, content, usage = parse(raw)
+    conversation.add_answer(content)
+    return Answered(started, ended, request_id, content, usage)
 
 
 def parse_sse(raw: bytes) -> tuple[str, list[dict[str, Any]], dict[str, int]]:
