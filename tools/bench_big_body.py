@@ -30,6 +30,9 @@ import recorder.model.tokenizer as tokenizer_module  # noqa: E402
 from recorder.model.tokenizer import load_tokenizer  # noqa: E402
 from tests.server.conftest import FIXTURE_TOKENIZER, Harness, make_harness  # noqa: E402
 from tests.server.test_large_bodies import big_body, peak_rss  # noqa: E402
+from tools.benchkit.memory import MB  # noqa: E402
+from tools.benchkit.stats import rank_ms  # noqa: E402
+from tools.benchkit.table import Columns  # noqa: E402
 
 SMALL = json.dumps(
     {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
@@ -88,10 +91,19 @@ async def under_load(h: Harness, reps: int) -> tuple[list[float], list[float], l
     return turns, healths, await sender
 
 
+TABLE = Columns(
+    [
+        ("other session, 8 MB body tokenized meanwhile", 44, "<"), ("n", 4, ">"),
+        ("median ms", 9, ">"), ("p90 ms", 9, ">"),
+    ],
+    sep=" | ",
+    edges=("| ", " |"),
+)  # fmt: skip
+
+
 def row(name: str, values: list[float]) -> str:
-    ms = sorted(v * 1000 for v in values)
-    p90 = ms[int(0.9 * (len(ms) - 1))]
-    return f"| {name:<44} | {len(ms):>4} | {statistics.median(ms):>9.1f} | {p90:>9.1f} |"
+    median, p90 = statistics.median(values) * 1000, rank_ms(values, 0.9)
+    return TABLE.row(name, len(values), f"{median:.1f}", f"{p90:.1f}")
 
 
 async def bench(reps: int) -> None:
@@ -126,24 +138,23 @@ async def bench(reps: int) -> None:
         finally:
             await h.close()
 
-    print("| other session, 8 MB body tokenized meanwhile    |    n | median ms |    p90 ms |")
-    print("|----------------------------------------------|------|-----------|-----------|")
+    print(TABLE.header())
+    print(TABLE.rule())
     print(row("turn, idle (baseline)", idle_turns))
     print(row("turn, big body in flight, GIL-free encode", gil_free[0]))
     print(row("turn, big body in flight, GIL held (peer)", gil_held[0]))
     print(row("/health, idle (baseline)", idle_health))
     print(row("/health, big body in flight, GIL-free encode", gil_free[1]))
     print(row("/health, big body in flight, GIL held (peer)", gil_held[1]))
-    mb = 2**20
     print(
         f"\n8 MB body: {len(gil_free[2])} sent GIL-free, peak RSS gain median "
-        f"{statistics.median(gil_free[2]) / mb:.0f} MB; {len(gil_held[2])} sent GIL held, "
-        f"{statistics.median(gil_held[2]) / mb:.0f} MB"
+        f"{statistics.median(gil_free[2]) / MB:.0f} MB; {len(gil_held[2])} sent GIL held, "
+        f"{statistics.median(gil_held[2]) / MB:.0f} MB"
     )
     print(
         f"63 MB body refused from its length (context 8192): median "
         f"{statistics.median(refusals) * 1000:.0f} ms over {len(refusals)} (upload included), "
-        f"peak RSS gain {refused_rss[0] / mb:.0f} MB"
+        f"peak RSS gain {refused_rss[0] / MB:.0f} MB"
     )
 
 

@@ -8,7 +8,7 @@ arrays (T x C / 2 tokens in all: 300 turns at 120k is 18M tokens, 144 MB as
 int64); read as the store does now, every input is a view of the last one.
 
 Each measurement runs in a fresh subprocess on one session written through
-the real store (`bench_replay.write_session`, random ids, SQLite):
+the real store (`benchkit.log.write_session`, random ids, SQLite):
 - `store`: `load_session` + `reduce_session`, the product's path;
 - `copies` (baseline, same run): the same read and reducer, with every
   array made its own int64 copy first, as the close path held them before
@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,17 +37,19 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tools.bench_replay import write_session  # noqa: E402
+from tools.benchkit.log import write_session  # noqa: E402
+from tools.benchkit.memory import MB, status_bytes  # noqa: E402
+from tools.benchkit.procs import measure_in_child  # noqa: E402
+from tools.benchkit.table import Columns  # noqa: E402
 
 OUT_TOKENS = 50
-
-
-def _vm(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
+TABLE = Columns(
+    [
+        ("turns", 6, ">"), ("|", 1, "<"), ("peak MB", 8, ">"), ("baseline", 9, ">"),
+        ("|", 1, "<"), ("close ms", 9, ">"), ("baseline", 9, ">"),
+    ],
+    sep=" ",
+)  # fmt: skip
 
 
 async def _generate(db: str, turns: int, context: int) -> None:
@@ -90,22 +91,17 @@ async def _close_once(db: str, mode: str) -> tuple[float, str]:
 
 
 def measure(db: str, mode: str, reps: int) -> None:
-    before = _vm("VmRSS:")
+    before = status_bytes("VmRSS")
     first, samples = asyncio.run(_close_once(db, mode))
-    peak = _vm("VmHWM:") - before
+    peak = status_bytes("VmHWM") - before
     times = [first] + [asyncio.run(_close_once(db, mode))[0] for _ in range(reps - 1)]
     print(json.dumps({"peak": peak, "median_s": statistics.median(times), "samples": samples}))
 
 
 def _run(db: str, mode: str, reps: int) -> dict[str, object]:
-    proc = subprocess.run(
-        [sys.executable, __file__, "--measure", mode, db, "--reps", str(reps)],
-        capture_output=True,
-        text=True,
+    return measure_in_child(
+        __file__, ["--measure", mode, db, "--reps", str(reps)], f"{mode} on {db}"
     )
-    if proc.returncode != 0:
-        raise SystemExit(f"{mode} on {db} failed:\n{proc.stdout}\n{proc.stderr}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -127,14 +123,12 @@ def main() -> None:
             if store["samples"] != copies["samples"]:
                 raise SystemExit(f"{turns} turns: the two reads gave different samples")
             rows.append((turns, store, copies))
-    mb = 1024 * 1024
     print(f"\nclose of one session growing to {args.context:,} tokens, median of {args.reps}")
-    print(f"{'turns':>6} | {'peak MB':>8} {'baseline':>9} | {'close ms':>9} {'baseline':>9}")
+    print(TABLE.header())
     for turns, store, copies in rows:
-        print(
-            f"{turns:>6} | {store['peak'] / mb:>8.1f} {copies['peak'] / mb:>9.1f} | "
-            f"{store['median_s'] * 1e3:>9.1f} {copies['median_s'] * 1e3:>9.1f}"
-        )
+        peaks = (f"{run['peak'] / MB:.1f}" for run in (store, copies))  # type: ignore[operator]
+        times = (f"{run['median_s'] * 1e3:.1f}" for run in (store, copies))  # type: ignore[operator]
+        print(TABLE.row(turns, "|", *peaks, "|", *times))
 
 
 if __name__ == "__main__":

@@ -29,10 +29,16 @@ if str(ROOT) not in sys.path:
 
 from recorder.dialects import ANTHROPIC, OPENAI_CHAT, OPENAI_RESPONSES, Dialect  # noqa: E402
 from recorder.dialects.parse_cache import ParseCache  # noqa: E402
+from tools.benchkit.table import Columns  # noqa: E402
 
 SYSTEM = "You are a coding agent. Follow the repository's conventions. " * 300
 SCHEMA = {"type": "object", "properties": {"command": {"type": "string"}}}
 TOOLS = [(f"tool_{i}", "Runs a command in the sandbox. " * 12) for i in range(20)]
+TABLE = Columns(
+    [("dialect", 17, ">"), ("body kB", 7, ">"), ("session ms", 10, ">"), ("fresh ms", 8, ">"),
+     ("x", 5, ">")],
+    sep=" | ",
+)  # fmt: skip
 
 
 def _result(turn: int, chars: int) -> str:
@@ -109,12 +115,10 @@ async def main(args: argparse.Namespace) -> None:
         cached, fresh = await _measure(dialect, bodies, args.measured)
         rows.append((dialect.name, len(bodies[-1]), cached, fresh))
     print(f"\nper-turn parse, median of the last {args.measured} of {args.turns} turns")
-    print(f"{'dialect':>17} | {'body kB':>7} | {'session ms':>10} | {'fresh ms':>8} | {'x':>5}")
+    print(TABLE.header())
     for name, size, cached, fresh in rows:
-        print(
-            f"{name:>17} | {size / 1e3:>7.0f} | {cached * 1e3:>10.2f} | {fresh * 1e3:>8.2f} | "
-            f"{fresh / cached:>5.1f}"
-        )
+        ms = (f"{cached * 1e3:.2f}", f"{fresh * 1e3:.2f}")
+        print(TABLE.row(name, f"{size / 1e3:.0f}", *ms, f"{fresh / cached:.1f}"))
 
 
 if __name__ == "__main__":

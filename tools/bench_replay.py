@@ -35,119 +35,25 @@ import json
 import resource
 import shutil
 import sqlite3
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from recorder.log.events import (  # noqa: E402
-    ArrayRef,
-    ChainDecision,
-    GenerateResult,
-    MessagesRequest,
-    NewEvent,
-    RenderedInput,
-    ResponseSent,
-    RewardAssigned,
-    SessionClosed,
-    SessionOpened,
-)
-from recorder.log.store import EventStore, open_store  # noqa: E402
+from recorder.log.store import open_store  # noqa: E402
+from tools.benchkit.log import write_session  # noqa: E402
+from tools.benchkit.memory import status_bytes  # noqa: E402
+from tools.benchkit.procs import measure_in_child  # noqa: E402
+from tools.benchkit.table import Columns  # noqa: E402
 
 GENERATOR_VERSION = 2
-VOCAB = 49_152
 
 
 # ---------------------------------------------------------------- generation
-
-
-async def write_session(
-    store: EventStore,
-    sid: str,
-    turns: int,
-    new_tokens: int,
-    out_tokens: int,
-    seed: int,
-    interleaved: bool = True,
-) -> int:
-    """Write one session; `interleaved`: one append per turn, as the live server does."""
-    rng = np.random.default_rng(seed)
-    body = await store.put_array(np.frombuffer(b'{"bench": true}', dtype=np.uint8))
-    events: list[NewEvent] = [
-        NewEvent(event=SessionOpened(session_id=sid, metadata={"bench": True}, context_length=None))
-    ]
-    full: ArrayRef | None = None
-    written = 0
-    for t in range(turns):
-        if interleaved:
-            await store.append(sid, events)
-            written += len(events)
-            events = []
-        new = rng.integers(0, VOCAB, new_tokens, dtype=np.int32)
-        inp = await store.put_array(new, extends=full)
-        out = rng.integers(0, VOCAB, out_tokens, dtype=np.int32)
-        lps = -rng.random(out_tokens, dtype=np.float32)
-        out_ref = await store.put_array(out)
-        lp_ref = await store.put_array(lps)
-        full = await store.put_array(out, extends=inp)
-        rid = f"{sid}-{t}"
-        events += [
-            NewEvent(
-                event=MessagesRequest(
-                    request_id=rid, turn=t, body=body, system_digest="main", n_messages=2 * t + 1
-                )
-            ),
-            NewEvent(
-                event=ChainDecision(
-                    rules_version="bench",
-                    request_id=rid,
-                    turn=t,
-                    chain_id=0,
-                    action="new" if t == 0 else "extend",
-                    reason="first" if t == 0 else "extends",
-                )
-            ),
-            NewEvent(
-                event=RenderedInput(
-                    request_id=rid,
-                    turn=t,
-                    chain_id=0,
-                    input_ids=inp,
-                    prefix_len=inp.length - new_tokens,
-                )
-            ),
-            NewEvent(
-                event=GenerateResult(
-                    request_id=rid,
-                    turn=t,
-                    attempt=0,
-                    rid=f"{t:032x}",
-                    output_ids=out_ref,
-                    logprobs=lp_ref,
-                    finish_reason="stop",
-                    weight_version="1",
-                )
-            ),
-            NewEvent(
-                event=ResponseSent(
-                    request_id=rid,
-                    turn=t,
-                    content=[{"type": "text", "text": "ok"}],
-                    stop_reason="end_turn",
-                )
-            ),
-        ]
-    events += [NewEvent(event=RewardAssigned(reward=1.0)), NewEvent(event=SessionClosed())]
-    for i in range(0, len(events), 500):
-        await store.append(sid, events[i : i + 500])
-    return written + len(events)
 
 
 async def generate(path: Path, sessions: int, args: argparse.Namespace) -> None:
@@ -245,20 +151,6 @@ def reclassify_cli(db: str, page_size: int, workers: int) -> dict[str, float]:
     return {}
 
 
-def _own_peak_rss_kib() -> int:
-    """This process's peak RSS since its exec (VmHWM).
-
-    Not RUSAGE_SELF: Linux carries ru_maxrss across fork + exec, so a
-    measurement started by a parent that just generated the log would report
-    the parent's peak instead of its own.
-    """
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-
 def measure(mode: str, db: str, page_size: int) -> None:
     t0 = time.perf_counter()
     if mode == "scan":
@@ -269,7 +161,9 @@ def measure(mode: str, db: str, page_size: int) -> None:
         out = reclassify_cli(db, page_size, workers=int(mode.removeprefix("cli")))
     out["seconds"] = time.perf_counter() - t0
     # Largest of this process and any worker process (each its own peak).
-    peak = max(_own_peak_rss_kib(), resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    # This process's own peak since its exec (VmHWM, not RUSAGE_SELF: see status_bytes).
+    own_kib = status_bytes("VmHWM") // 1024
+    peak = max(own_kib, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
     out["peak_rss_mb"] = peak / 1024
     with sqlite3.connect(db) as conn:
         (out["events"],) = conn.execute("SELECT COUNT(*) FROM events").fetchone()
@@ -280,14 +174,8 @@ def run_measure(mode: str, db: Path, page_size: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="bench-replay-") as tmp:
         copy = Path(tmp) / "runs.db"
         shutil.copyfile(db, copy)
-        proc = subprocess.run(
-            [sys.executable, __file__, "--measure", mode, str(copy), "--page-size", str(page_size)],
-            capture_output=True,
-            text=True,
-        )
-    if proc.returncode != 0:
-        raise SystemExit(f"measurement {mode} on {db} failed:\n{proc.stdout}\n{proc.stderr}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        args = ["--measure", mode, str(copy), "--page-size", str(page_size)]
+        return measure_in_child(__file__, args, f"measurement {mode} on {db}")  # type: ignore[return-value]
 
 
 def main() -> None:
@@ -323,22 +211,33 @@ def main() -> None:
         f"log {args.layout}"
         + (f" ({args.concurrency} sessions open at once)" if args.layout == "interleaved" else "")
     )
-    header = (
-        f"{'sessions':>9} {'events':>9} {'db MB':>6} {'scan s':>7} {'CLI s':>7} {'events/s':>9} "
-        f"{'vs scan':>8} {'API s':>7} {f'CLI {w}w s':>9} {'events/s':>9} "
-        f"{'scan RSS':>9} {'CLI RSS':>8} {'API RSS':>8} {f'{w}w RSS':>8}"
-    )
-    print(header)
-    print("-" * len(header))
+    table = Columns(
+        [
+            ("sessions", 9, ">"), ("events", 9, ">"), ("db MB", 6, ">"), ("scan s", 7, ">"),
+            ("CLI s", 7, ">"), ("events/s", 9, ">"), ("vs scan", 8, ">"), ("API s", 7, ">"),
+            (f"CLI {w}w s", 9, ">"), ("events/s", 9, ">"), ("scan RSS", 9, ">"),
+            ("CLI RSS", 8, ">"), ("API RSS", 8, ">"), (f"{w}w RSS", 8, ">"),
+        ],
+        sep=" ",
+    )  # fmt: skip
+    print(table.header())
+    print(table.rule())
     for n, size, r in rows:
         scan_, cli, api, par = r["scan"], r["cli1"], r["api"], r[f"cli{w}"]
         print(
-            f"{n:>9} {int(cli['events']):>9} {size / 2**20:>6.0f} {scan_['seconds']:>7.1f} "
-            f"{cli['seconds']:>7.1f} {cli['events'] / cli['seconds']:>9,.0f} "
-            f"{cli['seconds'] / scan_['seconds']:>7.2f}x {api['seconds']:>7.1f} "
-            f"{par['seconds']:>9.1f} {par['events'] / par['seconds']:>9,.0f} "
-            f"{scan_['peak_rss_mb']:>9.0f} {cli['peak_rss_mb']:>8.0f} {api['peak_rss_mb']:>8.0f} "
-            f"{par['peak_rss_mb']:>8.0f}"
+            table.row(
+                n,
+                int(cli["events"]),
+                f"{size / 2**20:.0f}",
+                f"{scan_['seconds']:.1f}",
+                f"{cli['seconds']:.1f}",
+                f"{cli['events'] / cli['seconds']:,.0f}",
+                f"{cli['seconds'] / scan_['seconds']:.2f}x",
+                f"{api['seconds']:.1f}",
+                f"{par['seconds']:.1f}",
+                f"{par['events'] / par['seconds']:,.0f}",
+                *(f"{run['peak_rss_mb']:.0f}" for run in (scan_, cli, api, par)),
+            )
         )
     print("(seconds are wall time; RSS is peak resident memory in MB)")
     if len(rows) == 2:

@@ -41,13 +41,14 @@ import aiohttp
 import click
 import numpy as np
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python tools/...`
 
-from tools.bench_server import pct, start_recorder, wait_healthy  # noqa: E402
-from tools.test_engine.launch import start_subprocess  # noqa: E402
+from tools.benchkit import wire
+from tools.benchkit.engine import start_test_engine
+from tools.benchkit.recorder import ADMIN, RecorderProcess
+from tools.benchkit.stats import pct
+from tools.benchkit.table import Columns
 
-ADMIN = {"Authorization": "Bearer bench"}
 Route = Callable[[str, int], str]
 
 
@@ -55,18 +56,18 @@ class Replicas:
     """R recorder processes on one database."""
 
     def __init__(self, engine_url: str, db: str, n: int, extra: Sequence[str] = ()) -> None:
-        self.started = [start_recorder(engine_url, db, extra) for _ in range(n)]
-        self.urls = [url for _, url, _ in self.started]
+        self.started = [RecorderProcess(engine_url, db, extra, log=True) for _ in range(n)]
+        self.urls = [r.url for r in self.started]
 
     async def healthy(self, http: aiohttp.ClientSession) -> None:
-        for proc, url, _ in self.started:
-            await wait_healthy(http, url, proc)
+        for recorder in self.started:
+            await recorder.wait_healthy(http)
 
     def stop(self) -> None:
-        for proc, _, _ in self.started:
-            proc.terminate()
-        for proc, _, _ in self.started:
-            proc.wait(timeout=60)
+        for recorder in self.started:
+            recorder.proc.terminate()
+        for recorder in self.started:
+            recorder.proc.wait(timeout=60)
 
 
 def sticky(urls: list[str]) -> Route:
@@ -79,11 +80,6 @@ def scattered(urls: list[str]) -> Route:
 
 def alternating(urls: list[str]) -> Route:
     return lambda _sid, turn: urls[turn % len(urls)]
-
-
-async def open_session(http: aiohttp.ClientSession, url: str) -> str:
-    async with http.post(url + "/sessions", json={}, headers=ADMIN) as resp:
-        return str((await resp.json())["session_id"])
 
 
 async def turn(
@@ -104,7 +100,7 @@ async def turn(
 async def session(
     http: aiohttp.ClientSession, route: Route, turns: int, first: str, latencies: list[float]
 ) -> tuple[str, list[dict[str, Any]]]:
-    sid = await open_session(http, route("", 0))
+    sid = await wire.open_session(http, route("", 0), ADMIN)
     messages: list[dict[str, Any]] = []
     for k in range(turns):
         messages.append({"role": "user", "content": first if k == 0 else f"step {k}: go on."})
@@ -133,19 +129,42 @@ async def catch_up_totals(http: aiohttp.ClientSession, urls: list[str]) -> tuple
     return calls, seconds
 
 
-def row(name: str, latencies: list[float], wall_s: float | None) -> str:
-    rate = f"{len(latencies) / wall_s:>9.1f}" if wall_s else f"{'':>9}"
-    return (
-        f"{name:<30}{len(latencies):>7}{rate}{pct(latencies, 50):>9.1f}{pct(latencies, 99):>9.1f}"
+REPLICAS = Columns(
+    [
+        ("replicas, routing", 30, "<"), ("turns", 7, ">"), ("turns/s", 9, ">"),
+        ("p50 ms", 9, ">"), ("p99 ms", 9, ">"), ("caught up", 10, ">"),
+        ("head+catch-up ms/turn", 22, ">"),
+    ]
+)  # fmt: skip
+RECOVERY = Columns(
+    [("backend", 10, "<"), ("sessions", 9, ">"), ("turns", 7, ">")]
+    + [(name, 9, ">") for name in ("first", "p50", "p99", "last", "load")] * 2
+    + [("speedup", 10, ">"), ("warm last", 10, ">")]
+)
+SNAPSHOT = Columns([("", 34, "<"), ("p50 us", 9, ">"), ("bytes", 9, ">")])
+
+
+def row(
+    name: str, latencies: list[float], wall_s: float | None, catch_ups: Any, turns: int = 0
+) -> str:
+    """A routing's line: turns, turns/s (when timed as a whole), p50, p99, and the
+    catch-ups (calls, seconds) the replicas did meanwhile over `turns` (default: all)."""
+    calls, seconds = catch_ups
+    n = turns or len(latencies)
+    return REPLICAS.row(
+        name,
+        len(latencies),
+        f"{len(latencies) / wall_s:.1f}" if wall_s else "",
+        f"{pct(latencies, 50):.1f}",
+        f"{pct(latencies, 99):.1f}",
+        f"{calls / n * 100:.0f}%",
+        f"{seconds / n * 1000:.2f}",
     )
 
 
 async def bench_replicas(engine_url: str, pg: str, sessions: int, turns: int) -> None:
     print(f"\nreplicas on one Postgres: {sessions} sessions x {turns} turns, zero-latency engine")
-    print(
-        f"{'replicas, routing':<30}{'turns':>7}{'turns/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
-        f"{'caught up':>10}{'head+catch-up ms/turn':>22}"
-    )
+    print(REPLICAS.header())
     timeout = aiohttp.ClientTimeout(total=1200)
     for n in (1, 2, 3):
         replicas = Replicas(engine_url, pg, n)
@@ -159,12 +178,8 @@ async def bench_replicas(engine_url: str, pg: str, sessions: int, turns: int) ->
                 for name, make in routes:
                     before = await catch_up_totals(http, replicas.urls)
                     latencies, wall = await drive(http, make(replicas.urls), sessions, turns)
-                    calls, seconds = np.subtract(await catch_up_totals(http, replicas.urls), before)
-                    print(
-                        row(f"{n} {name}", latencies, wall)
-                        + f"{calls / len(latencies) * 100:>10.0f}%"
-                        + f"{seconds / len(latencies) * 1000:>12.2f}"
-                    )
+                    caught = np.subtract(await catch_up_totals(http, replicas.urls), before)
+                    print(row(f"{n} {name}", latencies, wall, caught))
                 if n == 2:
                     await long_context(http, replicas.urls)
         finally:
@@ -181,10 +196,8 @@ async def long_context(http: aiohttp.ClientSession, urls: list[str], reps: int =
         await session(http, route, reps + 1, first, latencies)
         calls, seconds = np.subtract(await catch_up_totals(http, urls), before)
         results[name] = latencies[1:]  # the first turn renders the whole context
-        print(
-            row(f"  100k context, {name}", results[name], None)
-            + f"{calls / len(latencies) * 100:>10.0f}%{seconds / len(latencies) * 1000:>12.2f}"
-        )
+        caught = (calls, seconds)  # per turn over every turn taken, the first included
+        print(row(f"  100k context, {name}", results[name], None, caught, len(latencies)))
     extra = pct(results["alternating"], 50) - pct(results["sticky"], 50)
     print(f"{'':<30}at 100k context a catch-up adds {extra:.1f} ms "
           f"({extra / pct(results['sticky'], 50) * 100:.0f}% of a turn)")  # fmt: skip
@@ -269,16 +282,19 @@ async def bench_recovery(
                     loads[name].append(load_s)
                     warm.append(warm_s)
         cells = [
-            f"{float(np.median(firsts[name])) * 1000:>9.0f}"
-            f"{pct(waits[name], 50):>9.0f}{pct(waits[name], 99):>9.0f}"
-            f"{float(np.median(lasts[name])) * 1000:>9.0f}{pct(loads[name], 50):>9.1f}"
+            cell
             for name, _ in RESTORE_MODES
+            for cell in (
+                f"{float(np.median(firsts[name])) * 1000:.0f}",
+                f"{pct(waits[name], 50):.0f}",
+                f"{pct(waits[name], 99):.0f}",
+                f"{float(np.median(lasts[name])) * 1000:.0f}",
+                f"{pct(loads[name], 50):.1f}",
+            )
         ]
         speedup = np.median(lasts["replay"]) / np.median(lasts["snapshot"])
-        print(
-            f"{label:<10}{sessions:>9}{turns:>7}{''.join(cells)}{speedup:>9.1f}x"
-            f"{float(np.median(warm)) * 1000:>10.0f}"
-        )
+        warm_ms = float(np.median(warm)) * 1000
+        print(RECOVERY.row(label, sessions, turns, *cells, f"{speedup:.1f}x", f"{warm_ms:.0f}"))
 
 
 async def snapshot_cost(reps: int = 30) -> None:
@@ -336,19 +352,18 @@ async def snapshot_cost(reps: int = 30) -> None:
         peer_s.append(time.perf_counter() - started)
         peer_bytes.append(sum(len(p.data) for p in encoded.pieces))
     print(f"\nper-turn cost of the state snapshot at 100k context, 100 turns ({reps} reps)")
-    print(f"{'':<34}{'p50 us':>9}{'bytes':>9}")
-    print(f"{'snapshot (event + new pieces)':<34}{pct(snapshot_s, 50) * 1000:>9.0f}"
-          f"{np.median(snapshot_bytes):>9.0f}")  # fmt: skip
-    print(f"{'peer: input delta (500 tokens)':<34}{pct(peer_s, 50) * 1000:>9.0f}"
-          f"{np.median(peer_bytes):>9.0f}")  # fmt: skip
+    print(SNAPSHOT.header())
+    for name, seconds, sizes in (
+        ("snapshot (event + new pieces)", snapshot_s, snapshot_bytes),
+        ("peer: input delta (500 tokens)", peer_s, peer_bytes),
+    ):
+        print(SNAPSHOT.row(name, f"{pct(seconds, 50) * 1000:.0f}", f"{np.median(sizes):.0f}"))
 
 
 async def bench(
     pg: str, sessions: int, turns: int, rec_sessions: int, history: list[int], restarts: int
 ) -> None:
-    engine_proc, engine_url = start_subprocess(
-        ["--backend", "scripted", "--context-length", "131072", "--no-keep-history"]
-    )
+    engine_proc, engine_url = start_test_engine(131072)
     try:
         if sessions:
             await bench_replicas(engine_url, pg, sessions, turns)
@@ -361,11 +376,7 @@ async def bench(
             " restart, on new connections as after one)"
         )
         print(f"{'':<26}{'full replay (baseline)':>45}{'from snapshot':>45}")
-        print(
-            f"{'backend':<10}{'sessions':>9}{'turns':>7}"
-            + f"{'first':>9}{'p50':>9}{'p99':>9}{'last':>9}{'load':>9}" * 2
-            + f"{'speedup':>10}{'warm last':>10}"
-        )
+        print(RECOVERY.header())
         with tempfile.TemporaryDirectory() as tmp:
             for label, db in (("sqlite", str(Path(tmp) / "r.db")), ("postgres", pg)):
                 await bench_recovery(engine_url, db, label, rec_sessions, history, restarts)

@@ -24,15 +24,13 @@ import os
 import shlex
 import shutil
 import statistics
-import sys
+import subprocess
 import tempfile
 import time
 from pathlib import Path
 from typing import IO, Any
 
 import click
-from rich.console import Console
-from rich.table import Table
 
 from recorder.rollout.agent import AgentSpec, agent_command, local_binary, parse_agent_result
 from recorder.rollout.cli import own_recorder
@@ -40,18 +38,20 @@ from recorder.rollout.driver import RolloutRequest, RolloutResult, run_group
 from recorder.rollout.evaluate import grader_command
 from recorder.rollout.sandbox import SandboxSpec
 from recorder.rollout.tasks import Task, load_tasks
+from tools.benchkit.procs import python_module
+from tools.benchkit.stats import median
+from tools.benchkit.table import console, rich_table
 from tools.tasks.build import build_all
 from tools.tasks.engine import CHAT_TEMPLATE, CONTEXT_LENGTH, TOKENIZER_DIR
-from tools.test_engine.launch import REPO_ROOT, free_port
+from tools.test_engine.launch import free_port
 
 
-async def _start_engine(log: IO[bytes]) -> tuple[asyncio.subprocess.Process, str]:
+def _start_engine(log: IO[bytes]) -> tuple[subprocess.Popen[bytes], str]:
+    """The shipped tasks' scripted engine (tools.tasks.engine), as a subprocess."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tools.tasks.engine", "--port", str(port),
-        stdout=log, stderr=asyncio.subprocess.STDOUT, env=env, cwd=REPO_ROOT,
-    )  # fmt: skip
+    proc = python_module(
+        "tools.tasks.engine", "--port", str(port), stdout=log, stderr=subprocess.STDOUT
+    )
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -141,10 +141,6 @@ def leaks(root: Path) -> tuple[int, int]:
     return dirs, procs
 
 
-def _median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
 async def bench(rollouts: int, concurrency: int, skip_bare: bool) -> None:
     binary = local_binary()
     if binary is None:
@@ -155,7 +151,7 @@ async def bench(rollouts: int, concurrency: int, skip_bare: bool) -> None:
     root = scratch / "sandboxes"
     root.mkdir()
     engine_log = open(scratch / "engine.log", "wb")  # noqa: SIM115  (closed below)
-    engine, engine_url = await _start_engine(engine_log)
+    engine, engine_url = _start_engine(engine_log)
     serve_args = ["--tokenizer", str(TOKENIZER_DIR), "--chat-template", str(CHAT_TEMPLATE),
                   "--tool-parser", "qwen25", "--context-length", str(CONTEXT_LENGTH)]  # fmt: skip
     try:
@@ -195,7 +191,7 @@ async def bench(rollouts: int, concurrency: int, skip_bare: bool) -> None:
         report(results, wall, bare, bare_wall, leaks(root), concurrency)
     finally:
         engine.terminate()
-        await engine.wait()
+        await asyncio.to_thread(engine.wait)
         engine_log.close()
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -210,34 +206,32 @@ def report(
 ) -> None:
     timings = [r.timings for r in results]
     outcomes = statistics.multimode(r.outcome for r in results)
-    table = Table(title=f"{len(results)} rollouts, concurrency {concurrency} (medians)")
-    table.add_column("metric")
-    table.add_column("driver", justify="right")
-    table.add_column("bare peer", justify="right")
+    rows: list[tuple[str, str, str]] = []
 
     def row(name: str, ours: Any, peer: Any = "") -> None:
-        table.add_row(name, str(ours), str(peer))
+        rows.append((name, str(ours), str(peer)))
 
     row("rollouts passed", sum(r.outcome == "passed" for r in results), len(bare) or "-")
     row("wall time, all rollouts (s)", f"{wall:.1f}", f"{bare_wall:.1f}")
-    row("rollout total (s)", f"{_median([t['total_s'] for t in timings]):.3f}",
-        f"{_median([b['total_s'] for b in bare]):.3f}")  # fmt: skip
-    row("  agent incl. engine (s)", f"{_median([t.get('agent_s', 0) for t in timings]):.3f}",
-        f"{_median([b['agent_s'] for b in bare]):.3f}")  # fmt: skip
-    row("  eval (s)", f"{_median([t.get('eval_s', 0) for t in timings]):.3f}",
-        f"{_median([b['eval_s'] for b in bare]):.3f}")  # fmt: skip
+    row("rollout total (s)", f"{median([t['total_s'] for t in timings]):.3f}",
+        f"{median([b['total_s'] for b in bare]):.3f}")  # fmt: skip
+    row("  agent incl. engine (s)", f"{median([t.get('agent_s', 0) for t in timings]):.3f}",
+        f"{median([b['agent_s'] for b in bare]):.3f}")  # fmt: skip
+    row("  eval (s)", f"{median([t.get('eval_s', 0) for t in timings]):.3f}",
+        f"{median([b['eval_s'] for b in bare]):.3f}")  # fmt: skip
     ours = [overhead(t) for t in timings]
     peers = [overhead(b) for b in bare]
-    row("  driver overhead (s)", f"{_median(ours):.3f}", f"{_median(peers):.3f}")
+    row("  driver overhead (s)", f"{median(ours):.3f}", f"{median(peers):.3f}")
     share = [overhead(t) / t["total_s"] for t in timings]
     peer_share = [overhead(b) / b["total_s"] for b in bare]
-    row("  overhead share of rollout wall (target < 5%)", f"{100 * _median(share):.2f}%",
-        f"{100 * _median(peer_share):.2f}%")  # fmt: skip
+    row("  overhead share of rollout wall (target < 5%)", f"{100 * median(share):.2f}%",
+        f"{100 * median(peer_share):.2f}%")  # fmt: skip
     for part in ("boot_s", "checkout_s", "install_s", "diff_s", "recorder_s", "cleanup_s"):
-        row(f"    of which {part[:-2]} (s)", f"{_median([t.get(part, 0.0) for t in timings]):.3f}")
+        row(f"    of which {part[:-2]} (s)", f"{median([t.get(part, 0.0) for t in timings]):.3f}")
     row("leaked sandbox directories", leaked[0])
     row("leaked processes", leaked[1])
-    Console().print(table)
+    title = f"{len(results)} rollouts, concurrency {concurrency} (medians)"
+    console().print(rich_table(title, ("metric", "driver", "bare peer"), rows, left=1))
     if outcomes != ["passed"]:
         click.echo(f"not every rollout passed: {[r.infra_cause or r.outcome for r in results]}")
 

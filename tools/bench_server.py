@@ -15,12 +15,11 @@ engine time the recorder measured for that turn (GenerateResult.latency_s).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,14 +29,23 @@ import click
 import numpy as np
 import psutil
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python tools/...`
 
-from recorder.log import events as ev  # noqa: E402
-from recorder.log.store import open_store  # noqa: E402
-from tools.test_engine.launch import free_port, start_subprocess  # noqa: E402
+from recorder.log import events as ev
+from recorder.log.store import open_store
+from tools.benchkit import wire
+from tools.benchkit.engine import start_test_engine
+from tools.benchkit.recorder import ADMIN, RecorderProcess
+from tools.benchkit.stats import pct
+from tools.benchkit.table import Columns
 
-TOKENIZER = REPO_ROOT / "tests" / "data" / "smollm2-tokenizer"
+TABLE = Columns(
+    [
+        ("sessions x turns", 17, "<"), ("path", 22, "<"), ("turns", 6, ">"), ("err", 5, ">"),
+        ("turns/s", 9, ">"), ("p50 ms", 8, ">"), ("p99 ms", 8, ">"), ("ovh p50", 9, ">"),
+        ("ovh p99", 9, ">"), ("cpu ms/turn", 12, ">"),
+    ]
+)  # fmt: skip
 
 
 @dataclass
@@ -49,52 +57,10 @@ class Run:
     cpu_s: float = 0.0
 
 
-def start_recorder(
-    engine_url: str, db: str, extra: Sequence[str] = ()
-) -> tuple[subprocess.Popen[bytes], str, Path]:
-    port = free_port()
-    log_file = Path(tempfile.mkstemp(prefix="bench_server_", suffix=".log")[1])
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    profile = os.environ.get("BENCH_PROFILE")  # cProfile output file for the server
-    prefix = ["-m", "cProfile", "-o", profile] if profile else []
-    proc = subprocess.Popen(
-        [
-            sys.executable, *prefix, "-m", "recorder.cli", "serve", "--db", db, "--engine", engine_url,
-            "--tokenizer", str(TOKENIZER), "--chat-template", "chatml-tools",
-            "--tool-parser", "qwen25", "--port", str(port), "--admin-token", "bench", *extra,
-        ],
-        cwd=REPO_ROOT,
-        env=env,
-        stdout=log_file.open("wb"),
-        stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    return proc, f"http://127.0.0.1:{port}", log_file
-
-
-async def wait_healthy(
-    http: aiohttp.ClientSession, url: str, proc: subprocess.Popen[bytes]
-) -> None:
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise RuntimeError(f"recorder exited with code {proc.returncode}")
-        try:
-            async with http.get(url + "/health") as resp:
-                if resp.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.1)
-    raise RuntimeError("recorder did not become healthy")
-
-
 async def recorder_session(
     http: aiohttp.ClientSession, url: str, index: int, turns: int, run: Run
 ) -> list[int]:
-    async with http.post(
-        url + "/sessions", json={"index": index}, headers={"Authorization": "Bearer bench"}
-    ) as resp:
-        sid = (await resp.json())["session_id"]
+    sid = await wire.open_session(http, url, ADMIN, {"index": index})
     headers = {"Authorization": f"Bearer {sid}"}
     messages: list[dict[str, Any]] = []
     input_lengths: list[int] = []
@@ -114,34 +80,15 @@ async def recorder_session(
             messages.pop()
             continue
         if body["stream"]:
-            text, msg_id, usage = _from_sse(raw)
+            msg_id, content, usage = wire.parse_sse(raw)
         else:
-            import json
-
             data = json.loads(raw)
-            text, msg_id, usage = data["content"][0]["text"], data["id"], data["usage"]
+            msg_id, content, usage = data["id"], data["content"], data["usage"]
         run.ids.append(msg_id)
         input_lengths.append(usage["input_tokens"] + usage["cache_read_input_tokens"])
+        text = "".join(b["text"] for b in content if b["type"] == "text")
         messages.append({"role": "assistant", "content": text})
     return input_lengths
-
-
-def _from_sse(raw: bytes) -> tuple[str, str, dict[str, int]]:
-    import json
-
-    text, msg_id, usage = "", "", {}
-    for frame in raw.decode().split("\n\n"):
-        lines = frame.strip().split("\n")
-        if len(lines) != 2:
-            continue
-        data = json.loads(lines[1][6:])
-        if data["type"] == "message_start":
-            msg_id = data["message"]["id"]
-        elif data["type"] == "content_block_delta" and data["delta"]["type"] == "text_delta":
-            text += data["delta"]["text"]
-        elif data["type"] == "message_delta":
-            usage = data["usage"]
-    return text, msg_id, usage
 
 
 async def engine_session(
@@ -181,10 +128,6 @@ async def engine_latency_by_request(db: str) -> dict[str, float]:
         await store.close()
 
 
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values) * 1000, q)) if values else float("nan")
-
-
 async def measure(
     http: aiohttp.ClientSession, url: str, engine_url: str, sessions: int, turns: int, pid: int
 ) -> tuple[Run, Run]:
@@ -206,37 +149,34 @@ async def measure(
 
 
 async def bench(sessions: int, turns: int, db: str) -> None:
-    engine_proc, engine_url = start_subprocess(
-        ["--backend", "scripted", "--context-length", "32768", "--no-keep-history"]
-    )
-    recorder_proc, url, log_file = start_recorder(engine_url, db)
+    engine_proc, engine_url = start_test_engine(32768)
+    recorder = RecorderProcess(engine_url, db, log=True)
+    url = recorder.url
     phases: list[tuple[str, Run, Run]] = []
     try:
         connector = aiohttp.TCPConnector(limit=0)
         timeout = aiohttp.ClientTimeout(total=600)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
-            await wait_healthy(http, url, recorder_proc)
+            await recorder.wait_healthy(http)
             await recorder_session(http, url, -1, 2, Run())  # warm-up
             # At least 30 turns per point: the single session's p50 is a median of >= 30.
             for n, t in ((1, max(30, 3 * turns)), (sessions, turns)):
-                rec, base = await measure(http, url, engine_url, n, t, recorder_proc.pid)
+                rec, base = await measure(http, url, engine_url, n, t, recorder.proc.pid)
                 phases.append((f"{n} x {t}", rec, base))
     finally:
-        recorder_proc.terminate()
-        recorder_proc.wait(timeout=60)
+        recorder.terminate()
         engine_proc.terminate()
         engine_proc.wait(timeout=30)
 
     engine_s = await engine_latency_by_request(db)
-    turn_lines = sum(1 for line in log_file.read_text().splitlines() if "turn session=" in line)
+    assert recorder.log_file is not None
+    log = recorder.log_file.read_text().splitlines()
+    turn_lines = sum(1 for line in log if "turn session=" in line)
     print()
     print(
         f"zero-latency scripted engine, db {db}, {os.cpu_count()} cores shared by engine, recorder, clients"
     )
-    print(
-        f"{'sessions x turns':<17}{'path':<22}{'turns':>6}{'err':>5}{'turns/s':>9}"
-        f"{'p50 ms':>8}{'p99 ms':>8}{'ovh p50':>9}{'ovh p99':>9}{'cpu ms/turn':>12}"
-    )
+    print(TABLE.header())
     total, errors = 0, 0
     for name, rec, base in phases:
         overhead = [
@@ -249,15 +189,27 @@ async def bench(sessions: int, turns: int, db: str) -> None:
             ("recorder /v1/messages", rec, overhead),
         ):
             n = len(run.latencies)
-            cpu = f"{run.cpu_s / n * 1000:>12.2f}" if run is rec else f"{'':>12}"
-            o50 = f"{pct(ovh, 50):>9.1f}" if ovh is not None else f"{'':>9}"
-            o99 = f"{pct(ovh, 99):>9.1f}" if ovh is not None else f"{'':>9}"
+            cpu = f"{run.cpu_s / n * 1000:.2f}" if run is rec else ""
+            o50 = f"{pct(ovh, 50):.1f}" if ovh is not None else ""
+            o99 = f"{pct(ovh, 99):.1f}" if ovh is not None else ""
+            rate, p50, p99 = n / run.wall_s, pct(run.latencies, 50), pct(run.latencies, 99)
             print(
-                f"{name:<17}{path:<22}{n:>6}{run.errors:>5}{n / run.wall_s:>9.1f}"
-                f"{pct(run.latencies, 50):>8.1f}{pct(run.latencies, 99):>8.1f}{o50}{o99}{cpu}"
+                TABLE.row(
+                    name,
+                    path,
+                    n,
+                    run.errors,
+                    f"{rate:.1f}",
+                    f"{p50:.1f}",
+                    f"{p99:.1f}",
+                    o50,
+                    o99,
+                    cpu,
+                )
             )
+        throughput = len(rec.latencies) / rec.wall_s / (len(base.latencies) / base.wall_s)
         print(
-            f"{'':<17}ratio recorder/model/engine: throughput {len(rec.latencies) / rec.wall_s / (len(base.latencies) / base.wall_s):.2f}x, "
+            f"{'':<17}ratio recorder/engine: throughput {throughput:.2f}x, "
             f"p50 latency {pct(rec.latencies, 50) / pct(base.latencies, 50):.1f}x"
         )
         total += len(rec.latencies)

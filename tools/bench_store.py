@@ -50,7 +50,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 
@@ -71,6 +71,8 @@ from recorder.log.store.sqlite import (
     configure_connection,
 )
 from recorder.server.deltas import BodyPrefixes, put_body
+from tools.benchkit.stats import pct
+from tools.benchkit.table import print_grid
 
 BATCH = 1000
 APPENDERS = 256
@@ -118,6 +120,23 @@ async def store_batched(url: str, batches: list[list[NewEvent]]) -> float:
         await store.close()
 
 
+def raw_rows(
+    batches: list[list[NewEvent]], event_id: Callable[[NewEvent], object]
+) -> Iterator[list[tuple[object, ...]]]:
+    """Each batch's rows for the raw drivers, as the store lays them out (session s0..s15,
+    seq numbers per session); encoded as they are consumed, so inside the timed loop."""
+    seqs: dict[str, int] = {}
+    for k, batch in enumerate(batches):
+        sid = f"s{k % 16}"
+        seq0 = seqs.get(sid, 0)
+        now = time.time()
+        yield [
+            (sid, seq0 + j, event_id(ne), "sandbox_event", 1, now, encode_event(ne.event))
+            for j, ne in enumerate(batch)
+        ]
+        seqs[sid] = seq0 + BATCH
+
+
 def raw_sqlite_batched(path: Path, batches: list[list[NewEvent]]) -> float:
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("PRAGMA journal_mode=WAL")
@@ -131,16 +150,7 @@ def raw_sqlite_batched(path: Path, batches: list[list[NewEvent]]) -> float:
     )
     n = sum(map(len, batches))
     t0 = time.perf_counter()
-    seqs: dict[str, int] = {}
-    for k, batch in enumerate(batches):
-        sid = f"s{k % 16}"
-        seq0 = seqs.get(sid, 0)
-        now = time.time()
-        rows = [
-            (sid, seq0 + j, ne.event_id.bytes, "sandbox_event", 1, now, encode_event(ne.event))
-            for j, ne in enumerate(batch)
-        ]
-        seqs[sid] = seq0 + BATCH
+    for rows in raw_rows(batches, lambda ne: ne.event_id.bytes):
         conn.execute("BEGIN IMMEDIATE")
         conn.executemany(
             "INSERT INTO events (session_id, seq, event_id, type, version, ts, payload) "
@@ -165,16 +175,7 @@ async def raw_pg_batched(url: str, batches: list[list[NewEvent]]) -> float:
     )
     n = sum(map(len, batches))
     t0 = time.perf_counter()
-    seqs: dict[str, int] = {}
-    for k, batch in enumerate(batches):
-        sid = f"s{k % 16}"
-        seq0 = seqs.get(sid, 0)
-        now = time.time()
-        rows = [
-            (sid, seq0 + j, ne.event_id, "sandbox_event", 1, now, encode_event(ne.event))
-            for j, ne in enumerate(batch)
-        ]
-        seqs[sid] = seq0 + BATCH
+    for rows in raw_rows(batches, lambda ne: ne.event_id):
         async with conn.transaction():
             await conn.executemany(
                 "INSERT INTO raw_events (session_id, seq, event_id, type, version, ts, payload) "
@@ -639,8 +640,7 @@ async def raw_sqlite_turn_latencies(url: str) -> list[float]:
 
 
 def fmt_latency(samples: list[float]) -> str:
-    p50, p99 = np.percentile(samples, [50, 99]) * 1e3
-    return f"p50 {p50:.2f} ms, p99 {p99:.2f} ms"
+    return f"p50 {pct(samples, 50):.2f} ms, p99 {pct(samples, 99):.2f} ms"
 
 
 def latency_ratio(ours: list[float], base: list[float]) -> str:
@@ -825,15 +825,7 @@ async def bench(events: int, rounds: int, per_appender: int, pg_admin: str | Non
 
 
 def print_table(rows: list[Row]) -> None:
-    header: Row = ("benchmark", "backend", "result", "baseline (same run)", "ratio")
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(5)]
-    line = "  ".join("-" * w for w in widths)
-    print(line)
-    for r in [header, *rows]:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
-        if r is header:
-            print(line)
-    print(line)
+    print_grid(("benchmark", "backend", "result", "baseline (same run)", "ratio"), rows)
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ Printed:
              measured turns, and turns/s of the whole loop. Peer: the same
              server with its turn planner replaced (in that process only) by a
              full re-render + re-tokenize of the whole conversation every turn
-             (`bench_middleware.full_render_plan`, which checks it reproduces
+             (`benchkit.peer.full_render_plan`, which checks it reproduces
              the chain's tokens), `--peer-sessions` sessions, `--peer-turns`
              measured turns per checkpoint, measured in the same run.
   memory     RSS of the server every `--rss-every` rounds at the last
@@ -44,105 +44,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from unittest import mock
 
 import aiohttp
-import numpy as np
-import psutil
-from rich.console import Console
 from rich.table import Table
 
-from recorder.model.tokenizer import load_tokenizer
-from tools.bench_middleware import (
-    REPO,
-    TOKENIZER,
-    Conversation,
-    EngineProcess,
-    Span,
-    _words_per_token,
-    full_render_plan,
-    parse_sse,
-)
-from tools.test_engine.launch import free_port
-
-ADMIN = "bench"
-# The model's ~50-token call and the template's ~15-token tool-result wrapping.
-FIXED_TOKENS_PER_TURN = 65
-
-
-# --------------------------------------------------------------------------
-# The server under test, in a child process
-# --------------------------------------------------------------------------
-
-
-class RecorderProcess:
-    """`recorder serve` (ours) or the same command with the full re-render planner (peer)."""
-
-    def __init__(
-        self, engine_url: str, db: str, context_length: int, *, peer: bool, extra: list[str]
-    ) -> None:
-        self.peer = peer
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        serve_args = [
-            "--db", db, "--engine", engine_url, "--tokenizer", str(TOKENIZER),
-            "--chat-template", "chatml-tools", "--tool-parser", "qwen25",
-            "--context-length", str(context_length), "--port", str(self.port),
-            "--admin-token", ADMIN, "--log-level", "WARNING", *extra,
-        ]  # fmt: skip
-        module = ["tools.bench_training", "--serve-peer"] if peer else ["recorder.cli", "serve"]
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        }
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", *module, *serve_args], cwd=REPO, env=env
-        )
-
-    async def wait_healthy(self, http: aiohttp.ClientSession) -> None:
-        for _ in range(1200):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the recorder exited with {self.proc.returncode}")
-            with contextlib.suppress(aiohttp.ClientError):
-                async with http.get(self.url + "/health") as resp:
-                    if resp.status == 200:
-                        return
-            await asyncio.sleep(0.1)
-        raise RuntimeError("the recorder did not become healthy in 120 s")
-
-    def rss(self) -> int:
-        return int(psutil.Process(self.proc.pid).memory_info().rss)
-
-    def anon(self) -> int:
-        """Anonymous resident memory (RSS without mapped files such as SQLite's WAL index)."""
-        with open(f"/proc/{self.proc.pid}/status") as status:
-            for line in status:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-        return self.rss()
-
-    async def stop(self) -> None:
-        self.proc.terminate()
-        await asyncio.to_thread(self.proc.wait, 60)
-
-
-def serve_peer(serve_args: list[str]) -> None:
-    """`--serve-peer ARGS`: `recorder serve ARGS` with the full re-render planner."""
-    import recorder.server.turn as turn_module
-    from recorder.server.commands import serve
-
-    with mock.patch.object(turn_module, "plan_turn", full_render_plan):
-        serve.main(serve_args, prog_name="recorder serve")
-
+from tools.benchkit import wire
+from tools.benchkit.conversation import FIXED_TOKENS_PER_TURN, Conversation, words_per_token
+from tools.benchkit.engine import EngineProcess, fixture_tokenizer
+from tools.benchkit.memory import MB
+from tools.benchkit.recorder import ADMIN, RecorderProcess
+from tools.benchkit.stats import engine_seconds, ints, slope
+from tools.benchkit.table import console, rich_table
 
 # --------------------------------------------------------------------------
 # Sessions
@@ -169,50 +87,29 @@ class Driver:
         self.context: dict[str, int] = {}  # prompt + output tokens after the last turn
 
     async def open(self, seed: int) -> str:
-        auth = {"Authorization": f"Bearer {ADMIN}"}
-        async with self.http.post(self.recorder.url + "/sessions", json={}, headers=auth) as resp:
-            data = await resp.json()
-            if resp.status != 201:
-                raise RuntimeError(f"could not open a session: {data}")
+        session_id = await wire.open_session(self.http, self.recorder.url, ADMIN)
         conversation = Conversation(
             seed, instructions_words=self.args.instructions_words, n_tools=self.args.tools
         )
-        self.sessions.append((data["session_id"], conversation))
-        self.context[data["session_id"]] = 0
-        return str(data["session_id"])
+        self.sessions.append((session_id, conversation))
+        self.context[session_id] = 0
+        return session_id
 
     async def close_all(self) -> None:
-        auth = {"Authorization": f"Bearer {ADMIN}"}
         for session_id, _ in self.sessions:
-            url = f"{self.recorder.url}/sessions/{session_id}/close"
-            async with self.http.post(url, json={"status": "completed"}, headers=auth) as resp:
-                if resp.status != 200:
-                    raise RuntimeError(f"close failed: {resp.status} {await resp.text()}")
+            closed = {"status": "completed"}
+            await wire.close_session(self.http, self.recorder.url, ADMIN, session_id, closed)
         self.sessions = []
         self.context = {}
 
     async def turn(self, session_id: str, conversation: Conversation, words: int | None) -> Sample:
-        if words is not None:
-            conversation.add_tool_result(words)
-        body = conversation.body()
-        headers = {
-            "x-api-key": session_id,
-            "anthropic-version": "2023-06-01",
-            "content-type": "application/json",
-        }
-        url = self.recorder.url + "/v1/messages?beta=true"
-        started = time.perf_counter()
-        async with self.http.post(url, data=body, headers=headers) as resp:
-            raw = await resp.read()
-            status = resp.status
-        ended = time.perf_counter()
-        if status != 200:
-            raise RuntimeError(f"turn failed with HTTP {status}: {raw[:500]!r}")
-        _, content, usage = parse_sse(raw)
-        conversation.add_answer(content)
+        answered = await wire.take_turn(
+            self.http, self.recorder.url, session_id, conversation, words
+        )
+        usage = answered.usage
         prompt = usage.get("input_tokens", 0) + usage.get("cache_read_input_tokens", 0)
         self.context[session_id] = prompt + usage.get("output_tokens", 0)
-        return Sample(started, ended, prompt)
+        return Sample(answered.started, answered.ended, prompt)
 
     async def round(self, words: int | None) -> list[Sample]:
         return [await self.turn(sid, conv, words) for sid, conv in self.sessions]
@@ -262,23 +159,13 @@ class Run:
     def growth_per_round(self) -> float:
         """Least-squares RSS slope (bytes per round) at the last checkpoint, first sample left out."""
         rss = self.points[-1].rss[1:]
-        if len(rss) < 2:
-            return float("nan")
-        x = np.array([r[0] for r in rss], dtype=float)
-        y = np.array([r[2] for r in rss], dtype=float)
-        return float(np.polyfit(x, y, 1)[0])
+        return slope([r[0] for r in rss], [r[2] for r in rss])
 
 
 async def _engine_times(engine: EngineProcess, samples: list[Sample]) -> list[float]:
     """Each turn's engine time: the `/generate` spans inside its wall interval."""
-    spans: list[Span] = await engine.fetch_spans()
-    out = []
-    for s in samples:
-        inside = [x for x in spans if x.start >= s.started and x.end <= s.ended]
-        if not inside:
-            raise RuntimeError("no engine /generate span inside a turn: the timing did not arrive")
-        out.append(sum(x.cpu_s for x in inside))
-    return out
+    spans = await engine.fetch_spans()
+    return [engine_seconds(spans, s.started, s.ended, "a turn") for s in samples]
 
 
 async def run_server(
@@ -287,20 +174,19 @@ async def run_server(
     sessions = args.peer_sessions if peer else args.sessions
     run = Run("peer" if peer else "ours", sessions)
     db = str(Path(db_dir) / f"{run.name}.db")
-    extra = []
+    extra = ["--context-length", str(args.context_length), "--log-level", "WARNING"]
     if args.piece_cache_mb is not None:
         extra += ["--piece-cache-mb", str(args.piece_cache_mb)]
     if args.sqlite_cache_mb is not None:
         extra += ["--sqlite-cache-mb", str(args.sqlite_cache_mb)]
-    recorder = RecorderProcess(engine.url, db, args.context_length, peer=peer, extra=extra)
+    recorder = RecorderProcess(engine.url, db, extra, peer=peer)
     timeout = aiohttp.ClientTimeout(total=600)
     try:
         async with aiohttp.ClientSession(timeout=timeout) as http:
             await recorder.wait_healthy(http)
             driver = Driver(http, recorder, args)
-            tok = load_tokenizer(str(TOKENIZER), "chatml-tools")
-            words_per_token = _words_per_token(tok)
-            step_words = max(1, round((args.new_tokens - FIXED_TOKENS_PER_TURN) * words_per_token))
+            wpt = words_per_token(fixture_tokenizer())
+            step_words = max(1, round((args.new_tokens - FIXED_TOKENS_PER_TURN) * wpt))
             # Warm-up: one session of a few turns, closed, as a run's first episode would be.
             warm = await driver.open(10_000)
             for k in range(3):
@@ -314,7 +200,7 @@ async def run_server(
             for n, target in enumerate(contexts):
                 last = n == len(contexts) - 1
                 turns = args.peer_turns if peer else args.turns if last else args.point_turns
-                await driver.grow_to(target - turns * args.new_tokens // 2, words_per_token)
+                await driver.grow_to(target - turns * args.new_tokens // 2, wpt)
                 if last:
                     run.rss_open = recorder.rss()
                 point = Point(target)
@@ -359,19 +245,16 @@ async def run_all(args: argparse.Namespace) -> list[Run]:
 # Tables
 # --------------------------------------------------------------------------
 
-_MB = 1024 * 1024
-
 
 def overhead_table(ours: Run, peer: Run | None) -> Table:
-    table = Table(
-        title=f"per-turn middleware ms (client wall - engine time), {ours.sessions} sessions "
+    title = (
+        f"per-turn middleware ms (client wall - engine time), {ours.sessions} sessions "
         "round-robin; peer = the same server re-rendering + re-tokenizing the whole "
         f"conversation every turn ({peer.sessions if peer else 0} session(s))"
     )
     cols = ("context tok", "turns", "engine ms", "ours p50", "ours mean", "turns/s")
     cols += ("peer turns", "peer p50", "ratio p50") if peer else ()
-    for col in cols:
-        table.add_column(col, justify="right")
+    rows = []
     for i, point in enumerate(ours.points):
         ms = point.overhead_ms()
         row = [
@@ -386,71 +269,60 @@ def overhead_table(ours: Run, peer: Run | None) -> Table:
             peer_ms = peer.points[i].overhead_ms()
             ratio = statistics.median(peer_ms) / statistics.median(ms)
             row += [f"{len(peer_ms)}", f"{statistics.median(peer_ms):.1f}", f"{ratio:.1f}x"]
-        table.add_row(*row)
-    return table
+        rows.append(row)
+    return rich_table(title, cols, rows)
 
 
 def rss_table(run: Run) -> Table:
     point = run.points[-1]
-    table = Table(
-        title=f"{run.name}: server RSS every {point.rss[1][0] if len(point.rss) > 1 else 0} "
+    title = (
+        f"{run.name}: server RSS every {point.rss[1][0] if len(point.rss) > 1 else 0} "
         f"rounds at the last checkpoint ({run.sessions} sessions, one turn each per round)"
     )
     cols = ("round", "turns served", "mean context tok", "RSS MB", "vs round 0 MB", "anon MB")
-    for col in cols:
-        table.add_column(col, justify="right")
     base = point.rss[0][2]
-    for k, context, rss, anon in point.rss:
-        table.add_row(
+    rows = [
+        (
             f"{k}",
             f"{k * run.sessions}",
             f"{context:,}",
-            f"{rss / _MB:.1f}",
-            f"{(rss - base) / _MB:+.1f}",
-            f"{anon / _MB:.1f}",
+            f"{rss / MB:.1f}",
+            f"{(rss - base) / MB:+.1f}",
+            f"{anon / MB:.1f}",
         )
-    return table
+        for k, context, rss, anon in point.rss
+    ]
+    return rich_table(title, cols, rows)
 
 
 def memory_table(run: Run, args: argparse.Namespace) -> Table:
     piece = 256.0 if args.piece_cache_mb is None else args.piece_cache_mb
     sqlite = 64.0 if args.sqlite_cache_mb is None else args.sqlite_cache_mb
-    table = Table(
-        title=f"{run.name}: memory; configured caches: pieces {piece:g} MB, SQLite pages "
+    title = (
+        f"{run.name}: memory; configured caches: pieces {piece:g} MB, SQLite pages "
         f"{sqlite:g} MB (writer) + {sqlite / 4:g} MB per reader connection"
     )
-    table.add_column("what")
-    table.add_column("value", justify="right")
-    slope = run.growth_per_round()
+    growth = run.growth_per_round()
     rows = [
-        ("RSS before the sessions opened", f"{run.rss_before / _MB:.1f} MB"),
+        ("RSS before the sessions opened", f"{run.rss_before / MB:.1f} MB"),
         (
             f"RSS with {run.sessions} sessions at the last checkpoint",
-            f"{run.rss_open / _MB:.1f} MB",
+            f"{run.rss_open / MB:.1f} MB",
         ),
-        ("per open session", f"{(run.rss_open - run.rss_before) / run.sessions / _MB:.2f} MB"),
-        ("RSS after the measured turns", f"{run.rss_end / _MB:.1f} MB"),
-        ("RSS after every session closed", f"{run.rss_closed / _MB:.1f} MB"),
-        ("growth per round (after warm-up)", f"{slope / 1024:.1f} kB"),
-        ("growth per turn served", f"{slope / run.sessions / 1024:.1f} kB"),
+        ("per open session", f"{(run.rss_open - run.rss_before) / run.sessions / MB:.2f} MB"),
+        ("RSS after the measured turns", f"{run.rss_end / MB:.1f} MB"),
+        ("RSS after every session closed", f"{run.rss_closed / MB:.1f} MB"),
+        ("growth per round (after warm-up)", f"{growth / 1024:.1f} kB"),
+        ("growth per turn served", f"{growth / run.sessions / 1024:.1f} kB"),
     ]
-    for what, value in rows:
-        table.add_row(what, value)
-    return table
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+    return rich_table(title, ("what", "value"), rows, left=1)
 
 
 def main(argv: list[str] | None = None) -> list[Run]:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--serve-peer"]:
-        serve_peer(argv[1:])
-        return []
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--sessions", type=int, default=16)
-    ap.add_argument("--contexts", type=_ints, default=[10_000, 50_000, 100_000])
+    ap.add_argument("--contexts", type=ints, default=[10_000, 50_000, 100_000])
     ap.add_argument("--turns", type=int, default=100, help="measured rounds at the last context")
     ap.add_argument("--point-turns", type=int, default=30, help="measured rounds at the others")
     ap.add_argument("--new-tokens", type=int, default=250, help="context growth per measured turn")
@@ -471,12 +343,12 @@ def main(argv: list[str] | None = None) -> list[Run]:
         top = max(args.contexts) + (args.turns + 2) * args.new_tokens
         args.context_length = int(top * 1.3) + 8192
     runs = asyncio.run(run_all(args))
-    console = Console(width=200)
+    out = console()
     ours = runs[0]
     peer = runs[1] if len(runs) > 1 else None
-    console.print(overhead_table(ours, peer))
-    console.print(rss_table(ours))
-    console.print(memory_table(ours, args))
+    out.print(overhead_table(ours, peer))
+    out.print(rss_table(ours))
+    out.print(memory_table(ours, args))
     return runs
 
 

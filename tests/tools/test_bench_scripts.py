@@ -1,0 +1,101 @@
+"""The benchmarks run as the README shows them (`python tools/bench_X.py`), at toy sizes.
+
+Each run goes end to end through the shared harness (tools/benchkit) from
+another working directory, and its table must keep the columns users'
+scripts and the README's figures refer to, with a number in each measured
+cell. No timing assertions: the numbers only have to be there and be sane.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+
+
+def run(script: str, *args: str, cwd: Path) -> list[str]:
+    proc = subprocess.run(
+        [sys.executable, str(TOOLS / script), *args],
+        cwd=cwd,
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout.splitlines()
+
+
+def numbers(line: str) -> list[float]:
+    cells = line.replace("|", " ").replace(",", "").replace("x", " ").replace("%", " ").split()
+    out = []
+    for cell in cells:
+        try:
+            out.append(float(cell))
+        except ValueError:
+            continue
+    return out
+
+
+def test_bench_dialects(tmp_path: Path) -> None:
+    lines = run("bench_dialects.py", "--turns", "6", "--measured", "2", cwd=tmp_path)
+    header = next(i for i, line in enumerate(lines) if "dialect" in line)
+    assert lines[header].split(" | ") == [
+        "          dialect", "body kB", "session ms", "fresh ms", "    x"
+    ]  # fmt: skip
+    rows = lines[header + 1 : header + 4]
+    assert [r.split("|")[0].strip() for r in rows] == [
+        "anthropic",
+        "openai-chat",
+        "openai-responses",
+    ]
+    assert all(len(numbers(r)) == 4 and min(numbers(r)) > 0 for r in rows)
+
+
+def test_bench_close(tmp_path: Path) -> None:
+    lines = run(
+        "bench_close.py", "--turns", "4,8", "--context", "2000", "--reps", "2", cwd=tmp_path
+    )
+    header = lines.index(" turns |  peak MB  baseline |  close ms  baseline")
+    rows = lines[header + 1 :]
+    assert [int(r.split("|")[0]) for r in rows] == [4, 8]
+    assert all(len(numbers(r)) == 5 and min(numbers(r)[3:]) > 0 for r in rows)
+
+
+def test_bench_replay(tmp_path: Path) -> None:
+    lines = run(
+        "bench_replay.py", "--sessions", "12", "--small", "6", "--turns", "3",
+        "--concurrency", "4", "--cache-dir", str(tmp_path / "cache"), cwd=tmp_path,
+    )  # fmt: skip
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("sessions"))
+    assert lines[header].split() == [
+        "sessions", "events", "db", "MB", "scan", "s", "CLI", "s", "events/s", "vs", "scan",
+        "API", "s", "CLI", "2w", "s", "events/s", "scan", "RSS", "CLI", "RSS", "API", "RSS",
+        "2w", "RSS",
+    ]  # fmt: skip
+    assert set(lines[header + 1]) == {"-"}
+    rows = lines[header + 2 : header + 4]
+    assert [int(r.split()[0]) for r in rows] == [6, 12]
+    # 3 turns x 5 events + open, reward, close per session.
+    assert [int(r.split()[1]) for r in rows] == [6 * 18, 12 * 18]
+    assert any(line.startswith("peak RSS 12 vs 6 sessions") for line in lines)
+
+
+def test_bench_server(tmp_path: Path) -> None:
+    lines = run("bench_server.py", "--sessions", "2", "--turns", "1", cwd=tmp_path)
+    header = next(i for i, line in enumerate(lines) if line.startswith("sessions x turns"))
+    assert lines[header] == (
+        f"{'sessions x turns':<17}{'path':<22}{'turns':>6}{'err':>5}{'turns/s':>9}"
+        f"{'p50 ms':>8}{'p99 ms':>8}{'ovh p50':>9}{'ovh p99':>9}{'cpu ms/turn':>12}"
+    )
+    rows = lines[header + 1 : header + 7]
+    assert [r[17:39].strip() for r in rows] == [
+        "engine /generate", "recorder /v1/messages", "ratio recorder/engine:",
+    ] * 2  # fmt: skip
+    recorder_rows = [numbers(r[39:]) for r in rows if "/v1/messages" in r]
+    # turns, errors, turns/s, p50, p99, overhead p50 / p99, CPU per turn
+    assert [(r[0], r[1], len(r)) for r in recorder_rows] == [(30, 0, 8), (2, 0, 8)]
+    assert lines[header + 7] == "turn log lines 34 for 34 turns"
