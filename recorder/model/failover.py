@@ -11,6 +11,7 @@ plus the HTTP calls (`recorder.model.engine`); the checks it runs are
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import hashlib
 import logging
@@ -21,7 +22,7 @@ from recorder.model.engine_wire import EngineError
 log = logging.getLogger("recorder.model.engine")
 
 
-class EnginePool:
+class EnginePool(abc.ABC):
     """The engines, the ones marked down, and the choices made from them (no HTTP of its own)."""
 
     def __init__(self, urls: Sequence[str], *, health_interval_s: float = 5.0) -> None:
@@ -37,9 +38,9 @@ class EnginePool:
         self._went_down: dict[str, asyncio.Event] = {}
         self.health_interval_s = health_interval_s if len(self.urls) > 1 else 0.0
 
+    @abc.abstractmethod
     async def health(self, url: str) -> bool:
         """Does the engine at `url` answer its health check? (`EngineClient` asks it.)"""
-        raise NotImplementedError
 
     async def _check_forever(self) -> None:
         """Until closed, or until `health_interval_s` is set to 0."""
