@@ -216,3 +216,37 @@ async def test_invalid_output_formats_are_400(
     assert info.value.param == param, info.value.body
     assert_openai_shape(info.value.response.json())
     assert h.engine.requests == []
+
+
+async def test_storage_errors_escaping_a_handler_are_in_the_paths_shape() -> None:
+    """The middleware's 529 (a storage error no responder caught: the session's lock or its
+    catch-up during an outage) came back as `{"type": "error"}` on the OpenAI paths too."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from recorder.log.store.base import StorageUnavailable
+    from recorder.server.errors import api_errors
+
+    async def outage(request: web.Request) -> web.Response:
+        raise StorageUnavailable("the event log cannot be reached: the database is unreachable")
+
+    app = web.Application(middlewares=[api_errors])
+    for path in (*OPENAI_PATHS, "/v1/messages"):
+        app.router.add_post(path, outage)
+    async with TestServer(app) as server:
+        client = openai.AsyncOpenAI(
+            base_url=str(server.make_url("/v1")), api_key="k", max_retries=0
+        )
+        for route in ("/chat/completions", "/responses"):
+            with pytest.raises(openai.APIStatusError) as info:
+                await client.post(route, body={}, cast_to=object)
+            assert info.value.status_code == 529
+            error = assert_openai_shape(info.value.response.json())
+            assert (error["type"], error["code"]) == ("server_error", "overloaded")
+            assert "unreachable" in error["message"]
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(server.make_url("/v1/messages"), json={}) as resp,
+        ):
+            data = await resp.json()
+        assert resp.status == 529 and data["type"] == "error", data
