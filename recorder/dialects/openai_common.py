@@ -99,7 +99,7 @@ def arguments(text: str, field: str) -> dict[str, Any]:
     levels), and a lone surrogate escape (`"\\ud800"`) is refused, since no
     UTF-8 encoder (the log's, the engine's) can write it. Both were 500s.
     """
-    problem = json_problem(text.encode(), ARGUMENTS_MAX_DEPTH)
+    problem = json_problem(text.encode("utf-8", "surrogatepass"), ARGUMENTS_MAX_DEPTH)
     if problem is not None:
         raise InvalidRequest(f"{problem}; send the arguments as a JSON object string", field)
     try:
