@@ -36,6 +36,7 @@ from recorder.dialects.openai_common import (
     encode_message,
     image,
     join_through_cache,
+    output_schema,
     texts,
     to_chat_request,
     tool,
@@ -270,7 +271,7 @@ def _fields(req: _RequestFields) -> dict[str, Any]:
     if req.n != 1:
         raise InvalidRequest("only n=1 is supported (one trajectory per request)", "n")
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
-    schema = (req.response_format or {}).get("json_schema", {}).get("schema")
+    schema = output_schema(req.response_format, "response_format", nested=True)
     names = [t.function.name for t in req.tools or []]
     return {
         "model": req.model,

@@ -86,8 +86,22 @@ def image(url: str) -> ImageBlock:
     return ImageBlock(source=UrlSource(url=url))
 
 
+# The arguments become a tool_use `input` four levels deep in the translated
+# body (messages, a message, its content, a block), which meets MAX_DEPTH too.
+ARGUMENTS_MAX_DEPTH = MAX_DEPTH - 8
+
+
 def arguments(text: str, field: str) -> dict[str, Any]:
-    """A tool call's JSON-string arguments as the object the model wrote."""
+    """A tool call's JSON-string arguments as the object the model wrote.
+
+    The string is JSON inside JSON, so the body's limits never saw it: its
+    depth is checked here (`json.loads` raised RecursionError past ~1,000
+    levels), and a lone surrogate escape (`"\\ud800"`) is refused, since no
+    UTF-8 encoder (the log's, the engine's) can write it. Both were 500s.
+    """
+    problem = json_problem(text.encode("utf-8", "surrogatepass"), ARGUMENTS_MAX_DEPTH)
+    if problem is not None:
+        raise InvalidRequest(f"{problem}; send the arguments as a JSON object string", field)
     try:
         value = json.loads(text) if text.strip() else {}
     except json.JSONDecodeError as exc:
@@ -96,7 +110,52 @@ def arguments(text: str, field: str) -> dict[str, Any]:
         ) from None
     if not isinstance(value, dict):
         raise InvalidRequest("must be a JSON object", field)
+    try:
+        _encoder.encode(value)
+    except UnicodeEncodeError:
+        raise InvalidRequest(
+            "holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair), "
+            "which is not text; send valid Unicode",
+            field,
+        ) from None
     return value
+
+
+# What `{"type": "json_object"}` asks of the output, in the form SGLang's JSON
+# constraint takes (it has no "any JSON object" switch; this schema is that).
+ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+def output_schema(fmt: Any, field: str, *, nested: bool) -> dict[str, Any] | None:
+    """The JSON schema an output format asks for (None: free text), or 400 naming the field.
+
+    Chat's `response_format` holds the schema in `json_schema.schema` (`nested`),
+    Responses' `text.format` in `schema`. As OpenAI's API: an unknown type, or
+    `json_schema` without a schema, is refused rather than ignored; silently
+    answering free text would hand the agent output its parser rejects.
+    """
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ANY_JSON_OBJECT
+    if kind == "json_schema":
+        holder = fmt.get("json_schema") if nested else fmt
+        schema = holder.get("schema") if isinstance(holder, dict) else None
+        if not isinstance(schema, dict):
+            where = f"{field}.json_schema.schema" if nested else f"{field}.schema"
+            raise InvalidRequest(
+                "is required for type 'json_schema': the JSON schema (an object) the output "
+                "must follow",
+                where,
+            )
+        return schema
+    raise InvalidRequest(
+        f"type {kind!r} is not supported: use 'text', 'json_object' or 'json_schema'",
+        f"{field}.type",
+    )
 
 
 def texts(parts: Sequence[TextBlock]) -> str:

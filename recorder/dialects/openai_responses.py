@@ -40,6 +40,7 @@ from recorder.dialects.openai_common import (
     encode_message,
     image,
     join_through_cache,
+    output_schema,
     to_chat_request,
     tool,
     tool_choice,
@@ -358,8 +359,8 @@ def _message_of(item: Any, where: str) -> Message:
 
 def _fields(req: _ResponsesFields) -> dict[str, Any]:
     tools = [tool(t.name, t.description, t.parameters) for t in _function_tools(req.tools or [])]
-    fmt = (req.text or {}).get("format") or {}
-    schema = fmt.get("schema") if fmt.get("type") == "json_schema" else None
+    fmt = (req.text or {}).get("format")
+    schema = output_schema(fmt, "text.format", nested=False)
     return {
         "model": req.model,
         "max_tokens": req.max_output_tokens,

@@ -138,6 +138,11 @@ async def _serve(
     except SessionContended as exc:
         log.warning("session %s: %s", session_id, exc)
         return await responder.fail(contended_error())
+    except StorageUnavailable as exc:
+        # Loading the session under its lock failed: answered by the responder,
+        # so a stream already open ends with an error event in its dialect.
+        log.warning("session %s: %s", session_id, exc, exc_info=exc.__cause__)
+        return await responder.fail(storage_error(exc))
     if answered is None:
         return await responder.fail(ApiError("authentication_error", _unknown_session(session_id)))
     return answered

@@ -22,7 +22,7 @@ from aiohttp.web_urldispatcher import _default_expect_handler
 from recorder.dialects.errors import ApiError
 from recorder.server import admin, api
 from recorder.server.context import CTX, ServerConfig, ServerContext
-from recorder.server.errors import anthropic_errors, error_response, too_large_message
+from recorder.server.errors import api_errors, error_for_path, too_large_message
 from recorder.server.protocol import RecorderRunner
 from recorder.server.restore import catch_up, load_session_state
 from recorder.server.sessions import SessionRegistry
@@ -38,7 +38,7 @@ log = logging.getLogger("recorder.server")
 
 
 def create_app(ctx: ServerContext) -> web.Application:
-    app = web.Application(middlewares=[anthropic_errors], client_max_size=ctx.config.max_body_bytes)
+    app = web.Application(middlewares=[api_errors], client_max_size=ctx.config.max_body_bytes)
     app[CTX] = ctx
     expect = _expect_handler(ctx.config.max_body_bytes)
     app.add_routes(
@@ -58,11 +58,12 @@ def _expect_handler(max_body_bytes: int) -> Callable[[web.Request], Awaitable[we
     async def expect(request: web.Request) -> web.Response | None:
         length = request.content_length
         if length is not None and length > max_body_bytes:
-            response = error_response(
+            response = error_for_path(
+                request.path,
                 ApiError(
                     "request_too_large",
                     too_large_message(f"Content-Length {length} > {max_body_bytes}"),
-                )
+                ),
             )
             response.force_close()
             return response

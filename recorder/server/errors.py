@@ -16,6 +16,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
+from recorder.dialects import ANTHROPIC, OPENAI_CHAT, OPENAI_RESPONSES, Dialect
 from recorder.dialects.errors import ApiError, error_payload, error_type_for_status
 from recorder.log.store.base import StorageUnavailable
 from recorder.server.journal import SessionMovedOn
@@ -60,6 +61,21 @@ def error_response(err: ApiError, payload: dict[str, Any] | None = None) -> web.
     return response
 
 
+def dialect_of_path(path: str) -> Dialect:
+    """The dialect a client on `path` reads errors in: an OpenAI SDK cannot read Anthropic's
+    `{"type": "error"}` (it shows no message, no type), so its routes answer in OpenAI's shape."""
+    if path.startswith("/v1/chat/completions"):
+        return OPENAI_CHAT
+    if path.startswith("/v1/responses"):
+        return OPENAI_RESPONSES
+    return ANTHROPIC
+
+
+def error_for_path(path: str, err: ApiError) -> web.Response:
+    """`error_response` in the shape of the dialect `path` speaks."""
+    return error_response(err, dialect_of_path(path).error(err))
+
+
 def retry_can_fix(status: int) -> bool:
     """A timeout, a rate limit or a server-side failure may pass; a client's mistake will not."""
     return status >= 500 or status in (408, 429)
@@ -69,8 +85,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @web.middleware
-async def anthropic_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Turn every error escaping a handler into Anthropic's error shape.
+async def api_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Turn every error escaping a handler into the error shape of the path's dialect.
 
     aiohttp's own HTTP errors (unknown route, wrong method, body too large)
     keep their status; anything unexpected becomes a logged 500 `api_error`
@@ -78,34 +94,36 @@ async def anthropic_errors(request: web.Request, handler: Handler) -> web.Stream
     """
     try:
         return await handler(request)
-    except ApiError as err:
-        return error_response(err)
-    except StorageUnavailable as exc:
+    except Exception as exc:
+        err = _api_error(request, exc)
+        if err is None:
+            raise
+        return error_for_path(request.path, err)
+
+
+def _api_error(request: web.Request, exc: Exception) -> ApiError | None:
+    """The answer to `exc`; None for a non-error HTTP exception (a redirect), raised as is."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, StorageUnavailable):
         log.warning("%s %s: %s", request.method, request.path, exc, exc_info=exc.__cause__)
-        return error_response(storage_error(exc))
-    except SessionContended as exc:
+        return storage_error(exc)
+    if isinstance(exc, SessionContended):
         log.warning("%s %s: %s", request.method, request.path, exc)
-        return error_response(contended_error())
-    except RequestPayloadError as exc:
+        return contended_error()
+    if isinstance(exc, RequestPayloadError):
         # A body aiohttp could not read: the usual case is a Content-Encoding
         # the bytes do not match. The connection is closed after this answer.
         encoding = request.headers.get("Content-Encoding", "")
         detail = f"it is not valid {encoding}" if encoding else str(exc.__cause__ or exc)
-        return error_response(
-            ApiError("invalid_request_error", f"the request body could not be read: {detail}")
-        )
-    except web.HTTPException as exc:
+        return ApiError("invalid_request_error", f"the request body could not be read: {detail}")
+    if isinstance(exc, web.HTTPException):
         if exc.status < 400:
-            raise
+            return None
         message = _http_exception_message(request, exc)
-        return error_response(
-            ApiError(error_type_for_status(exc.status), message, status=exc.status)  # type: ignore[arg-type]
-        )
-    except Exception as exc:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(
-            ApiError("api_error", f"internal error ({type(exc).__name__}); see the server log")
-        )
+        return ApiError(error_type_for_status(exc.status), message, status=exc.status)  # type: ignore[arg-type]
+    log.exception("unhandled error on %s %s", request.method, request.path)
+    return ApiError("api_error", f"internal error ({type(exc).__name__}); see the server log")
 
 
 def _http_exception_message(request: web.Request, exc: web.HTTPException) -> str:

@@ -4,12 +4,18 @@ aiohttp's HTTP parser refuses some requests before a handler or middleware
 sees them: a header line (or the request line) over 8,190 bytes, more than
 128 headers, a malformed request line, method, header or chunked body. It
 answers those from `RequestHandler.handle_error`, as `text/plain`. Here that
-method is overridden to answer `{"type": "error", "error": {...}}` with
+method is overridden to answer in the error shape of the path's dialect
+(`{"type": "error", ...}`, or OpenAI's `{"error": {...}}` on its routes) with
 `x-should-retry: false`: 431 for a line too long, 400 for the rest (and, for
 a 500/504 aiohttp raises itself, `api_error`). aiohttp has no public hook for
 the handler class (`web.Server.__call__` builds `RequestHandler` directly), so
 `RecorderRunner` swaps in a `web.Server` subclass that builds this one; nothing
 of aiohttp is patched.
+
+aiohttp hands `handle_error` a placeholder request whose path is "/": the
+path is taken from the request line at the start of the last chunk received
+(where a client's request starts), so a request whose first chunk is cut
+before its path ends is answered in Anthropic's shape.
 
 What cannot be answered: a request whose client already closed its side (a
 body shorter than its Content-Length, then EOF): the transport is closed
@@ -19,18 +25,28 @@ connection left open, the handler's body read refuses it: bodies.py.)
 
 from __future__ import annotations
 
+import re
+
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 
 from recorder.dialects.errors import ApiError, error_type_for_status
-from recorder.server.errors import error_response
+from recorder.server.errors import error_for_path
+
+_REQUEST_LINE = re.compile(rb"[A-Z]{1,16} (/[^ ?#\r\n]{0,256})[ ?#]")
 
 
 class AnthropicErrorsHandler(RequestHandler):
-    """aiohttp's connection handler, whose own error answers are Anthropic-shaped JSON."""
+    """aiohttp's connection handler, whose own error answers are JSON in the path's dialect."""
 
-    __slots__ = ()
+    __slots__ = ("_last_path",)
+
+    def data_received(self, data: bytes) -> None:
+        line = _REQUEST_LINE.match(data)
+        if line is not None:
+            self._last_path = line[1].decode("latin-1")
+        super().data_received(data)
 
     def handle_error(
         self,
@@ -41,7 +57,8 @@ class AnthropicErrorsHandler(RequestHandler):
     ) -> web.StreamResponse:
         # aiohttp's own: logs, and raises if a response already started. Its body is dropped.
         super().handle_error(request, status, exc, message)
-        response = error_response(parser_error(status, exc))
+        path = getattr(self, "_last_path", "/")
+        response = error_for_path(path, parser_error(status, exc))
         response.force_close()  # as aiohttp does: the stream may be out of sync
         return response
 
