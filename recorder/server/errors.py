@@ -17,7 +17,8 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from recorder.dialects.errors import ApiError, error_payload, error_type_for_status
-from recorder.log.store.base import StorageUnavailable
+from recorder.log.store.base import EventStore, StorageUnavailable
+from recorder.server.context import CTX
 from recorder.server.journal import SessionMovedOn
 from recorder.server.sessions import SessionContended
 
@@ -27,6 +28,35 @@ log = logging.getLogger("recorder.server")
 def storage_error(exc: StorageUnavailable) -> ApiError:
     """529 with the plain reason: the client retries, as for an overloaded API."""
     return ApiError("overloaded_error", f"{exc}; nothing of this request was kept, retry shortly")
+
+
+def outage_of(store: EventStore, exc: BaseException) -> StorageUnavailable | None:
+    """`exc` as the storage outage it means, or None (a bug, a conflict, a cancel).
+
+    The one seam every path shares: a write already raises `StorageUnavailable`
+    (the store's own seam), while a read, a lock or a session's reload lets the
+    driver's error escape; both become the same 529 and `/health` names them.
+    """
+    if isinstance(exc, StorageUnavailable):
+        return exc
+    if isinstance(exc, Exception):
+        return store.as_unavailable(exc)
+    return None
+
+
+def known_failure(store: EventStore, exc: BaseException) -> ApiError | None:
+    """The answer to a failure the server expects (its own error, an outage, a lost
+    session lock); None for anything else, a bug answered 500 by the middleware."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, SessionContended):
+        log.warning("%s", exc)
+        return contended_error()
+    outage = outage_of(store, exc)
+    if outage is not None:
+        log.warning("%s", outage, exc_info=exc if outage is not exc else outage.__cause__)
+        return storage_error(outage)
+    return None
 
 
 def contended_error() -> ApiError:
@@ -78,14 +108,10 @@ async def anthropic_errors(request: web.Request, handler: Handler) -> web.Stream
     """
     try:
         return await handler(request)
-    except ApiError as err:
-        return error_response(err)
-    except StorageUnavailable as exc:
-        log.warning("%s %s: %s", request.method, request.path, exc, exc_info=exc.__cause__)
-        return error_response(storage_error(exc))
-    except SessionContended as exc:
-        log.warning("%s %s: %s", request.method, request.path, exc)
-        return error_response(contended_error())
+    except (ApiError, StorageUnavailable, SessionContended) as exc:
+        known = known_failure(request.app[CTX].store, exc)
+        assert known is not None
+        return error_response(known)
     except RequestPayloadError as exc:
         # A body aiohttp could not read: the usual case is a Content-Encoding
         # the bytes do not match. The connection is closed after this answer.
@@ -102,6 +128,9 @@ async def anthropic_errors(request: web.Request, handler: Handler) -> web.Stream
             ApiError(error_type_for_status(exc.status), message, status=exc.status)  # type: ignore[arg-type]
         )
     except Exception as exc:
+        known = known_failure(request.app[CTX].store, exc)
+        if known is not None:  # the database went away under a read, a lock or a reload
+            return error_response(known)
         log.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(
             ApiError("api_error", f"internal error ({type(exc).__name__}); see the server log")

@@ -243,9 +243,13 @@ class SessionRegistry:
             future.cancel()
             raise
         except Exception as exc:
-            future.set_exception(exc)
+            # Waiters get the same error: an outage as `StorageUnavailable`.
+            failure = self._outage(exc) or exc
+            future.set_exception(failure)
             future.exception()  # mark retrieved: waiters re-raise it themselves
-            raise
+            if failure is exc:
+                raise
+            raise failure from exc
         finally:
             self._loading.pop(session_id, None)
         self.loads += 1
