@@ -291,6 +291,7 @@ async def health(request: web.Request) -> web.Response:
             "storage": failure or "ok",
             "sessions_cached": len(ctx.registry),
             "sessions_open": ctx.registry.open_count(),
+            "sessions_closed_elsewhere": ctx.registry.closed_elsewhere,
             "turns_in_flight": len(ctx.inflight),
             "catch_ups": ctx.registry.catch_ups,
             "catch_up_s": round(ctx.registry.catch_up_s, 6),

@@ -29,7 +29,7 @@ import logging
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -164,6 +164,8 @@ class SessionRegistry:
         # Units of work done again because another process appended first (a
         # lost database lock, or a process that takes none; `/health`).
         self.conflicts_retried = 0
+        # Sessions held as open that another process closed, dropped (`forget_closed`).
+        self.closed_elsewhere = 0
         # Sessions rebuilt from the log (after a restart, or suspect) and the
         # time their loads took, summed (`/health`: what a restart costs).
         self.loads = 0
@@ -203,6 +205,26 @@ class SessionRegistry:
             del self._closed[old]
             if cached is not None and cached.status == "closed":
                 del self._sessions[old]
+
+    def forget_closed(self, session_ids: Iterable[str]) -> list[str]:
+        """Drop the sessions another process closed that this one holds as open.
+
+        The log is the truth: a request naming one again rebuilds it from the
+        log (closed, or reopened since). A session in use now (its lock held,
+        or being loaded) is kept; its ids are returned, for the caller to pass
+        again later.
+        """
+        busy: list[str] = []
+        for session_id in dict.fromkeys(session_ids):
+            state = self._sessions.get(session_id)
+            if state is None or state.status == "closed":
+                continue
+            if state.lock.locked() or session_id in self._loading:
+                busy.append(session_id)
+                continue
+            del self._sessions[session_id]
+            self.closed_elsewhere += 1
+        return busy
 
     async def get(self, session_id: str) -> SessionState | None:
         """The session's state, from memory or rebuilt from the log; None if it never existed."""

@@ -100,6 +100,36 @@ async def test_only_the_most_recently_closed_sessions_stay_cached() -> None:
     assert registry.cached("d") is reopened and registry.cached("a") is None
 
 
+async def test_sessions_closed_elsewhere_leave_the_cache_once_idle() -> None:
+    """Issue 24 item 2: a close another replica served drops the session held here as
+    open; one in use is kept (and named back to be passed again); one closed here
+    stays among the bounded closed ones; the next request rebuilds it from the log."""
+
+    def state(session_id: str) -> SessionState:
+        return SessionState(session_id=session_id, journal=Journal(FakeStore(), session_id, 0))  # type: ignore[arg-type]
+
+    async def loader(session_id: str) -> SessionState | None:
+        reloaded = state(session_id)
+        reloaded.status = "closed"
+        return reloaded
+
+    registry = SessionRegistry(loader)
+    idle, busy, here, kept = state("idle"), state("busy"), state("here"), state("kept")
+    here.status = "closed"
+    for s in (idle, busy, here, kept):
+        registry.put(s)
+    await busy.lock.acquire()
+    assert registry.forget_closed(["idle", "busy", "here", "idle", "never"]) == ["busy"]
+    assert registry.cached("idle") is None and registry.cached("busy") is busy
+    assert registry.cached("here") is here and registry.cached("kept") is kept
+    assert registry.open_count() == 2 and registry.closed_elsewhere == 1
+    busy.lock.release()
+    assert registry.forget_closed(["busy"]) == []
+    assert registry.cached("busy") is None and registry.open_count() == 1
+    again = await registry.get("idle")
+    assert again is not None and again.status == "closed"
+
+
 async def test_a_cancelled_loader_does_not_cancel_the_requests_waiting_for_it() -> None:
     release = asyncio.Event()
     loads = 0
