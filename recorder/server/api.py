@@ -19,13 +19,13 @@ from recorder.dialects.answer import new_message_id
 from recorder.dialects.chat import ChatRequest, InvalidRequest
 from recorder.dialects.errors import ApiError
 from recorder.dialects.translate import parse_request
-from recorder.log.store.base import ConcurrencyConflict
+from recorder.log.store.base import ConcurrencyConflict, StorageUnavailable
 from recorder.model.admission import check_fits
 from recorder.server.auth import session_id_of
 from recorder.server.bodies import read_body
 from recorder.server.context import CTX, ServerContext
 from recorder.server.counting import next_input_tokens
-from recorder.server.errors import contended_error, known_failure, outage_of, storage_error
+from recorder.server.errors import contended_error, known_failure, storage_error
 from recorder.server.history import log_history
 from recorder.server.responders import JsonResponder, Responder, SseResponder, error_response
 from recorder.server.sessions import SessionContended, SessionState
@@ -178,10 +178,10 @@ async def _serve_locked(
             return await reject(state, message_id, responder, "invalid_request_error", str(invalid))
         except ConcurrencyConflict:
             raise  # nothing recorded: decided again at the new head
-        except Exception as exc:
+        except StorageUnavailable as exc:
             state.suspect = True
-            if (outage := outage_of(ctx.store, exc)) is not None:
-                return await responder.fail(storage_error(outage))
+            return await responder.fail(storage_error(exc))
+        except Exception:
             log.exception("session %s: could not record a rejected request", session_id)
             state.suspect = True
             return await responder.fail(

@@ -61,7 +61,7 @@ from recorder.dialects.errors import ApiError
 from recorder.dialects.translate import response_message_digest
 from recorder.log import events as ev
 from recorder.log.events import ArrayRef
-from recorder.log.store.base import ConcurrencyConflict
+from recorder.log.store.base import ConcurrencyConflict, StorageUnavailable
 from recorder.model.admission import check_fits
 from recorder.model.engine_wire import SamplingParams
 from recorder.model.parsers import ParserError
@@ -79,7 +79,7 @@ from recorder.model.tokens import (
 from recorder.server.attempts import TurnRecord, fail_turn, generate, turn_failed
 from recorder.server.context import LIVE_RULES_VERSION, ServerContext
 from recorder.server.deltas import put_body, put_input, remember_refs
-from recorder.server.errors import moved_on_error, outage_of, storage_error
+from recorder.server.errors import moved_on_error, storage_error
 from recorder.server.journal import Journal, SessionMovedOn, finish_even_if_cancelled
 from recorder.server.responders import Responder
 from recorder.server.sessions import SessionState, TurnStop
@@ -126,17 +126,16 @@ async def run_turn(
         record.outcome = "moved_on"
         log.warning("session %s turn %d: %s", state.session_id, record.turn, exc)
         return await responder.fail(moved_on_error(exc))
-    except Exception as exc:
-        outage = outage_of(ctx.store, exc)
-        if outage is None:
-            return await _session_failed(state, record, exc, responder)
-        # A write that cannot be stored, or a read of the log (history, arrays)
-        # that cannot reach it: nothing more can be recorded; the state is
-        # rebuilt from the log next time.
+    except StorageUnavailable as exc:
+        # Nothing more can be recorded; the state is rebuilt from the log next time.
         state.suspect = True
         record.outcome = "storage_unavailable"
-        log.warning("session %s turn %d: %s", state.session_id, record.turn, outage, exc_info=exc)
-        return await responder.fail(storage_error(outage))
+        log.warning(
+            "session %s turn %d: %s", state.session_id, record.turn, exc, exc_info=exc.__cause__
+        )
+        return await responder.fail(storage_error(exc))
+    except Exception as exc:
+        return await _session_failed(state, record, exc, responder)
     finally:
         await finish_even_if_cancelled(state.journal.settle())
         if state.journal.rebased:
