@@ -292,6 +292,8 @@ async def health(request: web.Request) -> web.Response:
             "sessions_cached": len(ctx.registry),
             "sessions_open": ctx.registry.open_count(),
             "sessions_closed_elsewhere": ctx.registry.closed_elsewhere,
+            "sessions_held_mb": round(ctx.registry.held_total / (1 << 20), 1),
+            "sessions_shed": ctx.registry.shed,
             "turns_in_flight": len(ctx.inflight),
             "catch_ups": ctx.registry.catch_ups,
             "catch_up_s": round(ctx.registry.catch_up_s, 6),

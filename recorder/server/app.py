@@ -116,6 +116,7 @@ def make_context(
         locks=store.session_locks,
         outage=store.as_unavailable,
         sole_writer=config.sole_writer,
+        max_held_bytes=config.max_cached_mb << 20,
     )
     return ctx
 
