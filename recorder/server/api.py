@@ -25,7 +25,7 @@ from recorder.server.auth import session_id_of
 from recorder.server.bodies import read_body
 from recorder.server.context import CTX, ServerContext
 from recorder.server.counting import next_input_tokens
-from recorder.server.errors import contended_error, storage_error
+from recorder.server.errors import contended_error, known_failure, storage_error
 from recorder.server.history import log_history
 from recorder.server.responders import JsonResponder, Responder, SseResponder, error_response
 from recorder.server.sessions import SessionContended, SessionState
@@ -71,11 +71,15 @@ async def responses(request: web.Request) -> web.StreamResponse:
 
 
 async def _in_dialect(request: web.Request, dialect: Dialect) -> web.StreamResponse:
-    """Errors raised before a responder exists, in the dialect's shape (not the middleware's)."""
+    """Errors raised before a responder exists, in the dialect's shape (not the middleware's):
+    the server's own, and a storage outage met while the session is found or reloaded."""
     try:
         return await _chat(request, dialect)
-    except ApiError as err:
-        return error_response(err, dialect)
+    except Exception as exc:
+        known = known_failure(request.app[CTX].store, exc)
+        if known is None:
+            raise  # a bug: the middleware answers 500
+        return error_response(known, dialect)
 
 
 async def _chat(request: web.Request, dialect: Dialect) -> web.StreamResponse:
@@ -292,6 +296,9 @@ async def health(request: web.Request) -> web.Response:
             "storage": failure or "ok",
             "sessions_cached": len(ctx.registry),
             "sessions_open": ctx.registry.open_count(),
+            "sessions_closed_elsewhere": ctx.registry.closed_elsewhere,
+            "sessions_held_mb": round(ctx.registry.held_total / (1 << 20), 1),
+            "sessions_shed": ctx.registry.shed,
             "turns_in_flight": len(ctx.inflight),
             "catch_ups": ctx.registry.catch_ups,
             "catch_up_s": round(ctx.registry.catch_up_s, 6),

@@ -21,6 +21,7 @@ from aiohttp.web_urldispatcher import _default_expect_handler
 
 from recorder.dialects.errors import ApiError
 from recorder.server import admin, api
+from recorder.server.closes import CloseWatch
 from recorder.server.context import CTX, ServerConfig, ServerContext
 from recorder.server.errors import api_errors, error_for_path, too_large_message
 from recorder.server.protocol import RecorderRunner
@@ -116,6 +117,7 @@ def make_context(
         locks=store.session_locks,
         outage=store.as_unavailable,
         sole_writer=config.sole_writer,
+        max_held_bytes=config.max_cached_mb << 20,
     )
     return ctx
 
@@ -129,6 +131,7 @@ class RecorderServer:
         self.port = port or free_port(host)
         self._runner: RecorderRunner | None = None
         self._site: web.TCPSite | None = None
+        self._close_watch: asyncio.Task[None] | None = None
 
     @property
     def url(self) -> str:
@@ -151,6 +154,10 @@ class RecorderServer:
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
         await self._site.start()
+        config = self.ctx.config
+        if not config.sole_writer and config.close_watch_interval_s > 0:
+            watch = CloseWatch(self.ctx.store, self.ctx.registry)
+            self._close_watch = asyncio.create_task(watch.run(config.close_watch_interval_s))
         log.info("recorder listening on %s", self.url)
 
     async def stop(self, grace_s: float | None = None) -> None:
@@ -161,6 +168,10 @@ class RecorderServer:
         """
         grace = self.ctx.config.shutdown_grace_s if grace_s is None else grace_s
         self.ctx.stopping = True
+        if self._close_watch is not None:
+            self._close_watch.cancel()
+            await asyncio.gather(self._close_watch, return_exceptions=True)
+            self._close_watch = None
         if self._site is not None:
             await self._site.stop()
         inflight = set(self.ctx.inflight)

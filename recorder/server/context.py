@@ -54,6 +54,13 @@ class ServerConfig:
     # turn skips the head check, one read query. A lost claim (ConcurrencyConflict)
     # still catches up before it plans again.
     sole_writer: bool = False
+    # How often a replica (not the sole writer) reads the log for sessions other
+    # processes closed, to drop them from its cache (closes.py); 0: never.
+    close_watch_interval_s: float = 1.0
+    # Memory of the cached sessions (previous bodies, translated messages, token
+    # chains) past which the least recently used idle ones leave memory; a request
+    # naming one again rebuilds it from the log, as after a restart.
+    max_cached_mb: int = 4096
 
 
 @dataclass(kw_only=True)

@@ -18,7 +18,8 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from recorder.dialects import ANTHROPIC, OPENAI_CHAT, OPENAI_RESPONSES, Dialect
 from recorder.dialects.errors import ApiError, error_payload, error_type_for_status
-from recorder.log.store.base import StorageUnavailable
+from recorder.log.store.base import EventStore, StorageUnavailable
+from recorder.server.context import CTX
 from recorder.server.journal import SessionMovedOn
 from recorder.server.sessions import SessionContended
 
@@ -28,6 +29,35 @@ log = logging.getLogger("recorder.server")
 def storage_error(exc: StorageUnavailable) -> ApiError:
     """529 with the plain reason: the client retries, as for an overloaded API."""
     return ApiError("overloaded_error", f"{exc}; nothing of this request was kept, retry shortly")
+
+
+def outage_of(store: EventStore | None, exc: BaseException) -> StorageUnavailable | None:
+    """`exc` as the storage outage it means, or None (a bug, a conflict, a cancel).
+
+    The one seam every path shares: a write already raises `StorageUnavailable`
+    (the store's own seam), while a read, a lock or a session's reload lets the
+    driver's error escape; both become the same 529 and `/health` names them.
+    """
+    if isinstance(exc, StorageUnavailable):
+        return exc
+    if isinstance(exc, Exception) and store is not None:
+        return store.as_unavailable(exc)
+    return None
+
+
+def known_failure(store: EventStore | None, exc: BaseException) -> ApiError | None:
+    """The answer to a failure the server expects (its own error, an outage, a lost
+    session lock); None for anything else, a bug answered 500 by the middleware."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, SessionContended):
+        log.warning("%s", exc)
+        return contended_error()
+    outage = outage_of(store, exc)
+    if outage is not None:
+        log.warning("%s", outage, exc_info=exc if outage is not exc else outage.__cause__)
+        return storage_error(outage)
+    return None
 
 
 def contended_error() -> ApiError:
@@ -103,14 +133,10 @@ async def api_errors(request: web.Request, handler: Handler) -> web.StreamRespon
 
 def _api_error(request: web.Request, exc: Exception) -> ApiError | None:
     """The answer to `exc`; None for a non-error HTTP exception (a redirect), raised as is."""
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, StorageUnavailable):
-        log.warning("%s %s: %s", request.method, request.path, exc, exc_info=exc.__cause__)
-        return storage_error(exc)
-    if isinstance(exc, SessionContended):
-        log.warning("%s %s: %s", request.method, request.path, exc)
-        return contended_error()
+    ctx = request.app.get(CTX)
+    known = known_failure(ctx.store if ctx is not None else None, exc)
+    if known is not None:  # our own error, an outage (a write, a read, a reload), a lost lock
+        return known
     if isinstance(exc, RequestPayloadError):
         # A body aiohttp could not read: the usual case is a Content-Encoding
         # the bytes do not match. The connection is closed after this answer.

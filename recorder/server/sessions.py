@@ -29,7 +29,7 @@ import logging
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -125,6 +125,14 @@ def forget_tokens(state: SessionState) -> None:
     state.parse_cache.clear()
 
 
+def held_bytes(state: SessionState) -> int:
+    """Roughly the memory a session's state holds: its previous request body, its
+    translated messages and its token chains (int32), the bulk of what it holds."""
+    total = len(state.body_prefixes.body) + state.parse_cache.nbytes
+    chains = getattr(state.chains, "chains", None) or {}
+    return total + sum(c.tokens.itemsize * len(c.tokens) for c in chains.values())
+
+
 Loader = Callable[[str], Awaitable[SessionState | None]]
 # The state at the log's head: the same object advanced, or a reloaded one.
 CatchUp = Callable[[SessionState], Awaitable[SessionState]]
@@ -146,6 +154,7 @@ class SessionRegistry:
         locks: SessionLocks | None = None,
         outage: Callable[[BaseException], Exception | None] = lambda exc: None,
         sole_writer: bool = False,
+        max_held_bytes: int | None = None,
     ) -> None:
         self._loader = loader
         self._outage = outage
@@ -153,6 +162,13 @@ class SessionRegistry:
         self._catch_up = catch_up
         self._locks = locks or SessionLocks()
         self.max_closed = max_closed
+        # Memory bound: once the states' `held_bytes` (as of the end of each one's
+        # last unit of work) pass it, the least recently used idle ones are dropped,
+        # open or closed, and rebuilt from the log if named again (`shed`).
+        self.max_held_bytes = max_held_bytes
+        self._held: OrderedDict[str, int] = OrderedDict()  # least recently used first
+        self.held_total = 0
+        self.shed = 0
         self._sessions: dict[str, SessionState] = {}
         self._loading: dict[str, asyncio.Future[SessionState | None]] = {}
         self._closed: OrderedDict[str, None] = OrderedDict()  # oldest first
@@ -164,6 +180,8 @@ class SessionRegistry:
         # Units of work done again because another process appended first (a
         # lost database lock, or a process that takes none; `/health`).
         self.conflicts_retried = 0
+        # Sessions held as open that another process closed, dropped (`forget_closed`).
+        self.closed_elsewhere = 0
         # Sessions rebuilt from the log (after a restart, or suspect) and the
         # time their loads took, summed (`/health`: what a restart costs).
         self.loads = 0
@@ -203,6 +221,28 @@ class SessionRegistry:
             del self._closed[old]
             if cached is not None and cached.status == "closed":
                 del self._sessions[old]
+                self.held_total -= self._held.pop(old, 0)
+
+    def forget_closed(self, session_ids: Iterable[str]) -> list[str]:
+        """Drop the sessions another process closed that this one holds as open.
+
+        The log is the truth: a request naming one again rebuilds it from the
+        log (closed, or reopened since). A session in use now (its lock held,
+        or being loaded) is kept; its ids are returned, for the caller to pass
+        again later.
+        """
+        busy: list[str] = []
+        for session_id in dict.fromkeys(session_ids):
+            state = self._sessions.get(session_id)
+            if state is None or state.status == "closed":
+                continue
+            if state.lock.locked() or session_id in self._loading:
+                busy.append(session_id)
+                continue
+            del self._sessions[session_id]
+            self.held_total -= self._held.pop(session_id, 0)
+            self.closed_elsewhere += 1
+        return busy
 
     async def get(self, session_id: str) -> SessionState | None:
         """The session's state, from memory or rebuilt from the log; None if it never existed."""
@@ -243,9 +283,13 @@ class SessionRegistry:
             future.cancel()
             raise
         except Exception as exc:
-            future.set_exception(exc)
+            # Waiters get the same error: an outage as `StorageUnavailable`.
+            failure = self._outage(exc) or exc
+            future.set_exception(failure)
             future.exception()  # mark retrieved: waiters re-raise it themselves
-            raise
+            if failure is exc:
+                raise
+            raise failure from exc
         finally:
             self._loading.pop(session_id, None)
         self.loads += 1
@@ -415,3 +459,25 @@ class SessionRegistry:
         """Let go of what `acquire` took (in the database first, then in this process)."""
         self._locks.unlock(state.session_id)
         state.lock.release()
+        self._charge(state)
+
+    def _charge(self, state: SessionState) -> None:
+        """Account `state`'s memory as most recently used; drop idle ones over the bound."""
+        session_id = state.session_id
+        self.held_total -= self._held.pop(session_id, 0)
+        if self._sessions.get(session_id) is state:
+            self._held[session_id] = held_bytes(state)
+            self.held_total += self._held[session_id]
+        if self.max_held_bytes is None:
+            return
+        for old in list(self._held):
+            if self.held_total <= self.max_held_bytes:
+                break
+            cached = self._sessions.get(old)
+            if cached is not None and (cached.lock.locked() or old in self._loading):
+                continue  # in use: charged again when it is released
+            self.held_total -= self._held.pop(old)
+            if cached is not None:
+                del self._sessions[old]
+                self._closed.pop(old, None)
+                self.shed += 1

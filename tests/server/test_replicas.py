@@ -320,3 +320,71 @@ async def test_one_session_on_two_servers_without_a_working_lock(
 async def _get_json(url: str) -> Any:
     async with aiohttp.ClientSession() as http, http.get(url) as resp:
         return await resp.json()
+
+
+async def _open_count_settles(bases: list[str], sessions: int) -> list[Any]:
+    """/health of each replica once none holds a session open (the close watch polls)."""
+    for _ in range(400):
+        healths = [await _get_json(base + "/health") for base in bases]
+        if all(h["sessions_open"] == 0 for h in healths):
+            return healths
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"replicas still hold closed sessions as open: {healths}")
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("routing", ["sticky", "random"])
+async def test_replicas_drop_sessions_closed_elsewhere(
+    tokenizer: Any, postgres_url: str, routing: str
+) -> None:
+    """Issue 24 item 2. `sticky`: the README's recipe routes by bearer token, so each
+    session's turns land on one replica and every admin close (one token) on the
+    other; `random`: every request on either. Afterwards neither replica holds a
+    closed session as open, and a turn on a dropped one is refused as closed (the
+    session is rebuilt from the log)."""
+    from recorder.log.store import open_store
+
+    random.seed(24)
+    sessions = 8
+    h = await make_harness(tokenizer, postgres_url, admin_token="tok", close_watch_interval_s=0.05)
+    store = await open_store(postgres_url)
+    other = await h.server_on(store)
+    bases = [h.url, other.url]
+    try:
+        sids = [
+            await _admin(random.choice(bases), "POST", "/sessions", {}) for _ in range(sessions)
+        ]
+        ids = [s["session_id"] for s in sids]
+        for sid in ids:
+            for t in range(2):
+                base = h.url if routing == "sticky" else random.choice(bases)
+                client = anthropic.AsyncAnthropic(base_url=base, api_key=sid, max_retries=0)
+                try:
+                    await client.messages.create(
+                        model="m", max_tokens=8, messages=[{"role": "user", "content": f"t{t}"}]
+                    )
+                finally:
+                    await client.close()
+        served_open = h.ctx.registry.open_count()
+        assert served_open > 0  # the first replica held sessions it served
+        for sid in ids:
+            base = other.url if routing == "sticky" else random.choice(bases)
+            await _admin(base, "POST", f"/sessions/{sid}/close", {"reward": 1.0})
+        healths = await _open_count_settles(bases, sessions)
+        print(f"\n{routing}: first replica held {served_open} open, then {healths}")
+        assert sum(health["sessions_closed_elsewhere"] for health in healths) >= (
+            sessions if routing == "sticky" else 1
+        )
+        client = anthropic.AsyncAnthropic(base_url=h.url, api_key=ids[0], max_retries=0)
+        try:
+            with pytest.raises(anthropic.APIStatusError) as refused:
+                await client.messages.create(
+                    model="m", max_tokens=8, messages=[{"role": "user", "content": "after"}]
+                )
+        finally:
+            await client.close()
+        assert refused.value.status_code == 409
+    finally:
+        await other.stop(grace_s=1)
+        await store.close()
+        await h.close()

@@ -11,6 +11,7 @@ import pytest
 from recorder.log.events import NewEvent, SandboxEvent
 from recorder.log.store.arrays import EncodedArray
 from recorder.log.store.base import ConcurrencyConflict
+from recorder.server.deltas import BodyPrefixes
 from recorder.server.journal import Journal, finish_even_if_cancelled
 from recorder.server.sessions import SessionRegistry, SessionState
 
@@ -98,6 +99,65 @@ async def test_only_the_most_recently_closed_sessions_stay_cached() -> None:
     registry.put(closed("e"))
     registry.put(closed("f"))
     assert registry.cached("d") is reopened and registry.cached("a") is None
+
+
+async def test_sessions_closed_elsewhere_leave_the_cache_once_idle() -> None:
+    """Issue 24 item 2: a close another replica served drops the session held here as
+    open; one in use is kept (and named back to be passed again); one closed here
+    stays among the bounded closed ones; the next request rebuilds it from the log."""
+
+    def state(session_id: str) -> SessionState:
+        return SessionState(session_id=session_id, journal=Journal(FakeStore(), session_id, 0))  # type: ignore[arg-type]
+
+    async def loader(session_id: str) -> SessionState | None:
+        reloaded = state(session_id)
+        reloaded.status = "closed"
+        return reloaded
+
+    registry = SessionRegistry(loader)
+    idle, busy, here, kept = state("idle"), state("busy"), state("here"), state("kept")
+    here.status = "closed"
+    for s in (idle, busy, here, kept):
+        registry.put(s)
+    await busy.lock.acquire()
+    assert registry.forget_closed(["idle", "busy", "here", "idle", "never"]) == ["busy"]
+    assert registry.cached("idle") is None and registry.cached("busy") is busy
+    assert registry.cached("here") is here and registry.cached("kept") is kept
+    assert registry.open_count() == 2 and registry.closed_elsewhere == 1
+    busy.lock.release()
+    assert registry.forget_closed(["busy"]) == []
+    assert registry.cached("busy") is None and registry.open_count() == 1
+    again = await registry.get("idle")
+    assert again is not None and again.status == "closed"
+
+
+async def test_the_cache_is_bounded_by_memory_least_recently_used_idle_first() -> None:
+    """Issue 24 item 2: open sessions count too. Past the bound, the least recently
+    used idle sessions leave memory (one in use stays); named again, one is rebuilt."""
+    loads: list[str] = []
+
+    async def loader(session_id: str) -> SessionState | None:
+        loads.append(session_id)
+        return SessionState(session_id=session_id, journal=Journal(FakeStore(), session_id, 0))  # type: ignore[arg-type]
+
+    async def turn_with_body(state: SessionState) -> None:
+        state.body_prefixes = BodyPrefixes(body=b"x" * 1000)
+
+    registry = SessionRegistry(loader, max_held_bytes=2500)
+    for sid in ("a", "b"):
+        await registry.locked(sid, turn_with_body)
+    assert registry.held_total == 2000 and len(registry) == 2
+    busy = await registry.acquire("a")  # "a" is in use: the oldest, yet kept
+    assert busy is not None
+    await registry.locked("c", turn_with_body)
+    assert registry.cached("b") is None and registry.cached("a") is busy
+    assert registry.held_total <= 2500 and registry.shed == 1
+    registry.release(busy)  # now the most recently used
+    assert registry.open_count() == 2 and registry.held_total == 2000
+    await registry.locked("b", turn_with_body)  # rebuilt from the log
+    assert loads == ["a", "b", "c", "b"] and registry.cached("c") is None
+    assert registry.cached("a") is busy
+    assert registry.held_total == 2000 and registry.shed == 2
 
 
 async def test_a_cancelled_loader_does_not_cancel_the_requests_waiting_for_it() -> None:

@@ -237,3 +237,29 @@ async def test_group_spanning_many_sessions_reads_every_head(
         assert flat == list(range(flat[0], flat[0] + len(sessions)))
     assert [e.seq for e in await store.read_session("s1199")] == [0, 1]
     assert await store.last_position() == flat[-1]
+
+
+async def test_closes_after_names_each_close_once(
+    store: EventStore, make_events: MakeEvents
+) -> None:
+    """What a replica polls for closes served elsewhere (issue 24 item 2): each close
+    once, in commit order, none at or before `after`; the backend's one query agrees
+    with the default that pages through the log."""
+    from recorder.log.events import SessionClosed
+
+    def closed() -> list[NewEvent]:
+        return [NewEvent(event=SessionClosed(status="completed"))]
+
+    assert await store.closes_after(0) == (0, [])
+    await store.append("a", make_events(2, "a"))
+    await store.append("b", make_events(1, "b"))
+    await store.append("b", closed(), expected_seq=1)
+    head, ids = await store.closes_after(0)
+    assert (head, ids) == (await store.last_position(), ["b"])
+    assert await EventStore.closes_after(store, 0) == (head, ids)
+    await store.append("a", closed(), expected_seq=2)
+    await store.append("c", make_events(1, "c"))
+    later, ids = await store.closes_after(head)
+    assert (later, ids) == (await store.last_position(), ["a"])
+    assert await EventStore.closes_after(store, head) == (later, ids)
+    assert await store.closes_after(later) == (later, [])

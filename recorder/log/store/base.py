@@ -169,6 +169,23 @@ class EventStore(ProjectionStore):
             if len(page) < page_size:
                 await anyio.sleep(poll_interval)
 
+    async def closes_after(self, after: int) -> tuple[int, list[str]]:
+        """The log's head position and the ids of the sessions closed in (`after`, head].
+
+        What a replica polls to learn of closes other processes served (it
+        passes the head back as the next `after`). Backends do it in one query;
+        this default pages through the whole log.
+        """
+        head, closed = after, []
+        while True:
+            page = await self.read_all(after=head, limit=1000)
+            for event in page:
+                head = event.position
+                if event.type == "session_closed":
+                    closed.append(event.session_id)
+            if len(page) < 1000:
+                return head, closed
+
     @abc.abstractmethod
     async def session_ids(self) -> list[str]:
         """Every session id in the log, in order of first appearance."""

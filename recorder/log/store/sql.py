@@ -655,6 +655,22 @@ class SqlEventStore(EventStore):
         )
         return list(await conn.execute(stmt))
 
+    async def closes_after(self, after: int) -> tuple[int, list[str]]:
+        # Positions are allocated under the writer lock, in commit order: no
+        # close at or below the head read here can commit later.
+        async with self.read_engine.connect() as conn:
+            head = int(await conn.scalar(sa.select(sa.func.max(events.c.position))) or 0)
+            stmt = (
+                sa.select(events.c.session_id)
+                .where(
+                    events.c.position > after,
+                    events.c.position <= head,
+                    events.c.type == "session_closed",
+                )
+                .order_by(events.c.position)
+            )
+            return max(head, after), list(await conn.scalars(stmt))
+
     async def session_ids(self) -> list[str]:
         first = sa.func.min(events.c.position)
         stmt = sa.select(events.c.session_id, first).group_by(events.c.session_id).order_by(first)
