@@ -37,7 +37,7 @@ from recorder.dialects.parse_cache import ParseCache
 from recorder.log.events import ArrayRef
 from recorder.log.store.base import ConcurrencyConflict, SessionLocks
 from recorder.server.deltas import BodyPrefixes
-from recorder.server.journal import Journal
+from recorder.server.journal import Journal, finish_even_if_cancelled
 from recorder.server.overrides import SessionOverrides
 
 log = logging.getLogger("recorder.server")
@@ -363,27 +363,34 @@ class SessionRegistry:
         """The deferred events, handed over (the caller writes them before its own)."""
         return self._deferred.pop(session_id, [])
 
-    async def _write_deferred(self, state: SessionState) -> None:
-        """End of a unit of work: write what waited for it (best effort: a failure keeps
-        them for the next events or close, which write them first)."""
+    async def _write_deferred(self, state: SessionState) -> SessionState:
+        """End of a unit of work: write what waited for it, from the log's head (a unit
+        that lost its claim or failed left the state behind it); the state after. Best
+        effort: a failure keeps them for the next events or close, which write them first."""
         events = self.take_deferred(state.session_id)
         if not events:
-            return
-        if state.status == "closed":
-            log.warning(
-                "session %s: %d rollout events arrived while it was being closed; dropped",
-                state.session_id,
-                len(events),
-            )
-            return
-        if state.suspect:  # rebuilt before the next unit, which writes them
-            self._deferred[state.session_id] = events + self.take_deferred(state.session_id)
-            return
+            return state
         try:
-            await state.journal.write(*events)
+            for _ in range(MAX_CONFLICT_RETRIES + 1):
+                if state.suspect or state.journal.rebased:
+                    state = await self._retake(state)
+                if state.status == "closed":
+                    log.warning(
+                        "session %s: %d rollout events arrived while it was being closed; dropped",
+                        state.session_id,
+                        len(events),
+                    )
+                    return state
+                try:
+                    await state.journal.write(*events)
+                    return state
+                except ConcurrencyConflict:
+                    state = await self._retake(state)
         except Exception:
-            log.warning("session %s: deferred rollout events not written yet", state.session_id)
-            self._deferred[state.session_id] = events + self.take_deferred(state.session_id)
+            pass
+        log.warning("session %s: deferred rollout events not written yet", state.session_id)
+        self._deferred[state.session_id] = events + self.take_deferred(state.session_id)
+        return state
 
     async def locked(
         self, session_id: str, work: Callable[[SessionState], Awaitable[T]]
@@ -411,10 +418,12 @@ class SessionRegistry:
                     retries += 1
                     self.conflicts_retried += 1
                     state = await self._retake(state)
-            if session_id in self._deferred:
-                await self._write_deferred(state)
             return result
         finally:
+            # However the unit ended (a conflict, a failed turn): what waited for it is
+            # written now, while the session is still held; another replica may close it next.
+            if session_id in self._deferred:
+                state = await finish_even_if_cancelled(self._write_deferred(state))
             self.release(state)
 
     async def _retake(self, state: SessionState) -> SessionState:
