@@ -135,19 +135,17 @@ async def test_serve_raises_its_open_files_limit_and_drops_a_frozen_engine(
     port = free_port()
     base = f"http://127.0.0.1:{port}"
 
-    def low_limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
-
     async with ScriptedEngine(tokenizer, context_length=4096) as engine:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "recorder.cli", "serve", "--db", str(tmp_path / "r.db"),
+            ["bash", "-c", 'ulimit -Sn 256 && exec "$@"', "bash",  # a low soft limit at launch
+             sys.executable, "-m", "recorder.cli", "serve", "--db", str(tmp_path / "r.db"),
              "--engine", engine.url, "--engine", frozen_url, "--context-length", "4096",
              "--model-name", "m", "--tokenizer", str(FIXTURE_TOKENIZER),
              "--chat-template", "chatml-tools", "--tool-parser", "qwen25",
              "--port", str(port), "--engine-health-interval", "0.2",
              "--engine-health-timeout", "0.5"],
             env={**os.environ, "PYTHONPATH": str(REPO), "TR_ADMIN_TOKEN": "tok"},
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=low_limit,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         )  # fmt: skip
         try:
             down: list[str] = []
