@@ -4,7 +4,10 @@ Select it per dataset row with `agent_name: recorder` (or make it
 `actor_rollout_ref.rollout.agent.default_agent_loop`). Configure it in verl's
 agent-loop YAML (`actor_rollout_ref.rollout.agent.agent_loop_config_path`),
 whose entries verl hands to `hydra.utils.instantiate`; loading that YAML also
-imports this module in every agent-loop worker, which is what runs `@register`:
+imports this module in every agent-loop worker (at the first trajectory, through
+`hydra.utils.instantiate`), which registers "recorder" only if verl's registry
+does not hold that name yet: an entry the YAML already put there keeps its
+fields (see `register_unless_held`):
 
     - name: recorder
       _target_: recorder.integrations.verl.RecorderAgentLoop
@@ -45,6 +48,7 @@ from verl.experimental.agent_loop.agent_loop import (
     AgentLoopBase,
     AgentLoopMetrics,
     AgentLoopOutput,
+    _agent_loop_registry,
     register,
 )
 
@@ -125,7 +129,6 @@ def _sample_index(kwargs: Mapping[str, Any]) -> int:
         return 0
 
 
-@register(AGENT_NAME)
 class RecorderAgentLoop(AgentLoopBase):
     """One recorded coding-agent rollout per call, as verl agent-loop outputs."""
 
@@ -223,3 +226,20 @@ class RecorderAgentLoop(AgentLoopBase):
             metrics=AgentLoopMetrics(**f.metrics),
             extra_fields=f.extra_fields,
         )
+
+
+def register_unless_held(name: str = AGENT_NAME) -> None:
+    """Add the bare `{_target_: ...}` entry for `name` unless verl already holds one.
+
+    verl's `AgentLoopWorker.__init__` loads the agent-loop YAML into its registry
+    before the first trajectory, and only that trajectory's `instantiate`
+    imports this module; verl's `@register` would then replace the YAML entry
+    with a bare one, so every later trajectory of the worker would run without
+    the YAML's settings (no recorder URL, other sampling). The entry verl holds
+    is the user's configuration: it always wins.
+    """
+    if name not in _agent_loop_registry:
+        register(name)(RecorderAgentLoop)
+
+
+register_unless_held()

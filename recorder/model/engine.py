@@ -30,7 +30,7 @@ from recorder.model.engine_wire import (
     json_ids,
     parse_generate_response,
 )
-from recorder.model.failover import EnginePool
+from recorder.model.failover import DEFAULT_HEALTH_TIMEOUT_S, EnginePool
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class EngineClient(EnginePool):
         connect_timeout_s: float = 10,
         max_connections: int = 0,
         health_interval_s: float = 5.0,
-        health_timeout_s: float = 10.0,
+        health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S,
     ) -> None:
         super().__init__(urls, health_interval_s=health_interval_s)
         # Background work (aborts sent to engines marked down), cancelled by close().

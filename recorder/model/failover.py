@@ -21,6 +21,11 @@ from recorder.model.engine_wire import EngineError
 
 log = logging.getLogger("recorder.model.engine")
 
+# Seconds a GET /health may take before the engine counts as down. A frozen engine
+# (SIGSTOP, a hung node) holds its turns about this long before they move; SGLang
+# answers /health from its HTTP process, so a busy engine still answers well within it.
+DEFAULT_HEALTH_TIMEOUT_S = 3.0
+
 
 class EnginePool(abc.ABC):
     """The engines, the ones marked down, and the choices made from them (no HTTP of its own)."""

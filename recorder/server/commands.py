@@ -13,6 +13,7 @@ from typing import IO, TYPE_CHECKING
 import click
 
 from recorder.admin_token import AdminTokenError, resolve_admin_token
+from recorder.model.failover import DEFAULT_HEALTH_TIMEOUT_S
 from recorder.redact import install_log_redaction, redact, register_secret
 from recorder.server.context import ServerConfig
 
@@ -148,6 +149,14 @@ log = logging.getLogger("recorder.server")
     "session whose engine is down moves to a live one. 0: no checks.",
 )
 @click.option(
+    "--engine-health-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=DEFAULT_HEALTH_TIMEOUT_S,
+    show_default=True,
+    help="Seconds an engine's GET /health may take before the engine counts as down; a "
+    "turn on a frozen engine waits about this long before it moves to a live one.",
+)
+@click.option(
     "--restore-from",
     type=click.Choice(["snapshot", "replay"]),
     default="snapshot",
@@ -180,6 +189,7 @@ def serve(
     piece_cache_mb: float,
     sqlite_cache_mb: float,
     engine_health_interval: float,
+    engine_health_timeout: float,
     restore_from: str,
     log_level: str,
 ) -> None:
@@ -229,6 +239,7 @@ def serve(
         "piece_cache_bytes": int(piece_cache_mb * 2**20),
         "sqlite_cache_bytes": int(sqlite_cache_mb * 2**20),
         "engine_health_interval_s": engine_health_interval,
+        "engine_health_timeout_s": engine_health_timeout,
         "restore_from_snapshots": restore_from == "snapshot",
     }
     try:
@@ -251,8 +262,17 @@ async def _serve(tokenizer, rules, **s) -> None:  # type: ignore[no-untyped-def]
     from recorder.model.engine import EngineClient
     from recorder.model.parsers import make_parser, prefills_reasoning
     from recorder.server.app import RecorderServer, freeze_startup_heap, make_context
+    from recorder.server.limits import install_accept_throttle, raise_open_files_limit
 
-    engine = EngineClient(s["engines"], health_interval_s=s["engine_health_interval_s"])
+    before, after = raise_open_files_limit()
+    if after != before:
+        log.info("open-files limit raised from %d to %d", before, after)
+    install_accept_throttle(asyncio.get_running_loop())
+    engine = EngineClient(
+        s["engines"],
+        health_interval_s=s["engine_health_interval_s"],
+        health_timeout_s=s["engine_health_timeout_s"],
+    )
     await engine.start()
     try:
         context_length = s["context_length"] or await _engine_context_length(engine)

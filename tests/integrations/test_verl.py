@@ -343,3 +343,86 @@ async def test_end_to_end_group_against_a_remote_recorder(
     assert not batch.batch["response_mask"][2].any()
     sessions = set(batch.non_tensor_batch["recorder_session_id"][:2])
     assert len(sessions) == 2
+
+
+YAML_URL = "http://recorder-from-yaml:8080"
+
+
+@pytest.mark.parametrize("env_url", [None, "http://recorder-from-env.invalid:8080"])
+@pytest.mark.parametrize("use_v1", [False, True], ids=["legacy", "v1"])
+async def test_yaml_entry_survives_the_import_by_the_first_trajectory(
+    verl: Any, tokenizer: Any, rollouts: dict[int, Any], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, use_v1: bool, env_url: str | None,
+) -> None:  # fmt: skip
+    """verl's real order: the YAML fills the registry, then instantiate imports the hook.
+
+    `AgentLoopWorker.__init__` loads the YAML into `_agent_loop_registry` while
+    this module is not imported yet; the first trajectory's instantiate imports
+    it. Importing it must not replace the YAML's "recorder" entry, else the
+    next trajectories of the worker run without the YAML's settings (no URL:
+    an exception outside `run`; a `TR_*` URL: silently other settings).
+    """
+    import sys
+
+    from omegaconf import OmegaConf
+
+    import recorder.integrations
+
+    agent_loop, v1 = verl
+    # A fresh worker process: the hook module not imported, "recorder" not registered.
+    monkeypatch.delitem(sys.modules, "recorder.integrations.verl")
+    monkeypatch.delattr(recorder.integrations, "verl", raising=False)
+    monkeypatch.delitem(agent_loop._agent_loop_registry, "recorder")
+    if env_url is None:
+        monkeypatch.delenv("TR_RECORDER_URL")
+    else:
+        monkeypatch.setenv("TR_RECORDER_URL", env_url)
+    seen: list[Any] = []
+
+    async def run_rollout(request: Any) -> RolloutResult:
+        seen.append(request)
+        return result_of(fan_out_log(f"order-{len(seen)}"), reward=1.0)
+
+    monkeypatch.setattr("recorder.rollout.driver.run_rollout", run_rollout)
+    path = tmp_path / "recorder_agent_loop.yaml"
+    path.write_text(
+        "- name: recorder\n"
+        "  _target_: recorder.integrations.verl.RecorderAgentLoop\n"
+        f"  recorder_url: {YAML_URL}\n"
+        "  sampling: {max_new_tokens: 777}\n"
+    )
+    for entry in OmegaConf.load(path):  # what AgentLoopWorker.__init__ does with the path
+        agent_loop._agent_loop_registry[entry.name] = entry
+    yaml_entry = agent_loop._agent_loop_registry["recorder"]
+
+    put: list[dict[str, Any]] = []
+    if use_v1:
+
+        async def async_kv_batch_put(**kw: Any) -> None:
+            put.append(kw)
+
+        monkeypatch.setattr(v1.tq, "async_kv_batch_put", async_kv_batch_put)
+        cls = v1.AgentLoopWorkerTQ.__ray_metadata__.modified_class
+        cfg = config(use_v1=True, prompt_length=64, response_length=64)
+    else:
+        cls = agent_loop.AgentLoopWorker
+        cfg = config(use_v1=False, prompt_length=64, response_length=64)
+    w = worker(cls, cfg, tokenizer)
+
+    outs = []
+    for i in range(3):  # several trajectories in one worker
+        kw = {"uid": f"u-{i}", "global_steps": 1, "session_id": 0} if use_v1 else {}
+        out = await w._run_agent_loop({}, trajectory(i), agent_name="recorder", **kw, **ROW)
+        outs.append(out)
+        if i == 0:
+            assert "recorder.integrations.verl" in sys.modules  # imported by instantiate
+
+    assert agent_loop._agent_loop_registry["recorder"] is yaml_entry
+    assert [r.recorder_url for r in seen] == [YAML_URL] * 3
+    assert [r.sampling.get("max_new_tokens") for r in seen] == [777] * 3
+    if use_v1:
+        assert len(put) == 3
+        assert all(t["status"] == "success" for call in put for t in call["tags"])
+    else:
+        batch = w._postprocess(outs)
+        assert list(batch.non_tensor_batch["recorder_failed"]) == [False] * 3
