@@ -21,7 +21,7 @@ from recorder.log import events as ev
 from recorder.log.store import open_store
 from recorder.rollout.cli import is_loopback_url, start_warnings
 from recorder.rollout.sandbox.local import marked_pids
-from tests.conftest import claude_code_binary
+from tests.conftest import claude_code_binary, missing
 from tools.tasks.build import TASKS
 from tools.test_engine.launch import REPO_ROOT, free_port
 
@@ -239,7 +239,10 @@ def test_an_agent_cannot_forge_its_reward_from_a_local_sandbox(
     from inside the local sandbox while the driver and the recorder run as root: the token
     inherited from the driver, the recorder's 0600 token file, its /proc/<pid>/environ."""
     if os.geteuid() != 0:
-        pytest.skip("sandboxes get users of their own only when the driver runs as root")
+        missing(
+            "sandboxes get users of their own only when the driver runs as root",
+            "run the tests as root, as CI and training containers do",
+        )
     token = secrets.token_hex(16)
     state = tmp_path / "state"
     state.mkdir(mode=0o755)

@@ -20,6 +20,7 @@ import aiohttp
 import pytest
 
 from recorder.server import free_port
+from tests.conftest import missing
 from tests.server.conftest import FIXTURE_TOKENIZER
 from tools.test_engine.scripted import ScriptedEngine
 
@@ -122,7 +123,7 @@ async def test_serve_raises_its_open_files_limit_and_drops_a_frozen_engine(
     never answers is marked down by checks bounded by --engine-health-timeout."""
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard <= 256:
-        pytest.skip(f"hard open-files limit {hard}: nothing to raise")
+        missing(f"hard open-files limit {hard}: nothing to raise", "raise it with `ulimit -Hn`")
     closed_checks: list[int] = []
 
     async def frozen(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
