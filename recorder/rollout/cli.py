@@ -12,6 +12,11 @@ finished. Ctrl-C (or SIGTERM) stops cleanly: agents are killed, sandboxes
 removed and open sessions closed `aborted`; those rollouts are written to
 `--out` too (infra cause `cancelled`), so it agrees with `replay export`.
 
+With `--ray [ADDRESS]` each rollout is a task on that Ray cluster
+(recorder/rollout/cluster.py), in the sandbox of the node it lands on: the same
+progress, `--out`, summary and Ctrl-C cleanup; a rollout whose node dies is
+infra cause `node_lost`. Without it Ray is not imported.
+
 Sandboxes get none of this process's environment beyond the basics
 (sandbox/environment.py); `--sandbox-env KEY=VALUE` and `--agent-env
 KEY=VALUE` pass the rest on purpose.
@@ -36,7 +41,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import aiohttp
 import click
@@ -48,6 +53,9 @@ from recorder.rollout.sandbox import SandboxSpec
 from recorder.rollout.sandbox.environment import parse_assignments
 from recorder.rollout.sandbox.users import is_root
 from recorder.rollout.tasks import Task, load_tasks
+
+if TYPE_CHECKING:
+    from recorder.rollout.cluster import RayOptions
 
 log = logging.getLogger("recorder.rollout")
 
@@ -203,7 +211,12 @@ async def _wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout_s: floa
 
 
 async def run_all(
-    reqs: list[RolloutRequest], concurrency: int, out: IO[bytes], tally: Tally, show: bool
+    reqs: list[RolloutRequest],
+    concurrency: int,
+    out: IO[bytes],
+    tally: Tally,
+    show: bool,
+    ray: RayOptions | None = None,
 ) -> Tally:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -237,7 +250,9 @@ async def run_all(
         progress.update(bar, advance=1, description=tally.line())
 
     with progress:
-        await run_group(reqs, concurrency=concurrency, on_start=started, on_result=finished)
+        await run_group(
+            reqs, concurrency=concurrency, on_start=started, on_result=finished, ray=ray
+        )
     return tally
 
 
@@ -255,10 +270,25 @@ def is_loopback_url(url: str) -> bool:
 
 
 def start_warnings(
-    backend: str, recorder_url: str | None, agent_base_url: str | None, options: dict[str, str]
+    backend: str,
+    recorder_url: str | None,
+    agent_base_url: str | None,
+    options: dict[str, str],
+    ray_address: str | None = None,
+    node_recorder_url: str | None = None,
 ) -> list[str]:
     """What the user should know before the run starts (each a sentence with its fix)."""
     warnings = []
+    seen_by_nodes = node_recorder_url or recorder_url
+    if ray_address not in (None, "local") and (
+        seen_by_nodes is None or is_loopback_url(seen_by_nodes)
+    ):
+        warnings.append(
+            f"--ray {ray_address}: the nodes would reach the recorder at "
+            f"{seen_by_nodes or 'http://127.0.0.1 (its own recorder)'}, a loopback address: "
+            "only nodes on this machine can; give --recorder (or --ray-recorder-url) a URL "
+            "every node reaches, e.g. the load balancer of the recorder replicas"
+        )
     if backend == "e2b":
         seen_by_agent = agent_base_url or recorder_url
         if seen_by_agent is None or is_loopback_url(seen_by_agent):
@@ -303,6 +333,21 @@ def summary(tally: Tally, interrupted: bool) -> Any:
         table.add_row("samples", str(sum(len(r.samples) for r in results)))
     table.add_row("wall time", f"{time.perf_counter() - tally.started:.1f} s")
     return table
+
+
+def ray_options(o: dict[str, Any]) -> RayOptions | None:
+    """The --ray* options (None without --ray: Ray is then never imported)."""
+    if o["ray_address"] is None:
+        return None
+    from recorder.rollout.cluster import DEFAULT_NODE_DIR, RayOptions
+
+    return RayOptions(
+        address=o["ray_address"] or None,
+        cpus=o["ray_cpus"],
+        resource=o["ray_resource"],
+        recorder_url=o["ray_recorder_url"],
+        node_dir=o["ray_node_dir"] or DEFAULT_NODE_DIR,
+    )
 
 
 @click.command("rollout")
@@ -365,6 +410,23 @@ def summary(tally: Tally, interrupted: bool) -> Any:
 @click.option("--reasoning-parser", default=None, help="Own recorder: reasoning parser.")
 @click.option("--context-length", type=int, default=None, help="Own recorder: context length.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (logs only).")
+@click.option(
+    "--ray",
+    "ray_address",
+    is_flag=False,
+    flag_value="",
+    default=None,
+    metavar="[ADDRESS]",
+    help="Run each rollout as a task on this Ray cluster (bare: RAY_ADDRESS, else local).",
+)
+@click.option("--ray-cpus", type=float, default=1.0, show_default=True, help="CPUs / rollout.")
+@click.option("--ray-resource", default=None, help="Custom resource each rollout takes 1 of.")
+@click.option("--ray-recorder-url", default=None, help="The recorder as Ray nodes reach it.")
+@click.option(
+    "--ray-node-dir",
+    default=None,
+    help="Node-local dir for repositories and the agent CLI ({node_id}: the Ray node's id).",
+)
 def rollout(**o: Any) -> None:
     """Run agent rollouts of a task file through the recorder; write their samples."""
     tasks, errors = load_tasks(o["tasks_file"], mirrors=o["repo_mirrors"])
@@ -396,7 +458,15 @@ def rollout(**o: Any) -> None:
     sandbox = SandboxSpec(
         backend=o["sandbox"], template=o["e2b_template"], options=options, env=sandbox_env
     )
-    for warning in start_warnings(o["sandbox"], o["recorder_url"], o["agent_base_url"], options):
+    ray = ray_options(o)
+    for warning in start_warnings(
+        o["sandbox"],
+        o["recorder_url"],
+        o["agent_base_url"],
+        options,
+        ray_address=None if ray is None else (ray.address or "local"),
+        node_recorder_url=o["ray_recorder_url"],
+    ):
         click.echo(click.style("warning: ", fg="yellow") + warning, err=True)
     interrupted = False
     tally: Tally | None = None
@@ -435,12 +505,16 @@ def rollout(**o: Any) -> None:
         )
         reqs = build_requests(tasks, o["samples_per_task"], base)
         tally = Tally(total=len(reqs))
+        if ray is not None:
+            from recorder.rollout.cluster import connect
+
+            connect(ray)  # before the signal handlers: ray.init sets its own SIGTERM one
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         work = asyncio.ensure_future(
-            run_all(reqs, o["concurrency"], out, tally, not o["no_progress"])
+            run_all(reqs, o["concurrency"], out, tally, not o["no_progress"], ray)
         )
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)

@@ -32,7 +32,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -44,7 +44,7 @@ from recorder.rollout.agent import (
     ensure_agent,
     run_agent,
 )
-from recorder.rollout.client import RecorderClient, RecorderError, RolloutEvent
+from recorder.rollout.client import RecorderClient, RecorderError, RecorderRefused, RolloutEvent
 from recorder.rollout.errors import InfraError
 from recorder.rollout.evaluate import Grade, run_grader
 from recorder.rollout.protect import protected_pathspecs
@@ -69,6 +69,9 @@ from recorder.rollout.workspace import (
 from replay.placeholders import minimal_sample
 from replay.samples import Sample
 
+if TYPE_CHECKING:
+    from recorder.rollout.cluster import RayOptions
+
 log = logging.getLogger("recorder.rollout")
 
 Outcome = str  # "passed" | "failed" | "infra_error"
@@ -88,6 +91,12 @@ class RolloutRequest(msgspec.Struct, frozen=True, kw_only=True):
     wall_budget_s: float = 1800.0
     turn_budget: int | None = None
     session_metadata: dict[str, Any] = {}
+    # Set by a caller that must know the session before the rollout reports back (the
+    # Ray path closes the session of a rollout whose node died); None: a fresh id.
+    session_id: str | None = None
+    # Where the rollout runs (a Ray node: node_id, hostname, node_ip), recorded with
+    # each sandbox it creates; {} on the driver's own machine.
+    node: dict[str, str] = {}
 
 
 class RolloutResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -108,6 +117,8 @@ class RolloutResult(msgspec.Struct, frozen=True, kw_only=True):
 
 def session_id_for(req: RolloutRequest) -> str:
     """A readable, unique session id (it travels as a bearer token: a safe alphabet)."""
+    if req.session_id is not None:
+        return req.session_id
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", req.task.instance_id)[:120].strip("-") or "task"
     return f"ro-{slug}-g{req.group_index}-s{req.sample_index}-{uuid.uuid4().hex[:8]}"
 
@@ -205,6 +216,7 @@ class _Rollout:
             backend=spec.backend,
             sandbox_id=sb.id,
             boot_s=round(time.perf_counter() - t, 3),
+            **({"node": self.req.node} if self.req.node else {}),
         )
         return sb
 
@@ -474,15 +486,33 @@ async def run_rollout(
                 cleanup = asyncio.ensure_future(
                     rollout.fail("cancelled", "the rollout was stopped")
                 )
-                await _finish_despite_cancel([cleanup])
+                await finish_despite_cancel([cleanup])
                 if on_cancelled is not None and rollout.opened:
-                    _notify(on_cancelled, _cancelled_result(req, rollout.sid, cleanup))
+                    notify(on_cancelled, _cancelled_result(req, rollout.sid, cleanup))
                 raise
     except asyncio.CancelledError:
         raise
     except Exception as exc:
         log.error("rollout of %s failed outside its steps", req.task.instance_id, exc_info=True)
         return placeholder_result(req, None, "driver_error", f"{type(exc).__name__}: {exc}")
+
+
+async def abort_rollout(req: RolloutRequest, cause: str, message: str) -> RolloutResult:
+    """Close the session of a rollout whose runner is gone (its Ray node died): `aborted`,
+    a `failed` event with `cause`, the reducer's placeholders; the same `fail` step as a
+    rollout that failed on its own. `req.session_id` names the session; if it was never
+    opened, the result is a placeholder with no session."""
+    assert req.session_id is not None, "abort_rollout needs the session id the runner used"
+    async with RecorderClient(req.recorder_url, req.admin_token) as client:
+        rollout = _Rollout(req, client)
+        try:
+            await client.inspect(rollout.sid)
+        except RecorderRefused:  # never opened: nothing in the log to close
+            return placeholder_result(req, None, cause, message)
+        except RecorderError as exc:
+            return placeholder_result(req, rollout.sid, cause, f"{message}; {exc}")
+        rollout.opened = True
+        return await rollout.fail(cause, message)
 
 
 def _cancelled_result(
@@ -500,8 +530,12 @@ async def run_group(
     concurrency: int | None = None,
     on_start: Callable[[int], None] | None = None,
     on_result: Callable[[int, RolloutResult], None] | None = None,
+    ray: RayOptions | None = None,
 ) -> list[RolloutResult]:
     """Run rollouts concurrently (at most `concurrency` at once), results in `reqs` order.
+
+    With `ray`, each rollout is a task on that Ray cluster (`recorder.rollout.cluster`),
+    with the same callbacks, isolation and cancellation; without it Ray is not imported.
 
     One rollout's exception never cancels its siblings: its real traceback is
     logged and it yields a placeholder result of the same shape. `on_start` /
@@ -509,33 +543,40 @@ async def run_group(
     when the group is cancelled, `on_result` also gets each started rollout's
     aborted result (infra cause `cancelled`) before CancelledError is raised.
     """
+    if ray is not None:
+        from recorder.rollout.cluster import run_group_ray
+
+        return await run_group_ray(
+            reqs, ray, concurrency=concurrency, on_start=on_start, on_result=on_result
+        )
     gate = asyncio.Semaphore(concurrency) if concurrency else None
 
     async def one(i: int, req: RolloutRequest) -> RolloutResult:
         async with gate if gate is not None else contextlib.nullcontext():
-            _notify(on_start, i)
+            notify(on_start, i)
             try:
-                result = await run_rollout(req, on_cancelled=lambda r: _notify(on_result, i, r))
+                result = await run_rollout(req, on_cancelled=lambda r: notify(on_result, i, r))
             except Exception as exc:  # run_rollout does not raise; this is the last guard
                 log.error("rollout of %s raised", req.task.instance_id, exc_info=exc)
                 result = placeholder_result(req, None, "driver_error", traceback.format_exc())
-        _notify(on_result, i, result)
+        notify(on_result, i, result)
         return result
 
     tasks = [asyncio.ensure_future(one(i, r)) for i, r in enumerate(reqs)]
     try:
-        await asyncio.wait(tasks)
+        if tasks:  # asyncio.wait refuses an empty set
+            await asyncio.wait(tasks)
     except asyncio.CancelledError:
         # Not gather: it re-raises the first child's CancelledError at once, while its
         # siblings are still killing agents and closing sessions.
         for task in tasks:
             task.cancel()
-        await _finish_despite_cancel(tasks)
+        await finish_despite_cancel(tasks)
         raise
     return [task.result() for task in tasks]
 
 
-async def _finish_despite_cancel(tasks: Sequence[asyncio.Future[Any]]) -> None:
+async def finish_despite_cancel(tasks: Sequence[asyncio.Future[Any]]) -> None:
     """Wait until every task is done, even if this waiter is cancelled again meanwhile
     (cleanup — agents killed, sandboxes removed, sessions closed — always completes)."""
     pending = set(tasks)
@@ -546,7 +587,7 @@ async def _finish_despite_cancel(tasks: Sequence[asyncio.Future[Any]]) -> None:
             continue
 
 
-def _notify(callback: Callable[..., None] | None, *args: Any) -> None:
+def notify(callback: Callable[..., None] | None, *args: Any) -> None:
     """Call a progress callback; its failure is logged, never a rollout's."""
     if callback is None:
         return
