@@ -15,6 +15,13 @@ session bookkeeping. Its "overhead" is the same total - agent - eval.
 
 Afterwards it counts leaks: sandbox directories left under the bench's root
 and processes whose working directory is still inside it (target: 0).
+
+`--ray-nodes N` adds a column, same run, same requests: the rollouts as Ray
+tasks (`run_group(..., ray=...)`) on a Ray cluster of N nodes on this machine
+(`ray.cluster_utils.Cluster`, concurrency/N CPUs each; its start-up is not
+counted). Its extra row, "dispatch", is per rollout the time the driver saw
+(submitted to result) minus the rollout's own total on its node: Ray's
+scheduling, the request and result through the object store, the node's setup.
 """
 
 from __future__ import annotations
@@ -141,7 +148,52 @@ def leaks(root: Path) -> tuple[int, int]:
     return dirs, procs
 
 
-async def bench(rollouts: int, concurrency: int, skip_bare: bool) -> None:
+class Timed:
+    """`run_group` callbacks: when each rollout was started and when its result came."""
+
+    def __init__(self) -> None:
+        self.started: dict[int, float] = {}
+        self.seen: dict[int, float] = {}
+
+    def start(self, i: int) -> None:
+        self.started[i] = time.perf_counter()
+
+    def result(self, i: int, _: RolloutResult) -> None:
+        self.seen[i] = time.perf_counter() - self.started[i]
+
+    def dispatch(self, results: list[RolloutResult]) -> list[float]:
+        """Per rollout: driver-seen time minus the rollout's own total."""
+        return [self.seen[i] - r.timings["total_s"] for i, r in enumerate(results)]
+
+
+async def timed_group(
+    reqs: list[RolloutRequest], concurrency: int, ray: Any = None
+) -> tuple[list[RolloutResult], float, list[float]]:
+    timed = Timed()
+    t = time.perf_counter()
+    results = await run_group(
+        reqs, concurrency=concurrency, on_start=timed.start, on_result=timed.result, ray=ray
+    )
+    return results, time.perf_counter() - t, timed.dispatch(results)
+
+
+def start_cluster(nodes: int, concurrency: int) -> Any:
+    """A Ray cluster of `nodes` nodes on this machine; its workers import this checkout."""
+    from ray.cluster_utils import Cluster
+
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")])
+    )
+    cpus = -(-concurrency // nodes)
+    node = {"num_cpus": cpus, "object_store_memory": 100 * 2**20}
+    cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
+    for _ in range(nodes - 1):
+        cluster.add_node(**node)
+    cluster.wait_for_nodes()
+    return cluster
+
+
+async def bench(rollouts: int, concurrency: int, skip_bare: bool, ray_nodes: int = 0) -> None:
     binary = local_binary()
     if binary is None:
         raise click.ClickException("Claude Code CLI missing: bash tools/setup.sh")
@@ -173,9 +225,20 @@ async def bench(rollouts: int, concurrency: int, skip_bare: bool) -> None:
                 )
                 for i in range(rollouts)
             ]
-            t = time.perf_counter()
-            results: list[RolloutResult] = await run_group(reqs, concurrency=concurrency)
-            wall = time.perf_counter() - t
+            results, wall, dispatch = await timed_group(reqs, concurrency)
+            on_ray: tuple[list[RolloutResult], float, list[float]] | None = None
+            if ray_nodes:
+                from recorder.rollout.cluster import RayOptions
+
+                cluster = await asyncio.to_thread(start_cluster, ray_nodes, concurrency)
+                try:
+                    opts = RayOptions(address=cluster.address)
+                    on_ray = await timed_group(reqs, concurrency, opts)
+                finally:
+                    import ray
+
+                    ray.shutdown()
+                    await asyncio.to_thread(cluster.shutdown)
             bare: list[dict[str, float]] = []
             bare_wall = float("nan")
             if not skip_bare:
@@ -188,7 +251,7 @@ async def bench(rollouts: int, concurrency: int, skip_bare: bool) -> None:
                 t = time.perf_counter()
                 bare = list(await asyncio.gather(*(one(r.task) for r in reqs)))
                 bare_wall = time.perf_counter() - t
-        report(results, wall, bare, bare_wall, leaks(root), concurrency)
+        report(results, wall, dispatch, on_ray, bare, bare_wall, leaks(root), concurrency)
     finally:
         engine.terminate()
         await asyncio.to_thread(engine.wait)
@@ -199,50 +262,67 @@ async def bench(rollouts: int, concurrency: int, skip_bare: bool) -> None:
 def report(
     results: list[RolloutResult],
     wall: float,
+    dispatch: list[float],
+    on_ray: tuple[list[RolloutResult], float, list[float]] | None,
     bare: list[dict[str, float]],
     bare_wall: float,
     leaked: tuple[int, int],
     concurrency: int,
 ) -> None:
     timings = [r.timings for r in results]
-    outcomes = statistics.multimode(r.outcome for r in results)
-    rows: list[tuple[str, str, str]] = []
+    ray_results, ray_wall, ray_dispatch = on_ray or ([], float("nan"), [])
+    ray_timings = [r.timings for r in ray_results]
+    outcomes = statistics.multimode(r.outcome for r in [*results, *ray_results])
+    rows: list[tuple[str, ...]] = []
 
-    def row(name: str, ours: Any, peer: Any = "") -> None:
-        rows.append((name, str(ours), str(peer)))
+    def row(name: str, ours: Any, on: Any = "", peer: Any = "") -> None:
+        rows.append((name, str(ours), *([str(on)] if on_ray else []), str(peer)))
 
-    row("rollouts passed", sum(r.outcome == "passed" for r in results), len(bare) or "-")
-    row("wall time, all rollouts (s)", f"{wall:.1f}", f"{bare_wall:.1f}")
-    row("rollout total (s)", f"{median([t['total_s'] for t in timings]):.3f}",
+    def med(ts: list[dict[str, float]], key: str) -> str:
+        return f"{median([t.get(key, 0.0) for t in ts]):.3f}" if ts else "-"
+
+    row("rollouts passed", sum(r.outcome == "passed" for r in results),
+        sum(r.outcome == "passed" for r in ray_results), len(bare) or "-")  # fmt: skip
+    row("wall time, all rollouts (s)", f"{wall:.1f}", f"{ray_wall:.1f}", f"{bare_wall:.1f}")
+    row("rollout total (s)", med(timings, "total_s"), med(ray_timings, "total_s"),
         f"{median([b['total_s'] for b in bare]):.3f}")  # fmt: skip
-    row("  agent incl. engine (s)", f"{median([t.get('agent_s', 0) for t in timings]):.3f}",
+    row("  agent incl. engine (s)", med(timings, "agent_s"), med(ray_timings, "agent_s"),
         f"{median([b['agent_s'] for b in bare]):.3f}")  # fmt: skip
-    row("  eval (s)", f"{median([t.get('eval_s', 0) for t in timings]):.3f}",
+    row("  eval (s)", med(timings, "eval_s"), med(ray_timings, "eval_s"),
         f"{median([b['eval_s'] for b in bare]):.3f}")  # fmt: skip
     ours = [overhead(t) for t in timings]
+    theirs = [overhead(t) for t in ray_timings]
     peers = [overhead(b) for b in bare]
-    row("  driver overhead (s)", f"{median(ours):.3f}", f"{median(peers):.3f}")
+    row("  driver overhead (s)", f"{median(ours):.3f}",
+        f"{median(theirs):.3f}" if theirs else "-", f"{median(peers):.3f}")  # fmt: skip
     share = [overhead(t) / t["total_s"] for t in timings]
+    ray_share = [overhead(t) / t["total_s"] for t in ray_timings]
     peer_share = [overhead(b) / b["total_s"] for b in bare]
     row("  overhead share of rollout wall (target < 5%)", f"{100 * median(share):.2f}%",
+        f"{100 * median(ray_share):.2f}%" if ray_share else "-",
         f"{100 * median(peer_share):.2f}%")  # fmt: skip
     for part in ("boot_s", "checkout_s", "install_s", "diff_s", "recorder_s", "cleanup_s"):
-        row(f"    of which {part[:-2]} (s)", f"{median([t.get(part, 0.0) for t in timings]):.3f}")
+        row(f"    of which {part[:-2]} (s)", med(timings, part), med(ray_timings, part))
+    row("dispatch: driver-seen - rollout total (s)", f"{median(dispatch):.3f}",
+        f"{median(ray_dispatch):.3f}" if ray_dispatch else "-")  # fmt: skip
     row("leaked sandbox directories", leaked[0])
     row("leaked processes", leaked[1])
     title = f"{len(results)} rollouts, concurrency {concurrency} (medians)"
-    console().print(rich_table(title, ("metric", "driver", "bare peer"), rows, left=1))
+    columns = ("metric", "driver", *(["driver on Ray"] if on_ray else []), "bare peer")
+    console().print(rich_table(title, columns, rows, left=1))
     if outcomes != ["passed"]:
-        click.echo(f"not every rollout passed: {[r.infra_cause or r.outcome for r in results]}")
+        everything = [*results, *ray_results]
+        click.echo(f"not every rollout passed: {[r.infra_cause or r.outcome for r in everything]}")
 
 
 @click.command()
 @click.option("--rollouts", type=int, default=32, show_default=True)
 @click.option("--concurrency", type=int, default=8, show_default=True)
 @click.option("--skip-bare", is_flag=True, help="Skip the bare peer column.")
-def main(rollouts: int, concurrency: int, skip_bare: bool) -> None:
+@click.option("--ray-nodes", type=int, default=0, help="Add a column: on a Ray cluster of N nodes.")
+def main(rollouts: int, concurrency: int, skip_bare: bool, ray_nodes: int) -> None:
     """Measure the rollout driver's overhead per rollout and count leaks."""
-    asyncio.run(bench(rollouts, concurrency, skip_bare))
+    asyncio.run(bench(rollouts, concurrency, skip_bare, ray_nodes))
 
 
 if __name__ == "__main__":

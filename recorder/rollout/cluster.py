@@ -111,7 +111,7 @@ async def run_group_ray(
     """`driver.run_group` on a Ray cluster: at most `concurrency` tasks submitted at once,
     results in `reqs` order, each reported to `on_result` as it finishes."""
     ray = connect(opts)
-    reqs = [msgspec.structs.replace(r, session_id=session_id_for(r)) for r in reqs]
+    reqs = [for_nodes(msgspec.structs.replace(r, session_id=session_id_for(r))) for r in reqs]
     packs = await _ship_repositories(ray, reqs)
     remote = ray.remote(_node_rollout).options(
         num_cpus=opts.cpus,
@@ -156,6 +156,17 @@ async def run_group_ray(
         await finish_despite_cancel(tasks)
         raise
     return [r for r in (task.result() for task in tasks) if r is not None]
+
+
+def for_nodes(req: RolloutRequest) -> RolloutRequest:
+    """What the driver's environment gives a rollout, put into its request: the nodes
+    have their own environment (an E2B key the driver has would be missing there)."""
+    spec = req.sandbox
+    key = os.environ.get("E2B_API_KEY")
+    if spec.backend == "e2b" and key and "api_key" not in spec.options:
+        spec = msgspec.structs.replace(spec, options={**spec.options, "api_key": key})
+        return msgspec.structs.replace(req, sandbox=spec)
+    return req
 
 
 async def _ship_repositories(ray: Any, reqs: Sequence[RolloutRequest]) -> dict[Any, Any]:

@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 import pytest
 from rollout_harness import chat_tokenizer, leftovers, policy_recorder, shipped_tasks
+from sandbox_backends import Backend
 from test_rollout_cli import cli, env, sessions, task_engine  # noqa: F401  (a fixture)
 
 from recorder.log import events as ev
@@ -34,6 +35,7 @@ from tests.conftest import claude_code_binary, missing
 from tools.test_engine.launch import REPO_ROOT
 
 NODE = {"num_cpus": 1, "object_store_memory": 80 * 2**20}
+FIX = "sed -i '0,/return a - b/s//return a + b/' calc.py"
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +230,46 @@ async def test_a_lost_node_fails_only_its_own_rollouts(
     finally:
         await h.close()
         cluster.add_node(**NODE)  # the next test gets three nodes again
+
+
+@pytest.mark.ray
+async def test_each_backend_runs_in_the_node_sandbox(
+    backend: Backend, tmp_path: Path, sqlite_url: str, cluster: Any
+) -> None:
+    """Local sandboxes and E2B (the real SDK, against its doubles) under Ray: a local
+    repository (its pack through the object store) and a git URL, each graded."""
+    from recorder.rollout.cluster import RayOptions
+
+    h = await policy_recorder(chat_tokenizer(), sqlite_url)
+    try:
+        task = shipped_tasks()["calc-add"]
+        check = "set -e\ngrep -q 'return a + b' calc.py\n"
+        local = msgspec.structs.replace(task, tests=None, eval_script=check)
+        url = msgspec.structs.replace(local, repo=f"file://{task.repo}", instance_id="calc-url")
+        reqs = [
+            RolloutRequest(
+                task=t, sample_index=i, recorder_url=h.url, admin_token=h.config.admin_token,
+                sandbox=backend.spec(), agent=AgentSpec(command=FIX),
+            )
+            for i, t in enumerate([local, url, local])
+        ]  # fmt: skip
+        opts = RayOptions(address=cluster.address, node_dir=str(tmp_path / "nodes/{node_id}"))
+        results = await run_group(reqs, ray=opts)
+        assert [(r.outcome, r.reward) for r in results] == [("passed", 1.0)] * 3, results
+        for r in results:
+            made = [e.detail for e in await created(h, r.session_id)]
+            assert [(c["role"], c["backend"]) for c in made] == [
+                ("agent", backend.name),
+                ("eval", backend.name),
+            ]
+            assert made[0]["node"]["node_id"] == made[1]["node"]["node_id"]
+        if backend.doubles is not None:
+            await backend.doubles.settled()
+            assert backend.doubles.live() == []
+        else:
+            assert list((tmp_path / "local").iterdir()) == []
+    finally:
+        await h.close()
 
 
 async def created(h: Any, sid: str | None) -> list[ev.SandboxEvent]:
