@@ -200,8 +200,11 @@ async def bench(rollouts: int, concurrency: int, skip_bare: bool, ray_nodes: int
     tasks, errors = load_tasks(build_all())
     assert not errors, errors
     scratch = Path(tempfile.mkdtemp(prefix="bench-rollout-"))
+    scratch.chmod(0o711)  # a root driver's sandboxes run as users of their own: let them in
     root = scratch / "sandboxes"
     root.mkdir()
+    # Started first, in the main thread (Ray sets signal handlers), and not timed.
+    cluster = start_cluster(ray_nodes, concurrency) if ray_nodes else None
     engine_log = open(scratch / "engine.log", "wb")  # noqa: SIM115  (closed below)
     engine, engine_url = _start_engine(engine_log)
     serve_args = ["--tokenizer", str(TOKENIZER_DIR), "--chat-template", str(CHAT_TEMPLATE),
@@ -227,18 +230,10 @@ async def bench(rollouts: int, concurrency: int, skip_bare: bool, ray_nodes: int
             ]
             results, wall, dispatch = await timed_group(reqs, concurrency)
             on_ray: tuple[list[RolloutResult], float, list[float]] | None = None
-            if ray_nodes:
+            if cluster is not None:
                 from recorder.rollout.cluster import RayOptions
 
-                cluster = await asyncio.to_thread(start_cluster, ray_nodes, concurrency)
-                try:
-                    opts = RayOptions(address=cluster.address)
-                    on_ray = await timed_group(reqs, concurrency, opts)
-                finally:
-                    import ray
-
-                    ray.shutdown()
-                    await asyncio.to_thread(cluster.shutdown)
+                on_ray = await timed_group(reqs, concurrency, RayOptions(address=cluster.address))
             bare: list[dict[str, float]] = []
             bare_wall = float("nan")
             if not skip_bare:
@@ -253,6 +248,11 @@ async def bench(rollouts: int, concurrency: int, skip_bare: bool, ray_nodes: int
                 bare_wall = time.perf_counter() - t
         report(results, wall, dispatch, on_ray, bare, bare_wall, leaks(root), concurrency)
     finally:
+        if cluster is not None:
+            import ray
+
+            ray.shutdown()
+            cluster.shutdown()
         engine.terminate()
         await asyncio.to_thread(engine.wait)
         engine_log.close()
@@ -305,6 +305,8 @@ def report(
         row(f"    of which {part[:-2]} (s)", med(timings, part), med(ray_timings, part))
     row("dispatch: driver-seen - rollout total (s)", f"{median(dispatch):.3f}",
         f"{median(ray_dispatch):.3f}" if ray_dispatch else "-")  # fmt: skip
+    row("  slowest dispatch (s)", f"{max(dispatch):.3f}",
+        f"{max(ray_dispatch):.3f}" if ray_dispatch else "-")  # fmt: skip
     row("leaked sandbox directories", leaked[0])
     row("leaked processes", leaked[1])
     title = f"{len(results)} rollouts, concurrency {concurrency} (medians)"

@@ -417,7 +417,8 @@ def ray_options(o: dict[str, Any]) -> RayOptions | None:
     flag_value="",
     default=None,
     metavar="[ADDRESS]",
-    help="Run each rollout as a task on this Ray cluster (bare: RAY_ADDRESS, else local).",
+    help="Run each rollout as a task on this Ray cluster (bare: ray.init's default: "
+    "RAY_ADDRESS, else the cluster `ray start` began on this machine, else a new local one).",
 )
 @click.option("--ray-cpus", type=float, default=1.0, show_default=True, help="CPUs / rollout.")
 @click.option("--ray-resource", default=None, help="Custom resource each rollout takes 1 of.")

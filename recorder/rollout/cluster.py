@@ -33,12 +33,14 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import logging
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -59,13 +61,15 @@ from recorder.rollout.driver import (
 from recorder.rollout.errors import InfraError
 from recorder.rollout.workspace import BasePack, base_pack, tail
 
+log = logging.getLogger("recorder.rollout")
 DEFAULT_NODE_DIR = os.path.join(tempfile.gettempdir(), "trajectory-recorder-node")
 
 
 class RayOptions(msgspec.Struct, frozen=True, kw_only=True):
     """Where and how rollouts run on a Ray cluster."""
 
-    # "auto", "ray://host:10001", "host:6379"; None: RAY_ADDRESS, else a local Ray.
+    # "auto", "ray://host:10001", "host:6379"; None: ray.init's default (RAY_ADDRESS, the
+    # cluster `ray start` began on this machine, else a new local Ray).
     address: str | None = None
     cpus: float = 1.0  # CPUs each rollout task reserves
     # A custom resource each rollout takes one unit of: start the sandbox nodes with
@@ -127,6 +131,10 @@ async def run_group_ray(
         try:
             notify(on_start, i)
             pack = packs.get((req.task.repo, req.task.base_commit))
+            if isinstance(pack, InfraError):  # its repository cannot be packed: its own failure
+                result = placeholder_result(req, None, pack.cause, pack.message)
+                notify(on_result, i, result)
+                return result
             ref = remote.remote(msgspec.msgpack.encode(req), pack, encoded_opts)
             done = asyncio.wrap_future(ref.future())
             try:
@@ -138,8 +146,12 @@ async def run_group_ray(
                 if answer is not None:
                     notify(on_result, i, answer)
                 raise
-            result = await _answer(req, done)
-            assert result is not None, "only a cancelled task has no result"
+            try:
+                result = await _answer(req, done)
+                assert result is not None, "only a cancelled task has no result"
+            except Exception:  # the last guard: one rollout never fails its group
+                log.error("rollout of %s: no answer", req.task.instance_id, exc_info=True)
+                result = placeholder_result(req, None, "driver_error", traceback.format_exc())
             notify(on_result, i, result)
             return result
         finally:
@@ -170,12 +182,17 @@ def for_nodes(req: RolloutRequest) -> RolloutRequest:
 
 
 async def _ship_repositories(ray: Any, reqs: Sequence[RolloutRequest]) -> dict[Any, Any]:
-    """Each local repository's `base_commit` history, in the object store once."""
+    """Each local repository's `base_commit` history, in the object store once (or the
+    InfraError that says why it cannot be packed: those rollouts fail `repo_checkout`)."""
     refs: dict[tuple[str, str], Any] = {}
     for req in reqs:
         key = (req.task.repo, req.task.base_commit)
         if req.task.is_local_repo and key not in refs:
-            pack = await base_pack(*key)
+            try:
+                pack = await base_pack(*key)
+            except InfraError as exc:
+                refs[key] = exc
+                continue
             refs[key] = ray.put(msgspec.msgpack.encode(pack))
     return refs
 

@@ -17,6 +17,8 @@ model is never punished for a broken machine. Causes:
     patch_apply           the agent's own diff did not apply on a clean checkout
     eval_crashed          the grader could not run (command not found, sandbox error)
     cancelled             the rollout was stopped (Ctrl-C, the trainer cancelled it)
+    node_lost             its Ray node (or the worker process) died mid-rollout: the driver
+                          closed its session (recorder/rollout/cluster.py)
     driver_error          a bug in the driver (the traceback is logged)
 """
 

@@ -237,7 +237,9 @@ async def test_each_backend_runs_in_the_node_sandbox(
     backend: Backend, tmp_path: Path, sqlite_url: str, cluster: Any
 ) -> None:
     """Local sandboxes and E2B (the real SDK, against its doubles) under Ray: a local
-    repository (its pack through the object store) and a git URL, each graded."""
+    repository (its pack through the object store) and a git URL, each graded; a commit
+    that is not there fails its own rollout only. The requests name a dead recorder: the
+    nodes use the one RayOptions names for them."""
     from recorder.rollout.cluster import RayOptions
 
     h = await policy_recorder(chat_tokenizer(), sqlite_url)
@@ -246,16 +248,23 @@ async def test_each_backend_runs_in_the_node_sandbox(
         check = "set -e\ngrep -q 'return a + b' calc.py\n"
         local = msgspec.structs.replace(task, tests=None, eval_script=check)
         url = msgspec.structs.replace(local, repo=f"file://{task.repo}", instance_id="calc-url")
+        broken = msgspec.structs.replace(local, base_commit="0" * 40, instance_id="no-commit")
         reqs = [
             RolloutRequest(
-                task=t, sample_index=i, recorder_url=h.url, admin_token=h.config.admin_token,
-                sandbox=backend.spec(), agent=AgentSpec(command=FIX),
+                task=t, sample_index=i, recorder_url="http://127.0.0.1:9",
+                admin_token=h.config.admin_token, sandbox=backend.spec(),
+                agent=AgentSpec(command=FIX),
             )
-            for i, t in enumerate([local, url, local])
+            for i, t in enumerate([local, url, local, broken])
         ]  # fmt: skip
-        opts = RayOptions(address=cluster.address, node_dir=str(tmp_path / "nodes/{node_id}"))
-        results = await run_group(reqs, ray=opts)
+        opts = RayOptions(
+            address=cluster.address,
+            node_dir=str(tmp_path / "nodes/{node_id}"),
+            recorder_url=h.url,
+        )
+        *results, unpacked = await run_group(reqs, ray=opts)
         assert [(r.outcome, r.reward) for r in results] == [("passed", 1.0)] * 3, results
+        assert (unpacked.outcome, unpacked.infra_cause) == ("infra_error", "repo_checkout")
         for r in results:
             made = [e.detail for e in await created(h, r.session_id)]
             assert [(c["role"], c["backend"]) for c in made] == [
