@@ -94,7 +94,7 @@ class RolloutRequest(msgspec.Struct, frozen=True, kw_only=True):
     # Set by a caller that must know the session before the rollout reports back (the
     # Ray path closes the session of a rollout whose node died); None: a fresh id.
     session_id: str | None = None
-    # Where the rollout runs (a Ray node: node_id, hostname, node_ip), recorded with
+    # Where the rollout runs (a Ray node: node_id, hostname, node_ip, agent), recorded with
     # each sandbox it creates; {} on the driver's own machine.
     node: dict[str, str] = {}
 

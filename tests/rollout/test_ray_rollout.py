@@ -339,3 +339,33 @@ def test_results_decode_as_the_driver_sends_them() -> None:
     for answer in (NodeAnswer(result), NodeAnswer(None, cancelled=True)):
         data = msgspec.msgpack.encode(answer)
         assert msgspec.msgpack.decode(data, type=NodeAnswer) == answer
+
+
+def test_a_remote_cluster_with_a_loopback_recorder_is_a_start_warning() -> None:
+    from recorder.rollout.cli import start_warnings
+
+    def ray_warnings(**kw: Any) -> list[str]:
+        return [
+            w for w in start_warnings("local", options={"user": "driver"}, **kw) if "--ray" in w
+        ]
+
+    (warning,) = ray_warnings(recorder_url=None, agent_base_url=None, ray_address="10.0.0.7:6379")
+    assert "127.0.0.1" in warning and "--ray-recorder-url" in warning
+    (warning,) = ray_warnings(
+        recorder_url="http://localhost:8080", agent_base_url=None, ray_address="auto"
+    )
+    assert "localhost:8080" in warning
+    lb = "http://lb.internal:8080"
+    assert ray_warnings(recorder_url=lb, agent_base_url=None, ray_address="auto") == []
+    assert (
+        ray_warnings(
+            recorder_url="http://127.0.0.1:8000",
+            agent_base_url=None,
+            ray_address="auto",
+            node_recorder_url=lb,
+        )
+        == []
+    )
+    # A Ray started here (bare --ray) runs on this machine: loopback is fine.
+    assert ray_warnings(recorder_url=None, agent_base_url=None, ray_address="local") == []
+    assert ray_warnings(recorder_url=None, agent_base_url=None) == []
