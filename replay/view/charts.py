@@ -1,0 +1,82 @@
+"""Small inline SVG charts (bars and a line), drawn here so the page needs no library.
+
+Every label is escaped: instance ids and infra causes come from the log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from html import escape
+
+from markupsafe import Markup
+
+W, H, PAD = 320, 120, 18
+
+
+def bars(title: str, items: Sequence[tuple[str, float]], *, color: str = "#4a78c2") -> Markup:
+    """A bar per (label, value)."""
+    items = list(items)
+    top = max((v for _, v in items), default=0) or 1
+    n = max(len(items), 1)
+    bw = (W - 2 * PAD) / n
+    parts = [
+        f'<svg class="chart" viewBox="0 0 {W} {H + 30}" role="img" aria-label="{escape(title)}">',
+        f'<text x="{PAD}" y="12" class="ct">{escape(title)}</text>',
+    ]
+    for i, (label, v) in enumerate(items):
+        h = (H - PAD - 10) * v / top
+        x = PAD + i * bw
+        y = H - h
+        parts.append(
+            f'<rect x="{x + 1:.1f}" y="{y:.1f}" width="{max(bw - 2, 1):.1f}" height="{h:.1f}" '
+            f'fill="{color}"><title>{escape(label)}: {v:g}</title></rect>'
+        )
+        if n <= 12:
+            parts.append(
+                f'<text x="{x + bw / 2:.1f}" y="{H + 12}" class="cl" text-anchor="middle">'
+                f"{escape(label[:10])}</text>"
+                f'<text x="{x + bw / 2:.1f}" y="{max(y - 2, 22):.1f}" class="cl" '
+                f'text-anchor="middle">{v:g}</text>'
+            )
+    if not items:
+        parts.append(f'<text x="{W / 2}" y="{H / 2}" class="cl" text-anchor="middle">none</text>')
+    parts.append("</svg>")
+    return Markup("".join(parts))
+
+
+def histogram(title: str, values: Sequence[float], *, bins: int = 10) -> Markup:
+    """Bars of how many values fall in each of `bins` equal ranges."""
+    if not values:
+        return bars(title, [])
+    lo, hi = min(values), max(values)
+    if hi == lo:
+        return bars(title, [(f"{lo:g}", float(len(values)))])
+    width = (hi - lo) / bins
+    counts = [0] * bins
+    for v in values:
+        counts[min(int((v - lo) / width), bins - 1)] += 1
+    return bars(title, [(f"{lo + i * width:.3g}", float(c)) for i, c in enumerate(counts)])
+
+
+def line(title: str, points: Sequence[tuple[float, float]], *, unit: str = "") -> Markup:
+    """A polyline of (x, y) points (x is time), y scaled from 0."""
+    parts = [
+        f'<svg class="chart" viewBox="0 0 {W} {H + 30}" role="img" aria-label="{escape(title)}">',
+        f'<text x="{PAD}" y="12" class="ct">{escape(title)}</text>',
+    ]
+    if points:
+        x0, x1 = points[0][0], points[-1][0]
+        top = max(y for _, y in points) or 1
+        span = (x1 - x0) or 1
+        coords = " ".join(
+            f"{PAD + (W - 2 * PAD) * (x - x0) / span:.1f},{H - (H - PAD - 10) * y / top:.1f}"
+            for x, y in points
+        )
+        parts.append(f'<polyline points="{coords}" fill="none" stroke="#c24a4a" stroke-width="2"/>')
+        parts.append(
+            f'<text x="{W - PAD}" y="28" class="cl" text-anchor="end">max {top:.3g}{unit}</text>'
+        )
+    else:
+        parts.append(f'<text x="{W / 2}" y="{H / 2}" class="cl" text-anchor="middle">none</text>')
+    parts.append("</svg>")
+    return Markup("".join(parts))
