@@ -29,7 +29,7 @@ from recorder.log.events import (
 )
 from recorder.log.store.base import EventStore
 from replay import reduce_log
-from replay.load import load_session
+from replay.load import session_log
 from replay.rules import Rules
 from replay.samples import Sample, SessionResult
 from replay.show import describe
@@ -50,6 +50,13 @@ class TokenText:
         if missing:
             self._cache.update(zip(missing, self.tokenizer.decode_tokens(missing), strict=True))
         return [self._cache[int(i)] for i in ids]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """A run of tokens as one text (an engine input is shown as two runs, not
+        as 100k spans)."""
+        if self.tokenizer is None:
+            return "".join(f"‹{i}›" for i in ids)
+        return str(self.tokenizer.decode(list(ids)))
 
 
 class Tokenizers:
@@ -93,14 +100,14 @@ class Reductions:
         self._cache: OrderedDict[tuple[str, int], Reduced] = OrderedDict()
 
     async def get(self, session_id: str) -> Reduced | None:
-        log = await load_session(
-            self.store, session_id, routed_experts=self.rules.routed_experts is not None
-        )
-        if not log.events:
+        events = await self.store.read_session(session_id)
+        if not events:
             return None
-        key = (session_id, log.last_position)
+        key = (session_id, max(e.position for e in events))
         hit = self._cache.get(key)
         if hit is None:
+            routed = self.rules.routed_experts is not None
+            log = await session_log(self.store, session_id, events, routed_experts=routed)
             hit = Reduced(log.events, reduce_log(log, self.rules))
             self._cache[key] = hit
             while len(self._cache) > self.keep:
@@ -192,7 +199,9 @@ class TurnView:
     messages: list[dict[str, Any]]
     system: Any
     prefix_len: int
-    input_text: list[str]
+    n_input: int
+    reused_text: str
+    new_text: str
     output_text: list[str]
     logprobs: list[float]
     reencoded_text: list[str] | None
@@ -228,14 +237,20 @@ async def turn_view(
         tokens=tt,
         messages=messages,
         system=system,
-        prefix_len=rendered[-1].prefix_len if rendered else 0,
-        input_text=text(tt.input_ids or []),
+        prefix_len=prefix_len(rendered),
+        n_input=len(tt.input_ids or []),
+        reused_text=text.decode((tt.input_ids or [])[: prefix_len(rendered)]),
+        new_text=text.decode((tt.input_ids or [])[prefix_len(rendered) :]),
         output_text=text(tt.emitted),
         logprobs=lps,
         reencoded_text=None if reenc is None else text(reenc),
         divergence=None if reenc is None else first_divergence(tt.emitted, reenc),
         body_error=error,
     )
+
+
+def prefix_len(rendered: Sequence[RenderedInput]) -> int:
+    return rendered[-1].prefix_len if rendered else 0
 
 
 # -------------------------------------------------------------- sample
