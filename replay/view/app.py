@@ -197,6 +197,7 @@ async def _reduced(request: web.Request) -> m.Reduced:
 async def session_page(request: web.Request) -> web.Response:
     red = await _reduced(request)
     sid = request.match_info["sid"]
+    await request.app[INDEX].refresh()
     row = request.app[INDEX].rows.get(sid)
     return render(
         request,

@@ -4,8 +4,9 @@ The log keeps no per-session summary table, and a row needs facts only the
 event payloads hold (status, reward, TITO verdicts, the rollout's outcome).
 So the viewer folds every event once, in position order, into a small
 `RunRow` per session, and on each request folds only the events appended
-since (`read_all(after=position)`): a live log costs one short read per page
-view, never a re-scan, and never a reduction. Trained tokens come from the
+since (keyset pages after the last position): a live log costs one short
+read per page view, never a re-scan, and never a reduction. Only the
+payloads the row needs are read and decoded (`DECODED`). Trained tokens come from the
 newest `replay reclassify` summary projection when one exists (the runs page
 reduces nothing); the session page reduces its one session.
 
@@ -21,12 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import sqlalchemy as sa
 
 from recorder.log.events import (
-    EngineError,
     GenerateResult,
-    MessagesRequest,
-    RecordedEvent,
     RenderedInput,
     RewardAssigned,
     SandboxEvent,
@@ -34,9 +33,10 @@ from recorder.log.events import (
     SessionFailed,
     SessionOpened,
     TitoVerdict,
-    TurnAborted,
+    decode_event,
 )
 from recorder.log.store.base import EventStore
+from recorder.log.store.tables import events
 from replay.reclassify import SUMMARY_PREFIX, SessionSummary
 
 PAGE = 5000  # events per read while catching up
@@ -112,13 +112,50 @@ class RunRow:
         return f"{self.session_id} {meta}".lower()
 
 
-def fold(row: RunRow, rec: RecordedEvent) -> None:
-    """Add one event to its session's row (pure; the whole index is this fold)."""
-    ev = rec.event
-    if not row.first_ts or rec.ts < row.first_ts:
-        row.first_ts = rec.ts
-    row.last_ts = max(row.last_ts, rec.ts)
-    row.last_position = max(row.last_position, rec.position)
+# The fold decodes only these payloads; every other event counts by its type
+# (a 40-turn session has ~240 events, most of them requests and responses the
+# runs page never shows), and their payloads are not even read.
+DECODED = (
+    "session_opened",
+    "session_closed",
+    "session_failed",
+    "rendered_input",
+    "generate_result",
+    "tito_verdict",
+    "reward_assigned",
+    "sandbox_event",
+)
+
+_PAGE = (
+    sa.select(
+        events.c.position,
+        events.c.session_id,
+        events.c.type,
+        events.c.version,
+        events.c.ts,
+        sa.case((events.c.type.in_(DECODED), events.c.payload), else_=sa.null()),
+    )
+    .where(events.c.position > sa.bindparam("after"))
+    .order_by(events.c.position)
+    .limit(sa.bindparam("n"))
+)
+
+
+def fold(row: RunRow, position: int, ts: float, type_: str, ev: Any) -> None:
+    """Add one event to its session's row (pure; the whole index is this fold).
+    `ev` is the decoded event for the `DECODED` types, else None."""
+    if not row.first_ts or ts < row.first_ts:
+        row.first_ts = ts
+    row.last_ts = max(row.last_ts, ts)
+    row.last_position = max(row.last_position, position)
+    if ev is None:
+        if type_ == "messages_request":
+            row.requests += 1
+        elif type_ == "engine_error":
+            row.engine_errors += 1
+        elif type_ == "turn_aborted":
+            row.aborts += 1
+        return
     match ev:
         case SessionOpened():
             row.metadata = dict(ev.metadata)
@@ -127,8 +164,6 @@ def fold(row: RunRow, rec: RecordedEvent) -> None:
             row.status, row.reason = ev.status, ev.reason
         case SessionFailed():
             row.failed = f"{ev.where}: {ev.error_type}"
-        case MessagesRequest():
-            row.requests += 1
         case RenderedInput():
             row.input_tokens += ev.input_ids.length - ev.prefix_len
         case GenerateResult():
@@ -137,10 +172,6 @@ def fold(row: RunRow, rec: RecordedEvent) -> None:
         case TitoVerdict():
             row.tito_checked += 1
             row.tito_failed += 0 if ev.ok else 1
-        case EngineError():
-            row.engine_errors += 1
-        case TurnAborted():
-            row.aborts += 1
         case RewardAssigned():
             row.reward = ev.reward
         case SandboxEvent(kind="eval_result"):
@@ -162,15 +193,18 @@ class RunIndex:
     async def refresh(self) -> int:
         """Fold the events appended since the last call; returns the log position."""
         async with self._lock:
+            engine = self.store.read_engine  # type: ignore[attr-defined]
             while True:
-                page = await self.store.read_all(after=self.position, limit=PAGE)
-                for rec in page:
-                    row = self.rows.get(rec.session_id)
+                async with engine.connect() as conn:
+                    page = (await conn.execute(_PAGE, {"after": self.position, "n": PAGE})).all()
+                for position, sid, type_, version, ts, payload in page:
+                    row = self.rows.get(sid)
                     if row is None:
-                        row = self.rows[rec.session_id] = RunRow(rec.session_id)
-                    fold(row, rec)
+                        row = self.rows[sid] = RunRow(sid)
+                    ev = None if payload is None else decode_event(type_, version, payload)
+                    fold(row, position, ts, type_, ev)
                 if page:
-                    self.position = page[-1].position
+                    self.position = page[-1][0]
                 if len(page) < PAGE:
                     break
             await self._load_trained()

@@ -148,7 +148,7 @@ async def test_pages_show_what_the_reducer_builds(logged: tuple[EventStore, Even
             assert page.status == 200
             assert text.count('<tr class="sample ') == len(result.samples)
             for i, s in enumerate(result.samples):
-                assert f'<td class="num tokens">{len(s.tokens)}</td>' in text
+                assert f'<td class="num ntok">{len(s.tokens)}</td>' in text
                 assert f'<td class="num trainable">{sum(s.loss_mask)}</td>' in text
                 got = await (await client.get(f"/session/{sid}/sample/{i}/tokens")).json()
                 assert [r[0] for r in got["rows"]] == s.tokens[: len(got["rows"])]

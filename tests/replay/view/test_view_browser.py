@@ -203,7 +203,7 @@ class Page:
         return self.page
 
     def shot(self, name: str) -> None:
-        self.page.screenshot(path=str(artifacts() / f"{name}.png"), full_page=True)
+        self.page.screenshot(path=str(artifacts() / f"{name}.png"))
 
     def load_all_tokens(self) -> None:
         """Scroll until the sample page has loaded every chunk of tokens."""
