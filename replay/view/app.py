@@ -10,10 +10,13 @@ show on the next request and to the open page's poll of `/api/position`.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import json
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
@@ -298,6 +301,16 @@ async def rules_page(request: web.Request) -> web.Response:
 # -------------------------------------------------------------- app
 
 
+async def _index_at_start(app: web.Application) -> AsyncIterator[None]:
+    """Fold the log into the runs index as soon as the server is up, not on the
+    first page view (a large log takes a while; see tools/bench_view.py)."""
+    task = asyncio.create_task(app[INDEX].refresh())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+
+
 def make_app(
     store: EventStore, rules: Rules, *, token: str | None, tokenizer: str | None
 ) -> web.Application:
@@ -308,6 +321,7 @@ def make_app(
     app[REDUCTIONS] = m.Reductions(store, rules)
     app[TOKENIZERS] = m.Tokenizers(tokenizer)
     app[ENV] = _env()
+    app.cleanup_ctx.append(_index_at_start)
     app.router.add_get("/", runs_page)
     app.router.add_get("/api/position", position_api)
     app.router.add_get("/session/{sid}", session_page)
