@@ -17,6 +17,7 @@ from builders import Log, small_logs, write_to
 from recorder.log.store import EventStore, open_store
 from recorder.log.store.base import StoreError
 from replay import close_session_samples
+from replay.reclassify import reclassify
 from replay.rules import Rules
 from replay.view.app import make_app
 from replay.view.index import Query, RunIndex, select
@@ -109,6 +110,12 @@ async def test_index_follows_the_log(sqlite_url: str) -> None:
         assert set(index.rows) == {"a-linear", "d-failed"}
         assert index.rows["d-failed"].status == "failed"
         assert index.rows["a-linear"].last_position == before
+        assert index.rows["a-linear"].trained is None  # no projection yet
+        await reclassify(writer, Rules())
+        await index.refresh()
+        for sid in ("a-linear", "d-failed"):
+            result = await close_session_samples(writer, sid)
+            assert index.rows[sid].trained == sum(sum(s.loss_mask) for s in result.samples)
     finally:
         await reader.close()
         await writer.close()
