@@ -222,11 +222,21 @@ async def turn_page(request: web.Request) -> web.Response:
     try:
         turn = int(request.match_info["turn"])
         text = request.app[TOKENIZERS].for_events(red.events)
-        view = await m.turn_view(request.app[STORE], red.events, turn, text)
+        view = await m.turn_view(
+            request.app[STORE], red.events, turn, text, rerender="rerender" in request.query
+        )
     except (ValueError, LookupError) as exc:
         raise web.HTTPNotFound(text=str(exc)) from None
     turns = m.turn_numbers(red.events)
-    return render(request, "turn.html", sid=sid, turn=turn, v=view, turns=turns)
+    return render(
+        request,
+        "turn.html",
+        sid=sid,
+        turn=turn,
+        v=view,
+        turns=turns,
+        request_rerender="rerender" in request.query,
+    )
 
 
 def _sample(request: web.Request, red: m.Reduced) -> tuple[int, Any]:

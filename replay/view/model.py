@@ -9,6 +9,7 @@ without one the pages show token ids.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -33,7 +34,8 @@ from replay.load import session_log
 from replay.rules import Rules
 from replay.samples import Sample, SessionResult
 from replay.show import describe
-from replay.tito import TurnTokens, first_divergence, turn_tokens
+from replay.tito import TurnTokens, first_divergence, reencode, turn_tokens
+from replay.tito import rerender as rerender_ids
 
 
 class TokenText:
@@ -194,6 +196,45 @@ def turn_numbers(events: Sequence[RecordedEvent]) -> list[int]:
 
 
 @dataclass(slots=True)
+class Comparison:
+    """Two id sequences aligned from a little before their first divergence
+    (`replay tito`'s side-by-side, as data for the page)."""
+
+    title: str
+    left_name: str
+    right_name: str
+    left: list[int]
+    right: list[int]
+    divergence: int | None
+    start: int
+    left_text: list[str]
+    right_text: list[str]
+
+    @property
+    def stop(self) -> int:
+        return self.start + max(len(self.left_text), len(self.right_text))
+
+
+def compare(
+    title: str,
+    left_name: str,
+    left: Sequence[int],
+    right_name: str,
+    right: Sequence[int],
+    text: TokenText,
+    *,
+    context: int = 8,
+    limit: int = 200,
+) -> Comparison:
+    div = first_divergence(left, right)
+    start = 0 if div is None else max(0, div - context)
+    a, b = list(left[start : start + limit]), list(right[start : start + limit])
+    return Comparison(
+        title, left_name, right_name, list(left), list(right), div, start, text(a), text(b)
+    )
+
+
+@dataclass(slots=True)
 class TurnView:
     tokens: TurnTokens
     messages: list[dict[str, Any]]
@@ -204,14 +245,21 @@ class TurnView:
     new_text: str
     output_text: list[str]
     logprobs: list[float]
-    reencoded_text: list[str] | None
-    divergence: int | None
+    comparisons: list[Comparison]
+    notes: list[str]
     body_error: str = ""
 
 
 async def turn_view(
-    store: EventStore, events: Sequence[RecordedEvent], turn: int, text: TokenText
+    store: EventStore,
+    events: Sequence[RecordedEvent],
+    turn: int,
+    text: TokenText,
+    *,
+    rerender: bool = False,
 ) -> TurnView:
+    """One turn as the turn page shows it; `rerender` also renders the request
+    afresh through the chat template (needs the tokenizer; costs a full render)."""
     tt = await turn_tokens(store, events[0].session_id, turn)
     rendered = [
         r.event for r in events if isinstance(r.event, RenderedInput) and r.event.turn == turn
@@ -232,21 +280,65 @@ async def turn_view(
             system = body.get("system")
         except (ValueError, AttributeError) as exc:
             error = f"request body is not JSON: {exc}"
-    reenc = tt.reencoded
+    comparisons, notes = await _comparisons(tt, text, rerender)
+    ids = tt.input_ids or []
+    cut = prefix_len(rendered)
     return TurnView(
         tokens=tt,
         messages=messages,
         system=system,
-        prefix_len=prefix_len(rendered),
-        n_input=len(tt.input_ids or []),
-        reused_text=text.decode((tt.input_ids or [])[: prefix_len(rendered)]),
-        new_text=text.decode((tt.input_ids or [])[prefix_len(rendered) :]),
+        prefix_len=cut,
+        n_input=len(ids),
+        reused_text=text.decode(ids[:cut]),
+        new_text=text.decode(ids[cut:]),
         output_text=text(tt.emitted),
         logprobs=lps,
-        reencoded_text=None if reenc is None else text(reenc),
-        divergence=None if reenc is None else first_divergence(tt.emitted, reenc),
+        comparisons=comparisons,
+        notes=notes,
         body_error=error,
     )
+
+
+async def _comparisons(
+    tt: TurnTokens, text: TokenText, rerender: bool
+) -> tuple[list[Comparison], list[str]]:
+    """The two comparisons `replay tito --turn` prints: decode→re-encode, and the
+    engine input against a fresh template render."""
+    tok = text.tokenizer
+    out: list[Comparison] = []
+    notes: list[str] = []
+    reencoded, source = tt.reencoded, "recorded"
+    if reencoded is None and tok is not None:
+        reencoded, source = reencode(tok, tt.emitted), "re-encoded now"
+    if reencoded is None:
+        notes.append("no re-encoded ids recorded: start replay view with --tokenizer PATH")
+    else:
+        out.append(
+            compare(
+                f"decode→re-encode ({source})",
+                "emitted",
+                tt.emitted,
+                "re-encoded",
+                reencoded,
+                text,
+            )
+        )
+    if not rerender:
+        return out, notes
+    if tok is None or tt.body is None or tt.input_ids is None:
+        notes.append("template re-render: needs a tokenizer and the recorded request")
+        return out, notes
+    try:
+        fresh = await asyncio.to_thread(rerender_ids, tok, tt.body, tt.dialect)
+    except Exception as exc:
+        notes.append(f"template re-render failed: {type(exc).__name__}: {exc}")
+        return out, notes
+    out.append(
+        compare(
+            "engine input vs template re-render", "sent", tt.input_ids, "re-rendered", fresh, text
+        )
+    )
+    return out, notes
 
 
 def prefix_len(rendered: Sequence[RenderedInput]) -> int:

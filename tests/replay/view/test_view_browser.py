@@ -168,6 +168,24 @@ def _show_rows(db: Path, sid: str) -> list[list[str]]:
     return [r[:7] for r in rows if len(r) >= 7 and r[0].isdigit()]
 
 
+def _tito_headings(db: Path, sid: str, turn: int) -> list[str]:
+    """The comparison headings `replay tito --turn` prints ("title: N vs M ids, status")."""
+    out = subprocess.run(
+        [
+            *(sys.executable, "-m", "replay.cli", "tito", "--db", str(db), "--session", sid),
+            *("--turn", str(turn), "--tokenizer", str(TOKENIZER)),
+        ],
+        cwd=REPO,
+        env=_env(),
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    found = [" ".join(x.split()) for x in re.findall(r"^(.*: \d+ vs \d+ ids, .*)$", out, re.M)]
+    assert len(found) == 2, out
+    return found
+
+
 def _dry_run_counts(db: Path) -> list[str]:
     """(changed segmentation, changed samples, new) as `replay reclassify --dry-run` prints."""
     out = subprocess.run(
@@ -268,6 +286,13 @@ def test_quickstart_log_click_through(browser: Any, quickstart_db: Path, tmp_pat
         p.locator("a.sid").first.click()
         p.wait_for_url(re.compile(r"/session/"))
         _check_session(pg, quickstart_db, sid, exported[sid], "quickstart")
+        for turn in (0, 3):  # the page's TITO comparisons are `replay tito --turn`'s
+            pg.goto(f"/session/{sid}/turn/{turn}")
+            p.locator("#rerender").click()
+            p.wait_for_url(re.compile(r"rerender=1"))
+            shown = [" ".join(h.split()) for h in p.locator("h3").all_inner_texts()]
+            assert shown == _tito_headings(quickstart_db, sid, turn)
+        pg.shot("quickstart-tito")
         pg.goto("/rules")
         p.locator("#dry-run").click()
         p.wait_for_selector("#report")
