@@ -4,9 +4,9 @@ The log keeps no per-session summary table, and a row needs facts only the
 event payloads hold (status, reward, TITO verdicts, the rollout's outcome).
 So the viewer folds every event once, in position order, into a small
 `RunRow` per session, and on each request folds only the events appended
-since (keyset pages after the last position): a live log costs one short
-read per page view, never a re-scan, and never a reduction. Only the
-payloads the row needs are read and decoded (`DECODED`). Trained tokens come from the
+since (position ranges after the last one read): a live log costs one short
+read per page view, never a re-scan, and never a reduction. Only the events
+a row shows are read and decoded (`DECODED`), in position order. Trained tokens come from the
 newest `replay reclassify` summary projection when one exists (the runs page
 reduces nothing); the session page reduces its one session.
 
@@ -25,14 +25,6 @@ import msgspec
 import sqlalchemy as sa
 
 from recorder.log.events import (
-    GenerateResult,
-    RenderedInput,
-    RewardAssigned,
-    SandboxEvent,
-    SessionClosed,
-    SessionFailed,
-    SessionOpened,
-    TitoVerdict,
     decode_event,
 )
 from recorder.log.store.base import EventStore
@@ -55,7 +47,6 @@ class RunRow:
     metadata: dict[str, Any] = field(default_factory=dict)
     reward: float | None = None
     turns: set[int] = field(default_factory=set)
-    requests: int = 0
     input_tokens: int = 0  # new (not reused) engine input tokens, summed over turns
     output_tokens: int = 0
     tito_checked: int = 0
@@ -112,9 +103,10 @@ class RunRow:
         return f"{self.session_id} {meta}".lower()
 
 
-# The fold decodes only these payloads; every other event counts by its type
-# (a 40-turn session has ~240 events, most of them requests and responses the
-# runs page never shows), and their payloads are not even read.
+# The fold reads only these events; the rest of a session (requests, chain
+# decisions, attempts, responses: most of its ~6 events per turn) is never
+# read, decoded or folded. A session's duration runs from its first to its
+# last event of these types (open sessions: to the last answer's result).
 DECODED = (
     "session_opened",
     "session_closed",
@@ -122,62 +114,101 @@ DECODED = (
     "rendered_input",
     "generate_result",
     "tito_verdict",
+    "engine_error",
+    "turn_aborted",
     "reward_assigned",
     "sandbox_event",
 )
+SPAN = 50_000  # positions per catch-up step
 
-_PAGE = (
+_DECODED = (
     sa.select(
         events.c.position,
         events.c.session_id,
         events.c.type,
         events.c.version,
         events.c.ts,
-        sa.case((events.c.type.in_(DECODED), events.c.payload), else_=sa.null()),
+        events.c.payload,
     )
-    .where(events.c.position > sa.bindparam("after"))
+    .where(
+        events.c.position > sa.bindparam("after"),
+        events.c.position <= sa.bindparam("until"),
+        events.c.type.in_(DECODED),
+    )
     .order_by(events.c.position)
-    .limit(sa.bindparam("n"))
 )
 
 
+def _opened(row: RunRow, ev: Any) -> None:
+    row.metadata = dict(ev.metadata)
+    row.status, row.reason = "open", ""
+
+
+def _closed(row: RunRow, ev: Any) -> None:
+    row.status, row.reason = ev.status, ev.reason
+
+
+def _failed(row: RunRow, ev: Any) -> None:
+    row.failed = f"{ev.where}: {ev.error_type}"
+
+
+def _rendered(row: RunRow, ev: Any) -> None:
+    row.input_tokens += ev.input_ids.length - ev.prefix_len
+
+
+def _result(row: RunRow, ev: Any) -> None:
+    row.turns.add(ev.turn)
+    row.output_tokens += ev.output_ids.length
+
+
+def _tito(row: RunRow, ev: Any) -> None:
+    row.tito_checked += 1
+    row.tito_failed += 0 if ev.ok else 1
+
+
+def _engine_error(row: RunRow, ev: Any) -> None:
+    row.engine_errors += 1
+
+
+def _aborted(row: RunRow, ev: Any) -> None:
+    row.aborts += 1
+
+
+def _reward(row: RunRow, ev: Any) -> None:
+    row.reward = ev.reward
+
+
+def _sandbox(row: RunRow, ev: Any) -> None:
+    if ev.kind == "eval_result":
+        row.passed = bool(ev.detail.get("passed"))
+    elif ev.kind == "failed":
+        row.infra_cause = str(ev.detail.get("cause", "unknown"))
+
+
+_FOLD = {
+    "session_opened": _opened,
+    "session_closed": _closed,
+    "session_failed": _failed,
+    "rendered_input": _rendered,
+    "generate_result": _result,
+    "tito_verdict": _tito,
+    "engine_error": _engine_error,
+    "turn_aborted": _aborted,
+    "reward_assigned": _reward,
+    "sandbox_event": _sandbox,
+}
+assert set(_FOLD) == set(DECODED)
+
+
 def fold(row: RunRow, position: int, ts: float, type_: str, ev: Any) -> None:
-    """Add one event to its session's row (pure; the whole index is this fold).
-    `ev` is the decoded event for the `DECODED` types, else None."""
+    """Add one event of a `DECODED` type to its session's row (pure)."""
     if not row.first_ts or ts < row.first_ts:
         row.first_ts = ts
-    row.last_ts = max(row.last_ts, ts)
-    row.last_position = max(row.last_position, position)
-    if ev is None:
-        if type_ == "messages_request":
-            row.requests += 1
-        elif type_ == "engine_error":
-            row.engine_errors += 1
-        elif type_ == "turn_aborted":
-            row.aborts += 1
-        return
-    match ev:
-        case SessionOpened():
-            row.metadata = dict(ev.metadata)
-            row.status, row.reason = "open", ""
-        case SessionClosed():
-            row.status, row.reason = ev.status, ev.reason
-        case SessionFailed():
-            row.failed = f"{ev.where}: {ev.error_type}"
-        case RenderedInput():
-            row.input_tokens += ev.input_ids.length - ev.prefix_len
-        case GenerateResult():
-            row.turns.add(ev.turn)
-            row.output_tokens += ev.output_ids.length
-        case TitoVerdict():
-            row.tito_checked += 1
-            row.tito_failed += 0 if ev.ok else 1
-        case RewardAssigned():
-            row.reward = ev.reward
-        case SandboxEvent(kind="eval_result"):
-            row.passed = bool(ev.detail.get("passed"))
-        case SandboxEvent(kind="failed"):
-            row.infra_cause = str(ev.detail.get("cause", "unknown"))
+    if ts > row.last_ts:
+        row.last_ts = ts
+    if position > row.last_position:
+        row.last_position = position
+    _FOLD[type_](row, ev)
 
 
 class RunIndex:
@@ -194,19 +225,18 @@ class RunIndex:
         """Fold the events appended since the last call; returns the log position."""
         async with self._lock:
             engine = self.store.read_engine  # type: ignore[attr-defined]
-            while True:
+            head = await self.store.last_position()
+            while self.position < head:
+                span = {"after": self.position, "until": min(head, self.position + SPAN)}
                 async with engine.connect() as conn:
-                    page = (await conn.execute(_PAGE, {"after": self.position, "n": PAGE})).all()
-                for position, sid, type_, version, ts, payload in page:
-                    row = self.rows.get(sid)
+                    decoded = (await conn.execute(_DECODED, span)).all()
+                rows = self.rows
+                for position, sid, type_, version, ts, payload in decoded:
+                    row = rows.get(sid)
                     if row is None:
-                        row = self.rows[sid] = RunRow(sid)
-                    ev = None if payload is None else decode_event(type_, version, payload)
-                    fold(row, position, ts, type_, ev)
-                if page:
-                    self.position = page[-1][0]
-                if len(page) < PAGE:
-                    break
+                        row = rows[sid] = RunRow(sid)
+                    fold(row, position, ts, type_, decode_event(type_, version, payload))
+                self.position = span["until"]
             await self._load_trained()
             return self.position
 
