@@ -31,10 +31,14 @@ def bars(title: str, items: Sequence[tuple[str, float]], *, color: str = "#4a78c
             f'<rect x="{x + 1:.1f}" y="{y:.1f}" width="{max(bw - 2, 1):.1f}" height="{h:.1f}" '
             f'fill="{color}"><title>{escape(label)}: {v:g}</title></rect>'
         )
-        if n <= 12:
+        # Labels under the bars only where they fit: every bar up to 6, else the ends.
+        if n <= 6 or i in (0, n - 1):
             parts.append(
                 f'<text x="{x + bw / 2:.1f}" y="{H + 12}" class="cl" text-anchor="middle">'
                 f"{escape(label[:10])}</text>"
+            )
+        if v and n <= 12:
+            parts.append(
                 f'<text x="{x + bw / 2:.1f}" y="{max(y - 2, 22):.1f}" class="cl" '
                 f'text-anchor="middle">{v:g}</text>'
             )
@@ -55,7 +59,11 @@ def histogram(title: str, values: Sequence[float], *, bins: int = 10) -> Markup:
     counts = [0] * bins
     for v in values:
         counts[min(int((v - lo) / width), bins - 1)] += 1
-    return bars(title, [(f"{lo + i * width:.3g}", float(c)) for i, c in enumerate(counts)])
+    return bars(title, [(_short(lo + i * width), float(c)) for i, c in enumerate(counts)])
+
+
+def _short(x: float) -> str:
+    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
 
 
 def line(title: str, points: Sequence[tuple[float, float]], *, unit: str = "") -> Markup:
