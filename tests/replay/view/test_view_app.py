@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from recorder.log.store.base import StoreError
 from replay import close_session_samples
 from replay.reclassify import reclassify
 from replay.rules import Rules
+from replay.view import charts
 from replay.view.app import make_app
 from replay.view.index import Query, RunIndex, select
 from replay.view.readonly import open_readonly
@@ -204,3 +206,12 @@ def test_non_loopback_bind_needs_a_token(tmp_path: Path) -> None:
     token, where = view_token("0.0.0.0", None, tmp_path / "tok")
     assert token and "generated" in where and (tmp_path / "tok").stat().st_mode & 0o077 == 0
     assert view_token("0.0.0.0", "given", None)[0] == "given"
+
+
+def test_charts_escape_labels_and_scale() -> None:
+    svg = str(charts.bars("outcomes", [(EVIL, 3.0), ("passed", 1.0)]))
+    assert "<script>" not in svg and "&lt;script&gt;" in svg
+    heights = [float(h) for h in re.findall(r'height="([\d.]+)" fill', svg)]
+    assert heights[0] == pytest.approx(3 * heights[1], abs=0.2)  # 0.1 px rounding
+    hist = str(charts.histogram("reward", [0.0, 0.0, 0.5, 1.0], bins=2))
+    assert re.findall(r"<title>([^<]*)</title>", hist) == ["0: 2", "0.5: 2"]
