@@ -15,8 +15,9 @@ import contextlib
 import hmac
 import json
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
@@ -119,34 +120,79 @@ def _link(query: Query, **change: Any) -> str:
     return "?" + urlencode({k: v for k, v in params.items() if v not in ("", None)})
 
 
-async def runs_page(request: web.Request) -> web.Response:
-    index = request.app[INDEX]
-    position = await index.refresh()
-    q = Query.from_params(request.query)
+@dataclass(slots=True)
+class RunsView:
+    """What the runs page derives from the whole index for one filter and sort."""
+
+    total: int
+    matched: list[Any]
+    spread: dict[str, tuple[float, float, float, int]]
+    statuses: list[str]
+    outcomes: list[str]
+    charts: list[Any]
+
+
+def runs_view(index: RunIndex, q: Query) -> RunsView:
     rows = list(index.rows.values())
     matched = select(rows, q)
-    start = q.page * q.per_page
-    page = matched[start : start + q.per_page]
     rewards_by_group: dict[str, list[float]] = {}
     for r in rows:
         if r.group and r.reward is not None:
             rewards_by_group.setdefault(r.group, []).append(r.reward)
-    spread = {g: (min(v), sum(v) / len(v), max(v), len(v)) for g, v in rewards_by_group.items()}
+    return RunsView(
+        total=len(rows),
+        matched=matched,
+        spread={g: (min(v), sum(v) / len(v), max(v), len(v)) for g, v in rewards_by_group.items()},
+        statuses=sorted({r.status for r in rows}),
+        outcomes=sorted({r.outcome for r in rows if r.outcome}),
+        charts=_summary_charts(matched),
+    )
+
+
+class RunsCache:
+    """The last few `RunsView`s, keyed by the log position and the query minus
+    its page: paging through 10,000 runs sorts and charts them once."""
+
+    def __init__(self, keep: int = 8) -> None:
+        self.keep = keep
+        self._views: OrderedDict[tuple[Any, ...], RunsView] = OrderedDict()
+
+    def get(self, index: RunIndex, q: Query) -> RunsView:
+        key = (index.position, index.projection, q.status, q.outcome, q.instance, q.group)
+        key += (q.text, q.sort, q.desc)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = runs_view(index, q)
+            while len(self._views) > self.keep:
+                self._views.popitem(last=False)
+        self._views.move_to_end(key)
+        return view
+
+
+RUNS: web.AppKey[RunsCache] = web.AppKey("runs", RunsCache)
+
+
+async def runs_page(request: web.Request) -> web.Response:
+    index = request.app[INDEX]
+    position = await index.refresh()
+    q = Query.from_params(request.query)
+    view = request.app[RUNS].get(index, q)
+    start = q.page * q.per_page
     return render(
         request,
         "runs.html",
         q=q,
         link=lambda **kw: _link(q, **kw),
-        groups=group_rows(page),
-        spread=spread,
-        total=len(rows),
-        matched=len(matched),
+        groups=group_rows(view.matched[start : start + q.per_page]),
+        spread=view.spread,
+        total=view.total,
+        matched=len(view.matched),
         start=start,
-        pages=max(1, -(-len(matched) // q.per_page)),
+        pages=max(1, -(-len(view.matched) // q.per_page)),
         position=position,
-        statuses=sorted({r.status for r in rows}),
-        outcomes=sorted({r.outcome for r in rows if r.outcome}),
-        charts=_summary_charts(matched),
+        statuses=view.statuses,
+        outcomes=view.outcomes,
+        charts=view.charts,
         projection=index.projection,
     )
 
@@ -331,6 +377,7 @@ def make_app(
     app[REDUCTIONS] = m.Reductions(store, rules)
     app[TOKENIZERS] = m.Tokenizers(tokenizer)
     app[ENV] = _env()
+    app[RUNS] = RunsCache()
     app.cleanup_ctx.append(_index_at_start)
     app.router.add_get("/", runs_page)
     app.router.add_get("/api/position", position_api)
