@@ -166,6 +166,9 @@ async def test_pages_show_what_the_reducer_builds(logged: tuple[EventStore, Even
                 assert got["total"] == len(s.tokens)
         assert (await client.get("/session/nope")).status == 404
         assert (await client.get("/session/a-linear/turn/1")).status == 200
+        sample = await (await client.get("/session/a-linear/sample/0")).text()
+        regions = sample[sample.index('<ul id="regions">') :]
+        assert "TITO mismatch" in regions.split("</ul>")[0]  # turn 1 failed TITO
         assert (await client.get("/session/a-linear/sample/99")).status == 404
         rules = await (await client.get("/rules", params={"dry_run": "1"})).text()
         assert Rules().version in rules and 'id="new-sessions">5<' in rules
