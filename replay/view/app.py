@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 import jinja2
 from aiohttp import web
@@ -248,6 +248,7 @@ async def session_page(request: web.Request) -> web.Response:
     sid = request.match_info["sid"]
     await request.app[INDEX].refresh()
     row = request.app[INDEX].rows.get(sid)
+    lanes = m.lanes(red.events, red.result)
     return render(
         request,
         "session.html",
@@ -255,7 +256,8 @@ async def session_page(request: web.Request) -> web.Response:
         row=row,
         result=red.result,
         timeline=m.timeline(red.events),
-        lanes=m.lanes(red.events, red.result),
+        lanes=lanes,
+        lanes_svg=charts.lanes(lanes, f"/session/{quote(sid, safe='')}/turn/"),
         story=m.rollout_story(red.events),
         turns=m.turn_numbers(red.events),
         last_position=max(e.position for e in red.events),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from html import escape
+from typing import Any
 
 from markupsafe import Markup
 
@@ -86,5 +87,57 @@ def line(title: str, points: Sequence[tuple[float, float]], *, unit: str = "") -
         )
     else:
         parts.append(f'<text x="{W / 2}" y="{H / 2}" class="cl" text-anchor="middle">none</text>')
+    parts.append("</svg>")
+    return Markup("".join(parts))
+
+
+KIND_COLORS = {
+    "final": "#2e7d32",
+    "wipe": "#ef6c00",
+    "subagent": "#1565c0",
+    "side": "#8e24aa",
+}
+
+
+def lanes(lanes_: Sequence[Any], turn_href: str) -> Markup:
+    """Chains as lanes: a square per turn (coloured by the segment kind, linked to
+    the turn page at `turn_href` + turn), a line from the parent lane where a
+    chain forked off. `lanes_` items have chain_id, parent, turns, kind."""
+    turns = sorted({t for lane in lanes_ for t in lane.turns})
+    if not turns:
+        return Markup("")
+    col = {t: i for i, t in enumerate(turns)}
+    row = {lane.chain_id: i for i, lane in enumerate(lanes_)}
+    cell, gap, left = 16, 22, 130
+    width = left + len(turns) * cell + 10
+    height = len(lanes_) * gap + 10
+    parts = [
+        f'<svg class="lanes-svg" viewBox="0 0 {width} {height}" width="{width}" '
+        f'height="{height}" role="img" aria-label="chains and segments">'
+    ]
+    for lane in lanes_:
+        y = 5 + row[lane.chain_id] * gap
+        color = KIND_COLORS.get(lane.kind, "#9e9e9e")
+        parts.append(
+            f'<text x="2" y="{y + 12}" class="cl">chain {lane.chain_id} {escape(lane.kind)}</text>'
+        )
+        if lane.parent in row and lane.turns:
+            parent = next(p for p in lanes_ if p.chain_id == lane.parent)
+            before = [t for t in parent.turns if t < lane.turns[0]]
+            if before:
+                x0 = left + col[before[-1]] * cell + cell / 2
+                y0 = 5 + row[lane.parent] * gap + cell / 2
+                x1 = left + col[lane.turns[0]] * cell
+                parts.append(
+                    f'<path d="M{x0:.0f},{y0:.0f} V{y + cell / 2:.0f} H{x1:.0f}" '
+                    f'fill="none" stroke="{color}" stroke-width="1.5"/>'
+                )
+        for t in lane.turns:
+            x = left + col[t] * cell
+            parts.append(
+                f'<a href="{escape(turn_href)}{t}"><rect x="{x + 1}" y="{y}" width="{cell - 2}" '
+                f'height="{cell}" fill="{color}"><title>chain {lane.chain_id}, turn {t}'
+                f"</title></rect></a>"
+            )
     parts.append("</svg>")
     return Markup("".join(parts))

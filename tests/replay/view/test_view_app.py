@@ -218,3 +218,13 @@ def test_charts_escape_labels_and_scale() -> None:
     assert heights[0] == pytest.approx(3 * heights[1], abs=0.2)  # 0.1 px rounding
     hist = str(charts.histogram("reward", [0.0, 0.0, 0.5, 1.0], bins=2))
     assert re.findall(r"<title>([^<]*)</title>", hist) == ["0: 2", "0.5: 2"]
+
+
+def test_lanes_draw_each_turn_and_fork() -> None:
+    from replay.view.model import Lane
+
+    main = Lane(0, None, "first", [0, 1, 2, 5], "wipe")
+    sub = Lane(1, 0, "subagent", [3, 4], "subagent")
+    svg = str(charts.lanes([main, sub], "/session/s/turn/"))
+    assert re.findall(r'href="/session/s/turn/(\d+)"', svg) == ["0", "1", "2", "5", "3", "4"]
+    assert svg.count("<path") == 1  # the subagent forks off chain 0 after its turn 2
