@@ -339,5 +339,74 @@ def stats(db: str, rules_spec: str | None, page_size: int) -> None:
     console.print(accounting_table(st))
 
 
+# -------------------------------------------------------------- view
+
+
+@main.command()
+@db_option
+@rules_option
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", default=8000, show_default=True, help="Port (0 picks a free one).")
+@click.option(
+    "--token",
+    envvar="TR_ADMIN_TOKEN",
+    default=None,
+    help="Required by every request; needed for a non-loopback --host (env TR_ADMIN_TOKEN).",
+)
+@click.option(
+    "--token-file",
+    envvar="TR_ADMIN_TOKEN_FILE",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Read the token from this file (0600), as the admin API does.",
+)
+@click.option(
+    "--tokenizer",
+    "tokenizer_path",
+    default=None,
+    metavar="PATH",
+    help="Tokenizer to show token texts (default: the one each session recorded, if present).",
+)
+def view(
+    db: str,
+    rules_spec: str | None,
+    host: str,
+    port: int,
+    token: str | None,
+    token_file: Path | None,
+    tokenizer_path: str | None,
+) -> None:
+    """A read-only web page over the log: runs, sessions, turns, samples, rules."""
+    from recorder.admin_token import AdminTokenError
+    from replay.view.serve import serve, view_token
+
+    rules = _rules(rules_spec)
+    try:
+        secret, where = view_token(host, token, token_file)
+    except AdminTokenError as exc:
+        raise click.ClickException(str(exc)) from None
+
+    def ready(url: str) -> None:
+        link = url if secret is None else f"{url}?token=<the token {where}>"
+        console.print(f"replay view on [bold]{escape(link)}[/] (read-only; Ctrl-C stops it)")
+
+    try:
+        asyncio.run(
+            serve(
+                db,
+                rules,
+                host=host,
+                port=port,
+                token=secret,
+                tokenizer=tokenizer_path,
+                on_ready=ready,
+            )
+        )
+    except (StoreError, ValueError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    except KeyboardInterrupt:
+        pass
+
+
 if __name__ == "__main__":
     main()

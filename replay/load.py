@@ -116,6 +116,18 @@ async def load_session(
     right after writing it, and `replay show` may look at it again.
     """
     events = await store.read_session(session_id)
+    return await session_log(store, session_id, events, routed_experts=routed_experts)
+
+
+async def session_log(
+    store: EventStore,
+    session_id: str,
+    events: Sequence[RecordedEvent],
+    *,
+    routed_experts: bool = False,
+) -> SessionLog:
+    """`load_session` for events already read (a caller that looks at them first,
+    e.g. to key a cache by the session's last position)."""
     return await _session_log(store, session_id, list(events), routed_experts, cache=True)
 
 

