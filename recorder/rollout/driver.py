@@ -77,6 +77,13 @@ log = logging.getLogger("recorder.rollout")
 Outcome = str  # "passed" | "failed" | "infra_error"
 
 
+# How much of the agent's diff the log keeps in `diff_taken`: enough to read
+# what the agent did in `replay view` / `show` without the `--out` file, and
+# bounded so one runaway diff (a vendored tree, a generated file) cannot bloat
+# every replay of the log. The whole diff is graded and goes to `--out`.
+PATCH_IN_LOG = 256 * 1024
+
+
 class RolloutRequest(msgspec.Struct, frozen=True, kw_only=True):
     task: Task
     sample_index: int = 0
@@ -295,6 +302,8 @@ class _Rollout:
             files=len(paths),
             paths=[p.decode(errors="replace") for p in paths[:200]],
             empty=not patch.strip(),
+            patch=patch[:PATCH_IN_LOG].decode(errors="replace"),
+            patch_truncated=len(patch) > PATCH_IN_LOG,
         )
         self.release(sb)
         # Dead before the eval sandbox exists: a process the agent left behind must not

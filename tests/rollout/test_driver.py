@@ -13,6 +13,7 @@ import pytest
 from rollout_harness import leftovers, policy_recorder, sandbox_ids, shipped_tasks
 
 from recorder.log import events as ev
+from recorder.rollout import driver as driver_module
 from recorder.rollout.agent import AgentSpec, compaction_env
 from recorder.rollout.driver import RolloutRequest, run_group, run_rollout
 from recorder.rollout.sandbox import SandboxSpec
@@ -84,6 +85,7 @@ async def test_diff_carries_new_deleted_and_binary_files_into_a_fresh_sandbox(
         if e.kind == "diff_taken"
     ]
     assert diff.detail["files"] == 4
+    assert diff.detail["patch"] == result.diff and not diff.detail["patch_truncated"]
     created = [
         e.detail
         for e in await recorder.payloads(result.session_id, ev.SandboxEvent)
@@ -105,6 +107,24 @@ async def test_empty_diff_is_reward_zero_not_an_error(recorder: Harness, tmp_pat
     assert events[-1].detail["empty_diff"] is True
     (closed,) = await recorder.payloads(result.session_id, ev.SessionClosed)
     assert closed.status == "completed"
+
+
+async def test_the_log_keeps_the_diff_up_to_its_cap(
+    recorder: Harness, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`replay view` shows the patch from the log: kept whole when small, cut and flagged when not."""
+    monkeypatch.setattr(driver_module, "PATCH_IN_LOG", 64)
+    task = shipped_tasks()["wordcount-trailing-newline"]
+    fix = AgentSpec(command="sed -i 's/len(text.split(\"\\\\n\"))/len(text.splitlines())/' wc.py")
+    result = await run_rollout(request(recorder, tmp_path, task, agent=fix))
+    assert result.outcome == "passed", result.evidence
+    (diff,) = [
+        e
+        for e in await recorder.payloads(result.session_id, ev.SandboxEvent)
+        if e.kind == "diff_taken"
+    ]
+    assert len(result.diff) > 64
+    assert diff.detail["patch"] == result.diff[:64] and diff.detail["patch_truncated"] is True
 
 
 async def test_infrastructure_failures_abort_only_their_own_rollout(
