@@ -14,7 +14,7 @@ twice the interval, each replica's `/health` gives what it still holds:
 `sessions_held_mb`; RSS (and its growth over the run) is the child's own.
 
     python tools/bench_replica_cache.py --pg postgresql+asyncpg://... [--sessions 300]
-        [--turns 3] [--concurrency 16] [--words 600]
+        [--turns 3] [--concurrency 16] [--words 600] [--routings sticky,random]
 """
 
 from __future__ import annotations
@@ -242,7 +242,12 @@ def rows(routing: str, off: list[Held], on: list[Held], bound: list[Held]) -> li
     return lines
 
 
-async def bench(pg: str, sessions: int, turns: int, concurrency: int, words: int) -> None:
+ROUTINGS: dict[str, Callable[[random.Random], Route]] = {"sticky": sticky, "random": scattered}
+
+
+async def bench(
+    pg: str, sessions: int, turns: int, concurrency: int, words: int, routings: list[str]
+) -> None:
     engine_proc, engine_url = start_test_engine(32768)
     print(
         f"\nwhat each of 2 replicas on one Postgres holds after {sessions} sessions x {turns} "
@@ -253,7 +258,8 @@ async def bench(pg: str, sessions: int, turns: int, concurrency: int, words: int
     )
     print(TABLE.header())
     try:
-        for routing, route in (("sticky", sticky), ("random", scattered)):
+        for routing in routings:
+            route = ROUTINGS[routing]
             results = await run(engine_url, pg, route, sessions, turns, concurrency, words)
             held = {label: h for label, (h, _) in results.items()}
             for line in rows(routing, held["off"], held["on"], held["bound"]):
@@ -274,12 +280,17 @@ async def bench(pg: str, sessions: int, turns: int, concurrency: int, words: int
 @click.option("--concurrency", type=int, default=16, show_default=True)
 @click.option("--words", type=int, default=600, show_default=True,
               help="Words of the first user message (later ones: a quarter).")  # fmt: skip
-def main(pg: str, sessions: int, turns: int, concurrency: int, words: int) -> None:
+@click.option("--routings", default="sticky,random", show_default=True)
+def main(pg: str, sessions: int, turns: int, concurrency: int, words: int, routings: str) -> None:
     if not pg:
         raise SystemExit(
             'no Postgres: pass --pg URL, or `eval "$(tools/pg_cluster.sh start /tmp/pg)"` first'
         )
-    asyncio.run(bench(pg, sessions, turns, concurrency, words))
+    names = routings.split(",")
+    unknown = sorted(set(names) - set(ROUTINGS))
+    if unknown:
+        raise SystemExit(f"unknown routing {unknown}: choose from {', '.join(ROUTINGS)}")
+    asyncio.run(bench(pg, sessions, turns, concurrency, words, names))
 
 
 if __name__ == "__main__":
