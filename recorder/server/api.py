@@ -299,6 +299,8 @@ async def health(request: web.Request) -> web.Response:
             "sessions_closed_elsewhere": ctx.registry.closed_elsewhere,
             "sessions_held_mb": round(ctx.registry.held_total / (1 << 20), 1),
             "sessions_shed": ctx.registry.shed,
+            "sessions_max_mb": ctx.config.max_cached_mb,
+            "close_watch_s": ctx.config.close_watch_interval_s if ctx.config.watches_closes else 0,
             "turns_in_flight": len(ctx.inflight),
             "catch_ups": ctx.registry.catch_ups,
             "catch_up_s": round(ctx.registry.catch_up_s, 6),

@@ -117,7 +117,7 @@ def make_context(
         locks=store.session_locks,
         outage=store.as_unavailable,
         sole_writer=config.sole_writer,
-        max_held_bytes=config.max_cached_mb << 20,
+        max_held_bytes=int(config.max_cached_mb * (1 << 20)),
     )
     return ctx
 
@@ -155,7 +155,7 @@ class RecorderServer:
         self._site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
         await self._site.start()
         config = self.ctx.config
-        if not config.sole_writer and config.close_watch_interval_s > 0:
+        if config.watches_closes:
             watch = CloseWatch(self.ctx.store, self.ctx.registry)
             self._close_watch = asyncio.create_task(watch.run(config.close_watch_interval_s))
         log.info("recorder listening on %s", self.url)

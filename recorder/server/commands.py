@@ -164,6 +164,24 @@ log = logging.getLogger("recorder.server")
     help="How a restarted server rebuilds a session: from its newest state snapshot "
     "(checked against the log) or by replaying its whole log (slower; for comparison).",
 )
+@click.option(
+    "--close-watch-interval",
+    type=click.FloatRange(min=0),
+    default=1.0,
+    show_default=True,
+    help="Seconds between reads of the log for sessions other replicas closed (Postgres "
+    "replicas only), which this one then drops from its cache. 0: never (then a session "
+    "closed elsewhere stays cached here as open until the memory bound drops it).",
+)
+@click.option(
+    "--max-cached-mb",
+    type=click.FloatRange(min=0, min_open=True),
+    default=4096.0,
+    show_default=True,
+    help="Memory for the sessions this server holds (token chains, last bodies, translated "
+    "messages); past it the least recently used idle ones leave memory and are rebuilt "
+    "from the log when named again.",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 def serve(
     db_url: str,
@@ -191,6 +209,8 @@ def serve(
     engine_health_interval: float,
     engine_health_timeout: float,
     restore_from: str,
+    close_watch_interval: float,
+    max_cached_mb: float,
     log_level: str,
 ) -> None:
     """Record every agent turn between an Anthropic client and SGLang."""
@@ -241,6 +261,8 @@ def serve(
         "engine_health_interval_s": engine_health_interval,
         "engine_health_timeout_s": engine_health_timeout,
         "restore_from_snapshots": restore_from == "snapshot",
+        "close_watch_interval_s": close_watch_interval,
+        "max_cached_mb": max_cached_mb,
     }
     try:
         asyncio.run(_serve(tokenizer, rules, **settings))  # type: ignore[arg-type]
@@ -315,6 +337,8 @@ async def _serve(tokenizer, rules, **s) -> None:  # type: ignore[no-untyped-def]
         return_routed_experts=s["return_routed_experts"],
         restore_from_snapshots=s["restore_from_snapshots"],
         sole_writer=claim is not None,
+        close_watch_interval_s=s["close_watch_interval_s"],
+        max_cached_mb=s["max_cached_mb"],
     )
     ctx = make_context(
         config=config, store=store, engine=engine, tokenizer=tokenizer, parser=parser, rules=rules

@@ -60,7 +60,13 @@ class ServerConfig:
     # Memory of the cached sessions (previous bodies, translated messages, token
     # chains) past which the least recently used idle ones leave memory; a request
     # naming one again rebuilds it from the log, as after a restart.
-    max_cached_mb: int = 4096
+    max_cached_mb: float = 4096.0
+
+    @property
+    def watches_closes(self) -> bool:
+        """Whether this server reads the log for closes made elsewhere (closes.py): only
+        a replica among others does; a sole writer sees every close itself."""
+        return not self.sole_writer and self.close_watch_interval_s > 0
 
 
 @dataclass(kw_only=True)

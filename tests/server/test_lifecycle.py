@@ -109,8 +109,11 @@ async def test_shutdown_aborts_turns_after_the_grace_period(
         await h.close()
 
 
-async def _start_serve(engine_url: str, db: Path | str) -> tuple[asyncio.subprocess.Process, str]:
-    """`recorder serve` in a child process, once healthy: (process, base URL)."""
+async def _start_serve(
+    engine_url: str, db: Path | str, *extra: str
+) -> tuple[asyncio.subprocess.Process, str]:
+    """`recorder serve` in a child process (`extra`: more options), once healthy:
+    (process, base URL)."""
     import aiohttp
 
     from recorder.server import free_port
@@ -121,7 +124,7 @@ async def _start_serve(engine_url: str, db: Path | str) -> tuple[asyncio.subproc
         sys.executable, "-m", "recorder.cli", "serve",
         "--db", str(db), "--engine", engine_url, "--tokenizer", str(FIXTURE_TOKENIZER),
         "--chat-template", "chatml-tools", "--port", str(port), "--tool-parser", "qwen25",
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+        *extra, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     async with aiohttp.ClientSession() as http:

@@ -13,17 +13,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
 
-def run(script: str, *args: str, cwd: Path) -> list[str]:
+def run(script: str, *args: str, cwd: Path, timeout: float = 240) -> list[str]:
     proc = subprocess.run(
         [sys.executable, str(TOOLS / script), *args],
         cwd=cwd,
         env=dict(os.environ),
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=timeout,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout.splitlines()
@@ -99,3 +101,28 @@ def test_bench_server(tmp_path: Path) -> None:
     # turns, errors, turns/s, p50, p99, overhead p50 / p99, CPU per turn
     assert [(r[0], r[1], len(r)) for r in recorder_rows] == [(30, 0, 8), (2, 0, 8)]
     assert lines[header + 7] == "turn log lines 34 for 34 turns"
+
+
+@pytest.mark.postgres
+def test_bench_replica_cache(tmp_path: Path, postgres_url: str) -> None:
+    """Six replicas (three variants x two) on one Postgres at toy size: with the close watch
+    on, neither replica holds a session open once all are closed."""
+    lines = run(
+        "bench_replica_cache.py", "--pg", postgres_url, "--sessions", "4", "--turns", "1",
+        "--concurrency", "2", "--words", "40", "--routings", "sticky", cwd=tmp_path,
+        timeout=900,
+    )  # fmt: skip
+    header = next(i for i, line in enumerate(lines) if line.startswith("routing"))
+    for column in (
+        "served on/off", "turns on/off", "cached on/off", "open on/off", "held MB on/off",
+        "RSS MB on/off", "+RSS MB on/off", "| bound: cached", "shed",
+    ):  # fmt: skip
+        assert column in lines[header], lines[header]
+    rows = lines[header + 1 : header + 3]
+    assert [r.split()[:2] for r in rows] == [["sticky", "A"], ["sticky", "B"]]
+    cells = [numbers(r) for r in rows]
+    assert all(len(c) == 19 for c in cells), cells  # 7 on/off pairs and the 5 bound cells
+    served_on = [c[0] for c in cells]
+    assert sum(served_on) >= 4  # every session had its turn on some replica
+    assert [c[6] for c in cells] == [0, 0]  # open, watch on
+    assert any(line.strip().startswith("turns/s") for line in lines)
