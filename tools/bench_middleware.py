@@ -44,6 +44,11 @@ same conversation spoken over that OpenAI endpoint with the chain path: the
 peer columns are then the OpenAI dialect, the ratio its overhead against
 Messages, measured in the same run (the issue's "within 10%").
 
+Section cpu (`--section cpu`, or `all`): whole `recorder serve` processes,
+CPU per turn from /proc (all threads) against the re-render peer, and against
+another checkout with `--before-src DIR` (tools/benchkit/cpu_turns.py), with
+the load average; default checkpoints there 1k, 10k, 100k, 200k.
+
 Section 2, pure (no HTTP, no store, no engine): parse + plan in-process, the
 chain path against parse + full render + full encode, median of repeats
 (tools/bench_middleware_pure.py).
@@ -51,6 +56,8 @@ chain path against parse + full render + full encode, median of repeats
     python -m tools.bench_middleware [--contexts 1000,10000,100000] [--turns 30]
         [--section both|e2e|pure] [--engine-thread] [--engine-latency-ms 50]
         [--db-dir DIR] [--per-turn] [--repeat 30] [--dialect anthropic|openai-chat]
+    python -m tools.bench_middleware --section cpu [--cpu-contexts 1000,10000,100000,200000]
+        [--before-src DIR] [--no-peer]
 """
 
 from __future__ import annotations
@@ -74,6 +81,7 @@ from recorder.server import RecorderServer
 from tools.bench_middleware_pure import measure, pure_table
 from tools.benchkit import wire
 from tools.benchkit.conversation import FIXED_TOKENS_PER_TURN, Conversation, words_per_token
+from tools.benchkit.cpu_turns import CpuRow, cpu_table, run_cpu
 from tools.benchkit.engine import TOKENIZER, EngineProcess, EngineThread, fixture_tokenizer
 from tools.benchkit.probes import Planner, time_store_calls
 from tools.benchkit.procs import REPO
@@ -463,11 +471,27 @@ def per_turn_table(points: list[Checkpoint]) -> Table:
 class Results:
     e2e: list[E2eRow] = field(default_factory=list)
     pure: list[dict[str, float]] = field(default_factory=list)
+    cpu: list[CpuRow] = field(default_factory=list)
 
 
 def main(argv: list[str] | None = None) -> Results:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--section", choices=("both", "e2e", "pure"), default="both")
+    ap.add_argument(
+        "--section",
+        choices=("both", "e2e", "pure", "cpu", "all"),
+        default="both",
+        help="both = e2e + pure; all = e2e + pure + cpu",
+    )
+    ap.add_argument(
+        "--cpu-contexts", default="1000,10000,100000,200000", help="cpu: checkpoints, tokens"
+    )
+    ap.add_argument(
+        "--before-src",
+        type=Path,
+        default=None,
+        help="cpu: another checkout (e.g. a git worktree of main) measured in the same run",
+    )
+    ap.add_argument("--no-peer", action="store_true", help="cpu: leave out the re-render peer")
     ap.add_argument("--contexts", default="1000,10000,100000", help="checkpoints, tokens")
     ap.add_argument("--turns", type=int, default=30, help="e2e: measured turns per mode")
     ap.add_argument("--new-tokens", type=int, default=200, help="e2e: context growth per turn")
@@ -502,7 +526,7 @@ def main(argv: list[str] | None = None) -> Results:
     out = console()
     results = Results()
     contexts = ints(args.contexts)
-    if args.section in ("both", "e2e"):
+    if args.section in ("both", "all", "e2e"):
         points = asyncio.run(
             run_e2e(
                 contexts,
@@ -522,7 +546,19 @@ def main(argv: list[str] | None = None) -> Results:
         out.print(e2e_table(results.e2e, args.engine_latency_ms, backend, peer))
         if args.per_turn:
             out.print(per_turn_table(points))
-    if args.section in ("both", "pure"):
+    if args.section in ("all", "cpu"):
+        rows, load_before, load_after = asyncio.run(
+            run_cpu(
+                ints(args.cpu_contexts),
+                args.turns,
+                args.engine_latency_ms / 1000,
+                args.before_src,
+                not args.no_peer,
+            )
+        )
+        results.cpu = rows
+        out.print(cpu_table(rows, args.engine_latency_ms, (load_before, load_after)))
+    if args.section in ("both", "all", "pure"):
         tok = load_tokenizer(str(TOKENIZER), chat_template=str(TEMPLATE))
         for context in contexts:
             for new_words in ints(args.new_words):

@@ -9,7 +9,14 @@ number of `/generate` calls sent straight to the engine with the same token
 counts. Middleware overhead per turn = client-observed latency minus the
 engine time the recorder measured for that turn (GenerateResult.latency_s).
 
+`--context N` makes every session's first message ~N tokens long (that first
+turn is taken by all sessions before the clock starts), so the measured
+turns run at ~N tokens of context. `--workers N` runs `recorder serve
+--workers N` (Postgres `--db` only). Each phase prints per-core utilisation
+(from /proc/stat) and the recorder's CPU (all its processes and threads).
+
     python tools/bench_server.py [--sessions 128] [--turns 8] [--db PATH|URL]
+        [--context 100000] [--workers 2]
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python t
 from recorder.log import events as ev
 from recorder.log.store import open_store
 from tools.benchkit import wire
+from tools.benchkit.cpu import load_average
 from tools.benchkit.engine import start_test_engine
 from tools.benchkit.recorder import ADMIN, RecorderProcess
 from tools.benchkit.stats import pct
@@ -55,18 +63,67 @@ class Run:
     errors: int = 0
     wall_s: float = 0.0
     cpu_s: float = 0.0
+    cores: list[float] = field(default_factory=list)  # busy fraction per core
+
+
+def core_ticks() -> list[tuple[int, int]]:
+    """(busy, total) jiffies per core from /proc/stat."""
+    out = []
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *fields = line.split()
+        if name.startswith("cpu") and name != "cpu":
+            values = [int(v) for v in fields]
+            idle = values[3] + values[4]  # idle + iowait
+            out.append((sum(values) - idle, sum(values)))
+    return out
+
+
+def utilisation(before: list[tuple[int, int]], after: list[tuple[int, int]]) -> list[float]:
+    return [(b1 - b0) / max(1, t1 - t0) for (b0, t0), (b1, t1) in zip(before, after, strict=True)]
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds of `pid` and its children (the workers), all threads."""
+    procs = [psutil.Process(pid)]
+    procs += procs[0].children(recursive=True)
+    return sum(sum(p.cpu_times()[:2]) for p in procs)
+
+
+class Session:
+    """One session's conversation: `prelude_words` of context in its first message."""
+
+    def __init__(self, index: int, prelude_words: int) -> None:
+        self.index = index
+        self.prelude = " ".join(["word"] * prelude_words)
+        self.messages: list[dict[str, Any]] = []
+        self.sid = ""
+        self.turn = 0
 
 
 async def recorder_session(
-    http: aiohttp.ClientSession, url: str, index: int, turns: int, run: Run
+    http: aiohttp.ClientSession,
+    url: str,
+    index: int,
+    turns: int,
+    run: Run,
+    session: Session | None = None,
 ) -> list[int]:
-    sid = await wire.open_session(http, url, ADMIN, {"index": index})
+    if session is None:
+        session = Session(index, 0)
+    if not session.sid:
+        session.sid = await wire.open_session(http, url, ADMIN, {"index": index})
+    sid, messages = session.sid, session.messages
     headers = {"Authorization": f"Bearer {sid}"}
-    messages: list[dict[str, Any]] = []
     input_lengths: list[int] = []
-    for k in range(turns):
+    for _ in range(turns):
+        k = session.turn
+        session.turn += 1
+        prelude = session.prelude + " " if k == 0 and session.prelude else ""
         messages.append(
-            {"role": "user", "content": f"Session {index}, step {k}: please continue the task."}
+            {
+                "role": "user",
+                "content": f"{prelude}Session {index}, step {k}: please continue the task.",
+            }
         )
         body = {"model": "bench", "max_tokens": 64, "messages": messages, "stream": k % 2 == 1}
         started = time.perf_counter()
@@ -129,18 +186,32 @@ async def engine_latency_by_request(db: str) -> dict[str, float]:
 
 
 async def measure(
-    http: aiohttp.ClientSession, url: str, engine_url: str, sessions: int, turns: int, pid: int
+    http: aiohttp.ClientSession,
+    url: str,
+    engine_url: str,
+    sessions: int,
+    turns: int,
+    pid: int,
+    prelude_words: int = 0,
 ) -> tuple[Run, Run]:
-    """(recorder run, engine-direct baseline run) at the same concurrency and token counts."""
-    server = psutil.Process(pid)
-    cpu_before = sum(server.cpu_times()[:2])
+    """(recorder run, engine-direct baseline run) at the same concurrency and token counts.
+
+    With `prelude_words`, every session first takes its long first turn, unmeasured."""
+    started_sessions = [Session(i, prelude_words) for i in range(sessions)]
+    if prelude_words:
+        await asyncio.gather(
+            *(recorder_session(http, url, s.index, 1, Run(), s) for s in started_sessions)
+        )
+    cpu_before = process_cpu_s(pid)
+    cores_before = core_ticks()
     rec = Run()
     started = time.perf_counter()
     lengths = await asyncio.gather(
-        *(recorder_session(http, url, i, turns, rec) for i in range(sessions))
+        *(recorder_session(http, url, s.index, turns, rec, s) for s in started_sessions)
     )
     rec.wall_s = time.perf_counter() - started
-    rec.cpu_s = sum(server.cpu_times()[:2]) - cpu_before
+    rec.cpu_s = process_cpu_s(pid) - cpu_before
+    rec.cores = utilisation(cores_before, core_ticks())
     base = Run()
     started = time.perf_counter()
     await asyncio.gather(*(engine_session(http, engine_url, ls, base) for ls in lengths))
@@ -148,9 +219,11 @@ async def measure(
     return rec, base
 
 
-async def bench(sessions: int, turns: int, db: str) -> None:
-    engine_proc, engine_url = start_test_engine(32768)
-    recorder = RecorderProcess(engine_url, db, log=True)
+async def bench(sessions: int, turns: int, db: str, context: int = 0, workers: int = 1) -> None:
+    engine_proc, engine_url = start_test_engine(max(32768, int(context * 1.2) + 8192))
+    extra = ["--workers", str(workers)] if workers > 1 else []
+    recorder = RecorderProcess(engine_url, db, extra, log=True)
+    prelude_words = int(context * 0.75)  # the fixture tokenizer: ~1.3 tokens per "word"
     url = recorder.url
     phases: list[tuple[str, Run, Run]] = []
     try:
@@ -161,7 +234,9 @@ async def bench(sessions: int, turns: int, db: str) -> None:
             await recorder_session(http, url, -1, 2, Run())  # warm-up
             # At least 30 turns per point: the single session's p50 is a median of >= 30.
             for n, t in ((1, max(30, 3 * turns)), (sessions, turns)):
-                rec, base = await measure(http, url, engine_url, n, t, recorder.proc.pid)
+                rec, base = await measure(
+                    http, url, engine_url, n, t, recorder.proc.pid, prelude_words
+                )
                 phases.append((f"{n} x {t}", rec, base))
     finally:
         recorder.terminate()
@@ -174,7 +249,9 @@ async def bench(sessions: int, turns: int, db: str) -> None:
     turn_lines = sum(1 for line in log if "turn session=" in line)
     print()
     print(
-        f"zero-latency scripted engine, db {db}, {os.cpu_count()} cores shared by engine, recorder, clients"
+        f"zero-latency scripted engine, db {db}, {os.cpu_count()} cores shared by engine, "
+        f"recorder ({workers} worker{'s' if workers > 1 else ''}), clients; "
+        f"context ~{context:,} tokens; {load_average()}"
     )
     print(TABLE.header())
     total, errors = 0, 0
@@ -207,6 +284,8 @@ async def bench(sessions: int, turns: int, db: str) -> None:
                     cpu,
                 )
             )
+        cores = " ".join(f"{u * 100:.0f}%" for u in rec.cores)
+        print(f"{'':<17}recorder phase: per-core utilisation {cores} (all processes on the box)")
         throughput = len(rec.latencies) / rec.wall_s / (len(base.latencies) / base.wall_s)
         print(
             f"{'':<17}ratio recorder/engine: throughput {throughput:.2f}x, "
@@ -214,7 +293,8 @@ async def bench(sessions: int, turns: int, db: str) -> None:
         )
         total += len(rec.latencies)
         errors += rec.errors + base.errors
-    print(f"turn log lines {turn_lines} for {total + 2} turns")
+    unmeasured = 2 + (1 + sessions if prelude_words else 0)  # warm-up, long first turns
+    print(f"turn log lines {turn_lines} for {total + unmeasured} turns")
     if errors:
         raise SystemExit(f"{errors} errors")
 
@@ -225,9 +305,15 @@ async def bench(sessions: int, turns: int, db: str) -> None:
 @click.option(
     "--db", default=None, help="SQLite path or Postgres URL (default: a temp SQLite file)"
 )
-def main(sessions: int, turns: int, db: str | None) -> None:
+@click.option(
+    "--context", type=int, default=0, show_default=True, help="tokens of context per session"
+)
+@click.option(
+    "--workers", type=int, default=1, show_default=True, help="recorder serve --workers N"
+)
+def main(sessions: int, turns: int, db: str | None, context: int, workers: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        asyncio.run(bench(sessions, turns, db or str(Path(tmp) / "bench.db")))
+        asyncio.run(bench(sessions, turns, db or str(Path(tmp) / "bench.db"), context, workers))
 
 
 if __name__ == "__main__":

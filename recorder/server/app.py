@@ -125,10 +125,20 @@ def make_context(
 class RecorderServer:
     """A running recorder HTTP server bound to `host:port` (port 0 picks a free one)."""
 
-    def __init__(self, ctx: ServerContext, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        ctx: ServerContext,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        reuse_port: bool = False,
+    ) -> None:
+        """`reuse_port`: share the port with other processes (`recorder serve --workers N`);
+        the kernel spreads new connections across them."""
         self.ctx = ctx
         self.host = host
         self.port = port or free_port(host)
+        self.reuse_port = reuse_port
         self._runner: RecorderRunner | None = None
         self._site: web.TCPSite | None = None
         self._close_watch: asyncio.Task[None] | None = None
@@ -152,7 +162,13 @@ class RecorderServer:
             keepalive_timeout=self.ctx.config.idle_timeout_s,
         )
         await self._runner.setup()
-        self._site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
+        self._site = web.TCPSite(
+            self._runner,
+            self.host,
+            self.port,
+            reuse_address=True,
+            reuse_port=self.reuse_port or None,
+        )
         await self._site.start()
         config = self.ctx.config
         if config.watches_closes:

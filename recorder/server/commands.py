@@ -182,6 +182,14 @@ log = logging.getLogger("recorder.server")
     "messages); past it the least recently used idle ones leave memory and are rebuilt "
     "from the log when named again.",
 )
+@click.option(
+    "--workers",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Server processes sharing --port (SO_REUSEPORT), one CPU core each; more than 1 "
+    "needs a Postgres --db (the workers are replicas on one log).",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 def serve(
     db_url: str,
@@ -211,12 +219,19 @@ def serve(
     restore_from: str,
     close_watch_interval: float,
     max_cached_mb: float,
+    workers: int,
     log_level: str,
 ) -> None:
     """Record every agent turn between an Anthropic client and SGLang."""
+    from recorder.server.workers import check_workers, run_workers
+
+    who = " [%(process)d]" if workers > 1 else ""  # which worker served a turn
     logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s{who}: %(message)s"
     )
+    refused = check_workers(workers, db_url, port)
+    if refused is not None:
+        raise click.ClickException(refused)
     install_log_redaction()
     try:
         admin_token, token_source = resolve_admin_token(admin_token, admin_token_file)
@@ -263,11 +278,20 @@ def serve(
         "restore_from_snapshots": restore_from == "snapshot",
         "close_watch_interval_s": close_watch_interval,
         "max_cached_mb": max_cached_mb,
+        "reuse_port": workers > 1,
     }
-    try:
-        asyncio.run(_serve(tokenizer, rules, **settings))  # type: ignore[arg-type]
-    except _StartupError as exc:
-        raise click.ClickException(redact(str(exc))) from None
+
+    def serve_one() -> int:
+        try:
+            asyncio.run(_serve(tokenizer, rules, **settings))  # type: ignore[arg-type]
+        except _StartupError as exc:
+            click.ClickException(redact(str(exc))).show()
+            return 1
+        return 0
+
+    status = serve_one() if workers == 1 else run_workers(workers, serve_one)
+    if status != 0:
+        raise SystemExit(status)
 
 
 def records_routing(flag: bool | None, rules: Rules) -> bool:
@@ -343,7 +367,7 @@ async def _serve(tokenizer, rules, **s) -> None:  # type: ignore[no-untyped-def]
     ctx = make_context(
         config=config, store=store, engine=engine, tokenizer=tokenizer, parser=parser, rules=rules
     )
-    server = RecorderServer(ctx, s["host"], s["port"])
+    server = RecorderServer(ctx, s["host"], s["port"], reuse_port=s["reuse_port"])
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -111,9 +111,7 @@ class SseResponder:
         self._stream.set_greeting(*self.dialect.opening(message_id, model, usage))
 
     async def answer(self, answer: Answer) -> web.StreamResponse:
-        await self._stream.stop_keepalive()
-        await self._stream.send_many(self.dialect.frames(answer))
-        return await self._stream.finish()
+        return await self._stream.finish(self.dialect.frames(answer))
 
     async def fail(self, err: ApiError) -> web.StreamResponse:
         await self._stream.stop_keepalive()

@@ -100,13 +100,17 @@ class SseStream:
             await self._open_locked()
             await self._write_locked(payload)
 
-    async def finish(self) -> web.StreamResponse:
+    async def finish(self, events: Iterable[SseFrame] = ()) -> web.StreamResponse:
+        """End the stream, after `events`: a stream that opens now sends its headers,
+        greeting, events and end in one socket write (an answer that came back
+        before any ping, the usual case), else its events and end in one."""
         await self.stop_keepalive()
+        payload = b"".join(encode_sse(name, data) for name, data in events)
         async with self._lock:
+            if self._response is None and self._greeting is not None:
+                payload, self._greeting = self._greeting + payload, None
             await self._open_locked()
-            if not self.client_gone:
-                with contextlib.suppress(ConnectionError):
-                    await self.response.write_eof()
+            await self._write_locked(payload, last=True)
         return self.response
 
     async def _open_locked(self) -> None:
@@ -114,18 +118,22 @@ class SseStream:
             return
         response = web.StreamResponse(status=200, headers=self._headers)
         response.enable_chunked_encoding()
-        await response.prepare(self._request)
+        await response.prepare(self._request)  # aiohttp sends the headers with the first write
         self._response = response
         if self._greeting is not None:
             greeting, self._greeting = self._greeting, None
             await self._write_locked(greeting)
 
-    async def _write_locked(self, payload: bytes) -> None:
+    async def _write_locked(self, payload: bytes, *, last: bool = False) -> None:
+        """Write `payload` (`last`: and end the chunked body in the same write)."""
         if self.client_gone:
             return
         try:
             async with asyncio.timeout(self._write_timeout):
-                await self.response.write(payload)
+                if last:
+                    await self.response.write_eof(payload)
+                else:
+                    await self.response.write(payload)
         except ConnectionError:
             # The client left; aiohttp cancels the handler (handler_cancellation)
             # which is where the disconnect is recorded.

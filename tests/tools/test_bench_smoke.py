@@ -53,3 +53,20 @@ def test_bench_training_runs_at_toy_sizes(capsys: pytest.CaptureFixture[str]) ->
     assert contexts[0] < 2000 < 2500 < contexts[-1]
     out = capsys.readouterr().out
     assert "per-turn middleware" in out and "per open session" in out
+
+
+def test_bench_middleware_cpu_section_measures_each_process(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Whole recorder processes, CPU per turn from /proc, ours against the re-render peer."""
+    results = main(
+        ["--section", "cpu", "--cpu-contexts", "700,1600", "--turns", "2",
+         "--engine-latency-ms", "2"]
+    )  # fmt: skip
+    assert [r.target for r in results.cpu] == [700, 1600]
+    for row in results.cpu:
+        assert set(row.cpu_ms) == {"ours", "re-render"}
+        assert all(len(v) == 2 and min(v) > 0 for v in row.cpu_ms.values())
+    assert results.cpu[0].context["ours"] < results.cpu[1].context["ours"]
+    out = capsys.readouterr().out
+    assert "CPU per turn of each recorder process" in out and "load average" in out

@@ -16,18 +16,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def repo_env() -> dict[str, str]:
-    """This environment with the repository first on `PYTHONPATH` (the package may be
-    installed from another checkout)."""
+def repo_env(root: Path = REPO) -> dict[str, str]:
+    """This environment with the repository (or another checkout, `root`) first on
+    `PYTHONPATH` (the package may be installed from another checkout)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
     return env
 
 
-def python_module(module: str, *args: str, **popen: object) -> subprocess.Popen[bytes]:
-    """`python -m MODULE ARGS` from the repository's root."""
+def python_module(
+    module: str, *args: str, root: Path = REPO, **popen: object
+) -> subprocess.Popen[bytes]:
+    """`python -m MODULE ARGS` from the repository's root (or another checkout's, `root`)."""
     return subprocess.Popen(  # type: ignore[call-overload, no-any-return]
-        [sys.executable, "-m", module, *args], cwd=REPO, env=repo_env(), **popen
+        [sys.executable, "-m", module, *args], cwd=root, env=repo_env(root), **popen
     )
 
 

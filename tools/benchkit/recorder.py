@@ -26,7 +26,7 @@ from recorder.server.app import freeze_startup_heap
 from replay.rules import load_rules
 from tools.benchkit.engine import TOKENIZER
 from tools.benchkit.memory import ProcessMemory
-from tools.benchkit.procs import python_module
+from tools.benchkit.procs import REPO, python_module
 from tools.benchkit.wire import wait_healthy
 from tools.test_engine.launch import free_port
 
@@ -38,6 +38,7 @@ class RecorderProcess:
 
     `peer`: the same command with the full re-render planner (`benchkit.peer`).
     `log`: write its output to a new temporary file (`log_file`) instead of ours.
+    `root`: run another checkout's recorder (a before/after comparison in one run).
     `BENCH_PROFILE=FILE` in the environment runs it under cProfile into FILE.
     """
 
@@ -49,6 +50,7 @@ class RecorderProcess:
         *,
         peer: bool = False,
         log: bool = False,
+        root: Path = REPO,
     ) -> None:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
@@ -66,10 +68,15 @@ class RecorderProcess:
             self.log_file = Path(tempfile.mkstemp(prefix="bench_server_", suffix=".log")[1])
             with self.log_file.open("wb") as out:  # the child keeps its own descriptor
                 self.proc = python_module(
-                    module[0], *module[1:], *serve_args, stdout=out, stderr=subprocess.STDOUT
+                    module[0],
+                    *module[1:],
+                    *serve_args,
+                    root=root,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
                 )
         else:
-            self.proc = python_module(module[0], *module[1:], *serve_args)
+            self.proc = python_module(module[0], *module[1:], *serve_args, root=root)
         self.memory = ProcessMemory(self.proc.pid)
 
     async def wait_healthy(self, http: aiohttp.ClientSession) -> None:

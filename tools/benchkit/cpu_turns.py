@@ -1,0 +1,157 @@
+"""CPU per turn of whole recorder processes, from `/proc`, turn by turn against peers.
+
+Every recorder under test is `recorder serve` in its own child process on
+its own SQLite file, in front of one scripted engine (a child process too):
+
+  ours       this checkout
+  before     another checkout (`--before-src DIR`, e.g. a `git worktree` of
+             main): the before/after figures of one change, in one run
+  re-render  this checkout with the full re-render planner (`benchkit.peer`):
+             what a middleware that re-tokenizes every turn pays
+
+Each gets the same Claude-Code-shaped conversation (same seed), grown fast
+to just below each checkpoint, then `turns` rounds: in each round every
+process takes one turn, in an order that rotates, and a process's CPU for
+the round (its turn, plus whatever it did in the background until the
+round ended) is the difference of `benchkit.cpu.cpu_ns` (all its threads)
+before and after. Medians and means over the rounds; the load average is
+read before and after, since the machine is shared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from tools.benchkit import wire
+from tools.benchkit.conversation import Conversation
+from tools.benchkit.cpu import cpu_ns, cpu_ticks_s, load_average
+from tools.benchkit.engine import EngineProcess
+from tools.benchkit.recorder import ADMIN, RecorderProcess
+from tools.benchkit.table import rich_table
+
+STEP_WORDS = 110  # ~150 tokens of tool result; with the ~50-token answer ~200 per turn
+GROW_WORDS = 6000
+
+
+@dataclass
+class Contender:
+    name: str
+    proc: RecorderProcess
+    conversation: Conversation = field(default_factory=Conversation)
+    session_id: str = ""
+    context: int = 0
+
+
+@dataclass
+class CpuRow:
+    target: int
+    context: dict[str, float]
+    cpu_ms: dict[str, list[float]]
+    wall_ms: dict[str, list[float]]
+    ticks_ms: dict[str, float]
+
+
+async def run_cpu(
+    contexts: list[int],
+    turns: int,
+    engine_latency_s: float,
+    before_src: Path | None = None,
+    peer: bool = True,
+) -> tuple[list[CpuRow], str, str]:
+    """(rows, load average before, load average after)."""
+    load_before = load_average()
+    engine = EngineProcess(int(max(contexts) * 1.3) + 40_000, engine_latency_s)
+    await engine.start()
+    with tempfile.TemporaryDirectory() as tmp:
+        specs: list[tuple[str, dict[str, object]]] = [("ours", {})]
+        if before_src is not None:
+            specs.append(("before", {"root": before_src}))
+        if peer:
+            specs.append(("re-render", {"peer": True}))
+        contenders = [
+            Contender(name, RecorderProcess(engine.url, f"{tmp}/{name}.db", log=True, **kw))  # type: ignore[arg-type]
+            for name, kw in specs
+        ]
+        try:
+            timeout = aiohttp.ClientTimeout(total=1200)
+            async with aiohttp.ClientSession(timeout=timeout) as http:
+                for c in contenders:
+                    await c.proc.wait_healthy(http)
+                    c.session_id = await wire.open_session(http, c.proc.url, ADMIN, {})
+                    await _turn(http, c, None)
+                rows = [await _checkpoint(http, contenders, t, turns) for t in sorted(contexts)]
+        finally:
+            for c in contenders:
+                await c.proc.stop()
+            await engine.stop()
+    return rows, load_before, load_average()
+
+
+async def _turn(http: aiohttp.ClientSession, c: Contender, words: int | None) -> float:
+    answered = await wire.take_turn(http, c.proc.url, c.session_id, c.conversation, words)
+    c.context = answered.usage["input_tokens"] + answered.usage.get("cache_read_input_tokens", 0)
+    return answered.ended - answered.started
+
+
+async def _checkpoint(
+    http: aiohttp.ClientSession, contenders: list[Contender], target: int, turns: int
+) -> CpuRow:
+    start_at = target - turns * 200 // 2
+    while contenders[0].context < start_at:
+        words = max(STEP_WORDS, min(GROW_WORDS, int((start_at - contenders[0].context) * 0.7)))
+        for c in contenders:
+            await _turn(http, c, words)
+    for c in contenders:  # settle: caches warm, growth's background writes done
+        await _turn(http, c, STEP_WORDS)
+    cpu: dict[str, list[float]] = {c.name: [] for c in contenders}
+    wall: dict[str, list[float]] = {c.name: [] for c in contenders}
+    contexts: dict[str, list[int]] = {c.name: [] for c in contenders}
+    ticks = {c.name: cpu_ticks_s(c.proc.proc.pid) for c in contenders}
+    for i in range(turns):
+        order = contenders[i % len(contenders) :] + contenders[: i % len(contenders)]
+        before = {c.name: cpu_ns(c.proc.proc.pid) for c in contenders}
+        for c in order:
+            wall[c.name].append(await _turn(http, c, STEP_WORDS) * 1000)
+            contexts[c.name].append(c.context)
+        await asyncio.sleep(0.002)  # let the last one's background writes land in this round
+        for c in contenders:
+            cpu[c.name].append((cpu_ns(c.proc.proc.pid) - before[c.name]) / 1e6)
+    ticks_ms = {
+        c.name: (cpu_ticks_s(c.proc.proc.pid) - ticks[c.name]) * 1000 / turns for c in contenders
+    }
+    return CpuRow(
+        target, {k: statistics.fmean(v) for k, v in contexts.items()}, cpu, wall, ticks_ms
+    )
+
+
+def cpu_table(rows: list[CpuRow], engine_latency_ms: float, loads: tuple[str, str]) -> object:
+    names = list(rows[0].cpu_ms)
+    title = (
+        "CPU per turn of each recorder process (all threads, /proc/PID/task/*/schedstat), "
+        f"median (mean) over turns; wall p50 includes the scripted engine's {engine_latency_ms:g} "
+        f"ms per call\nbefore the run: {loads[0]}; after: {loads[1]}"
+    )
+    cols = ["context tok", "turns"]
+    for n in names:
+        cols += [f"{n} CPU ms", f"{n} wall p50"]
+    cols += [f"{n}/ours CPU" for n in names[1:]]
+    cols += ["ours CPU (stat ticks)"]
+    cells = []
+    for r in rows:
+        med = {n: statistics.median(r.cpu_ms[n]) for n in names}
+        cell = [f"{r.context['ours']:,.0f}", str(len(r.cpu_ms["ours"]))]
+        for n in names:
+            cell += [
+                f"{med[n]:.2f} ({statistics.fmean(r.cpu_ms[n]):.2f})",
+                f"{statistics.median(r.wall_ms[n]):.1f}",
+            ]
+        cell += [f"{med[n] / med['ours']:.1f}x" for n in names[1:]]
+        cell += [f"{r.ticks_ms['ours']:.2f}"]
+        cells.append(tuple(cell))
+    return rich_table(title, tuple(cols), cells)
