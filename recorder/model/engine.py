@@ -27,10 +27,10 @@ from recorder.model.engine_wire import (
     GenerateOutput,
     SamplingParams,
     error_message,
+    json_ids,
     parse_generate_response,
 )
 from recorder.model.failover import DEFAULT_HEALTH_TIMEOUT_S, EnginePool
-from recorder.model.ids_json import IdsJson
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +50,8 @@ class EngineClient(EnginePool):
         max_connections: int = 0,
         health_interval_s: float = 5.0,
         health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S,
-        ids_cache_bytes: int = 128 << 20,
     ) -> None:
         super().__init__(urls, health_interval_s=health_interval_s)
-        # Each session's last prompts as JSON: a turn encodes only its new ids.
-        self.ids_json = IdsJson(ids_cache_bytes)
         # Background work (aborts sent to engines marked down), cancelled by close().
         self._detached: set[asyncio.Task[None]] = set()
         self._checks: asyncio.Task[None] | None = None
@@ -115,17 +112,16 @@ class EngineClient(EnginePool):
         *,
         return_routed_experts: bool = False,
         on_sent: Callable[[], None] | None = None,
-        session_id: str | None = None,
     ) -> GenerateOutput:
         """One `/generate` attempt. Raises EngineError; an abort is a normal result.
 
         `on_sent` is called once the request body is handed to the socket: the
         engine is busy from then on, and the caller can start work that would
-        otherwise compete with sending a long prompt. `session_id` lets the
-        ids' JSON reuse that of the session's previous prompt (`IdsJson`).
+        otherwise compete with sending a long prompt.
         """
         body: dict[str, Any] = {
             "rid": rid,
+            "input_ids": json_ids(input_ids),
             "stream": False,
             "return_logprob": True,
             "logprob_start_len": -1,
@@ -134,10 +130,8 @@ class EngineClient(EnginePool):
         }
         if return_routed_experts:
             body["return_routed_experts"] = True
-        ids = self.ids_json.encode(input_ids, session_id)
-        data = orjson.dumps(body)[:-1] + b',"input_ids":' + ids + b"}"
         started = time.monotonic()
-        status, answer = await self._request("POST", url, "/generate", data, on_sent=on_sent)
+        status, answer = await self._request("POST", url, "/generate", body, on_sent=on_sent)
         latency = time.monotonic() - started
         if status != 200:
             raise EngineError("http", error_message(answer), status=status, url=url)
@@ -200,12 +194,8 @@ class EngineClient(EnginePool):
         kwargs: dict[str, Any] = {"timeout": timeout} if timeout else {}
         if on_sent is not None:
             kwargs["trace_request_ctx"] = _SentSignal(on_sent)
-        if body is not None:  # JSON: a value, or its bytes already encoded
-            kwargs["data"] = (
-                body
-                if type(body) is bytes
-                else orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
-            )
+        if body is not None:
+            kwargs["data"] = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
             kwargs["headers"] = {"Content-Type": "application/json"}
         try:
             async with self._session.request(method, target, **kwargs) as resp:

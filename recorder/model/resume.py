@@ -137,7 +137,6 @@ async def generate_with_resume(
                 time_left,
                 return_routed_experts,
                 on_sent,
-                session_id,
             )
         except EngineError as exc:
             moved = None
@@ -180,7 +179,6 @@ async def _one_attempt(
     time_left: float,
     return_routed_experts: bool,
     on_sent: Callable[[], None] | None,
-    session_id: str | None = None,
 ) -> GenerateOutput:
     try:
         async with asyncio.timeout(time_left):
@@ -194,7 +192,6 @@ async def _one_attempt(
                     rid,
                     return_routed_experts=return_routed_experts,
                     on_sent=on_sent,
-                    session_id=session_id,
                 ),
             )
     except asyncio.CancelledError:

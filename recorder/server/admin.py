@@ -387,7 +387,6 @@ async def close_session(request: web.Request) -> web.Response:
             state.status = "closed"
             state.close_status = status
             forget_tokens(state)
-            ctx.engine.ids_json.forget(session_id)
             ctx.registry.put(state)  # bounded: the oldest closed sessions leave memory
 
         await finish_even_if_cancelled(write())
