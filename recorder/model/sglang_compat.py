@@ -122,13 +122,18 @@ def load(module: str) -> Any:
 
 
 def available() -> bool:
-    """Whether SGLang's parser modules import here."""
+    """Whether SGLang's parser modules are here: the tool-call parsers import.
+
+    The reasoning parsers' module is only located, not imported (it imports
+    transformers, ~25 MB of RSS, which a server without a reasoning parser
+    never needs); a broken one fails when a parser is built, saying how to fix it.
+    """
     try:
         load("srt.function_call.function_call_parser")
-        load("srt.parser.reasoning_parser")
-    except SglangUnavailable:
+        found = importlib.util.find_spec("sglang.srt.parser.reasoning_parser") is not None
+    except (SglangUnavailable, ImportError, ValueError):
         return False
-    return True
+    return found
 
 
 def version() -> str:

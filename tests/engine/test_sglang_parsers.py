@@ -58,7 +58,8 @@ def test_parsers_import_without_the_package_init() -> None:
 
 
 def test_parsers_never_import_torch_and_xgrammar_stays_whole() -> None:
-    """In a fresh interpreter: every SGLang parser builds and parses without torch.
+    """In a fresh interpreter: every SGLang parser builds and parses without torch,
+    and a server without a reasoning parser never imports transformers.
 
     xgrammar's `__init__` imports its torch kernels; the lazy package must
     still hand out xgrammar's real objects, each of its exported names, torch
@@ -72,6 +73,10 @@ def test_parsers_never_import_torch_and_xgrammar_stays_whole() -> None:
         "{'type': 'object', 'properties': {'path': {'type': 'string'}}}}}]\n"
         'text = \'<think>a</think>b\\n<tool_call>\\n{"name": "Read", '
         '"arguments": {"path": "x"}}\\n</tool_call>\'\n'
+        "from recorder.model.parsers import default_backend\n"
+        "assert default_backend() == 'sglang'\n"
+        "make_parser('qwen25', None, 'sglang').parse_sync(text, tools)\n"
+        "assert 'transformers' not in sys.modules, 'no reasoning parser needs transformers'\n"
         "out = make_parser('qwen25', 'qwen3', 'sglang').parse_sync(text, tools)\n"
         "assert [c.name for c in out.tool_calls] == ['Read'], out\n"
         "for name in SGLANG_REASONING_PARSERS:\n"
