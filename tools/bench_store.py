@@ -384,8 +384,10 @@ class WithoutBasis:
         *,
         extends: ArrayRef | None = None,
         basis: ArrayRef | None = None,
+        basis_offset: int | None = None,
+        cache: bool = True,
     ) -> ArrayRef:
-        return await self.store.put_array(array, extends=extends)
+        return await self.store.put_array(array, extends=extends, cache=cache)
 
 
 class BodyTimes(msgspec.Struct, frozen=True):
