@@ -56,6 +56,7 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
+import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -499,11 +500,16 @@ def agent_turn_ids(bodies: list[bytes]) -> list[np.ndarray]:
 
 
 async def store_server_turns(
-    url: str, bodies: list[bytes], inputs: list[np.ndarray], *, deltas: bool
+    url: str,
+    bodies: list[bytes],
+    inputs: list[np.ndarray],
+    *,
+    deltas: bool,
+    sizes: dict[str, int] | None = None,
 ) -> list[float]:
     """Seconds per turn to store a turn's body and engine input: as the server does
-    (`deltas`: body after what it shares with the previous one on it as basis,
-    input as the suffix of the previous input) or whole every turn."""
+    (`deltas`: `put_body`, input as the suffix of the previous input) or whole
+    every turn. `sizes` gets the stored (compressed) bytes per dtype."""
     store = await open_store(url, create=True)
     out = []
     previous, prev_input = BodyPrefixes(), None
@@ -518,6 +524,13 @@ async def store_server_turns(
                 await store.put_array(np.frombuffer(body, np.uint8))
                 await store.put_array(ids)
             out.append(time.perf_counter() - t0)
+        if sizes is not None and isinstance(store, SqlEventStore):
+            async with store.read_engine.connect() as conn:
+                query = sa.text(
+                    "SELECT dtype, SUM(LENGTH(data) + COALESCE(LENGTH(data_tail), 0)) "
+                    "FROM arrays GROUP BY dtype"
+                )
+                sizes.update((d, int(n)) for d, n in (await conn.execute(query)).all())
     finally:
         await store.close()
     return out
@@ -529,10 +542,13 @@ async def server_turn_rows(fresh: FreshUrl, is_pg: bool) -> list[Row]:
     backend = "postgres" if is_pg else "sqlite"
     times: dict[bool, list[float]] = {}
     disk: dict[bool, int] = {}
+    sizes: dict[bool, dict[str, int]] = {True: {}, False: {}}
     for deltas in (True, False):
 
         async def fill(url: str, deltas: bool = deltas) -> BodyTimes:
-            times[deltas] = await store_server_turns(url, bodies, inputs, deltas=deltas)
+            times[deltas] = await store_server_turns(
+                url, bodies, inputs, deltas=deltas, sizes=sizes[deltas]
+            )
             return BodyTimes(0.0, 0.0)
 
         async with fresh() as url:
@@ -545,8 +561,30 @@ async def server_turn_rows(fresh: FreshUrl, is_pg: bool) -> list[Row]:
             f"{ours * 1e3:.2f} ms/turn, {disk[True] / 1e3:,.0f} kB on disk",
             f"whole every turn {whole * 1e3:.2f} ms, {disk[False] / 1e3:,.0f} kB",
             f"{whole / ours:.1f}x faster, {disk[False] / disk[True]:.1f}x smaller",
-        )
+        ),
+        per_context_token_row(backend, len(inputs[-1]), sizes),
     ]
+
+
+def per_context_token_row(backend: str, tokens: int, sizes: dict[bool, dict[str, int]]) -> Row:
+    """The same session's stored arrays per token of its last context, by kind.
+
+    A live log also holds events (~2 B per context token); `bench_training`
+    prints a live server's log by kind, events included.
+    """
+
+    def kinds(by_dtype: dict[str, int]) -> str:
+        ids, bodies = by_dtype.get("int32", 0) / tokens, by_dtype.get("uint8", 0) / tokens
+        return f"ids {ids:.2f} + bodies {bodies:.2f} = {ids + bodies:.2f} B"
+
+    ours, whole = (sum(sizes[k].values()) for k in (True, False))
+    return (
+        f"turn arrays per context token ({tokens:,} tokens at the end)",
+        backend,
+        kinds(sizes[True]),
+        f"whole every turn: {kinds(sizes[False])}",
+        f"{whole / max(ours, 1):.1f}x smaller",
+    )
 
 
 # -- small-append latency -------------------------------------------------------
