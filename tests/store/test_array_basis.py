@@ -308,7 +308,8 @@ async def test_copy_pieces_round_trip_and_check_what_they_claim(
             await w.put_array(as_array(b"x" * 300), extends=head, basis=source, basis_offset=at)
     rows = await raw_execute(
         store_url,
-        "SELECT codec, LENGTH(data), basis_depth FROM arrays WHERE basis = $1",
+        "SELECT codec, LENGTH(data) + COALESCE(LENGTH(data_tail), 0), basis_depth "
+        "FROM arrays WHERE basis = $1",
         source.digest,
     )
     assert rows == [(codec.CODEC_COPY_BASIS, 16, 1)]
@@ -317,7 +318,10 @@ async def test_copy_pieces_round_trip_and_check_what_they_claim(
     # A range past its basis, or onto other bytes: corruption the reader reports.
     for bad in (codec._COPY_RANGE.pack(len(first), tail), codec._COPY_RANGE.pack(0, tail)):
         await raw_execute(
-            store_url, "UPDATE arrays SET data = $1 WHERE digest = $2", bad, ref.digest
+            store_url,
+            "UPDATE arrays SET data = $1, data_tail = NULL WHERE digest = $2",
+            bad,
+            ref.digest,
         )
         async with await open_store(store_url, options=StoreOptions(piece_cache_bytes=0)) as r:
             with pytest.raises(CorruptArray, match=ref.digest.hex()):
