@@ -16,12 +16,15 @@ machine, so ratios stay meaningful across hardware:
     vs. storing every turn's full prompt as raw int32;
   - raw request bodies of a 40-turn agent session (each body re-sends the
     whole conversation, +2,500 tokens of text per turn): bytes on disk and
-    put time per turn with `basis=` the previous body vs. without, stored
-    whole and as the server stores them (`recorder.server.deltas.put_body`),
+    put time per turn (and the event loop's CPU per put, median of the last
+    10 bodies) with `basis=` the previous body vs. without, stored
+    whole and as the server stores them (`recorder.server.deltas.put_body`:
+    its tail a copy of where it was first stored, so `basis=` changes nothing there),
     against what the last body alone costs compressed (its unique text),
     and the time to read the last body from a fresh store (a cold read
     decodes at most MAX_BASIS_DEPTH bases);
-  - a live server's arrays per turn for the same session: the body as
+  - a live server's arrays per turn for the same session (and per token of
+    its last context, by kind): the body as
     `put_body` stores it and the engine input (the fixture tokenizer's ids
     of the conversation, not random ones) as the suffix of the previous
     input, vs. both stored whole every turn: median time per turn and disk;
@@ -394,6 +397,7 @@ class WithoutBasis:
 class BodyTimes(msgspec.Struct, frozen=True):
     put_s: float  # median seconds per body put
     cold_read_s: float  # reading the last body from a fresh store (empty piece cache)
+    put_cpu_s: float = 0.0  # median event-loop CPU per put, the last 10 (largest) bodies
 
 
 async def store_bodies(url: str, bodies: list[bytes], *, deltas: bool, basis: bool) -> BodyTimes:
@@ -403,15 +407,17 @@ async def store_bodies(url: str, bodies: list[bytes], *, deltas: bool, basis: bo
     refs: list[ArrayRef] = []
     previous = BodyPrefixes()
     elapsed: list[float] = []
+    cpu: list[float] = []
     try:
         for body in bodies:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             if deltas:
                 ref, previous = await put_body(target, previous, body)
             else:
                 data = np.frombuffer(body, np.uint8)
                 ref = await target.put_array(data, basis=refs[-1] if refs else None)
             elapsed.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
             refs.append(ref)
     finally:
         await store.close()
@@ -422,7 +428,7 @@ async def store_bodies(url: str, bodies: list[bytes], *, deltas: bool, basis: bo
         got = await cold.get_arrays(refs)
     assert last.tobytes() == bodies[-1], "the last body did not read back identical"
     assert [a.tobytes() for a in got] == bodies, "bodies did not read back identical"
-    return BodyTimes(statistics.median(elapsed), cold_read)
+    return BodyTimes(statistics.median(elapsed), cold_read, statistics.median(cpu[-10:]))
 
 
 async def arrays_on_disk(
@@ -468,9 +474,11 @@ async def body_storage(fresh: FreshUrl, is_pg: bool) -> list[Row]:
                 f"bodies {TURNS} turns, {label}, basis=prev",
                 backend,
                 f"{on / 1e3:,.0f} kB = {on / unique:.1f}x last body; put "
-                f"{t_on.put_s * 1e3:.1f} ms/turn; cold read {t_on.cold_read_s * 1e3:.0f} ms",
+                f"{t_on.put_s * 1e3:.1f} ms/turn (CPU {t_on.put_cpu_s * 1e3:.2f}); cold read "
+                f"{t_on.cold_read_s * 1e3:.0f} ms",
                 f"no basis {off / 1e3:,.0f} kB = {off / unique:.1f}x; put "
-                f"{t_off.put_s * 1e3:.1f} ms; read {t_off.cold_read_s * 1e3:.0f} ms",
+                f"{t_off.put_s * 1e3:.1f} ms (CPU {t_off.put_cpu_s * 1e3:.2f}); read "
+                f"{t_off.cold_read_s * 1e3:.0f} ms",
                 f"{off / on:.1f}x smaller, put {t_on.put_s / t_off.put_s:.2f}x time",
             )
         )
