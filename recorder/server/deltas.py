@@ -101,6 +101,8 @@ async def put_body(
     was copied from, so a tail's source stays the same body turn after turn
     (one basis hop for a cold read).
     """
+    if previous.ref is not None and body == previous.body:  # a retry: stored already
+        return previous.ref, previous
     data = np.frombuffer(body, dtype=np.uint8)
     shared = shared_prefix_len(previous.body, body)
     if shared < MIN_SHARED_BYTES:

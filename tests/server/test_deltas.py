@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 import sqlite3
+
+import pytest
 
 from recorder.log.store import StoreOptions, open_store
 from recorder.log.store.arrays import CODEC_COPY_BASIS
@@ -159,4 +162,50 @@ async def test_changed_tools_become_the_source_of_later_tails(sqlite_url: str) -
     assert states[2].tail is not None and states[2].tail[0] == states[0].ref
     assert states[3].tail is not None and states[3].tail[0] == states[3].ref  # stored plainly
     assert states[-1].tail is not None and states[-1].tail[0] == states[3].ref
+
+
+async def test_a_repeated_body_is_its_previous_ref_and_keeps_the_tail_source(
+    sqlite_url: str,
+) -> None:
+    tools = json.dumps([{"name": f"T{i}", "description": "does things " * 40} for i in range(8)])
+    bodies = _agent_bodies(4, tools)
+    states = await _store_all(sqlite_url, [*bodies[:3], bodies[2], bodies[3]])
+    assert states[3] == states[2]
+    assert states[4].tail is not None and states[4].tail[0] == states[0].ref
     assert {depth for _, depth in _copies(sqlite_url)} == {1}
+
+
+async def test_any_sequence_of_bodies_reads_back_and_every_copy_holds(
+    sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bodies that grow, shrink, swap their tail or their head, repeat, or share
+    nothing, in random orders: each reads back exactly, hot and cold, and no
+    copy ever names bytes its source does not hold (no plain fallback)."""
+    rng = random.Random(25)
+    words = [f"w{i}" for i in range(50)]
+
+    def text(n: int) -> bytes:
+        return " ".join(rng.choice(words) for _ in range(n)).encode()
+
+    tails = [text(300), text(300), b"", text(40)]
+    bodies: list[bytes] = []
+    head, middle, tail = text(200), text(100), tails[0]
+    for _ in range(60):
+        move = rng.randrange(7)
+        if move == 0:
+            middle += text(rng.randrange(1, 80))  # the conversation grows
+        elif move == 1:
+            tail = rng.choice(tails)  # other tools, or none
+        elif move == 2:
+            head = text(rng.randrange(0, 300))  # a new history (compaction)
+        elif move == 3:
+            middle = middle[: rng.randrange(len(middle) + 1)]  # a retried, shorter turn
+        elif move == 4:
+            tail = tail[rng.randrange(len(tail) + 1) :]  # a tail losing its start
+        elif move == 5:
+            head, middle, tail = text(rng.randrange(1, 50)), b"", b""  # unrelated and small
+        bodies.append(head + middle + tail)  # move 6: the same body again
+    with caplog.at_level("WARNING", logger="recorder.server"):
+        await _store_all(sqlite_url, bodies)
+    assert "differs from its recorded source" not in caplog.text
+    assert _copies(sqlite_url)  # the case this exists for happened
