@@ -16,12 +16,15 @@ machine, so ratios stay meaningful across hardware:
     vs. storing every turn's full prompt as raw int32;
   - raw request bodies of a 40-turn agent session (each body re-sends the
     whole conversation, +2,500 tokens of text per turn): bytes on disk and
-    put time per turn with `basis=` the previous body vs. without, stored
-    whole and as the server stores them (`recorder.server.deltas.put_body`),
+    put time per turn (and the event loop's CPU per put, median of the last
+    10 bodies) with `basis=` the previous body vs. without, stored
+    whole and as the server stores them (`recorder.server.deltas.put_body`:
+    its tail a copy of where it was first stored, so `basis=` changes nothing there),
     against what the last body alone costs compressed (its unique text),
     and the time to read the last body from a fresh store (a cold read
     decodes at most MAX_BASIS_DEPTH bases);
-  - a live server's arrays per turn for the same session: the body as
+  - a live server's arrays per turn for the same session (and per token of
+    its last context, by kind): the body as
     `put_body` stores it and the engine input (the fixture tokenizer's ids
     of the conversation, not random ones) as the suffix of the previous
     input, vs. both stored whole every turn: median time per turn and disk;
@@ -56,6 +59,7 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
+import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -384,13 +388,16 @@ class WithoutBasis:
         *,
         extends: ArrayRef | None = None,
         basis: ArrayRef | None = None,
+        basis_offset: int | None = None,
+        cache: bool = True,
     ) -> ArrayRef:
-        return await self.store.put_array(array, extends=extends)
+        return await self.store.put_array(array, extends=extends, cache=cache)
 
 
 class BodyTimes(msgspec.Struct, frozen=True):
     put_s: float  # median seconds per body put
     cold_read_s: float  # reading the last body from a fresh store (empty piece cache)
+    put_cpu_s: float = 0.0  # median event-loop CPU per put, the last 10 (largest) bodies
 
 
 async def store_bodies(url: str, bodies: list[bytes], *, deltas: bool, basis: bool) -> BodyTimes:
@@ -400,15 +407,17 @@ async def store_bodies(url: str, bodies: list[bytes], *, deltas: bool, basis: bo
     refs: list[ArrayRef] = []
     previous = BodyPrefixes()
     elapsed: list[float] = []
+    cpu: list[float] = []
     try:
         for body in bodies:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             if deltas:
                 ref, previous = await put_body(target, previous, body)
             else:
                 data = np.frombuffer(body, np.uint8)
                 ref = await target.put_array(data, basis=refs[-1] if refs else None)
             elapsed.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
             refs.append(ref)
     finally:
         await store.close()
@@ -419,7 +428,7 @@ async def store_bodies(url: str, bodies: list[bytes], *, deltas: bool, basis: bo
         got = await cold.get_arrays(refs)
     assert last.tobytes() == bodies[-1], "the last body did not read back identical"
     assert [a.tobytes() for a in got] == bodies, "bodies did not read back identical"
-    return BodyTimes(statistics.median(elapsed), cold_read)
+    return BodyTimes(statistics.median(elapsed), cold_read, statistics.median(cpu[-10:]))
 
 
 async def arrays_on_disk(
@@ -465,9 +474,11 @@ async def body_storage(fresh: FreshUrl, is_pg: bool) -> list[Row]:
                 f"bodies {TURNS} turns, {label}, basis=prev",
                 backend,
                 f"{on / 1e3:,.0f} kB = {on / unique:.1f}x last body; put "
-                f"{t_on.put_s * 1e3:.1f} ms/turn; cold read {t_on.cold_read_s * 1e3:.0f} ms",
+                f"{t_on.put_s * 1e3:.1f} ms/turn (CPU {t_on.put_cpu_s * 1e3:.2f}); cold read "
+                f"{t_on.cold_read_s * 1e3:.0f} ms",
                 f"no basis {off / 1e3:,.0f} kB = {off / unique:.1f}x; put "
-                f"{t_off.put_s * 1e3:.1f} ms; read {t_off.cold_read_s * 1e3:.0f} ms",
+                f"{t_off.put_s * 1e3:.1f} ms (CPU {t_off.put_cpu_s * 1e3:.2f}); read "
+                f"{t_off.cold_read_s * 1e3:.0f} ms",
                 f"{off / on:.1f}x smaller, put {t_on.put_s / t_off.put_s:.2f}x time",
             )
         )
@@ -497,11 +508,16 @@ def agent_turn_ids(bodies: list[bytes]) -> list[np.ndarray]:
 
 
 async def store_server_turns(
-    url: str, bodies: list[bytes], inputs: list[np.ndarray], *, deltas: bool
+    url: str,
+    bodies: list[bytes],
+    inputs: list[np.ndarray],
+    *,
+    deltas: bool,
+    sizes: dict[str, int] | None = None,
 ) -> list[float]:
     """Seconds per turn to store a turn's body and engine input: as the server does
-    (`deltas`: body after what it shares with the previous one on it as basis,
-    input as the suffix of the previous input) or whole every turn."""
+    (`deltas`: `put_body`, input as the suffix of the previous input) or whole
+    every turn. `sizes` gets the stored (compressed) bytes per dtype."""
     store = await open_store(url, create=True)
     out = []
     previous, prev_input = BodyPrefixes(), None
@@ -516,6 +532,13 @@ async def store_server_turns(
                 await store.put_array(np.frombuffer(body, np.uint8))
                 await store.put_array(ids)
             out.append(time.perf_counter() - t0)
+        if sizes is not None and isinstance(store, SqlEventStore):
+            async with store.read_engine.connect() as conn:
+                query = sa.text(
+                    "SELECT dtype, SUM(LENGTH(data) + COALESCE(LENGTH(data_tail), 0)) "
+                    "FROM arrays GROUP BY dtype"
+                )
+                sizes.update((d, int(n)) for d, n in (await conn.execute(query)).all())
     finally:
         await store.close()
     return out
@@ -527,10 +550,13 @@ async def server_turn_rows(fresh: FreshUrl, is_pg: bool) -> list[Row]:
     backend = "postgres" if is_pg else "sqlite"
     times: dict[bool, list[float]] = {}
     disk: dict[bool, int] = {}
+    sizes: dict[bool, dict[str, int]] = {True: {}, False: {}}
     for deltas in (True, False):
 
         async def fill(url: str, deltas: bool = deltas) -> BodyTimes:
-            times[deltas] = await store_server_turns(url, bodies, inputs, deltas=deltas)
+            times[deltas] = await store_server_turns(
+                url, bodies, inputs, deltas=deltas, sizes=sizes[deltas]
+            )
             return BodyTimes(0.0, 0.0)
 
         async with fresh() as url:
@@ -543,8 +569,30 @@ async def server_turn_rows(fresh: FreshUrl, is_pg: bool) -> list[Row]:
             f"{ours * 1e3:.2f} ms/turn, {disk[True] / 1e3:,.0f} kB on disk",
             f"whole every turn {whole * 1e3:.2f} ms, {disk[False] / 1e3:,.0f} kB",
             f"{whole / ours:.1f}x faster, {disk[False] / disk[True]:.1f}x smaller",
-        )
+        ),
+        per_context_token_row(backend, len(inputs[-1]), sizes),
     ]
+
+
+def per_context_token_row(backend: str, tokens: int, sizes: dict[bool, dict[str, int]]) -> Row:
+    """The same session's stored arrays per token of its last context, by kind.
+
+    A live log also holds events (~2 B per context token); `bench_training`
+    prints a live server's log by kind, events included.
+    """
+
+    def kinds(by_dtype: dict[str, int]) -> str:
+        ids, bodies = by_dtype.get("int32", 0) / tokens, by_dtype.get("uint8", 0) / tokens
+        return f"ids {ids:.2f} + bodies {bodies:.2f} = {ids + bodies:.2f} B"
+
+    ours, whole = (sum(sizes[k].values()) for k in (True, False))
+    return (
+        f"turn arrays per context token ({tokens:,} tokens at the end)",
+        backend,
+        kinds(sizes[True]),
+        f"whole every turn: {kinds(sizes[False])}",
+        f"{whole / max(ours, 1):.1f}x smaller",
+    )
 
 
 # -- small-append latency -------------------------------------------------------

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sqlite3
 import statistics
 import sys
 import tempfile
@@ -146,6 +147,42 @@ class Point:
         ]
 
 
+@dataclass(frozen=True)
+class LogBytes:
+    """A live log's bytes by kind, and the context tokens its sessions reached."""
+
+    context_tokens: int  # sum over the sessions of each one's last context
+    ids: int  # int32 arrays: engine inputs, outputs, chain snapshots (compressed)
+    bodies: int  # uint8 arrays: raw request bodies (compressed, deltas)
+    other_arrays: int  # float arrays (logprobs)
+    events: int  # event payloads
+    file: int  # the database file and its WAL
+
+
+def read_log_bytes(db: Path, context_tokens: int) -> LogBytes:
+    """Sizes of what the log stores, read from its SQLite file (the server may still run)."""
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        by_dtype = dict(
+            conn.execute(
+                "SELECT dtype, SUM(LENGTH(data) + IFNULL(LENGTH(data_tail), 0)) "
+                "FROM arrays GROUP BY dtype"
+            ).fetchall()
+        )
+        (events,) = conn.execute("SELECT IFNULL(SUM(LENGTH(payload)), 0) FROM events").fetchone()
+    finally:
+        conn.close()
+    files = [db, db.with_name(db.name + "-wal")]
+    return LogBytes(
+        context_tokens,
+        ids=int(by_dtype.pop("int32", 0) or 0),
+        bodies=int(by_dtype.pop("uint8", 0) or 0),
+        other_arrays=int(sum(v or 0 for v in by_dtype.values())),
+        events=int(events),
+        file=sum(f.stat().st_size for f in files if f.exists()),
+    )
+
+
 @dataclass
 class Run:
     name: str
@@ -155,6 +192,7 @@ class Run:
     rss_open: int = 0  # all sessions grown to the last checkpoint
     rss_end: int = 0
     rss_closed: int = 0
+    log: LogBytes | None = None  # the SQLite log's bytes, read after the measured turns
 
     def growth_per_round(self) -> float:
         """Least-squares RSS slope (bytes per round) at the last checkpoint, first sample left out."""
@@ -191,6 +229,7 @@ async def run_server(
             warm = await driver.open(10_000)
             for k in range(3):
                 await driver.turn(warm, driver.sessions[0][1], None if k == 0 else step_words)
+            warm_context = driver.context[warm]
             await driver.close_all()
             run.rss_before = recorder.rss()
             for i in range(sessions):
@@ -214,6 +253,8 @@ async def run_server(
                 point.engine_s = await _engine_times(engine, point.samples)
                 run.points.append(point)
             run.rss_end = recorder.rss()
+            reached = warm_context + sum(driver.context.values())
+            run.log = await asyncio.to_thread(read_log_bytes, Path(db), reached)
             await driver.close_all()
             await asyncio.sleep(0.5)
             run.rss_closed = recorder.rss()
@@ -227,18 +268,43 @@ def _sample(k: int, driver: Driver, recorder: RecorderProcess) -> tuple[int, int
     return k, context, recorder.rss(), recorder.anon()
 
 
-async def run_all(args: argparse.Namespace) -> list[Run]:
+async def idle_rss(engine: EngineProcess, db_dir: str, backend: str | None) -> int:
+    """RSS of a started, healthy, idle `recorder serve` (`backend`: its --parser-backend;
+    None: the default, SGLang's parsers when installed)."""
+    extra = ["--log-level", "WARNING"] + (["--parser-backend", backend] if backend else [])
+    db = str(Path(db_dir) / f"idle-{backend or 'default'}.db")
+    recorder = RecorderProcess(engine.url, db, extra)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+            await recorder.wait_healthy(http)
+        await asyncio.sleep(1.0)
+        return recorder.rss()
+    finally:
+        await recorder.stop()
+
+
+async def idle_rss_rounds(engine: EngineProcess, db_dir: str, rounds: int) -> dict[str, list[int]]:
+    """Idle RSS per parser backend, the backends alternating for `rounds` rounds."""
+    out: dict[str, list[int]] = {"default": [], "builtin": []}
+    for _ in range(rounds):
+        out["default"].append(await idle_rss(engine, db_dir, None))
+        out["builtin"].append(await idle_rss(engine, db_dir, "builtin"))
+    return out
+
+
+async def run_all(args: argparse.Namespace) -> tuple[list[Run], dict[str, list[int]]]:
     engine = EngineProcess(args.context_length, args.engine_latency_ms / 1000)
     await engine.start()
     runs = []
     try:
         with tempfile.TemporaryDirectory(dir=args.db_dir) as tmp:
+            idle = await idle_rss_rounds(engine, tmp, args.idle_rounds)
             runs.append(await run_server(engine, args, peer=False, db_dir=tmp))
             if args.peer:
                 runs.append(await run_server(engine, args, peer=True, db_dir=tmp))
     finally:
         await engine.stop()
-    return runs
+    return runs, idle
 
 
 # --------------------------------------------------------------------------
@@ -318,6 +384,43 @@ def memory_table(run: Run, args: argparse.Namespace) -> Table:
     return rich_table(title, ("what", "value"), rows, left=1)
 
 
+def idle_table(idle: dict[str, list[int]]) -> Table:
+    title = (
+        "idle RSS of `recorder serve` (started, healthy, no session; median over the rounds, "
+        "backends alternating); baseline: the builtin parser backend, same run"
+    )
+    default, builtin = (statistics.median(idle[k]) for k in ("default", "builtin"))
+    rows = [
+        (
+            f"{len(idle['default'])}",
+            f"{default / MB:.1f} MB",
+            f"{builtin / MB:.1f} MB",
+            f"{(default - builtin) / MB:+.1f} MB",
+        )
+    ]
+    cols = ("rounds", "default backend (sglang)", "builtin backend", "sglang's parsers cost")
+    return rich_table(title, cols, rows)
+
+
+def log_table(run: Run) -> Table:
+    log = run.log
+    assert log is not None
+    n = max(log.context_tokens, 1)
+    title = (
+        f"{run.name}: the live SQLite log after the measured turns, bytes per context token "
+        f"({log.context_tokens:,} tokens: the sum of every session's last context)"
+    )
+    kinds = [
+        ("token ids (int32 arrays)", log.ids),
+        ("request bodies (uint8 arrays)", log.bodies),
+        ("other arrays (logprobs)", log.other_arrays),
+        ("event payloads", log.events),
+        ("database file + WAL", log.file),
+    ]
+    rows = [(what, f"{size / 1e6:.2f} MB", f"{size / n:.2f}") for what, size in kinds]
+    return rich_table(title, ("kind", "bytes", "bytes / context token"), rows, left=1)
+
+
 def main(argv: list[str] | None = None) -> list[Run]:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -338,17 +441,20 @@ def main(argv: list[str] | None = None) -> list[Run]:
     ap.add_argument("--db-dir", default=None, help="where the SQLite files go")
     ap.add_argument("--piece-cache-mb", type=float, default=None, help="recorder serve's")
     ap.add_argument("--sqlite-cache-mb", type=float, default=None, help="recorder serve's")
+    ap.add_argument("--idle-rounds", type=int, default=3, help="idle RSS rounds per backend")
     args = ap.parse_args(argv)
     if not args.context_length:
         top = max(args.contexts) + (args.turns + 2) * args.new_tokens
         args.context_length = int(top * 1.3) + 8192
-    runs = asyncio.run(run_all(args))
+    runs, idle = asyncio.run(run_all(args))
     out = console()
+    out.print(idle_table(idle))
     ours = runs[0]
     peer = runs[1] if len(runs) > 1 else None
     out.print(overhead_table(ours, peer))
     out.print(rss_table(ours))
     out.print(memory_table(ours, args))
+    out.print(log_table(ours))
     return runs
 
 

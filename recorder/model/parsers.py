@@ -337,12 +337,19 @@ class SglangParser:
         force_reasoning: bool | None = None,
     ) -> None:
         check_parser_names(tool_parser, reasoning_parser, "sglang")
-        self._fc_cls = sglang_compat.load(
-            "srt.function_call.function_call_parser"
-        ).FunctionCallParser
-        self._rp_cls = sglang_compat.load("srt.parser.reasoning_parser").ReasoningParser
-        protocol = sglang_compat.load("srt.entrypoints.openai.protocol")
-        self._tool_cls, self._function_cls = protocol.Tool, protocol.Function
+        # Only the modules this parser uses: the reasoning module alone imports
+        # transformers (~25 MB of a server's RSS), the tool-call ones pydantic's
+        # OpenAI protocol models (~40 MB).
+        self._fc_cls: Any = None
+        self._rp_cls: Any = None
+        if tool_parser:
+            self._fc_cls = sglang_compat.load(
+                "srt.function_call.function_call_parser"
+            ).FunctionCallParser
+            protocol = sglang_compat.load("srt.entrypoints.openai.protocol")
+            self._tool_cls, self._function_cls = protocol.Tool, protocol.Function
+        if reasoning_parser:
+            self._rp_cls = sglang_compat.load("srt.parser.reasoning_parser").ReasoningParser
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
         self.force_reasoning = force_reasoning

@@ -6,7 +6,14 @@ modules (`sglang.srt.function_call`, `sglang.srt.parser`) and the `/generate`
 contract (`sglang.srt.entrypoints.api_contract`) need only their own pure-Python
 closure (tools/requirements-sglang-cpu.txt), so the `sglang` package is
 registered here as a bare package over its directory and the submodules are
-imported from it. Everything SGLang raises while importing (a broken or partial
+imported from it. `xgrammar`, which the tool-call parser modules import for
+type names (`StructuralTag`), gets the same treatment: its `__init__` imports
+its torch kernels (`xgrammar.matcher`, `xgrammar.testing`) and torch costs a
+server ~230 MB of RSS and seconds of startup for nothing a parser calls, so it
+is registered as a lazy package that imports each name's own submodule on
+first use (the names and submodules read from its real `__init__.py`). The
+parsers stay SGLang's and xgrammar's own code; torch loads only if something
+truly touches a module that needs it. Everything SGLang raises while importing (a broken or partial
 install, not only ImportError) becomes `SglangUnavailable`, whose message says
 how to install it. Callers: recorder.model.parsers (the `sglang` backend, name lists)
 and tools/test_engine (the request contract).
@@ -14,11 +21,13 @@ and tools/test_engine (the request contract).
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.metadata
 import importlib.util
 import sys
 import types
+from pathlib import Path
 from typing import Any
 
 INSTALL_HINT = (
@@ -50,9 +59,60 @@ def _register_bare_package() -> None:
     sys.modules["sglang"] = package
 
 
+def _register_lazy_xgrammar() -> None:
+    """Put `xgrammar` in sys.modules as a package importing each name on first use.
+
+    Its real `__init__` is a list of `from .sub import name` lines; the lazy
+    package reads them (so a newer xgrammar's names keep working) and answers
+    `xgrammar.name` by importing `xgrammar.sub` only then (PEP 562). Nothing
+    happens when xgrammar is already imported or is not installed.
+    """
+    if "xgrammar" in sys.modules:
+        return
+    try:
+        spec = importlib.util.find_spec("xgrammar")
+    except (ImportError, ValueError):
+        return
+    if spec is None or spec.origin is None or not spec.submodule_search_locations:
+        return
+    try:
+        tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError):
+        return  # left to the real import, which reports what is wrong
+    origins: dict[str, str | None] = {}  # name -> submodule holding it (None: a submodule)
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            for alias in node.names:
+                origins[alias.asname or alias.name] = node.module
+    package = types.ModuleType("xgrammar")
+    package.__path__ = list(spec.submodule_search_locations)
+    package.__spec__ = spec
+    package.__file__ = spec.origin
+    package.__package__ = "xgrammar"
+    package.__all__ = list(origins)  # type: ignore[attr-defined]
+
+    def attribute(name: str) -> Any:
+        if name not in origins:
+            raise AttributeError(f"module 'xgrammar' has no attribute {name!r}")
+        sub = origins[name]
+        if sub is None:
+            value = importlib.import_module(f"xgrammar.{name}")
+        else:
+            holder = importlib.import_module(f"xgrammar.{sub}")
+            value = getattr(holder, name, None)
+            if value is None:  # `from .contrib import hf`: a submodule of a subpackage
+                value = importlib.import_module(f"xgrammar.{sub}.{name}")
+        setattr(package, name, value)
+        return value
+
+    package.__getattr__ = attribute  # type: ignore[method-assign]
+    sys.modules["xgrammar"] = package
+
+
 def load(module: str) -> Any:
-    """`sglang.<module>`, imported without running `sglang/__init__.py`."""
+    """`sglang.<module>`, imported without running `sglang/__init__.py` (nor xgrammar's)."""
     _register_bare_package()
+    _register_lazy_xgrammar()
     try:
         return importlib.import_module(f"sglang.{module}")
     except Exception as exc:  # one seam: any import-time failure is an unusable install
@@ -62,13 +122,18 @@ def load(module: str) -> Any:
 
 
 def available() -> bool:
-    """Whether SGLang's parser modules import here."""
+    """Whether SGLang's parser modules are here: the tool-call parsers import.
+
+    The reasoning parsers' module is only located, not imported (it imports
+    transformers, ~25 MB of RSS, which a server without a reasoning parser
+    never needs); a broken one fails when a parser is built, saying how to fix it.
+    """
     try:
         load("srt.function_call.function_call_parser")
-        load("srt.parser.reasoning_parser")
-    except SglangUnavailable:
+        found = importlib.util.find_spec("sglang.srt.parser.reasoning_parser") is not None
+    except (SglangUnavailable, ImportError, ValueError):
         return False
-    return True
+    return found
 
 
 def version() -> str:

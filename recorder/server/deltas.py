@@ -6,14 +6,18 @@ compression, rows) grow with the context, and a session's storage with its
 square. Both are stored as piece chains instead (see `EventStore.put_array`'s
 `extends`): an engine input after the longest stored prefix of the chain it
 extends, a body after the bytes it shares with the previous body. What follows
-the shared prefix (the newest messages, then system prompt and tools that
-repeat every turn) is compressed against the previous body (`basis=`), so it
-too costs only what changed. Readers see no difference: `get_array(ref)`
-returns the whole array.
+the shared prefix is the newest messages, then the system prompt and tools
+that end every body of the session: the bytes it shares at its end with the
+previous body are stored as a copy of where they were first stored
+(`put_array(basis=, basis_offset=)`: 16 bytes, no compression, no dictionary),
+the newest messages between them plainly compressed. Readers see no
+difference: `get_array(ref)` returns the whole array. Bodies stored before
+this (compressed against the previous body, `basis=` alone) read the same.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -21,6 +25,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from recorder.log.events import ArrayRef
+
+log = logging.getLogger("recorder.server")
 
 if TYPE_CHECKING:
     from recorder.log.store.base import EventStore
@@ -39,16 +45,27 @@ MAX_PREFIX_REFS = 8
 MAX_CHAIN_REFS = 32
 
 
+# Below this many shared bytes at its end (a copy piece's row costs ~100), a body's tail is stored with its
+# newest messages rather than as a copy.
+MIN_COPY_BYTES = 256
+
+# (array, byte offset, length): the array's bytes [offset, offset + length) are
+# the last `length` bytes of a session's previous body.
+TailSource = tuple[ArrayRef, int, int]
+
+
 @dataclass
 class BodyPrefixes:
-    """The previous body of a session, its ref, and refs of stored prefixes of it, shortest first.
+    """The previous body of a session, its ref, refs of stored prefixes of it
+    (shortest first) and where its last bytes can be copied from.
 
-    Empty after a restart: the next body then starts a new basis chain.
+    Empty after a restart: the next body is then stored whole.
     """
 
     body: bytes = b""
     refs: list[ArrayRef] = field(default_factory=list)
     ref: ArrayRef | None = None
+    tail: TailSource | None = None
 
 
 def shared_prefix_len(a: bytes, b: bytes) -> int:
@@ -62,25 +79,79 @@ def shared_prefix_len(a: bytes, b: bytes) -> int:
     return int(differ[0]) if differ.size else n
 
 
+def shared_suffix_len(a: bytes, b: bytes, limit: int) -> int:
+    """How many trailing bytes `a` and `b` have in common, at most `limit`."""
+    n = min(len(a), len(b), limit)
+    if n <= 0:
+        return 0
+    x = np.frombuffer(a, dtype=np.uint8, count=n, offset=len(a) - n)
+    y = np.frombuffer(b, dtype=np.uint8, count=n, offset=len(b) - n)
+    differ = np.flatnonzero(x != y)
+    return n - int(differ[-1]) - 1 if differ.size else n
+
+
 async def put_body(
     store: EventStore, previous: BodyPrefixes, body: bytes
 ) -> tuple[ArrayRef, BodyPrefixes]:
-    """Store `body` after what it shares with `previous`; (its ref, what the next body uses)."""
+    """Store `body` as deltas of `previous`; (its ref, what the next body uses).
+
+    Three pieces at most: after the longest stored prefix of what it shares
+    with the previous body, its new middle, then its tail (what it shares at
+    its end with the previous body) as a copy of the bytes the previous tail
+    was copied from, so a tail's source stays the same body turn after turn
+    (one basis hop for a cold read).
+    """
+    if previous.ref is not None and body == previous.body:  # a retry: stored already
+        return previous.ref, previous
     data = np.frombuffer(body, dtype=np.uint8)
-    basis = previous.ref
     shared = shared_prefix_len(previous.body, body)
     if shared < MIN_SHARED_BYTES:
-        ref = await store.put_array(data, basis=basis)
-        return ref, BodyPrefixes(body, [ref], ref)
-    usable = [r for r in previous.refs if r.length <= shared]
-    base = usable[-1] if usable else None
-    start = base.length if base is not None else 0
-    prefix = await store.put_array(data[start:shared], extends=base, basis=basis)
-    ref = await store.put_array(data[shared:], extends=prefix, basis=basis)
-    refs = [r for r in usable if r.length < shared] + [prefix]
-    if ref.length > prefix.length:
-        refs.append(ref)
-    return ref, BodyPrefixes(body, refs[-MAX_PREFIX_REFS:], ref)
+        shared = 0
+    copied = 0
+    if previous.tail is not None:
+        limit = min(len(body), len(previous.body)) - shared
+        copied = min(shared_suffix_len(previous.body, body, limit), previous.tail[2])
+        if copied < MIN_COPY_BYTES:
+            copied = 0
+    end = len(body) - copied
+    usable = [r for r in previous.refs if r.length <= shared] if shared else []
+    prefix = usable[-1] if usable else None
+    if shared > (prefix.length if prefix is not None else 0):
+        start = prefix.length if prefix is not None else 0
+        prefix = await store.put_array(data[start:shared], extends=prefix, cache=False)
+    middle = prefix
+    if end > shared or (middle is None and not copied):
+        middle = await store.put_array(data[shared:end], extends=prefix, cache=False)
+    ref: ArrayRef | None = None
+    tail: TailSource | None = None
+    if copied:
+        assert previous.tail is not None
+        source, offset, length = previous.tail
+        at = offset + length - copied
+        try:
+            ref = await store.put_array(
+                data[end:], extends=middle, basis=source, basis_offset=at, cache=False
+            )
+            tail = (source, at, copied)
+        except ValueError:  # the source does not hold these bytes: never expected
+            log.warning("a body's tail differs from its recorded source; stored plainly")
+            ref = None
+    if ref is None:
+        if end < len(body):
+            ref = await store.put_array(data[end:], extends=middle, cache=False)
+        else:
+            assert middle is not None
+            ref = middle
+        tail = (ref, shared, len(body) - shared)
+    if previous.tail is not None and tail is not None and previous.tail[0] != tail[0]:
+        # The old source of the tails is read no more (a body's own pieces are
+        # never cached: nothing reads them hot; the source is, by each copy).
+        store.release(previous.tail[0], [tail[0]])
+    refs = [r for r in usable if r.length < shared]
+    for r in (prefix, middle, ref):
+        if r is not None and (not refs or r.length > refs[-1].length):
+            refs.append(r)
+    return ref, BodyPrefixes(body, refs[-MAX_PREFIX_REFS:], ref, tail)
 
 
 # Per chain id: stored prefixes of the chain's tokens, by length (SessionState.chain_refs).

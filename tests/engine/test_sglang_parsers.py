@@ -57,6 +57,54 @@ def test_parsers_import_without_the_package_init() -> None:
     assert out.stdout.strip() == "sglang"
 
 
+def test_parsers_never_import_torch_and_xgrammar_stays_whole() -> None:
+    """In a fresh interpreter: every SGLang parser builds and parses without torch,
+    and a server without a reasoning parser never imports transformers.
+
+    xgrammar's `__init__` imports its torch kernels; the lazy package must
+    still hand out xgrammar's real objects, each of its exported names, torch
+    loading only when a torch module is asked for (the matcher, here last).
+    """
+    code = (
+        "import importlib, sys\n"
+        "from recorder.model.parsers import SGLANG_TOOL_PARSERS, SGLANG_REASONING_PARSERS\n"
+        "from recorder.model.parsers import make_parser\n"
+        "tools = [{'type': 'function', 'function': {'name': 'Read', 'parameters': "
+        "{'type': 'object', 'properties': {'path': {'type': 'string'}}}}}]\n"
+        'text = \'<think>a</think>b\\n<tool_call>\\n{"name": "Read", '
+        '"arguments": {"path": "x"}}\\n</tool_call>\'\n'
+        "from recorder.model.parsers import default_backend\n"
+        "assert default_backend() == 'sglang'\n"
+        "make_parser('qwen25', None, 'sglang').parse_sync(text, tools)\n"
+        "assert 'transformers' not in sys.modules, 'no reasoning parser needs transformers'\n"
+        "out = make_parser('qwen25', 'qwen3', 'sglang').parse_sync(text, tools)\n"
+        "assert [c.name for c in out.tool_calls] == ['Read'], out\n"
+        "for name in SGLANG_REASONING_PARSERS:\n"
+        "    try:\n"
+        "        make_parser(None, name, 'sglang').parse_sync(text, tools)\n"
+        "    except ValueError:\n"
+        "        pass  # needs the model's template (response_template)\n"
+        "for name in SGLANG_TOOL_PARSERS:\n"
+        "    try:\n"
+        "        make_parser(name, None, 'sglang').parse_sync(text, tools)\n"
+        "    except ValueError:\n"
+        "        pass\n"
+        "assert 'torch' not in sys.modules, 'a parser imported torch'\n"
+        "xg = sys.modules['xgrammar']\n"
+        "real = importlib.import_module('xgrammar.structural_tag').StructuralTag\n"
+        "assert xg.StructuralTag is real\n"
+        "names = [n for n in xg.__all__ if n not in ('GrammarMatcher',)]\n"
+        "missing = [n for n in names if getattr(xg, n, None) is None]\n"
+        "assert not missing, missing\n"
+        "assert xg.GrammarMatcher is importlib.import_module('xgrammar.matcher').GrammarMatcher\n"
+        "assert 'torch' in sys.modules\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
 def test_default_backend_is_sglang_and_says_its_version() -> None:
     assert default_backend() == "sglang"
     parser = make_parser("glm47", "glm45", default_backend())

@@ -1,12 +1,23 @@
-"""Request bodies: each stored after what it shares with the previous one."""
+"""Request bodies: each stored after what it shares with the previous one, its tail a copy."""
 
 from __future__ import annotations
 
 import itertools
 import json
+import random
+import sqlite3
 
-from recorder.log.store import open_store
-from recorder.server.deltas import MIN_SHARED_BYTES, BodyPrefixes, put_body, shared_prefix_len
+import pytest
+
+from recorder.log.store import StoreOptions, open_store
+from recorder.log.store.arrays import CODEC_COPY_BASIS
+from recorder.server.deltas import (
+    MIN_SHARED_BYTES,
+    BodyPrefixes,
+    put_body,
+    shared_prefix_len,
+    shared_suffix_len,
+)
 from tests.server.conftest import array_rows
 
 
@@ -69,3 +80,132 @@ async def test_unrelated_bodies_are_stored_whole(sqlite_url: str) -> None:
         assert (await store.get_array(ref)).tobytes() == second
     finally:
         await store.close()
+
+
+def test_shared_suffix_len() -> None:
+    assert shared_suffix_len(b"", b"abc", 10) == 0
+    assert shared_suffix_len(b"xbcd", b"abcd", 10) == 3
+    assert shared_suffix_len(b"abcd", b"abcd", 10) == 4
+    assert shared_suffix_len(b"abcd", b"abcd", 2) == 2
+
+
+def _agent_bodies(turns: int, tools: str, *, compact_at: int = -1) -> list[bytes]:
+    """Claude Code's shape: messages, then a system prompt and tools constant in a session."""
+    messages: list[dict[str, str]] = []
+    out = []
+    for k in range(turns):
+        if k == compact_at:  # the history replaced by a summary
+            messages = [{"role": "user", "content": "summary " * 100}]
+        messages.append({"role": "user", "content": f"result {k}: " + "line " * 150})
+        out.append(
+            json.dumps({"messages": messages, "system": "be brief", "tools": tools}).encode()
+        )
+        messages.append({"role": "assistant", "content": f"call {k} " * 30})
+    return out
+
+
+def _copies(sqlite_url: str) -> list[tuple[int, int]]:
+    """(compressed data bytes, basis depth) of every copy piece."""
+    db = sqlite3.connect(sqlite_url.split("///", 1)[1])
+    try:
+        return db.execute(
+            "SELECT LENGTH(data), basis_depth FROM arrays WHERE codec = ?",
+            (CODEC_COPY_BASIS,),
+        ).fetchall()
+    finally:
+        db.close()
+
+
+async def _store_all(sqlite_url: str, bodies: list[bytes]) -> list[BodyPrefixes]:
+    """put_body every body in turn; check each reads back, hot and from a cold store."""
+    states = []
+    refs = []
+    async with await open_store(sqlite_url, create=True) as store:
+        prefixes = BodyPrefixes()
+        for body in bodies:
+            ref, prefixes = await put_body(store, prefixes, body)
+            refs.append(ref)
+            states.append(prefixes)
+        assert [(await store.get_array(r)).tobytes() for r in refs] == bodies
+    async with await open_store(sqlite_url, options=StoreOptions(piece_cache_bytes=0)) as cold:
+        assert [a.tobytes() for a in await cold.get_arrays(refs)] == bodies
+    return states
+
+
+async def test_a_tail_is_a_copy_of_where_it_was_first_stored(sqlite_url: str) -> None:
+    """The tools after the messages cost a 16-byte copy per turn, one hop from the first body."""
+    tools = json.dumps([{"name": f"T{i}", "description": "does things " * 40} for i in range(8)])
+    bodies = _agent_bodies(12, tools)
+    states = await _store_all(sqlite_url, bodies)
+    copies = _copies(sqlite_url)
+    assert len(copies) == len(bodies) - 1
+    assert set(copies) == {(16, 1)}
+    first = states[0].ref
+    assert all(s.tail is not None and s.tail[0] == first for s in states)
+    assert _stored_bytes(sqlite_url) < len(bodies[0]) + sum(len(b) - len(tools) for b in bodies[1:])
+
+
+async def test_a_compacted_history_still_copies_its_tail(sqlite_url: str) -> None:
+    """A new history (nothing shared at the start) keeps the tools' copy."""
+    tools = json.dumps([{"name": f"T{i}", "description": "does things " * 40} for i in range(8)])
+    bodies = _agent_bodies(6, tools, compact_at=3)
+    states = await _store_all(sqlite_url, bodies)
+    assert len(_copies(sqlite_url)) == len(bodies) - 1
+    assert states[3].tail is not None and states[3].tail[0] == states[0].ref
+
+
+async def test_changed_tools_become_the_source_of_later_tails(sqlite_url: str) -> None:
+    old = json.dumps([{"name": f"T{i}", "description": "old words " * 40} for i in range(8)])
+    new = json.dumps([{"name": f"U{i}", "description": "new words " * 40} for i in range(8)])
+    bodies = _agent_bodies(3, old) + _agent_bodies(5, new)[2:]
+    states = await _store_all(sqlite_url, bodies)
+    assert states[2].tail is not None and states[2].tail[0] == states[0].ref
+    assert states[3].tail is not None and states[3].tail[0] == states[3].ref  # stored plainly
+    assert states[-1].tail is not None and states[-1].tail[0] == states[3].ref
+
+
+async def test_a_repeated_body_is_its_previous_ref_and_keeps_the_tail_source(
+    sqlite_url: str,
+) -> None:
+    tools = json.dumps([{"name": f"T{i}", "description": "does things " * 40} for i in range(8)])
+    bodies = _agent_bodies(4, tools)
+    states = await _store_all(sqlite_url, [*bodies[:3], bodies[2], bodies[3]])
+    assert states[3] == states[2]
+    assert states[4].tail is not None and states[4].tail[0] == states[0].ref
+    assert {depth for _, depth in _copies(sqlite_url)} == {1}
+
+
+async def test_any_sequence_of_bodies_reads_back_and_every_copy_holds(
+    sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bodies that grow, shrink, swap their tail or their head, repeat, or share
+    nothing, in random orders: each reads back exactly, hot and cold, and no
+    copy ever names bytes its source does not hold (no plain fallback)."""
+    rng = random.Random(25)
+    words = [f"w{i}" for i in range(50)]
+
+    def text(n: int) -> bytes:
+        return " ".join(rng.choice(words) for _ in range(n)).encode()
+
+    tails = [text(300), text(300), b"", text(40)]
+    bodies: list[bytes] = []
+    head, middle, tail = text(200), text(100), tails[0]
+    for _ in range(60):
+        move = rng.randrange(7)
+        if move == 0:
+            middle += text(rng.randrange(1, 80))  # the conversation grows
+        elif move == 1:
+            tail = rng.choice(tails)  # other tools, or none
+        elif move == 2:
+            head = text(rng.randrange(0, 300))  # a new history (compaction)
+        elif move == 3:
+            middle = middle[: rng.randrange(len(middle) + 1)]  # a retried, shorter turn
+        elif move == 4:
+            tail = tail[rng.randrange(len(tail) + 1) :]  # a tail losing its start
+        elif move == 5:
+            head, middle, tail = text(rng.randrange(1, 50)), b"", b""  # unrelated and small
+        bodies.append(head + middle + tail)  # move 6: the same body again
+    with caplog.at_level("WARNING", logger="recorder.server"):
+        await _store_all(sqlite_url, bodies)
+    assert "differs from its recorded source" not in caplog.text
+    assert _copies(sqlite_url)  # the case this exists for happened

@@ -174,9 +174,9 @@ async def test_basis_chains_stay_bounded(sqlite_url: str, raw_execute: RawExecut
 
 
 async def test_a_session_leaves_its_old_bodies_out_of_the_cache(sqlite_url: str) -> None:
-    """Bodies stored as the server stores them: once a body is stored, the
-    previous body's pieces it does not use (its tail; at a rebase, all of it)
-    leave the piece cache, so the cache holds one body's chain per session."""
+    """Bodies stored as the server stores them: no body's pieces are cached
+    (nothing reads them hot) but those of the body the tails are copied from
+    (here the first: the tools never change), read to check each copy."""
     from recorder.server.deltas import BodyPrefixes, put_body
 
     bodies = conversation_bodies(3 * sql.MAX_BASIS_DEPTH, words_per_turn=60, seed=9)
@@ -188,7 +188,8 @@ async def test_a_session_leaves_its_old_bodies_out_of_the_cache(sqlite_url: str)
             ref, prefixes = await put_body(w, prefixes, body)
             refs.append(ref)
         cached = sum(p.suffix.nbytes for p in w.piece_cache._items.values())
-        assert cached == len(bodies[-1])
+        assert prefixes.tail is not None and prefixes.tail[0] == refs[0]
+        assert cached == len(bodies[0])
         got = await w.get_arrays(refs)  # what left the cache reads back from the database
     assert [a.tobytes() for a in got] == bodies
 
@@ -284,3 +285,64 @@ async def test_copy_sqlite_to_postgres_keeps_basis_pieces(
     ] == want
     async with await open_store(postgres_url, options=StoreOptions(piece_cache_bytes=0)) as r:
         assert [a.tobytes() for a in await r.get_arrays(refs)] == bodies
+
+
+async def test_copy_pieces_round_trip_and_check_what_they_claim(
+    store_url: str, raw_execute: RawExecute
+) -> None:
+    """`basis_offset=`: a piece stored as a range of its basis's bytes, 16 bytes of data,
+    read back hot and cold; a range whose bytes differ is refused, nothing stored."""
+    bodies = conversation_bodies(2, seed=11)
+    first, second = bodies
+    tail = len(first) - first.index(b'"tools"')
+    assert second.endswith(first[-tail:])
+    async with await open_store(store_url, create=True) as w:
+        source = await w.put_array(as_array(first))
+        head = await w.put_array(as_array(second[:-tail]))
+        at = len(first) - tail
+        ref = await w.put_array(
+            as_array(second[-tail:]), extends=head, basis=source, basis_offset=at
+        )
+        assert (await w.get_array(ref)).tobytes() == second
+        with pytest.raises(ValueError, match="differ"):
+            await w.put_array(as_array(b"x" * 300), extends=head, basis=source, basis_offset=at)
+    rows = await raw_execute(
+        store_url,
+        "SELECT codec, LENGTH(data) + COALESCE(LENGTH(data_tail), 0), basis_depth "
+        "FROM arrays WHERE basis = $1",
+        source.digest,
+    )
+    assert rows == [(codec.CODEC_COPY_BASIS, 16, 1)]
+    async with await open_store(store_url, options=StoreOptions(piece_cache_bytes=0)) as r:
+        assert (await r.get_array(ref)).tobytes() == second
+    # A range past its basis, or onto other bytes: corruption the reader reports.
+    for bad in (codec._COPY_RANGE.pack(len(first), tail), codec._COPY_RANGE.pack(0, tail)):
+        await raw_execute(
+            store_url,
+            "UPDATE arrays SET data = $1, data_tail = NULL WHERE digest = $2",
+            bad,
+            ref.digest,
+        )
+        async with await open_store(store_url, options=StoreOptions(piece_cache_bytes=0)) as r:
+            with pytest.raises(CorruptArray, match=ref.digest.hex()):
+                await r.get_array(ref)
+
+
+async def test_copy_pieces_survive_a_copy_to_another_database(
+    sqlite_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    bodies = conversation_bodies(2, seed=12)
+    first, second = bodies
+    tail = len(first) - first.index(b'"tools"')
+    async with await open_store(sqlite_url, create=True) as w:
+        source = await w.put_array(as_array(first))
+        head = await w.put_array(as_array(second[:-tail]))
+        ref = await w.put_array(
+            as_array(second[-tail:]), extends=head, basis=source, basis_offset=len(first) - tail
+        )
+        target = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('copy') / 'to.db'}"
+        async with await open_store(target, create=True) as dst:
+            assert isinstance(w, SqlEventStore) and isinstance(dst, SqlEventStore)
+            await copy_store(w, dst)
+    async with await open_store(target, options=StoreOptions(piece_cache_bytes=0)) as r:
+        assert (await r.get_array(ref)).tobytes() == second

@@ -43,7 +43,8 @@ def test_bench_training_runs_at_toy_sizes(capsys: pytest.CaptureFixture[str]) ->
 
     ours, peer = training(
         ["--sessions", "2", "--contexts", "1500,3000", "--turns", "3", "--point-turns", "2",
-         "--peer-turns", "2", "--rss-every", "1", "--instructions-words", "100", "--tools", "1"]
+         "--peer-turns", "2", "--rss-every", "1", "--instructions-words", "100", "--tools", "1",
+         "--idle-rounds", "1"]
     )  # fmt: skip
     assert [(p.target, len(p.samples)) for p in ours.points] == [(1500, 4), (3000, 6)]
     assert [(p.target, len(p.samples)) for p in peer.points] == [(1500, 2), (3000, 2)]
@@ -53,6 +54,10 @@ def test_bench_training_runs_at_toy_sizes(capsys: pytest.CaptureFixture[str]) ->
     assert contexts[0] < 2000 < 2500 < contexts[-1]
     out = capsys.readouterr().out
     assert "per-turn middleware" in out and "per open session" in out
+    assert "idle RSS" in out and "bytes / context token" in out
+    log = ours.log
+    assert log is not None and log.context_tokens > 3000
+    assert min(log.ids, log.bodies, log.events) > 0 and log.file > log.ids + log.bodies
 
 
 def test_bench_middleware_cpu_section_measures_each_process(

@@ -18,11 +18,17 @@ compressed against the previous body costs only what changed. The basis
 names an encoding, not content: it is not hashed into the digest. A piece's
 `depth` counts the basis hops a cold read of it may need (0: no basis), so
 writers can bound how many arrays one read decodes.
+
+A piece may instead be a *copy* of a range of its basis's bytes
+(`CODEC_COPY_BASIS`): it stores only the offset and the length, no dictionary
+and no compression. A session's request bodies end with the same system prompt
+and tools every turn, so each body's unchanged tail is stored in 16 bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -44,6 +50,8 @@ _ZSTD_LEVEL: Final = 3
 CODEC_ZSTD: Final = 1
 CODEC_ZSTD_SHUFFLED: Final = 2
 CODEC_ZSTD_BASIS: Final = 3  # raw bytes, zstd with the basis array's bytes as dictionary
+CODEC_COPY_BASIS: Final = 4  # raw bytes = the basis array's bytes [offset, offset + n)
+_COPY_RANGE: Final = struct.Struct("<QQ")  # (offset, n): a copy piece's data
 # A basis-coded piece is kept only if it is at most this fraction of the plain
 # encoding: otherwise its dependency on the basis is not worth a cold read.
 BASIS_MAX_RATIO: Final = 0.75
@@ -257,6 +265,53 @@ def encode_piece_on_basis(
     )
 
 
+def encode_copy_piece(
+    raw: bytes,
+    dtype: DType,
+    parent: ArrayRef | None,
+    basis: ArrayRef,
+    basis_chain: Sequence[DecodedPiece],
+    offset: int,
+) -> Piece:
+    """The piece for `raw` appended to `parent`, stored as a copy of the basis
+    array's bytes at `offset` (`basis_chain`: the basis's verified pieces).
+
+    Raises ValueError when those bytes are not `raw`: a copy piece must decode
+    to exactly what it claims, and its digest is checked against `raw`.
+    """
+    if chain_range(basis_chain, offset, offset + len(raw)) != raw:
+        raise ValueError(f"bytes [{offset}, {offset + len(raw)}) of the basis differ from the data")
+    parent_digest = parent.digest if parent is not None else None
+    n = len(raw) // NUMPY_DTYPES[dtype].itemsize
+    total = (parent.length if parent is not None else 0) + n
+    return Piece(
+        piece_digest(parent_digest, dtype, raw),
+        parent_digest,
+        dtype,
+        total,
+        CODEC_COPY_BASIS,
+        _COPY_RANGE.pack(offset, len(raw)),
+        basis.digest,
+        chain_depth(list(basis_chain)) + 1,
+    )
+
+
+def chain_range(chain: Sequence[DecodedPiece], start: int, stop: int) -> bytes:
+    """Bytes [start, stop) of the array `chain` holds, joining only the pieces they span."""
+    out = []
+    at = 0
+    for piece in chain:
+        data = piece.suffix
+        end = at + data.nbytes
+        if end > start and at < stop:
+            view = memoryview(data).cast("B")
+            out.append(view[max(start - at, 0) : min(stop, end) - at])
+        if end >= stop:
+            break
+        at = end
+    return b"".join(out)
+
+
 def split_blob(data: bytes, chunk: int | None) -> tuple[bytes, bytes | None]:
     """(`data` column, `data_tail` column) for a piece's compressed bytes.
 
@@ -304,17 +359,21 @@ def decode_piece(piece: Piece, basis_bytes: bytes | None = None) -> DecodedPiece
     try:
         if dt is None:
             raise ValueError(f"unknown dtype {piece.dtype!r}")
+        if piece.codec in (CODEC_ZSTD_BASIS, CODEC_COPY_BASIS) and (
+            piece.basis is None or basis_bytes is None
+        ):
+            raise ValueError("a basis-coded piece needs its basis array")
         if piece.codec == CODEC_ZSTD_BASIS:
-            if piece.basis is None or basis_bytes is None:
-                raise ValueError("a basis-coded piece needs its basis array")
-            body = _decompressor_for(basis_bytes).decompress(piece.data)
+            body = _decompressor_for(basis_bytes).decompress(piece.data)  # type: ignore[arg-type]
+        elif piece.codec == CODEC_COPY_BASIS:
+            body = _copied_range(piece.data, basis_bytes)  # type: ignore[arg-type]
         else:
             body = _decompressor().decompress(piece.data)
         if piece.codec == CODEC_ZSTD_SHUFFLED:
             if len(body) % dt.itemsize:
                 raise ValueError("decompressed size is not a multiple of the item size")
             raw = _unshuffle(body, dt.itemsize)
-        elif piece.codec in (CODEC_ZSTD, CODEC_ZSTD_BASIS):
+        elif piece.codec in (CODEC_ZSTD, CODEC_ZSTD_BASIS, CODEC_COPY_BASIS):
             raw = body
         else:
             raise ValueError(f"unknown codec {piece.codec}")
@@ -326,6 +385,16 @@ def decode_piece(piece: Piece, basis_bytes: bytes | None = None) -> DecodedPiece
     return DecodedPiece(
         piece.digest, piece.parent, piece.dtype, piece.total_length, suffix, piece.depth
     )
+
+
+def _copied_range(data: bytes, basis_bytes: bytes) -> bytes:
+    """The basis bytes a copy piece names; ValueError when the range is not inside them."""
+    if len(data) != _COPY_RANGE.size:
+        raise ValueError("a copy piece's range is not 16 bytes")
+    offset, n = _COPY_RANGE.unpack(data)
+    if offset + n > len(basis_bytes):
+        raise ValueError(f"range [{offset}, {offset + n}) is past the basis's {len(basis_bytes)}")
+    return basis_bytes[offset : offset + n]
 
 
 def _decompressor_for(basis_bytes: bytes) -> zstandard.ZstdDecompressor:

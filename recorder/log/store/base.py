@@ -203,6 +203,8 @@ class EventStore(ProjectionStore):
         *,
         extends: ArrayRef | None = None,
         basis: ArrayRef | None = None,
+        basis_offset: int | None = None,
+        cache: bool = True,
     ) -> ArrayRef:
         """Store a 1-D array now; return its ref.
 
@@ -218,6 +220,20 @@ class EventStore(ProjectionStore):
         same with or without `basis`, unless the store bounds a long basis
         chain by storing the whole array afresh (then it is the ref of the
         whole array stored without `extends`).
+
+        With `basis` and `basis_offset`, the new piece is the basis's bytes
+        from that byte offset (a copy: 16 bytes stored, nothing compressed);
+        ValueError, nothing stored, when those bytes are not the piece's.
+
+        `cache=False`: the new piece stays out of the store's piece cache (an
+        array nothing reads hot: a request body; a read fetches it).
+        """
+
+    def release(self, old: ArrayRef, keep: Sequence[ArrayRef]) -> None:
+        """A hint: `old`'s pieces outside the arrays `keep` names will not be read hot again.
+
+        Stores with a piece cache drop them from it (they stay stored); the
+        default does nothing.
         """
 
     @abc.abstractmethod

@@ -150,6 +150,10 @@ class StoreOptions(msgspec.Struct, frozen=True, kw_only=True):
 # -- write requests -----------------------------------------------------------
 
 
+# Event class -> (stored type name, VERSION), filled as `append` meets each class.
+_TYPE_META: dict[type, tuple[str, int]] = {}
+
+
 class EventRow(msgspec.Struct):
     """One event as stored; built once per event in `append` (a C-level Struct: cheap)."""
 
@@ -370,16 +374,13 @@ class SqlEventStore(EventStore):
                 await self._put_encoded(arrays)
             return []
         now = time.time()
-        rows = [
-            EventRow(
-                ne.event_id,
-                type_name(ne.event),
-                type(ne.event).VERSION,
-                ne.ts or now,
-                encode_event(ne.event),
-            )
-            for ne in events
-        ]
+        rows = []
+        for ne in events:  # the hottest loop of a batched append: one lookup per event type
+            event = ne.event
+            meta = _TYPE_META.get(type(event))
+            if meta is None:
+                meta = _TYPE_META[type(event)] = (type_name(event), type(event).VERSION)
+            rows.append(EventRow(ne.event_id, meta[0], meta[1], ne.ts or now, encode_event(event)))
         if len({ne.event_id.int for ne in events}) != len(rows):
             raise IdempotencyConflict("a batch lists the same event_id twice; ids must be unique")
         pieces, decoded = self._unstored_pieces(arrays)
@@ -407,11 +408,12 @@ class SqlEventStore(EventStore):
         for piece in decoded:
             self._pieces.put(piece)
 
-    async def _put_encoded(self, arrays: Sequence[arr.EncodedArray]) -> None:
+    async def _put_encoded(self, arrays: Sequence[arr.EncodedArray], *, cache: bool = True) -> None:
         pieces, decoded = self._unstored_pieces(arrays)
         if pieces:
             await self._submit(PiecesRequest(pieces))
-            self._learn(decoded)
+            if cache:
+                self._learn(decoded)
 
     def as_unavailable(self, exc: BaseException) -> StorageUnavailable | None:
         failure = storage_failure(exc)
@@ -690,6 +692,8 @@ class SqlEventStore(EventStore):
         *,
         extends: ArrayRef | None = None,
         basis: ArrayRef | None = None,
+        basis_offset: int | None = None,
+        cache: bool = True,
     ) -> ArrayRef:
         if basis is None:
             encoded = arr.encode_array(array, extends=extends)
@@ -697,17 +701,43 @@ class SqlEventStore(EventStore):
             suffix, dtype = arr.as_suffix(array, extends.dtype if extends is not None else None)
             if extends is not None and len(suffix) == 0:
                 return extends
-            piece, suffix = await self._encode_on_basis(suffix, dtype, extends, basis)
+            if basis_offset is not None:
+                piece, suffix = await self._encode_copy(suffix, dtype, extends, basis, basis_offset)
+            else:
+                piece, suffix = await self._encode_on_basis(suffix, dtype, extends, basis)
             suffix.setflags(write=False)
             decoded = arr.DecodedPiece(
                 piece.digest, piece.parent, dtype, piece.total_length, suffix, piece.depth
             )
             ref = ArrayRef(piece.digest, piece.total_length, dtype)
             encoded = arr.EncodedArray(ref, (piece,), (decoded,))
-        await self._put_encoded([encoded])
-        if basis is not None:
+        await self._put_encoded([encoded], cache=cache)
+        if basis is not None and basis_offset is None:
             self._supersede(basis, encoded.ref)
         return encoded.ref
+
+    def release(self, old: ArrayRef, keep: Sequence[ArrayRef]) -> None:
+        kept: set[bytes] = set()
+        for ref in keep:
+            kept |= self._pieces.chain_digests(ref.digest)
+        self._pieces.discard(d for d in self._pieces.chain_digests(old.digest) if d not in kept)
+
+    async def _encode_copy(
+        self, suffix: np.ndarray, dtype: DType, extends: ArrayRef | None, basis: ArrayRef, at: int
+    ) -> tuple[arr.Piece, np.ndarray]:
+        """(piece to store, its suffix) for `put_array(..., basis=, basis_offset=)`.
+
+        The basis is read (from the piece cache when hot) and its bytes at
+        `at` compared with the suffix: a mismatch raises ValueError, nothing
+        is stored. Past `MAX_BASIS_DEPTH` the suffix is stored plainly.
+        """
+        pieces = await self._reader.load([basis.digest], cache=True)
+        basis_chain = chain(pieces, basis.digest)
+        if arr.chain_depth(basis_chain) + 1 > MAX_BASIS_DEPTH:
+            return arr.encode_piece(suffix, dtype, extends), suffix
+        raw = suffix.tobytes()
+        piece = arr.encode_copy_piece(raw, dtype, extends, basis, basis_chain, at)
+        return piece, np.frombuffer(raw, arr.NUMPY_DTYPES[dtype])
 
     def _supersede(self, basis: ArrayRef, new: ArrayRef) -> None:
         """The basis's cached pieces that `new`'s chain does not use leave the piece cache.

@@ -179,6 +179,19 @@ def event_tuple(session_id: str, seq: int, row: EventRow) -> EventTuple:
     )
 
 
+def run_tuples(runs: Iterable[tuple[str, int, Sequence[EventRow]]]) -> list[EventTuple]:
+    """`event_tuple` of every row of each (session_id, first seq, rows) run.
+
+    Inlined rather than a call per row: on a batched append this loop is a
+    third of the Python work per event on the writer thread.
+    """
+    return [
+        (r.position, sid, seq + k, r.event_id.bytes, r.type, r.version, r.ts, r.payload)
+        for sid, seq, rows in runs
+        for k, r in enumerate(rows)
+    ]
+
+
 def head_queries(session_ids: Iterable[str]) -> Iterator[tuple[str, list[str]]]:
     """(sql, params) reading each session's MAX(seq), chunked; the first also
     reads MAX(position) in a row whose session_id is NULL (a NOT NULL column).
@@ -270,12 +283,7 @@ class OneHopWriter:
             if pieces:
                 conn.executemany(INSERT_PIECE_SQL, [self._piece_row(p) for p in pieces.values()])
             if plan.n_rows:
-                rows = [
-                    event_tuple(sid, seq + k, row)
-                    for sid, seq, run in plan.runs(next_seq)
-                    for k, row in enumerate(run)
-                ]
-                conn.executemany(INSERT_EVENTS_SQL, rows)
+                conn.executemany(INSERT_EVENTS_SQL, run_tuples(plan.runs(next_seq)))
             if before_commit is not None:
                 asyncio.run_coroutine_threadsafe(_awaited(before_commit), loop).result()
             conn.execute("COMMIT")
