@@ -251,16 +251,17 @@ async def _plan(
     ctx: ServerContext, state: SessionState, chat: ChatRequest, body_len: int
 ) -> tuple[TurnPlan, int]:
     """(the turn's plan, its clamped max_new_tokens); raises ValueError if it cannot run."""
-    check_fits(chat, ctx.tokenizer, ctx.config.context_length)
+    context = ctx.config.context_length
+    check_fits(chat, ctx.tokenizer, context)
     chars = render_chars(state.chains, chat, ctx.tokenizer, body_len)
     if chars > _LARGE_PLAN_CHARS:
         async with ctx.large_plans:  # one at a time: each holds ~90x its text in memory
-            plan = await asyncio.to_thread(plan_turn, state.chains, chat, ctx.tokenizer)
+            plan = await asyncio.to_thread(plan_turn, state.chains, chat, ctx.tokenizer, context)
     elif chars > _THREAD_PLAN_CHARS:
-        plan = await asyncio.to_thread(plan_turn, state.chains, chat, ctx.tokenizer)
+        plan = await asyncio.to_thread(plan_turn, state.chains, chat, ctx.tokenizer, context)
     else:
-        plan = plan_turn(state.chains, chat, ctx.tokenizer)
-    max_new = clamp_max_new_tokens(chat.max_tokens, len(plan.input_ids), ctx.config.context_length)
+        plan = plan_turn(state.chains, chat, ctx.tokenizer, context)
+    max_new = clamp_max_new_tokens(chat.max_tokens, len(plan.input_ids), context)
     return plan, max_new
 
 
