@@ -215,6 +215,10 @@ class ConvertedMessages:
 
     def __init__(self, max_entries: int = 4096, max_bytes: int = 32 << 20) -> None:
         self.max_entries, self.max_bytes = max_entries, max_bytes
+        # A message bigger than this is converted anew each time and never kept:
+        # one 16 MB message kept its key and conversion (32 MB) in the session
+        # until evicted, and it is sent once or twice, not every turn.
+        self.max_entry_bytes = max_bytes // 32
         self._entries: OrderedDict[bytes, tuple[str, bytes]] = OrderedDict()
         self._nbytes = 0
         self._previous: list[bytes] = []
@@ -229,6 +233,9 @@ class ConvertedMessages:
         """
         if index == 0:
             self._keys = []  # a new request (even if the last one stopped at an error)
+        if len(data) > self.max_entry_bytes:
+            self._keys.append(b"")  # never kept (see `max_entry_bytes`)
+            return data, None
         previous = self._previous
         key = previous[index] if index < len(previous) and previous[index] == data else data
         self._keys.append(key)
@@ -242,6 +249,8 @@ class ConvertedMessages:
         self._previous, self._keys = self._keys, []
 
     def put(self, key: bytes, value: tuple[str, bytes]) -> None:
+        if len(key) > self.max_entry_bytes:
+            return
         self._entries[key] = value
         self._nbytes += len(key) + len(value[1])
         while self._entries and (

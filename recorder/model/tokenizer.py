@@ -178,6 +178,43 @@ class Tokenizer:
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template failed to render these messages: {exc}") from exc
 
+    def render_within(
+        self,
+        limit: int | None,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        """`render(...)`, raising TooManyTokens as soon as the text rendered so far
+        certainly holds more than `limit` tokens (`max_token_chars` a token at most).
+
+        The template's output is collected piece by piece (as jinja's own
+        `render` does), so a prompt that cannot fit is refused without the
+        copy that joins the pieces, and without rendering what follows.
+        """
+        if limit is None:
+            return self.render(messages, tools, add_generation_prompt, **template_kwargs)
+        context: dict[str, Any] = dict(self.special_tokens)
+        context.update(template_kwargs)
+        most = (limit + 1) * self.max_token_chars
+        pieces: list[str] = []
+        length = 0
+        try:
+            for piece in self._template.generate(
+                messages=messages,
+                tools=tools or None,
+                add_generation_prompt=add_generation_prompt,
+                **context,
+            ):
+                length += len(piece)
+                if length >= most:
+                    raise TooManyTokens(length // self.max_token_chars, limit, exact=False)
+                pieces.append(piece)
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"chat template failed to render these messages: {exc}") from exc
+        return "".join(pieces)
+
     def render_suffix(
         self,
         messages: list[dict[str, Any]],

@@ -67,6 +67,17 @@ class Tokenizer(Protocol):
 
     def encode_array(self, text: str, limit: int | None = None) -> array: ...
 
+    max_token_chars: int
+
+    def render_within(
+        self,
+        limit: int | None,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str: ...
+
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def render(
@@ -378,9 +389,17 @@ def _continue(
         return None
     close_text, head = pieces
     new_messages = req.messages[match.n_messages :]
-    full = tok.render(
-        [*_PREFIX_MESSAGES, *new_messages], req.tools or None, True, **req.template_kwargs
-    )
+    # The render holds `head` (not part of the input) before the new messages:
+    # its tokens are allowed on top of the room the chain's tokens leave.
+    head_tokens = 0 if limit is None else -(-len(head) // tok.max_token_chars)
+    room = None if limit is None else limit - boundary.end_len + head_tokens
+    try:
+        full = _render(
+            tok, room, [*_PREFIX_MESSAGES, *new_messages], req.tools, req.template_kwargs
+        )
+    except TooManyTokens as exc:
+        at_least = exc.at_least - head_tokens + boundary.end_len
+        raise TooManyTokens(at_least, exc.limit, exact=False) from None
     if not full.startswith(head):
         return None
     glue_text, closing = _glue(tok, chain.tokens, boundary, close_text)
@@ -389,7 +408,7 @@ def _continue(
     input_ids.extend(glue_ids)
     room = None if limit is None else limit - len(input_ids)
     try:
-        input_ids.extend(tok.encode_array(glue_text + full[len(head) :], room))
+        input_ids.extend(_encode(tok, glue_text + full[len(head) :], room))
     except TooManyTokens as exc:
         raise TooManyTokens(exc.at_least + len(input_ids), exc.limit, exact=exc.exact) from None
     extend = match.is_end
@@ -475,7 +494,9 @@ def _fresh(
     fallback: str = "",
 ) -> TurnPlan:
     """A new chain from a full render, classified by how it relates to the main line."""
-    input_ids = tok.encode_array(_render_all(req, tok), limit)
+    text = _render(tok, limit, req.messages, req.tools, req.template_kwargs)
+    input_ids = _encode(tok, text, limit)
+    del text
     main = chains.main
     if main is not None and takes_main_line(
         len(req.tools),
@@ -736,7 +757,28 @@ def full_input_ids(req: ChatRequest, tok: Tokenizer) -> list[int]:
 
 def count_input_tokens(req: ChatRequest, tok: Tokenizer) -> int:
     """`len(full_input_ids(req, tok))`, tokenized in bounded pieces (no list of ids)."""
-    return len(tok.encode_array(_render_all(req, tok)))
+    return len(_encode(tok, _render_all(req, tok), None))
+
+
+def _render(
+    tok: Tokenizer,
+    limit: int | None,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
+    template_kwargs: dict[str, Any],
+) -> str:
+    """`tok.render_within(limit, ...)`; a tokenizer without it (a test's wrapper) renders
+    whole when no limit is asked."""
+    if limit is None and not hasattr(tok, "render_within"):
+        return tok.render(messages, tools or None, True, **template_kwargs)
+    return tok.render_within(limit, messages, tools or None, True, **template_kwargs)
+
+
+def _encode(tok: Tokenizer, text: str, limit: int | None) -> array:
+    """`tok.encode_array(text, limit)`, or `encode` for a tokenizer without it and no limit."""
+    if limit is None and not hasattr(tok, "encode_array"):
+        return token_array(tok.encode(text))
+    return tok.encode_array(text, limit)
 
 
 def _render_all(req: ChatRequest, tok: Tokenizer) -> str:

@@ -65,9 +65,7 @@ def _anthropic_kinds(text: str) -> dict[str, dict[str, Any]]:
                 {"role": "user", "content": "go on"},
             ]
         ),
-        "tool_use input": _anthropic(
-            _tool_turn({**use, "input": {"command": text}}), tools=[bash]
-        ),
+        "tool_use input": _anthropic(_tool_turn({**use, "input": {"command": text}}), tools=[bash]),
         "tools description": _anthropic(
             [{"role": "user", "content": "hi"}], tools=[{**bash, "description": text}]
         ),
@@ -138,7 +136,9 @@ _ROUTES = {"chat assistant": CHAT, "chat tool arguments": CHAT, "responses input
 KINDS: tuple[str, ...] = (*_anthropic_kinds(""), *_openai_kinds(""))
 
 
-def bulk_body(kind: str, n_chars: int, make_text: Callable[[int], str] = filler) -> tuple[str, bytes]:
+def bulk_body(
+    kind: str, n_chars: int, make_text: Callable[[int], str] = filler
+) -> tuple[str, bytes]:
     """(route, JSON body) with `n_chars` of text in the field `kind` names."""
     text = make_text(n_chars)
     bodies = {**_anthropic_kinds(text), **_openai_kinds(text)}
