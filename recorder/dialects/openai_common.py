@@ -202,6 +202,7 @@ def chat_request_from_pieces(
         raise InvalidRequest("at least one non-system message is required", "messages")
     head = _encoder.encode(fields)
     body = b'{"messages":[' + b",".join(pieces) + b"]," + head[1:]
+    pieces.clear()  # the body holds them now: one copy of a near-limit message, not two
     return parse_request(body, count_tokens=True, cache=cache)
 
 

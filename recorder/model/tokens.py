@@ -53,6 +53,8 @@ _PREFIX_MESSAGES: tuple[dict[str, Any], ...] = (
 
 
 _MISSING = object()
+# A render prefix longer than this (tools of megabytes) is not cached.
+_MAX_CACHED_HEAD = 1 << 20
 _PIECES: weakref.WeakKeyDictionary[Any, dict[str, tuple[str, str] | None]] = (
     weakref.WeakKeyDictionary()
 )
@@ -466,6 +468,8 @@ def _template_pieces(tok: Tokenizer, req: ChatRequest) -> tuple[str, str] | None
     head = tok.render(list(_PREFIX_MESSAGES), req.tools or None, False, **req.template_kwargs)
     at = head.rfind(_SENTINEL)
     pieces = None if at < 0 else (head[at + len(_SENTINEL) :], head)
+    if len(head) > _MAX_CACHED_HEAD:
+        return pieces  # rendered anew each time: 64 of these would be gigabytes
     if len(cache) >= 64:
         cache.clear()
     cache[key] = pieces

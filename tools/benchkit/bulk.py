@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,11 +33,13 @@ ADMIN = "bulk"
 
 
 class Measured(msgspec.Struct, frozen=True):
-    """What one body cost the server: answer status, seconds, peak RSS gain, body bytes."""
+    """What one body cost the server: answer status, seconds to answer (the median of
+    `reps` sends), peak RSS gain of the first send, body bytes."""
 
     kind: str
     status: int
     seconds: float
+    reps: int
     peak_bytes: int
     body_bytes: int
     message: str
@@ -90,9 +93,11 @@ async def measure(
     src: Path = REPO,
     *,
     concurrent: bool = False,
+    reps: int = 1,
 ) -> list[Measured]:
     """Each (kind, characters) body on its own fresh server (or, `concurrent`, all of
-    them at once on one server: one result with the summed body size)."""
+    them at once on one server: one result with the summed body size); the peak is
+    the first send's, the time the median of `reps` sends (each from a new session)."""
     results = []
     groups = [kinds] if concurrent else [[k] for k in kinds]
     timeout = aiohttp.ClientTimeout(total=900)
@@ -102,17 +107,20 @@ async def measure(
             try:
                 await wait_healthy(http, server.url, server.proc.poll, "the recorder")
                 bodies = [bulk_body(kind, n) for kind, n in group]
-                sids = [await open_session(http, server.url, ADMIN) for _ in bodies]
-                base = server.reset_peak()
-                start = time.perf_counter()
-                answers = await asyncio.gather(
-                    *(
-                        send(http, server.url, r, s, raw)
-                        for (r, raw), s in zip(bodies, sids, strict=True)
+                times, peak = [], 0
+                for rep in range(reps):
+                    sids = [await open_session(http, server.url, ADMIN) for _ in bodies]
+                    base = server.reset_peak()
+                    start = time.perf_counter()
+                    answers = await asyncio.gather(
+                        *(
+                            send(http, server.url, r, s, raw)
+                            for (r, raw), s in zip(bodies, sids, strict=True)
+                        )
                     )
-                )
-                seconds = time.perf_counter() - start
-                peak = status_bytes("VmHWM", server.proc.pid) - base
+                    times.append(time.perf_counter() - start)
+                    if rep == 0:
+                        peak = status_bytes("VmHWM", server.proc.pid) - base
             finally:
                 server.close()
             status, text = answers[0]
@@ -120,7 +128,8 @@ async def measure(
                 Measured(
                     kind=" + ".join(k for k, _ in group),
                     status=status,
-                    seconds=seconds,
+                    seconds=statistics.median(times),
+                    reps=reps,
                     peak_bytes=peak,
                     body_bytes=sum(len(raw) for _, raw in bodies),
                     message=text.decode(errors="replace")[:300],
