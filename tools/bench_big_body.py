@@ -187,7 +187,10 @@ CONCURRENT = ("assistant text", "tool_use input", "chat assistant")
 
 
 def checkout(revision: str, into: Path) -> Path:
-    """The repository's tree at `revision`, extracted into `into` (not a worktree)."""
+    """The repository's tree at `revision` (a git revision, extracted into `into`, not a
+    worktree; or a directory holding such a tree already)."""
+    if Path(revision).is_dir():
+        return Path(revision)
     archive = subprocess.run(
         ["git", "-C", str(REPO_ROOT), "archive", revision], check=True, capture_output=True
     ).stdout
@@ -247,7 +250,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=40)
     parser.add_argument("--mb", type=float, default=16.0, help="size of each field-kind body")
     parser.add_argument("--field-reps", type=int, default=3, help="sends per field-kind body")
-    parser.add_argument("--before", default=BEFORE, help="git revision measured as the peer")
+    parser.add_argument(
+        "--before", default=BEFORE, help="git revision (or a source tree) measured as the peer"
+    )
     parser.add_argument("--only-fields", action="store_true", help="skip the GIL table")
     args = parser.parse_args()
     if not args.only_fields:
