@@ -245,6 +245,12 @@ class ConvertedMessages:
             self._entries.move_to_end(key)
         return key, hit
 
+    def unkept(self, index: int) -> None:
+        """Message `index` of this request is too big to keep (see `max_entry_bytes`)."""
+        if index == 0:
+            self._keys = []
+        self._keys.append(b"")
+
     def done(self) -> None:
         """The request's messages are all looked up: its keys are the next one's `previous`."""
         self._previous, self._keys = self._keys, []
@@ -307,7 +313,15 @@ def join_through_cache(
         raise InvalidRequest("JSON limits", "body")  # the uncached path names the problem
     leading = not pieces
     for i, raw in enumerate(raws):
-        key, hit = memo.get(i, bytes(raw))
+        if len(raw) > memo.max_entry_bytes:
+            # Never kept: checked on a copy dropped at once, decoded from the body's own
+            # bytes, so a near-limit message is not held twice while it is converted.
+            memo.unkept(i)
+            if json_problem(bytes(raw), MAX_DEPTH - 2) is not None:
+                raise InvalidRequest("JSON limits", f"{field}.{i}")
+            hit = convert(raw, f"{field}.{i}")  # type: ignore[arg-type]
+        else:
+            key, hit = memo.get(i, bytes(raw))
         if hit is None:
             if json_problem(key, MAX_DEPTH - 2) is not None:  # two levels deep in the body
                 raise InvalidRequest("JSON limits", f"{field}.{i}")
