@@ -150,8 +150,8 @@ async def run_turn(
 # hop. Extending a chain renders only the new messages, whatever the context.
 _THREAD_PLAN_CHARS = 32 * 1024
 # Plans that render more than this wait for each other: tokenizing 8 MB of text
-# peaks at ~730 MB of tokenizer state, so a few such bodies at once could take
-# the machine's memory; one at a time bounds it (others' turns are not delayed).
+# is seconds of CPU (its memory is bounded: long texts are tokenized in pieces,
+# `Tokenizer.encode_array`); one at a time keeps the others' turns fast.
 _LARGE_PLAN_CHARS = 1024 * 1024
 # Outputs longer than this get their TITO check (decode + encode) on a thread.
 _THREAD_TITO_TOKENS = 4096
