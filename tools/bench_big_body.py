@@ -9,7 +9,16 @@ measured in the same run, with the GIL held (the plain `encode` call every
 text took before). Then the time to refuse a 63 MB text from its length, and
 the RSS each big body added.
 
-    python tools/bench_big_body.py [--reps 40]
+Then, per field kind (issue 24: the bulk of a body in assistant text,
+thinking, tool input, tool descriptions or schemas, system blocks, tool
+results, OpenAI Chat history and tool arguments, Responses input): a body of
+`--mb` megabytes that cannot fit the context, each sent to a fresh
+`recorder serve` (`benchkit/bulk.py`), with this code and, as the peer in the
+same run, the code at `--before` (a git revision, extracted to a temporary
+directory): the server's peak RSS gain (the kernel's VmHWM) and the median
+time to its answer; then three such bodies at once on one server.
+
+    python tools/bench_big_body.py [--reps 40] [--mb 16] [--before 043d474] [--only-fields]
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +40,9 @@ import recorder.model.tokenizer as tokenizer_module  # noqa: E402
 from recorder.model.tokenizer import load_tokenizer  # noqa: E402
 from tests.server.conftest import FIXTURE_TOKENIZER, Harness, make_harness  # noqa: E402
 from tests.server.test_large_bodies import big_body, peak_rss  # noqa: E402
+from tools.benchkit.bodies import KINDS  # noqa: E402
+from tools.benchkit.bulk import Measured, measure  # noqa: E402
+from tools.benchkit.engine import start_test_engine  # noqa: E402
 from tools.benchkit.memory import MB  # noqa: E402
 from tools.benchkit.stats import rank_ms  # noqa: E402
 from tools.benchkit.table import Columns  # noqa: E402
@@ -158,11 +171,93 @@ async def bench(reps: int) -> None:
     )
 
 
+# The commit before issue 24's item 4: the early check counted user, tool and system text.
+BEFORE = "043d474"
+FIELDS_CONTEXT = 8192
+FIELDS = Columns(
+    [
+        ("bulk of the body in", 34, "<"), ("MB", 5, ">"), ("status", 6, ">"),
+        ("before s", 9, ">"), ("after s", 8, ">"), ("before peak MB", 14, ">"),
+        ("after peak MB", 13, ">"), ("before x body", 13, ">"), ("after x body", 12, ">"),
+    ],
+    sep=" | ",
+    edges=("| ", " |"),
+)  # fmt: skip
+CONCURRENT = ("assistant text", "tool_use input", "chat assistant")
+
+
+def checkout(revision: str, into: Path) -> Path:
+    """The repository's tree at `revision` (a git revision, extracted into `into`, not a
+    worktree; or a directory holding such a tree already)."""
+    if Path(revision).is_dir():
+        return Path(revision)
+    archive = subprocess.run(
+        ["git", "-C", str(REPO_ROOT), "archive", revision], check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
+def field_row(before: Measured, after: Measured) -> str:
+    return FIELDS.row(
+        after.kind,
+        f"{after.body_bytes / MB:.1f}",
+        f"{before.status}/{after.status}",
+        f"{before.seconds:.2f}",
+        f"{after.seconds:.2f}",
+        f"{before.peak_bytes / MB:.0f}",
+        f"{after.peak_bytes / MB:.0f}",
+        f"{before.peak_bytes / before.body_bytes:.1f}",
+        f"{after.peak_bytes / after.body_bytes:.1f}",
+    )
+
+
+async def bench_fields(mb: float, reps: int, revision: str) -> None:
+    proc, engine_url = start_test_engine(FIELDS_CONTEXT)
+    n = int(mb * MB)
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench_before_") as tmp:
+            before_src = checkout(revision, Path(tmp))
+            rows = []
+            for kind in KINDS:  # alternated, so load on the machine hits both alike
+                [before] = await measure(
+                    engine_url, FIELDS_CONTEXT, [(kind, n)], before_src, reps=reps
+                )
+                [after] = await measure(engine_url, FIELDS_CONTEXT, [(kind, n)], reps=reps)
+                rows.append(field_row(before, after))
+            together = [(kind, n) for kind in CONCURRENT]
+            [before] = await measure(
+                engine_url, FIELDS_CONTEXT, together, before_src, concurrent=True
+            )
+            [after] = await measure(engine_url, FIELDS_CONTEXT, together, concurrent=True)
+            rows.append(field_row(before, after))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    print(
+        f"\nA body that cannot fit (context {FIELDS_CONTEXT}), its bulk in one field, each on a "
+        f"fresh server; before = {revision}, after = this tree; seconds: median of {reps} sends "
+        "(upload included); peak: the server's RSS gain on the first send"
+    )
+    print(FIELDS.header())
+    print(FIELDS.rule())
+    for line in rows:
+        print(line)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=40)
+    parser.add_argument("--mb", type=float, default=16.0, help="size of each field-kind body")
+    parser.add_argument("--field-reps", type=int, default=3, help="sends per field-kind body")
+    parser.add_argument(
+        "--before", default=BEFORE, help="git revision (or a source tree) measured as the peer"
+    )
+    parser.add_argument("--only-fields", action="store_true", help="skip the GIL table")
     args = parser.parse_args()
-    asyncio.run(bench(args.reps))
+    if not args.only_fields:
+        asyncio.run(bench(args.reps))
+    asyncio.run(bench_fields(args.mb, args.field_reps, args.before))
 
 
 if __name__ == "__main__":

@@ -92,12 +92,67 @@ class ChatRequest(msgspec.Struct, kw_only=True):
 _encoder = msgspec.json.Encoder(order="sorted")
 
 
+# Texts longer than this are digested piece by piece (`_digest_with_text`, `digest_text`):
+# the same digest without a whole encoded (and stripped) copy of a near-limit text.
+_PIECE_CHARS = 1 << 20
+_SLOT = "\u2063DIGEST-TEXT-SLOT\u2063"
+
+
 def digest_obj(obj: Any) -> str:
     return hashlib.blake2b(_encoder.encode(obj), digest_size=16).hexdigest()
 
 
-def digest_text(text: str) -> str:
-    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+def digest_text(text: str, start: int = 0, end: int | None = None) -> str:
+    """Digest of `text[start:end]`'s UTF-8 bytes."""
+    end = len(text) if end is None else end
+    if end - start <= _PIECE_CHARS:
+        return hashlib.blake2b(text[start:end].encode(), digest_size=16).hexdigest()
+    h = hashlib.blake2b(digest_size=16)
+    for at in range(start, end, _PIECE_CHARS):
+        h.update(text[at : min(at + _PIECE_CHARS, end)].encode())
+    return h.hexdigest()
+
+
+def _digest_with_text(role: str, text: str, rest: tuple[Any, ...]) -> str:
+    """`digest_obj((role, text.strip(), *rest))`, without copying a long text.
+
+    JSON escapes a string character by character, so the encoding of the
+    whole is the encodings of its pieces joined; the pieces go between the
+    encoding's head and tail found around a placeholder.
+    """
+    start, end = _stripped_span(text)
+    if end - start <= _PIECE_CHARS:
+        return digest_obj((role, text[start:end], *rest))
+    head, _, tail = _encoder.encode((role, _SLOT, *rest)).partition(_encoder.encode(_SLOT))
+    h = hashlib.blake2b(head, digest_size=16)
+    h.update(b'"')
+    for at in range(start, end, _PIECE_CHARS):
+        h.update(_encoder.encode(text[at : min(at + _PIECE_CHARS, end)])[1:-1])
+    h.update(b'"' + tail)
+    return h.hexdigest()
+
+
+def _stripped_span(text: str) -> tuple[int, int]:
+    """(start, end) of `text.strip()` in `text`, looking only at the blanks at its ends."""
+    if len(text) <= _PIECE_CHARS:
+        stripped = text.lstrip()
+        start = len(text) - len(stripped)
+        return start, start + len(stripped.rstrip())
+    start = 0
+    while start < len(text):
+        window = text[start : start + 4096]
+        kept = window.lstrip()
+        start += len(window) - len(kept)
+        if kept:
+            break
+    end = len(text)
+    while end > start:
+        window = text[max(start, end - 4096) : end]
+        kept = window.rstrip()
+        end -= len(window) - len(kept)
+        if kept:
+            break
+    return start, end
 
 
 def message_digest(message: dict[str, Any]) -> str:
@@ -117,13 +172,14 @@ def message_digest(message: dict[str, Any]) -> str:
     """
     calls = message.get("tool_calls")
     ids = [(c["id"], c["function"]["name"]) for c in calls] if calls else None
-    text = (message.get("content") or "").strip()
+    content = message.get("content") or ""
     rest = (message.get("tool_call_id"), message.get("is_error", False))
-    digest = digest_obj((message["role"], text, ids, *rest))
-    if ids and text:
+    digest = _digest_with_text(message["role"], content, (ids, *rest))
+    if ids and not content.isspace() and content:
         digest += "|" + digest_obj((message["role"], "", ids, *rest))
-    reasoning = (message.get("reasoning_content") or "").strip()
-    return f"{digest}+{digest_text(reasoning)}" if reasoning else digest
+    reasoning = message.get("reasoning_content") or ""
+    start, end = _stripped_span(reasoning)
+    return f"{digest}+{digest_text(reasoning, start, end)}" if end > start else digest
 
 
 def same_message(ours: str, echoed: str) -> bool:

@@ -202,6 +202,7 @@ def chat_request_from_pieces(
         raise InvalidRequest("at least one non-system message is required", "messages")
     head = _encoder.encode(fields)
     body = b'{"messages":[' + b",".join(pieces) + b"]," + head[1:]
+    pieces.clear()  # the body holds them now: one copy of a near-limit message, not two
     return parse_request(body, count_tokens=True, cache=cache)
 
 
@@ -215,6 +216,10 @@ class ConvertedMessages:
 
     def __init__(self, max_entries: int = 4096, max_bytes: int = 32 << 20) -> None:
         self.max_entries, self.max_bytes = max_entries, max_bytes
+        # A message bigger than this is converted anew each time and never kept:
+        # one 16 MB message kept its key and conversion (32 MB) in the session
+        # until evicted, and it is sent once or twice, not every turn.
+        self.max_entry_bytes = max_bytes // 32
         self._entries: OrderedDict[bytes, tuple[str, bytes]] = OrderedDict()
         self._nbytes = 0
         self._previous: list[bytes] = []
@@ -229,6 +234,9 @@ class ConvertedMessages:
         """
         if index == 0:
             self._keys = []  # a new request (even if the last one stopped at an error)
+        if len(data) > self.max_entry_bytes:
+            self._keys.append(b"")  # never kept (see `max_entry_bytes`)
+            return data, None
         previous = self._previous
         key = previous[index] if index < len(previous) and previous[index] == data else data
         self._keys.append(key)
@@ -237,11 +245,19 @@ class ConvertedMessages:
             self._entries.move_to_end(key)
         return key, hit
 
+    def unkept(self, index: int) -> None:
+        """Message `index` of this request is too big to keep (see `max_entry_bytes`)."""
+        if index == 0:
+            self._keys = []
+        self._keys.append(b"")
+
     def done(self) -> None:
         """The request's messages are all looked up: its keys are the next one's `previous`."""
         self._previous, self._keys = self._keys, []
 
     def put(self, key: bytes, value: tuple[str, bytes]) -> None:
+        if len(key) > self.max_entry_bytes:
+            return
         self._entries[key] = value
         self._nbytes += len(key) + len(value[1])
         while self._entries and (
@@ -297,7 +313,15 @@ def join_through_cache(
         raise InvalidRequest("JSON limits", "body")  # the uncached path names the problem
     leading = not pieces
     for i, raw in enumerate(raws):
-        key, hit = memo.get(i, bytes(raw))
+        if len(raw) > memo.max_entry_bytes:
+            # Never kept: checked on a copy dropped at once, decoded from the body's own
+            # bytes, so a near-limit message is not held twice while it is converted.
+            memo.unkept(i)
+            if json_problem(bytes(raw), MAX_DEPTH - 2) is not None:
+                raise InvalidRequest("JSON limits", f"{field}.{i}")
+            hit = convert(raw, f"{field}.{i}")  # type: ignore[arg-type]
+        else:
+            key, hit = memo.get(i, bytes(raw))
         if hit is None:
             if json_problem(key, MAX_DEPTH - 2) is not None:  # two levels deep in the body
                 raise InvalidRequest("JSON limits", f"{field}.{i}")

@@ -66,6 +66,10 @@ class ParseCache:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.max_idle_requests = max_idle_requests
+        # A message bigger than this is translated anew each time and never kept:
+        # a near-limit message would push out every other entry, and is sent
+        # once or twice (it cannot fit a context many turns in a row).
+        self.max_entry_bytes = max_bytes // 16
         self._entries: OrderedDict[bytes, CachedPiece] = OrderedDict()  # LRU first
         self._last_used: dict[bytes, int] = {}  # key -> number of the request
         self._previous: list[bytes] = []
@@ -102,6 +106,10 @@ class ParseCache:
         previous, keys, entries, last_used = self._previous, [], self._entries, self._last_used
         for i, raw in enumerate(raws):
             data = bytes(raw)
+            if len(data) > self.max_entry_bytes:
+                conversation.add(translate_message(data, i, conversation))
+                keys.append(b"")  # never kept (see `max_entry_bytes`)
+                continue
             key = previous[i] if i < len(previous) and previous[i] == data else data
             piece = entries.get(key)
             if piece is None:

@@ -31,12 +31,7 @@ class PromptCannotFit(ContextOverflow):
     """`ContextOverflow` known from the text's length alone (nothing was tokenized)."""
 
     def __init__(self, min_tokens: int, context_length: int) -> None:
-        super().__init__(min_tokens, context_length)
-        self.args = (
-            f"prompt is too long: at least {min_tokens} tokens > {context_length - 1} maximum "
-            f"(context length {context_length}); compact the conversation or start a new "
-            "session",
-        )
+        super().__init__(min_tokens, context_length, at_least=True)
 
 
 def min_prompt_tokens(chat: ChatRequest, tok: _Bounded) -> int:

@@ -17,7 +17,9 @@ import datetime as _dt
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+import re
+from array import array
+from collections.abc import Iterator, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,28 @@ CACHE_ENV = "TR_TOKENIZER_CACHE"
 # Texts longer than this are encoded without holding the GIL (see `Tokenizer.encode`);
 # shorter ones take the plain call, which is cheaper than a batch of one.
 _GIL_FREE_CHARS = 16 * 1024
+# Long texts are tokenized in pieces of about this many characters (`encode_array`):
+# the tokenizer holds ~90x the text it encodes at once (8 MB of text took ~1 GB),
+# a piece of 64k characters ~6 MB. Cut only where a pre-tokenizer of the GPT-2 /
+# Llama 3 / Qwen family always starts a new pre-token (merges never cross one):
+# before a lone space between two non-blank characters, or after a lone newline
+# followed by a non-blank character (the text before a cut ends in a non-blank
+# or in one newline after one: at the end of a text, a run of blanks would
+# become one pre-token where the whole text splits it). `_cuts_are_exact` checks the tokenizer agrees.
+_PIECE_CHARS = 64 * 1024
+_CUT = re.compile(r"(?<=\S) (?=\S)|(?<=\S\n)(?=\S)")
+_CUT_LOOKBACK = 4096
+
+
+class TooManyTokens(ValueError):
+    """A text has more tokens than the caller's limit: `at_least` of them (all of them
+    if `exact`); tokenizing stopped as soon as the limit was passed."""
+
+    def __init__(self, at_least: int, limit: int, *, exact: bool) -> None:
+        super().__init__(f"{'' if exact else 'at least '}{at_least} tokens > {limit}")
+        self.at_least = at_least
+        self.limit = limit
+        self.exact = exact
 
 
 class TokenizerLoadError(RuntimeError):
@@ -74,6 +98,7 @@ class Tokenizer:
             pad_token_id=pad_token_id,
         )
         self.max_token_chars: int = _max_token_chars(raw)
+        self.cuts_exact: bool = _cuts_are_exact(raw)
 
     # -- ids <-> text -------------------------------------------------------
 
@@ -88,6 +113,31 @@ class Tokenizer:
         if len(text) <= _GIL_FREE_CHARS:
             return self._raw.encode(text, add_special_tokens=False).ids
         return self._raw.encode_batch_fast([text], add_special_tokens=False)[0].ids
+
+    def encode_array(self, text: str, limit: int | None = None) -> array:
+        """Ids for `text` as an int32 array (4 bytes a token: a list of 16M ids is ~600 MB);
+        raises TooManyTokens once more than `limit` ids are certain.
+
+        A text longer than `max_token_chars * limit` is refused from its length
+        alone. A long text is tokenized piece by piece (see `_PIECE_CHARS`),
+        so memory stays ~6 MB plus the ids however long it is, and tokenizing
+        stops at the first piece that passes `limit`. The ids are the same as
+        one `encode` of the whole text (a tokenizer whose pre-tokenizer does not
+        split where the pieces are cut is tokenized whole).
+        """
+        if limit is not None and len(text) // self.max_token_chars > limit:
+            raise TooManyTokens(len(text) // self.max_token_chars, limit, exact=False)
+        if len(text) <= _PIECE_CHARS or not self.cuts_exact:
+            ids = array("i", self.encode(text))
+            if limit is not None and len(ids) > limit:
+                raise TooManyTokens(len(ids), limit, exact=True)
+            return ids
+        out = array("i")
+        for piece, last in _pieces(text, _PIECE_CHARS):
+            out.extend(self.encode(piece))
+            if limit is not None and len(out) > limit:
+                raise TooManyTokens(len(out), limit, exact=last)
+        return out
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self._raw.encode_batch(list(texts), add_special_tokens=False)]
@@ -127,6 +177,43 @@ class Tokenizer:
             )
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template failed to render these messages: {exc}") from exc
+
+    def render_within(
+        self,
+        limit: int | None,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        """`render(...)`, raising TooManyTokens as soon as the text rendered so far
+        certainly holds more than `limit` tokens (`max_token_chars` a token at most).
+
+        The template's output is collected piece by piece (as jinja's own
+        `render` does), so a prompt that cannot fit is refused without the
+        copy that joins the pieces, and without rendering what follows.
+        """
+        if limit is None:
+            return self.render(messages, tools, add_generation_prompt, **template_kwargs)
+        context: dict[str, Any] = dict(self.special_tokens)
+        context.update(template_kwargs)
+        most = (limit + 1) * self.max_token_chars
+        pieces: list[str] = []
+        length = 0
+        try:
+            for piece in self._template.generate(
+                messages=messages,
+                tools=tools or None,
+                add_generation_prompt=add_generation_prompt,
+                **context,
+            ):
+                length += len(piece)
+                if length >= most:
+                    raise TooManyTokens(length // self.max_token_chars, limit, exact=False)
+                pieces.append(piece)
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"chat template failed to render these messages: {exc}") from exc
+        return "".join(pieces)
 
     def render_suffix(
         self,
@@ -297,6 +384,51 @@ def _max_token_chars(raw: _RawTokenizer) -> int:
     the context is refused without tokenizing it.
     """
     return max(len(token) for token in raw.get_vocab(with_added_tokens=True))
+
+
+def _pieces(text: str, size: int) -> Iterator[tuple[str, bool]]:
+    """`text` in consecutive pieces of about `size` characters, cut where `_CUT` matches
+    (a piece grows past `size` until a cut comes); (piece, is it the last)."""
+    start = 0
+    while len(text) - start > size:
+        end = start + size
+        cut = None
+        for match in _CUT.finditer(text, max(start + 1, end - _CUT_LOOKBACK), end):
+            cut = match.start()
+        if cut is None:
+            later = _CUT.search(text, end)
+            if later is None:
+                break
+            cut = later.start()
+        yield text[start:cut], False
+        start = cut
+    yield text[start:], True
+
+
+_CUT_PROBE = (
+    "def f(x):\n    return x * 2  # ünï 漢字 🙂\n\nclass A:\n\tpass\n"
+    "Hello, world! It's 2024-01-02: 12345 + 678 = 13023.\n  indented\n"
+    + "word " * 3
+    + "<|im_start|>user\nhi<|im_end|>\n<|endoftext|> x\r\ny\n\n\nz  w   v\n!!! ??? ... ---\n"
+)
+
+
+def _cuts_are_exact(raw: _RawTokenizer) -> bool:
+    """Does tokenizing in `_pieces` give the ids of the whole text, for this tokenizer?
+
+    No added token may hold a cut (its text would be split), and a probe of
+    code, prose, numbers, whitespace runs and special tokens cut at every
+    place `_CUT` allows must tokenize as the whole. A tokenizer that prepends
+    a marker to every text (SentencePiece's metaspace) fails the probe.
+    """
+    added = raw.get_added_tokens_decoder().values()
+    if any(_CUT.search(token.content) for token in added):
+        return False
+    whole = raw.encode(_CUT_PROBE, add_special_tokens=False).ids
+    pieced: list[int] = []
+    for piece, _ in _pieces(_CUT_PROBE, 1):
+        pieced.extend(raw.encode(piece, add_special_tokens=False).ids)
+    return pieced == whole
 
 
 def _read_json(path: Path) -> dict[str, Any]:

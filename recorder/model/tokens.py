@@ -34,6 +34,7 @@ import msgspec
 import numpy as np
 
 from recorder.dialects.chat import ChatRequest, same_message
+from recorder.model.tokenizer import TooManyTokens
 
 DEFAULT_MAX_CHAINS = 32
 MAX_PENDING_DISPATCHES = 64
@@ -52,6 +53,8 @@ _PREFIX_MESSAGES: tuple[dict[str, Any], ...] = (
 
 
 _MISSING = object()
+# A render prefix longer than this (tools of megabytes) is not cached.
+_MAX_CACHED_HEAD = 1 << 20
 _PIECES: weakref.WeakKeyDictionary[Any, dict[str, tuple[str, str] | None]] = (
     weakref.WeakKeyDictionary()
 )
@@ -63,6 +66,19 @@ class Tokenizer(Protocol):
     eos_token_ids: tuple[int, ...]
 
     def encode(self, text: str) -> list[int]: ...
+
+    def encode_array(self, text: str, limit: int | None = None) -> array: ...
+
+    max_token_chars: int
+
+    def render_within(
+        self,
+        limit: int | None,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -78,10 +94,11 @@ class Tokenizer(Protocol):
 class ContextOverflow(ValueError):
     """The prompt leaves no room to generate within the context length."""
 
-    def __init__(self, input_len: int, context_length: int) -> None:
+    def __init__(self, input_len: int, context_length: int, *, at_least: bool = False) -> None:
         super().__init__(
-            f"prompt is too long: {input_len} tokens > {context_length - 1} maximum "
-            f"(context length {context_length}); compact the conversation or start a new session"
+            f"prompt is too long: {'at least ' if at_least else ''}{input_len} tokens > "
+            f"{context_length - 1} maximum (context length {context_length}); compact the "
+            "conversation or start a new session"
         )
         self.input_len = input_len
         self.context_length = context_length
@@ -214,8 +231,24 @@ class _Match(msgspec.Struct):
     is_retry: bool  # the request re-sends a turn's input exactly
 
 
-def plan_turn(chains: SessionChains, req: ChatRequest, tok: Tokenizer) -> TurnPlan:
-    """Decide which chain `req` continues and build its full engine input."""
+def plan_turn(
+    chains: SessionChains, req: ChatRequest, tok: Tokenizer, context_length: int | None = None
+) -> TurnPlan:
+    """Decide which chain `req` continues and build its full engine input.
+
+    With `context_length`, raises ContextOverflow as soon as the input is
+    certain to leave no room to generate: tokenizing stops there (a text
+    that cannot fit is never tokenized whole).
+    """
+    limit = None if context_length is None else context_length - 1
+    try:
+        return _plan(chains, req, tok, limit)
+    except TooManyTokens as exc:
+        assert context_length is not None
+        raise ContextOverflow(exc.at_least, context_length, at_least=not exc.exact) from None
+
+
+def _plan(chains: SessionChains, req: ChatRequest, tok: Tokenizer, limit: int | None) -> TurnPlan:
     match = _best_match(chains, req)
     common = {
         "request_digests": req.message_digests,
@@ -225,8 +258,8 @@ def plan_turn(chains: SessionChains, req: ChatRequest, tok: Tokenizer) -> TurnPl
         "eos_token_ids": tuple(tok.eos_token_ids),
     }
     if match is None or _another_conversation(chains, match):
-        return _fresh(chains, req, tok, common)
-    plan = _continue(chains, match, req, tok, common)
+        return _fresh(chains, req, tok, common, limit)
+    plan = _continue(chains, match, req, tok, common, limit)
     if plan is not None:
         return plan
     return _fresh(
@@ -234,6 +267,7 @@ def plan_turn(chains: SessionChains, req: ChatRequest, tok: Tokenizer) -> TurnPl
         req,
         tok,
         common,
+        limit,
         fallback=f"chain {match.chain.chain_id} matched but the chat template does not render "
         "new messages independently of earlier ones; rendered the whole conversation instead",
     )
@@ -329,7 +363,12 @@ def _common_prefix(ours: Sequence[str], echoed: Sequence[str]) -> int:
 
 
 def _continue(
-    chains: SessionChains, match: _Match, req: ChatRequest, tok: Tokenizer, common: dict[str, Any]
+    chains: SessionChains,
+    match: _Match,
+    req: ChatRequest,
+    tok: Tokenizer,
+    common: dict[str, Any],
+    limit: int | None,
 ) -> TurnPlan | None:
     """Input = the chain's exact tokens up to the boundary + only the new messages."""
     chain, boundary = match.chain, match.boundary
@@ -352,16 +391,28 @@ def _continue(
         return None
     close_text, head = pieces
     new_messages = req.messages[match.n_messages :]
-    full = tok.render(
-        [*_PREFIX_MESSAGES, *new_messages], req.tools or None, True, **req.template_kwargs
-    )
+    # The render holds `head` (not part of the input) before the new messages:
+    # its tokens are allowed on top of the room the chain's tokens leave.
+    head_tokens = 0 if limit is None else -(-len(head) // tok.max_token_chars)
+    room = None if limit is None else limit - boundary.end_len + head_tokens
+    try:
+        full = _render(
+            tok, room, [*_PREFIX_MESSAGES, *new_messages], req.tools, req.template_kwargs
+        )
+    except TooManyTokens as exc:
+        at_least = exc.at_least - head_tokens + boundary.end_len
+        raise TooManyTokens(at_least, exc.limit, exact=False) from None
     if not full.startswith(head):
         return None
     glue_text, closing = _glue(tok, chain.tokens, boundary, close_text)
     glue_ids = tok.encode(closing) if closing else []
     input_ids = chain.tokens[: boundary.end_len]
     input_ids.extend(glue_ids)
-    input_ids.extend(tok.encode(glue_text + full[len(head) :]))
+    room = None if limit is None else limit - len(input_ids)
+    try:
+        input_ids.extend(_encode(tok, glue_text + full[len(head) :], room))
+    except TooManyTokens as exc:
+        raise TooManyTokens(exc.at_least + len(input_ids), exc.limit, exact=exc.exact) from None
     extend = match.is_end
     summary = not extend and _drops_only_last_answer(chain, req)
     return TurnPlan(
@@ -417,6 +468,8 @@ def _template_pieces(tok: Tokenizer, req: ChatRequest) -> tuple[str, str] | None
     head = tok.render(list(_PREFIX_MESSAGES), req.tools or None, False, **req.template_kwargs)
     at = head.rfind(_SENTINEL)
     pieces = None if at < 0 else (head[at + len(_SENTINEL) :], head)
+    if len(head) > _MAX_CACHED_HEAD:
+        return pieces  # rendered anew each time: 64 of these would be gigabytes
     if len(cache) >= 64:
         cache.clear()
     cache[key] = pieces
@@ -441,10 +494,13 @@ def _fresh(
     req: ChatRequest,
     tok: Tokenizer,
     common: dict[str, Any],
+    limit: int | None,
     fallback: str = "",
 ) -> TurnPlan:
     """A new chain from a full render, classified by how it relates to the main line."""
-    input_ids = token_array(full_input_ids(req, tok))
+    text = _render(tok, limit, req.messages, req.tools, req.template_kwargs)
+    input_ids = _encode(tok, text, limit)
+    del text
     main = chains.main
     if main is not None and takes_main_line(
         len(req.tools),
@@ -700,4 +756,34 @@ def token_array(ids: Sequence[int]) -> array:
 
 def full_input_ids(req: ChatRequest, tok: Tokenizer) -> list[int]:
     """The request rendered and tokenized from scratch (count_tokens; the no-chain baseline)."""
-    return tok.encode(tok.render(req.messages, req.tools or None, True, **req.template_kwargs))
+    return tok.encode(_render_all(req, tok))
+
+
+def count_input_tokens(req: ChatRequest, tok: Tokenizer) -> int:
+    """`len(full_input_ids(req, tok))`, tokenized in bounded pieces (no list of ids)."""
+    return len(_encode(tok, _render_all(req, tok), None))
+
+
+def _render(
+    tok: Tokenizer,
+    limit: int | None,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
+    template_kwargs: dict[str, Any],
+) -> str:
+    """`tok.render_within(limit, ...)`; a tokenizer without it (a test's wrapper) renders
+    whole when no limit is asked."""
+    if limit is None and not hasattr(tok, "render_within"):
+        return tok.render(messages, tools or None, True, **template_kwargs)
+    return tok.render_within(limit, messages, tools or None, True, **template_kwargs)
+
+
+def _encode(tok: Tokenizer, text: str, limit: int | None) -> array:
+    """`tok.encode_array(text, limit)`, or `encode` for a tokenizer without it and no limit."""
+    if limit is None and not hasattr(tok, "encode_array"):
+        return token_array(tok.encode(text))
+    return tok.encode_array(text, limit)
+
+
+def _render_all(req: ChatRequest, tok: Tokenizer) -> str:
+    return tok.render(req.messages, req.tools or None, True, **req.template_kwargs)

@@ -308,8 +308,13 @@ async def _serve(tokenizer, rules, **s) -> None:  # type: ignore[no-untyped-def]
     from recorder.model.engine import EngineClient
     from recorder.model.parsers import make_parser, prefills_reasoning
     from recorder.server.app import RecorderServer, freeze_startup_heap, make_context
-    from recorder.server.limits import install_accept_throttle, raise_open_files_limit
+    from recorder.server.limits import (
+        hand_back_big_allocations,
+        install_accept_throttle,
+        raise_open_files_limit,
+    )
 
+    hand_back_big_allocations()
     before, after = raise_open_files_limit()
     if after != before:
         log.info("open-files limit raised from %d to %d", before, after)

@@ -23,7 +23,7 @@ import asyncio
 import msgspec
 
 from recorder.dialects.chat import ChatRequest
-from recorder.model.tokens import SessionChains, Tokenizer, full_input_ids, plan_turn
+from recorder.model.tokens import SessionChains, Tokenizer, count_input_tokens, plan_turn
 
 # Counting a fresh render of a Claude Code body (~80 KB, ~20k tokens) takes ~50 ms:
 # off the event loop, as a turn's plan.
@@ -35,8 +35,7 @@ async def next_input_tokens(
 ) -> int:
     """How many tokens the engine input of `chat`, sent now as a turn, would have."""
     if chains is None:  # a closed session keeps no chains: count a fresh render
-        ids = await asyncio.to_thread(full_input_ids, chat, tok)
-        return len(ids)
+        return await asyncio.to_thread(count_input_tokens, chat, tok)
     snapshot = _snapshot(chains)
     if body_len > _THREAD_CHARS:
         plan = await asyncio.to_thread(plan_turn, snapshot, chat, tok)

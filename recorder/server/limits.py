@@ -1,4 +1,13 @@
-"""Process limits for `recorder serve`: open files, and the log of running out of them.
+"""Process limits for `recorder serve`: open files, the log of running out of them, and
+big allocations handed back to the kernel when freed.
+
+Big request bodies pass through a few transient copies (the body, its
+decoded text, the template's render). glibc serves an allocation of 128 kB
+or more with its own mmap, and returns it to the kernel when freed, but
+after the first such free it raises that threshold to the freed size (up to
+32 MB), so later copies come from the heap, whose freed middle stays
+resident: an 8 MB tool description then peaked at 7x the body instead of 4x
+(tools/bench_big_body.py). A fixed threshold keeps every big buffer mmapped.
 
 A recorder holds one socket per agent connection (plus engine and store
 connections), and a training run opens many at once. The soft
@@ -11,6 +20,8 @@ while the server cannot take new connections anyway.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import logging
 import resource
 import time
@@ -20,6 +31,27 @@ from typing import Any
 log = logging.getLogger("recorder.server")
 
 ACCEPT_EXHAUSTED = "socket.accept() out of system resource"
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+BIG_ALLOCATION_BYTES = 1 << 20
+
+
+def hand_back_big_allocations(threshold: int = BIG_ALLOCATION_BYTES) -> bool:
+    """Make glibc mmap every allocation of `threshold` bytes or more (and unmap it when
+    freed), with no dynamic raise of that threshold; False where there is no glibc.
+
+    Buffers of a megabyte and more are request bodies, their texts and renders,
+    never the many small objects of the hot path, so the extra mmap per big
+    buffer costs nothing measurable while freed copies stop counting in RSS.
+    """
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
+    except (OSError, AttributeError):
+        return False
 
 
 def raise_open_files_limit() -> tuple[int, int]:

@@ -150,8 +150,8 @@ async def run_turn(
 # hop. Extending a chain renders only the new messages, whatever the context.
 _THREAD_PLAN_CHARS = 32 * 1024
 # Plans that render more than this wait for each other: tokenizing 8 MB of text
-# peaks at ~730 MB of tokenizer state, so a few such bodies at once could take
-# the machine's memory; one at a time bounds it (others' turns are not delayed).
+# is seconds of CPU (its memory is bounded: long texts are tokenized in pieces,
+# `Tokenizer.encode_array`); one at a time keeps the others' turns fast.
 _LARGE_PLAN_CHARS = 1024 * 1024
 # Outputs longer than this get their TITO check (decode + encode) on a thread.
 _THREAD_TITO_TOKENS = 4096
@@ -251,16 +251,17 @@ async def _plan(
     ctx: ServerContext, state: SessionState, chat: ChatRequest, body_len: int
 ) -> tuple[TurnPlan, int]:
     """(the turn's plan, its clamped max_new_tokens); raises ValueError if it cannot run."""
-    check_fits(chat, ctx.tokenizer, ctx.config.context_length)
+    context = ctx.config.context_length
+    check_fits(chat, ctx.tokenizer, context)
     chars = render_chars(state.chains, chat, ctx.tokenizer, body_len)
     if chars > _LARGE_PLAN_CHARS:
         async with ctx.large_plans:  # one at a time: each holds ~90x its text in memory
-            plan = await asyncio.to_thread(plan_turn, state.chains, chat, ctx.tokenizer)
+            plan = await asyncio.to_thread(plan_turn, state.chains, chat, ctx.tokenizer, context)
     elif chars > _THREAD_PLAN_CHARS:
-        plan = await asyncio.to_thread(plan_turn, state.chains, chat, ctx.tokenizer)
+        plan = await asyncio.to_thread(plan_turn, state.chains, chat, ctx.tokenizer, context)
     else:
-        plan = plan_turn(state.chains, chat, ctx.tokenizer)
-    max_new = clamp_max_new_tokens(chat.max_tokens, len(plan.input_ids), ctx.config.context_length)
+        plan = plan_turn(state.chains, chat, ctx.tokenizer, context)
+    max_new = clamp_max_new_tokens(chat.max_tokens, len(plan.input_ids), context)
     return plan, max_new
 
 
