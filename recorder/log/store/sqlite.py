@@ -41,7 +41,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.pool import AsyncAdaptedQueuePool
 
 from recorder.log.store import arrays as arr
-from recorder.log.store.base import StoreError
+from recorder.log.store.base import SessionRange, StoreError
 from recorder.log.store.pieces import IN_CHUNK
 from recorder.log.store.sql import (
     READER_PAGE_CACHE_BYTES,
@@ -395,10 +395,22 @@ class SqliteEventStore(SqlEventStore):
         ((last,),) = await raw.execute_fetchall("SELECT MAX(position) FROM events")
         return int(last or 0) + 1
 
-    async def _raw_events(self, conn: AsyncConnection, after: int, limit: int) -> Sequence[Any]:
+    async def _raw_events(
+        self, conn: AsyncConnection, after: int, limit: int, sessions: SessionRange | None = None
+    ) -> Sequence[Any]:
         raw = await _driver(conn)
+        where, params = "position > ?", [after]
+        if sessions is not None:
+            # Unary `+` keeps SQLite off the (session_id, seq) index: it would
+            # sort the whole range's events for every page. Its default BINARY
+            # collation is code point order, as the range's bounds are.
+            lo, hi = sessions
+            if lo is not None:
+                where, params = where + " AND +session_id >= ?", [*params, lo]
+            if hi is not None:
+                where, params = where + " AND +session_id < ?", [*params, hi]
         rows = await raw.execute_fetchall(
-            _SELECT_EVENTS + " WHERE position > ? ORDER BY position LIMIT ?", (after, limit)
+            f"{_SELECT_EVENTS} WHERE {where} ORDER BY position LIMIT ?", (*params, limit)
         )
         return _with_uuids(rows)
 
