@@ -14,6 +14,7 @@ machine or a shared filesystem, by absolute path).
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,11 +44,28 @@ def connect(address: str | None) -> bool:
     ray = _ray()
     if ray.is_initialized():
         return False
+    if address:
+        _probe(address)
     try:
         ray.init(address=address, logging_level="WARNING", log_to_driver=False)
     except ConnectionError as exc:
         raise RayUnavailable(f"cannot reach the Ray cluster at {address!r}: {exc}") from None
     return True
+
+
+def _probe(address: str, timeout: float = 10.0) -> None:
+    """Fail fast on a `host:port` nobody listens on: `ray.init` retries such an
+    address for minutes before it gives up."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto", "local", ...: Ray resolves those itself
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise RayUnavailable(
+            f"cannot reach the Ray cluster at {address!r}: {exc}; start one with "
+            "`ray start --head` or pass the head's address"
+        ) from None
 
 
 def _task(job_bytes: bytes) -> Iterator[bytes]:

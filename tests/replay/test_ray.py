@@ -160,7 +160,8 @@ def test_cli_ray_option_from_a_fresh_process(
 
 
 def test_unreachable_cluster_is_a_clear_error(tmp_path: Path, sqlite_url: str) -> None:
-    """No cluster at the address: the command says so, it does not hang or trace back."""
+    """No cluster at the address: the command says so at once (`ray.init` alone
+    retries for minutes), without a traceback. Needs no cluster."""
     import asyncio
 
     from recorder.log.store import open_store
@@ -173,10 +174,9 @@ def test_unreachable_cluster_is_a_clear_error(tmp_path: Path, sqlite_url: str) -
     db = sqlite_url.removeprefix("sqlite+aiosqlite:///")
     done = subprocess.run(
         [sys.executable, "-m", "replay.cli", "reclassify", "--ray", "127.0.0.1:9", "--db", db],
-        env={**os.environ, "RAY_gcs_rpc_server_connect_timeout_s": "3"},
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=120,
     )
     assert done.returncode != 0
     assert "Ray cluster" in done.stderr, done.stderr
