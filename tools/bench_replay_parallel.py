@@ -31,6 +31,7 @@ The load average is printed because this machine is shared.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -74,7 +75,8 @@ def scaled_log(size: int, args: argparse.Namespace) -> Path:
     folder.mkdir(parents=True)
     print(f"copying {base} sessions {copies}x into {out}", file=sys.stderr)
     shutil.copyfile(db, out)
-    with sqlite3.connect(out) as conn:
+    # Closed explicitly and checkpointed: measurements copy the database file alone.
+    with contextlib.closing(sqlite3.connect(out)) as conn:
         (top,) = conn.execute("SELECT MAX(position) FROM events").fetchone()
         for k in range(1, copies):
             conn.execute(
@@ -84,6 +86,7 @@ def scaled_log(size: int, args: argparse.Namespace) -> Path:
                 (k * top, f"-c{k}", top),
             )
         conn.commit()
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     (folder / "complete").write_text(str(copies))
     return out
 
@@ -223,7 +226,7 @@ def main() -> None:
                     for mode in modes:
                         r = run_measure(job, mode, db, address)
                         results.setdefault((size, job, mode), []).append(r)
-                        print(f"  {size} {job} {mode}: {r['seconds']:.1f} s", file=sys.stderr)
+                        print(f"  {size} {job} {mode}: {json.dumps(r)}", file=sys.stderr)
     finally:
         if head is not None:
             stop_ray(head)
