@@ -34,6 +34,7 @@ import multiprocessing
 import shutil
 import socket
 import tempfile
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -78,9 +79,11 @@ class Chunk(msgspec.Struct, kw_only=True):
     summaries: dict[str, SessionSummary] = {}
     entries: list[Entry] = []
     data: bytes = b""
-    # Set on a worker's last chunk: where it ran and its process's peak RSS.
+    # Set on a worker's last chunk: where it ran, its process's peak RSS and
+    # the CPU time the job took in it.
     node: str = ""
     peak_rss: int = 0
+    cpu_seconds: float = 0.0
 
 
 class PartResult(msgspec.Struct, kw_only=True):
@@ -92,6 +95,7 @@ class PartResult(msgspec.Struct, kw_only=True):
     part: str = ""
     node: str = ""
     peak_rss: int = 0
+    cpu_seconds: float = 0.0
 
 
 def peak_rss_bytes() -> int:
@@ -110,6 +114,7 @@ async def worker_chunks(job: Job, node: str = "") -> AsyncIterator[Chunk]:
     """Run `job` against the store at its URL; yield its output in chunks."""
     from recorder.log.store import StoreOptions, open_store
 
+    cpu = time.process_time()
     store = await open_store(job.url, options=StoreOptions.streaming())
     try:
         chunks = (
@@ -121,7 +126,12 @@ async def worker_chunks(job: Job, node: str = "") -> AsyncIterator[Chunk]:
             yield chunk
     finally:
         await store.close()
-    yield Chunk(sessions=0, node=node or socket.gethostname(), peak_rss=peak_rss_bytes())
+    yield Chunk(
+        sessions=0,
+        node=node or socket.gethostname(),
+        peak_rss=peak_rss_bytes(),
+        cpu_seconds=time.process_time() - cpu,
+    )
 
 
 async def _reclassify_chunks(store: EventStore, job: Job) -> AsyncIterator[Chunk]:
@@ -179,6 +189,7 @@ class PartSink:
             self._size += len(chunk.data)
         if chunk.node:
             self.result.node, self.result.peak_rss = chunk.node, chunk.peak_rss
+            self.result.cpu_seconds = chunk.cpu_seconds
 
     def close(self) -> PartResult:
         if self._fh is not None:
@@ -213,6 +224,7 @@ def _process_worker(job_bytes: bytes, part: str | None) -> bytes:
         asyncio.run(run())
     finally:
         result = sink.close()
+    result.cpu_seconds = time.process_time()  # a fresh process: its start-up counts too
     return msgspec.msgpack.encode(result)
 
 
@@ -293,7 +305,10 @@ async def run_jobs(
 
 
 def partition_stats(results: Sequence[PartResult]) -> list[PartStat]:
-    return [PartStat(node=r.node, sessions=r.sessions, peak_rss=r.peak_rss) for r in results]
+    return [
+        PartStat(node=r.node, sessions=r.sessions, peak_rss=r.peak_rss, cpu_seconds=r.cpu_seconds)
+        for r in results
+    ]
 
 
 def merge_summaries(results: Sequence[PartResult]) -> dict[str, SessionSummary]:

@@ -22,11 +22,13 @@ MIN_SESSIONS_PER_WORKER = 64
 
 
 class PartStat(msgspec.Struct, frozen=True, kw_only=True):
-    """Where one partition ran and the most memory its worker process held."""
+    """Where one partition ran, the most memory its worker process held, its CPU time."""
 
     node: str
     sessions: int
     peak_rss: int
+    # CPU seconds the worker process spent (its wall time on an idle core).
+    cpu_seconds: float = 0.0
 
 
 def default_workers() -> int:
