@@ -35,6 +35,24 @@ rules_option = click.option(
 page_option = click.option(
     "--page-size", default=1000, show_default=True, help="Events per keyset page when streaming."
 )
+workers_option = click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Processes (or Ray tasks), each reducing a range of sessions. Default: one per core "
+    "(per cluster CPU with --ray), at most one per 64 sessions.",
+)
+ray_option = click.option(
+    "--ray",
+    "ray_address",
+    is_flag=False,
+    flag_value="",
+    default=None,
+    metavar="[ADDRESS]",
+    help="Run the workers as Ray tasks on the cluster at ADDRESS (alone: RAY_ADDRESS or the "
+    "cluster on this machine). Needs pip install 'trajectory-recorder[ray]'.",
+)
 
 
 def _rules(spec: str | None) -> Rules:
@@ -88,6 +106,28 @@ def _progress(description: str, total: int | None) -> Any:
         yield update
 
 
+def _parallel_errors(fn: Callable[[], T]) -> T:
+    """Ray missing or unreachable: a usage error that says what to install or check."""
+    from replay.cluster import RayUnavailable  # imports Ray only when a run asks for it
+
+    try:
+        return fn()
+    except RayUnavailable as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _print_partitions(partitions: list[Any]) -> None:
+    if not partitions:
+        return
+    nodes = {p.node for p in partitions}
+    peak = max(p.peak_rss for p in partitions)
+    console.print(
+        f"{len(partitions)} workers on {len(nodes)} node{'s' if len(nodes) > 1 else ''}, "
+        f"sessions per worker {min(p.sessions for p in partitions)}-"
+        f"{max(p.sessions for p in partitions)}, largest worker peak RSS {peak / 2**20:.0f} MB"
+    )
+
+
 @click.group()
 def main() -> None:
     """Rebuild training samples from a trajectory-recorder event log."""
@@ -103,16 +143,16 @@ def main() -> None:
 @rules_option
 @click.option("--session", "sessions", multiple=True, metavar="ID", help="Only these sessions.")
 @click.option("--dry-run", is_flag=True, help="Report changes without writing the projection.")
-@click.option(
-    "--workers", default=1, show_default=True, help="Reduce in this many processes (by session)."
-)
+@workers_option
+@ray_option
 @page_option
 def reclassify(
     db: str,
     rules_spec: str | None,
     sessions: tuple[str, ...],
     dry_run: bool,
-    workers: int,
+    workers: int | None,
+    ray_address: str | None,
     page_size: int,
 ) -> None:
     """Re-derive every session's samples and store them as a projection."""
@@ -130,10 +170,12 @@ def reclassify(
                 page_size=page_size,
                 dry_run=dry_run,
                 workers=workers,
+                ray=ray_address,
                 on_progress=advance,
             )
 
-    report = _run(db, go, streaming=True)
+    report = _parallel_errors(lambda: _run(db, go, streaming=True))
+    _print_partitions(report.partitions)
     verb = "would write" if dry_run else "wrote"
     console.print(
         f"rules [bold]{escape(rules.name)}[/] {rules.version}: {verb} [bold]{report.projection}[/] "
@@ -291,8 +333,18 @@ def show(db: str, session_id: str, rules_spec: str | None) -> None:
 @click.option("--format", "fmt", type=click.Choice(["jsonl", "parquet"]), default="jsonl")
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path))
 @rules_option
+@workers_option
+@ray_option
 @page_option
-def export(db: str, fmt: str, out: Path, rules_spec: str | None, page_size: int) -> None:
+def export(
+    db: str,
+    fmt: str,
+    out: Path,
+    rules_spec: str | None,
+    workers: int | None,
+    ray_address: str | None,
+    page_size: int,
+) -> None:
     """Write samples for a trainer (see replay.export for the slime / verl mapping)."""
     from replay.export import export_samples
 
@@ -306,10 +358,13 @@ def export(db: str, fmt: str, out: Path, rules_spec: str | None, page_size: int)
                 fmt,
                 rules,
                 page_size=page_size,
-                on_session=advance,  # type: ignore[arg-type]
+                workers=workers,
+                ray=ray_address,
+                on_progress=advance,
             )
 
-    counts = _run(db, go, streaming=True)
+    counts = _parallel_errors(lambda: _run(db, go, streaming=True))
+    _print_partitions(counts.partitions)
     console.print(
         f"wrote {counts.samples} samples from {counts.sessions} sessions to {escape(str(out))} "
         f"({counts.placeholders} placeholders, {counts.trainable_tokens} trainable tokens)"

@@ -52,6 +52,7 @@ import msgspec
 
 from recorder.log.store.base import EventStore
 from replay.load import iter_session_logs
+from replay.partitions import PartStat, auto_workers
 from replay.reducer import reduce_session
 from replay.rules import Rules
 from replay.samples import Sample, SessionResult, Tensor
@@ -64,6 +65,8 @@ class ExportCounts(msgspec.Struct, kw_only=True):
     samples: int = 0
     placeholders: int = 0
     trainable_tokens: int = 0
+    # Parallel runs: per worker, where it ran and its peak memory.
+    partitions: list[PartStat] = []
 
 
 def _parquet_schema() -> Any:
@@ -110,24 +113,19 @@ def _parquet_row(s: Sample) -> dict[str, Any]:
     }
 
 
-class _Writer:
-    def __init__(self, out: Path, fmt: Format, batch: int) -> None:
-        self.fmt = fmt
+class ParquetWriter:
+    """Samples to a Parquet file, a row group per `batch` samples (so the same
+    samples in the same order give the same bytes, however they were produced)."""
+
+    def __init__(self, out: Path, batch: int) -> None:
+        import pyarrow.parquet as pq
+
         self.batch = batch
         self.rows: list[dict[str, Any]] = []
-        if fmt == "jsonl":
-            self.fh = out.open("wb")
-            self.encoder = msgspec.json.Encoder(order="deterministic")
-        else:
-            import pyarrow.parquet as pq
-
-            self.schema = _parquet_schema()
-            self.pq_writer = pq.ParquetWriter(str(out), self.schema)
+        self.schema = _parquet_schema()
+        self.pq_writer = pq.ParquetWriter(str(out), self.schema)
 
     def write(self, sample: Sample) -> None:
-        if self.fmt == "jsonl":
-            self.fh.write(self.encoder.encode(sample) + b"\n")
-            return
         self.rows.append(_parquet_row(sample))
         if len(self.rows) >= self.batch:
             self._flush()
@@ -140,11 +138,48 @@ class _Writer:
             self.rows.clear()
 
     def close(self) -> None:
+        self._flush()
+        self.pq_writer.close()
+
+
+class _Writer:
+    def __init__(self, out: Path, fmt: Format, batch: int) -> None:
+        self.fmt = fmt
+        if fmt == "jsonl":
+            self.fh = out.open("wb")
+            self.encoder = msgspec.json.Encoder(order="deterministic")
+        else:
+            self.parquet = ParquetWriter(out, batch)
+
+    def write(self, sample: Sample) -> None:
+        if self.fmt == "jsonl":
+            self.fh.write(self.encoder.encode(sample) + b"\n")
+        else:
+            self.parquet.write(sample)
+
+    def close(self) -> None:
         if self.fmt == "jsonl":
             self.fh.close()
         else:
-            self._flush()
-            self.pq_writer.close()
+            self.parquet.close()
+
+
+_json_encoder = msgspec.json.Encoder(order="deterministic")
+_blob_encoder = msgspec.msgpack.Encoder()
+_blob_decoder = msgspec.msgpack.Decoder(list[Sample])
+
+
+def part_blob(samples: list[Sample], fmt: Format) -> bytes:
+    """One session's samples as a parallel worker hands them to the driver:
+    the finished JSONL lines, or (Parquet, encoded by the driver) msgpack,
+    which carries every float exactly."""
+    if fmt == "jsonl":
+        return b"".join(_json_encoder.encode(s) + b"\n" for s in samples)
+    return _blob_encoder.encode(samples)
+
+
+def samples_from_blob(blob: bytes) -> list[Sample]:
+    return _blob_decoder.decode(blob)
 
 
 async def export_samples(
@@ -155,14 +190,35 @@ async def export_samples(
     *,
     page_size: int = 1000,
     batch: int = 256,
+    workers: int | None = 1,
+    ray: str | None = None,
     on_session: Callable[[SessionResult], None] | None = None,
+    on_progress: Callable[[int], None] | None = None,
 ) -> ExportCounts:
     """Write every session's samples under `rules` to `out`.
 
     A session the log stream yields twice (events after its close) is
     exported once, in its final form: rows of superseded yields are filtered
     out in a rewrite at the end (only when that happened).
+
+    `workers` > 1 reduces in that many local processes (None: one per core,
+    fewer for a small log), `ray` (an address,
+    "" for Ray's default) in Ray tasks, each over a range of sessions (see
+    `replay.parallel`); the file is the same, byte for byte. `on_session` gets
+    each result (one process only); `on_progress` the count of sessions done.
     """
+    if workers is not None and workers < 1:
+        raise ValueError("workers must be >= 1")
+    ids: list[str] | None = None
+    if workers is None and ray is None:
+        from replay.parallel import wanted_ids
+
+        ids = await wanted_ids(store, None)
+        workers = auto_workers(len(ids))
+    if workers != 1 or ray is not None:
+        return await _export_parallel(
+            store, out, fmt, rules, page_size, batch, workers, ray, ids, on_progress
+        )
     counts = ExportCounts()
     writer = _Writer(out, fmt, batch)
     rows: list[tuple[str, int]] = []  # (session, yield number) per written row
@@ -178,15 +234,56 @@ async def export_samples(
                 rows.append((log.session_id, n))
             if on_session is not None:
                 on_session(result)
+            if on_progress is not None:
+                on_progress(len(yields))
     finally:
         writer.close()
     keep = [n == yields[sid] for sid, n in rows]
     if not all(keep):
-        _drop_rows(out, fmt, keep)
+        _drop_rows(out, fmt, keep, batch)
     return _count(out, fmt, counts, len(yields))
 
 
-def _drop_rows(out: Path, fmt: Format, keep: list[bool]) -> None:
+async def _export_parallel(
+    store: EventStore,
+    out: Path,
+    fmt: Format,
+    rules: Rules,
+    page_size: int,
+    batch: int,
+    workers: int | None,
+    ray: str | None,
+    ids: list[str] | None,
+    on_progress: Callable[[int], None] | None,
+) -> ExportCounts:
+    from replay import parallel
+
+    base = parallel.Job(
+        kind="export",
+        url=store.url,
+        rules=rules,
+        covers=await store.last_position(),
+        sessions=(None, None),
+        fmt=fmt,
+        page_size=page_size,
+        batch=batch,
+    )
+    if ids is None:
+        ids = await parallel.wanted_ids(store, None)
+    part_dir = parallel.part_directory(out)
+    try:
+        results = await parallel.run_jobs(
+            base, ids, workers=workers, ray=ray, part_dir=part_dir, on_progress=on_progress
+        )
+        sessions = parallel.merge_export(results, out, fmt, batch)
+    finally:
+        parallel.remove_parts(part_dir)
+    counts = _count(out, fmt, ExportCounts(), sessions)
+    counts.partitions = parallel.partition_stats(results)
+    return counts
+
+
+def _drop_rows(out: Path, fmt: Format, keep: list[bool], batch: int) -> None:
     tmp = out.with_name(out.name + ".tmp")
     if fmt == "jsonl":
         with out.open("rb") as src, tmp.open("wb") as dst:
@@ -194,11 +291,14 @@ def _drop_rows(out: Path, fmt: Format, keep: list[bool]) -> None:
                 if k:
                     dst.write(line)
     else:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(str(out))
-        pq.write_table(table.filter(pa.array(keep)), str(tmp))
+        # Through the same writer: row groups as if only the kept rows were written.
+        writer = ParquetWriter(tmp, batch)
+        try:
+            for sample, k in zip(read_samples(out, fmt), keep, strict=True):
+                if k:
+                    writer.write(sample)
+        finally:
+            writer.close()
     tmp.replace(out)
 
 

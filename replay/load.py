@@ -16,7 +16,6 @@ the length of the log.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -30,7 +29,14 @@ from recorder.log.events import (
     SessionClosed,
     SessionOpened,
 )
-from recorder.log.store.base import EventStore, StoreError
+from recorder.log.store.base import EventStore, SessionRange, StoreError
+
+# (phase, position): phase 0 = yielded at its `SessionClosed` (the close's
+# position), 1 = still open at the end of the log (its buffer's first event),
+# 2 = re-read in full after late events (the first late event). Unique per yield,
+# increasing in the stream's yield order, and the same whatever other sessions a
+# pass reads: each depends on that session's own events only.
+YieldKey = tuple[int, int]
 
 
 @dataclass(slots=True)
@@ -41,6 +47,10 @@ class SessionLog:
     events: list[RecordedEvent]
     arrays: dict[bytes, np.ndarray]
     missing_arrays: list[str] = field(default_factory=list)
+    # Where `iter_session_logs` yielded it in a pass over the whole log (see
+    # `YieldKey`): parallel workers each stream a slice of the sessions, and
+    # their outputs merged by this key come out in the one-process order.
+    order: YieldKey = (0, 0)
 
     @property
     def last_position(self) -> int:
@@ -100,11 +110,12 @@ async def _session_log(
     routed_experts: bool,
     *,
     cache: bool,
+    order: YieldKey = (0, 0),
 ) -> SessionLog:
     events.sort(key=lambda e: (e.seq, e.position))
     refs = needed_refs(events, routed_experts=routed_experts)
     arrays, problems = await load_arrays(store, refs, cache=cache)
-    return SessionLog(session_id, events, arrays, problems)
+    return SessionLog(session_id, events, arrays, problems, order)
 
 
 async def load_session(
@@ -131,40 +142,37 @@ async def session_log(
     return await _session_log(store, session_id, list(events), routed_experts, cache=True)
 
 
-def session_bucket(session_id: str, n: int) -> int:
-    """A stable bucket in [0, n) for a session id (same on every machine and run)."""
-    digest = hashlib.blake2b(session_id.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % n
-
-
 async def iter_session_logs(
     store: EventStore,
     *,
     page_size: int = 1000,
     until: int | None = None,
     session_ids: Iterable[str] | None = None,
-    partition: tuple[int, int] | None = None,
+    sessions: SessionRange | None = None,
     routed_experts: bool = False,
 ) -> AsyncIterator[SessionLog]:
     """Every session of the log up to position `until` (default: the end now).
 
     A session is yielded when its `SessionClosed` arrives, or at the end of
     the log if it never closed. Arrays are read without caching (see the
-    module docstring), so memory does not grow with the number of sessions. A session that gets events after it was
-    yielded (a late reward, a retry re-opening it) is yielded again, later,
-    in full: the later yield supersedes the earlier one.
+    module docstring), so memory does not grow with the number of sessions. A
+    session that gets events after it was yielded (a late reward, a retry
+    re-opening it) is yielded again, later, in full: the later yield supersedes
+    the earlier one. `sessions` reads only the ids in that range (the store
+    filters the pages), for one worker of a parallel replay.
     """
     if page_size < 1:
         raise ValueError("page_size must be >= 1")
     if until is None:
         until = await store.last_position()
     wanted = set(session_ids) if session_ids is not None else None
+    page_filter = {"sessions": sessions} if sessions is not None else {}
     buffers: dict[str, list[RecordedEvent]] = {}
     yielded: set[str] = set()
-    dirty: dict[str, None] = {}
+    dirty: dict[str, int] = {}  # session -> position of its first late event
     after = 0
     while after < until:
-        page = await store.read_all(after=after, limit=page_size)
+        page = await store.read_all(after=after, limit=page_size, **page_filter)
         if not page:
             break
         for rec in page:
@@ -173,20 +181,20 @@ async def iter_session_logs(
             sid = rec.session_id
             if wanted is not None and sid not in wanted:
                 continue
-            if partition is not None and session_bucket(sid, partition[1]) != partition[0]:
-                continue
             if sid in yielded:
                 if isinstance(rec.event, SessionOpened) and sid not in dirty:
                     yielded.discard(sid)  # a clean restart: buffer it afresh
                 else:
-                    dirty[sid] = None
+                    dirty.setdefault(sid, rec.position)
                     continue
             buf = buffers.setdefault(sid, [])
             buf.append(rec)
             if isinstance(rec.event, SessionClosed):
                 del buffers[sid]
                 yielded.add(sid)
-                yield await _session_log(store, sid, buf, routed_experts, cache=False)
+                yield await _session_log(
+                    store, sid, buf, routed_experts, cache=False, order=(0, rec.position)
+                )
         after = page[-1].position
         if page[-1].position > until or len(page) < page_size:
             break
@@ -195,7 +203,11 @@ async def iter_session_logs(
         if sid in dirty:
             continue
         yielded.add(sid)
-        yield await _session_log(store, sid, buf, routed_experts, cache=False)
-    for sid in dirty:
+        yield await _session_log(
+            store, sid, buf, routed_experts, cache=False, order=(1, buf[0].position)
+        )
+    for sid, first_late in dirty.items():
         events = [e for e in await store.read_session(sid) if e.position <= until]
-        yield await _session_log(store, sid, events, routed_experts, cache=False)
+        yield await _session_log(
+            store, sid, events, routed_experts, cache=False, order=(2, first_late)
+        )

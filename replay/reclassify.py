@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import multiprocessing
 from collections import Counter
-from collections.abc import Callable, Iterable
-from concurrent.futures import ProcessPoolExecutor
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterable
 
 import msgspec
 
-from recorder.log.store.base import EventStore
+from recorder.log.store.base import EventStore, SessionRange
 from replay.load import iter_session_logs
+from replay.partitions import PartStat, auto_workers
 from replay.reducer import reduce_session
 from replay.rules import Rules
 from replay.samples import SessionResult, digest_bytes, encode_result
@@ -70,6 +68,8 @@ class ReclassifyReport(msgspec.Struct, kw_only=True):
     status_after: dict[str, int] = {}
     trainable_before: int = 0
     trainable_after: int = 0
+    # Parallel runs: per worker, where it ran and its peak memory.
+    partitions: list[PartStat] = []
 
 
 # (session_id, covers_position, digest, payload): one projection row.
@@ -135,51 +135,54 @@ async def previous_summary_name(store: EventStore, current: str) -> str | None:
     return names[-1] if names else None
 
 
-async def reduce_partition(
+async def reduce_batches(
     store: EventStore,
     rules: Rules,
     *,
     covers: int,
     names: tuple[str, str] | None,
     session_ids: Iterable[str] | None = None,
-    partition: tuple[int, int] | None = None,
+    sessions: SessionRange | None = None,
     page_size: int = 1000,
     batch: int = 256,
     on_session: Callable[[SessionResult], None] | None = None,
-) -> dict[str, SessionSummary]:
-    """Reduce (a partition of) the log up to `covers`; write projection rows
-    unless `names` is None (dry run). Returns each session's summary.
+) -> AsyncIterator[dict[str, SessionSummary]]:
+    """Reduce (a range of) the log up to `covers`; write projection rows
+    unless `names` is None (dry run). Yields each batch's summaries once its
+    rows are written (a session yielded twice by the stream: the later wins).
 
     Rows are written in batches of `batch` sessions or `FLUSH_BYTES` of
     payload, whichever comes first. A batch is written in the background while
     the next one is reduced (the database works in its own thread), one batch
     in flight at a time, so batches land in order and at most two are held.
     """
-    seen: dict[str, SessionSummary] = {}
     # Keyed by session: a session yielded twice in one batch is written once.
     rows: dict[str, _Row] = {}
     summary_rows: dict[str, _Row] = {}
+    summaries: dict[str, SessionSummary] = {}
     pending_bytes = 0
     writing: asyncio.Task[None] | None = None
+    written: dict[str, SessionSummary] = {}
 
-    async def write(samples: list[_Row], summaries: list[_Row]) -> None:
+    async def write(samples: list[_Row], summary_list: list[_Row]) -> None:
         assert names is not None
         await store.save_projection(names[0], samples)
-        await store.save_projection(names[1], summaries)
+        await store.save_projection(names[1], summary_list)
 
-    async def flush(*, wait: bool) -> None:
-        nonlocal writing, pending_bytes
+    async def flush() -> dict[str, SessionSummary]:
+        """Start writing the gathered batch; return the summaries of the one before."""
+        nonlocal writing, pending_bytes, summaries, written
         if writing is not None:
             task, writing = writing, None
             await task
+        done, written = written, summaries
         if names is not None and rows:
             writing = asyncio.create_task(write(list(rows.values()), list(summary_rows.values())))
         rows.clear()
         summary_rows.clear()
+        summaries = {}
         pending_bytes = 0
-        if wait and writing is not None:
-            task, writing = writing, None
-            await task
+        return done
 
     try:
         async for log in iter_session_logs(
@@ -187,7 +190,7 @@ async def reduce_partition(
             page_size=page_size,
             until=covers,
             session_ids=session_ids,
-            partition=partition,
+            sessions=sessions,
             routed_experts=rules.routed_experts is not None,
         ):
             result = reduce_session(log.events, log.arrays, rules)
@@ -195,104 +198,52 @@ async def reduce_partition(
             digest = digest_bytes(payload)
             summary = summarize(result, digest)
             sid = log.session_id
-            seen[sid] = summary  # a later yield of a session supersedes
+            summaries[sid] = summary
             rows[sid] = (sid, log.last_position, digest, payload)
             summary_rows[sid] = (sid, log.last_position, digest, _summary_encoder.encode(summary))
             pending_bytes += len(payload)
             if on_session is not None:
                 on_session(result)
             if len(rows) >= batch or pending_bytes >= FLUSH_BYTES:
-                await flush(wait=False)
-        await flush(wait=True)
+                done = await flush()
+                if done:
+                    yield done
+        for _ in range(2):  # the batch in flight, then the last one
+            done = await flush()
+            if done:
+                yield done
     finally:
         if writing is not None:  # an error while reducing: don't leave the write orphaned
             with contextlib.suppress(Exception):
                 await writing
-    return seen
 
 
-# Set in worker processes: a shared counter of reduced sessions, for progress.
-_worker_counter: Any = None
-
-
-def _init_worker(counter: Any) -> None:
-    global _worker_counter
-    _worker_counter = counter
-
-
-def _count_one(_result: SessionResult) -> None:
-    with _worker_counter.get_lock():
-        _worker_counter.value += 1
-
-
-def _worker(
-    url: str,
-    rules: Rules,
-    covers: int,
-    names: tuple[str, str] | None,
-    session_ids: list[str] | None,
-    partition: tuple[int, int],
-    page_size: int,
-    batch: int,
-) -> bytes:
-    async def run() -> dict[str, SessionSummary]:
-        from recorder.log.store import StoreOptions, open_store
-
-        store = await open_store(url, options=StoreOptions.streaming())
-        try:
-            return await reduce_partition(
-                store,
-                rules,
-                covers=covers,
-                names=names,
-                session_ids=session_ids,
-                partition=partition,
-                page_size=page_size,
-                batch=batch,
-                on_session=_count_one if _worker_counter is not None else None,
-            )
-        finally:
-            await store.close()
-
-    return _summary_encoder.encode(asyncio.run(run()))
-
-
-async def _reduce_in_workers(
+async def reduce_partition(
     store: EventStore,
     rules: Rules,
-    workers: int,
     *,
     covers: int,
     names: tuple[str, str] | None,
-    session_ids: Iterable[str] | None,
-    page_size: int,
-    batch: int,
-    on_progress: Callable[[int], None] | None,
+    session_ids: Iterable[str] | None = None,
+    sessions: SessionRange | None = None,
+    page_size: int = 1000,
+    batch: int = 256,
+    on_session: Callable[[SessionResult], None] | None = None,
 ) -> dict[str, SessionSummary]:
-    """Sessions split by a stable hash over `workers` processes (each reads the
-    event pages, decodes and reduces only its own sessions' arrays)."""
-    ctx = multiprocessing.get_context("spawn")
-    counter = ctx.Value("q", 0)
-    ids = list(session_ids) if session_ids is not None else None
-    loop = asyncio.get_running_loop()
-    with ProcessPoolExecutor(
-        workers, mp_context=ctx, initializer=_init_worker, initargs=(counter,)
-    ) as pool:
-        futures = [
-            loop.run_in_executor(
-                pool, _worker, store.url, rules, covers, names, ids, (k, workers), page_size, batch
-            )
-            for k in range(workers)
-        ]
-        done = asyncio.gather(*futures)
-        while not done.done():
-            await asyncio.wait([done], timeout=0.2)
-            if on_progress is not None:
-                on_progress(counter.value)
-        parts = await done
+    """`reduce_batches` to the end: every session's summary (the later yield wins)."""
     seen: dict[str, SessionSummary] = {}
-    for part in parts:
-        seen.update(msgspec.msgpack.decode(part, type=dict[str, SessionSummary]))
+    async for done in reduce_batches(
+        store,
+        rules,
+        covers=covers,
+        names=names,
+        session_ids=session_ids,
+        sessions=sessions,
+        page_size=page_size,
+        batch=batch,
+        on_session=on_session,
+    ):
+        seen.update(done)
     return seen
 
 
@@ -304,23 +255,35 @@ async def reclassify(
     page_size: int = 1000,
     dry_run: bool = False,
     batch: int = 256,
-    workers: int = 1,
+    workers: int | None = 1,
+    ray: str | None = None,
     on_session: Callable[[SessionResult], None] | None = None,
     on_progress: Callable[[int], None] | None = None,
 ) -> ReclassifyReport:
     """Reduce every session (or `session_ids`) and store the projection.
 
-    `workers` > 1 reduces in that many processes (the store must be reachable
-    by URL: a file or a server). `on_session` gets each result (in-process
-    only); `on_progress` gets the running count of reduced sessions.
+    `workers` > 1 reduces in that many local processes (None: one per core,
+    fewer for a small log: `replay.partitions.auto_workers`), `ray` (an address, ""
+    for Ray's default) in Ray tasks, each over a range of sessions (see
+    `replay.parallel`; the store must be reachable by URL from every worker:
+    a file on a shared path, or a server); the projection is the same as one
+    process writes. `on_session` gets each result (one process only);
+    `on_progress` gets the running count of reduced sessions.
     """
-    if workers < 1:
+    if workers is not None and workers < 1:
         raise ValueError("workers must be >= 1")
     covers = await store.last_position()
     name, summary_name = projection_names_for(rules, covers)
     names = None if dry_run else (name, summary_name)
     previous_name = await previous_summary_name(store, summary_name)
-    if workers == 1:
+    partitions: list[PartStat] = []
+    ids: list[str] | None = None
+    if workers is None and ray is None:
+        from replay.parallel import wanted_ids
+
+        ids = await wanted_ids(store, session_ids)
+        workers = auto_workers(len(ids))
+    if workers == 1 and ray is None:
         count = 0
 
         def progress(result: SessionResult) -> None:
@@ -342,22 +305,33 @@ async def reclassify(
             on_session=progress,
         )
     else:
-        seen = await _reduce_in_workers(
-            store,
-            rules,
-            workers,
+        from replay import parallel
+
+        base = parallel.Job(
+            kind="reclassify",
+            url=store.url,
+            rules=rules,
             covers=covers,
+            sessions=(None, None),
+            session_ids=list(session_ids) if session_ids is not None else None,
             names=names,
-            session_ids=session_ids,
             page_size=page_size,
             batch=batch,
-            on_progress=on_progress,
         )
+        if ids is None:
+            ids = await parallel.wanted_ids(store, base.session_ids)
+        results = await parallel.run_jobs(
+            base, ids, workers=workers, ray=ray, part_dir=None, on_progress=on_progress
+        )
+        seen = parallel.merge_summaries(results)
+        partitions = parallel.partition_stats(results)
     previous: dict[str, SessionSummary] = {}
     if previous_name is not None:
         for sid, (_pos, _digest, payload) in (await store.load_projection(previous_name)).items():
             previous[sid] = _summary_decoder.decode(payload)
-    return _report(seen, previous, name, summary_name, previous_name, covers, dry_run)
+    report = _report(seen, previous, name, summary_name, previous_name, covers, dry_run)
+    report.partitions = partitions
+    return report
 
 
 def _report(

@@ -48,6 +48,9 @@ dist = md.distribution("verl")
 if any(f.parts[0] == "tests" for f in dist.files or []):
     shutil.rmtree(pathlib.Path(dist.locate_file("tests")), ignore_errors=True)
 PY
+# Ray, the optional extra behind `replay reclassify/export --ray` and its multi-node
+# tests (pytest -m ray): pinned to the version verl's closure above also installs.
+python3 -m pip install -q -e ".[ray]"
 
 # Claude Code CLI (a native binary from the npm registry) for the end-to-end agent tests:
 # the pinned 2.1.197 and the newest tested, 2.1.330 (background subagents, tool search).

@@ -211,20 +211,27 @@ async def test_events_of_other_kinds_do_not_disturb_the_stream(sqlite_store: Eve
     assert ids == [log.session_id, "sandbox-only"]
 
 
-async def test_partitions_cover_every_session_once(sqlite_store: EventStore) -> None:
-    from replay.load import session_bucket
+async def test_partitions_cover_every_session_once(store: EventStore) -> None:
+    """Id ranges (what parallel workers stream) hold every session exactly once,
+    whatever the database's collation (PostgreSQL compares them byte-wise)."""
+    from replay.partitions import plan_ranges
 
-    for log in small_logs():
-        await write_to(sqlite_store, log)
-    parts = [
-        [s.session_id async for s in iter_session_logs(sqlite_store, partition=(k, 3))]
-        for k in range(3)
-    ]
-    flat = [sid for part in parts for sid in part]
-    assert sorted(flat) == sorted(log.session_id for log in small_logs())
-    for k, part in enumerate(parts):
-        assert all(session_bucket(sid, 3) == k for sid in part)
-    assert session_bucket("a-linear", 3) == session_bucket("a-linear", 3)
+    logs = [*small_logs(), Log("B-upper").open().close(), Log("é-accent").open().close()]
+    for log in logs:
+        await write_to(store, log)
+    ids = [log.session_id for log in logs]
+    for n in (1, 2, 3, 4, 10):
+        ranges = plan_ranges(ids, n)
+        assert len(ranges) == min(n, len(ids))
+        parts = [
+            [s.session_id async for s in iter_session_logs(store, sessions=r, page_size=2)]
+            for r in ranges
+        ]
+        flat = [sid for part in parts for sid in part]
+        assert sorted(flat) == sorted(ids)
+        for (lo, hi), part in zip(ranges, parts, strict=True):
+            assert all((lo is None or lo <= sid) and (hi is None or sid < hi) for sid in part)
+    assert plan_ranges(ids, 3) == plan_ranges(reversed(ids), 3)
 
 
 # -- memory: a streaming reduce keeps no array pieces --------------------------

@@ -56,6 +56,10 @@ class SessionLocks:
         """Release every lock this process holds."""
 
 
+# Session ids `lo <= id < hi` (code point order); None leaves that end open.
+SessionRange = tuple[str | None, str | None]
+
+
 class ProjectionStore(abc.ABC):
     """Derived data (samples per rules version) kept beside the log.
 
@@ -148,11 +152,16 @@ class EventStore(ProjectionStore):
         return events
 
     @abc.abstractmethod
-    async def read_all(self, *, after: int = 0, limit: int = 1000) -> list[RecordedEvent]:
+    async def read_all(
+        self, *, after: int = 0, limit: int = 1000, sessions: SessionRange | None = None
+    ) -> list[RecordedEvent]:
         """One keyset page of events with position > `after`, in position order.
 
         Never returns an event while an earlier-positioned one may still commit
         (so a reader that pages with the last position it saw misses nothing).
+        `sessions` keeps only the events of session ids in that range (compared
+        as code points, as Python compares str): a parallel replay worker pages
+        through its own sessions without decoding anyone else's events.
         """
 
     async def follow(

@@ -66,6 +66,7 @@ from recorder.log.store.base import (
     ConcurrencyConflict,
     EventStore,
     IdempotencyConflict,
+    SessionRange,
     StorageUnavailable,
     StoreError,
 )
@@ -643,19 +644,31 @@ class SqlEventStore(EventStore):
         )
         return list(await conn.execute(stmt))
 
-    async def read_all(self, *, after: int = 0, limit: int = 1000) -> list[RecordedEvent]:
+    async def read_all(
+        self, *, after: int = 0, limit: int = 1000, sessions: SessionRange | None = None
+    ) -> list[RecordedEvent]:
         async with self.read_engine.connect() as conn:
-            return [_record(r) for r in await self._raw_events(conn, after, limit)]
+            return [_record(r) for r in await self._raw_events(conn, after, limit, sessions)]
 
-    async def _raw_events(self, conn: AsyncConnection, after: int, limit: int) -> Sequence[Any]:
-        """Rows of `_EVENT_COLUMNS` (event_id as a UUID) after `after`, in position order."""
-        stmt = (
-            sa.select(*_EVENT_COLUMNS)
-            .where(events.c.position > after)
-            .order_by(events.c.position)
-            .limit(limit)
-        )
-        return list(await conn.execute(stmt))
+    async def _raw_events(
+        self, conn: AsyncConnection, after: int, limit: int, sessions: SessionRange | None = None
+    ) -> Sequence[Any]:
+        """Rows of `_EVENT_COLUMNS` (event_id as a UUID) after `after`, in position order.
+
+        A session range compares ids byte-wise (`COLLATE "C"`: UTF-8 byte order
+        is code point order, Python's, whatever the database's collation), which
+        also keeps the planner on the position index: the page stays a keyset
+        scan that skips other sessions' rows without sorting a range's events.
+        """
+        stmt = sa.select(*_EVENT_COLUMNS).where(events.c.position > after)
+        if sessions is not None:
+            sid = events.c.session_id.collate("C")
+            lo, hi = sessions
+            if lo is not None:
+                stmt = stmt.where(sid >= lo)
+            if hi is not None:
+                stmt = stmt.where(sid < hi)
+        return list(await conn.execute(stmt.order_by(events.c.position).limit(limit)))
 
     async def closes_after(self, after: int) -> tuple[int, list[str]]:
         # Positions are allocated under the writer lock, in commit order: no

@@ -1,0 +1,364 @@
+"""Replay on many cores: sessions split into id ranges, one worker per range.
+
+`reclassify` and `export` run here when given more than one worker (local
+processes) or a Ray cluster (`replay.cluster`). The work is split so that
+nothing but the database URL, the rules and two session ids travels to a
+worker, and a worker's memory is bounded by the largest session, not the log:
+
+- the driver lists the session ids (ids only), sorts them (code point order)
+  and cuts them into contiguous ranges with equal numbers of sessions;
+- a worker opens the store by URL and streams its range with
+  `iter_session_logs(sessions=range)`: the store filters the event pages, so a
+  worker decodes only its own sessions' events and reads only their arrays;
+- it reduces each session with the same pure reducer as the one-process run.
+
+What comes back:
+- reclassify: each worker writes its sessions' projection rows itself (rows
+  are keyed by session, so the tables hold exactly what one process writes)
+  and returns the small per-session summaries the change report needs;
+- export: each worker encodes its sessions' samples (JSONL lines, or msgpack
+  for Parquet) into chunks of at most `FLUSH_BYTES`, each entry tagged with the
+  session's `YieldKey`. The driver spills chunks to a part file per worker,
+  then writes the output in yield-key order keeping each session's last yield:
+  the order and content of the one-process export, byte for byte (Parquet is
+  re-encoded by the driver with the same row groups).
+
+Ray is never imported here: `replay.cluster` runs the same `worker_chunks`
+as Ray tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from recorder.log.store.base import EventStore, SessionRange
+from replay.export import Format, ParquetWriter, part_blob, samples_from_blob
+from replay.load import iter_session_logs
+from replay.partitions import PartStat, auto_workers, plan_ranges
+from replay.reclassify import FLUSH_BYTES, SessionSummary, reduce_batches
+from replay.reducer import reduce_session
+from replay.rules import Rules
+
+Kind = Literal["reclassify", "export"]
+
+
+class Job(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything one worker needs: where the log is and which sessions are its own."""
+
+    kind: Kind
+    url: str
+    rules: Rules
+    covers: int
+    sessions: SessionRange
+    session_ids: list[str] | None = None
+    names: tuple[str, str] | None = None  # reclassify: projection names, None = dry run
+    fmt: Format = "jsonl"  # export
+    page_size: int = 1000
+    batch: int = 256
+
+
+# (yield phase, yield position, session id, offset in the chunk's data, length)
+Entry = tuple[int, int, str, int, int]
+
+
+class Chunk(msgspec.Struct, kw_only=True):
+    """One batch of a worker's output (the unit a Ray task streams back)."""
+
+    sessions: int
+    summaries: dict[str, SessionSummary] = {}
+    entries: list[Entry] = []
+    data: bytes = b""
+    # Set on a worker's last chunk: where it ran, its process's peak RSS and
+    # the CPU time the job took in it.
+    node: str = ""
+    peak_rss: int = 0
+    cpu_seconds: float = 0.0
+
+
+class PartResult(msgspec.Struct, kw_only=True):
+    """A worker's output gathered: summaries, or the index of its part file."""
+
+    sessions: int = 0
+    summaries: dict[str, SessionSummary] = {}
+    entries: list[Entry] = []
+    part: str = ""
+    node: str = ""
+    peak_rss: int = 0
+    cpu_seconds: float = 0.0
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (VmHWM), 0 where /proc is absent."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+async def worker_chunks(job: Job, node: str = "") -> AsyncIterator[Chunk]:
+    """Run `job` against the store at its URL; yield its output in chunks."""
+    from recorder.log.store import StoreOptions, open_store
+
+    cpu = time.process_time()
+    store = await open_store(job.url, options=StoreOptions.streaming())
+    try:
+        chunks = (
+            _reclassify_chunks(store, job)
+            if job.kind == "reclassify"
+            else _export_chunks(store, job)
+        )
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        await store.close()
+    yield Chunk(
+        sessions=0,
+        node=node or socket.gethostname(),
+        peak_rss=peak_rss_bytes(),
+        cpu_seconds=time.process_time() - cpu,
+    )
+
+
+async def _reclassify_chunks(store: EventStore, job: Job) -> AsyncIterator[Chunk]:
+    async for done in reduce_batches(
+        store,
+        job.rules,
+        covers=job.covers,
+        names=job.names,
+        session_ids=job.session_ids,
+        sessions=job.sessions,
+        page_size=job.page_size,
+        batch=job.batch,
+    ):
+        yield Chunk(sessions=len(done), summaries=done)
+
+
+async def _export_chunks(store: EventStore, job: Job) -> AsyncIterator[Chunk]:
+    entries: list[Entry] = []
+    data = bytearray()
+    async for log in iter_session_logs(
+        store,
+        page_size=job.page_size,
+        until=job.covers,
+        session_ids=job.session_ids,
+        sessions=job.sessions,
+        routed_experts=job.rules.routed_experts is not None,
+    ):
+        result = reduce_session(log.events, log.arrays, job.rules)
+        blob = part_blob(result.samples, job.fmt)
+        entries.append((*log.order, log.session_id, len(data), len(blob)))
+        data += blob
+        if len(entries) >= job.batch or len(data) >= FLUSH_BYTES:
+            yield Chunk(sessions=len(entries), entries=entries, data=bytes(data))
+            entries, data = [], bytearray()
+    if entries:
+        yield Chunk(sessions=len(entries), entries=entries, data=bytes(data))
+
+
+class PartSink:
+    """Gathers one worker's chunks: summaries in memory, export data in a part file."""
+
+    def __init__(self, part: Path | None) -> None:
+        self.result = PartResult(part=str(part) if part is not None else "")
+        self._fh = part.open("wb") if part is not None else None
+        self._size = 0
+
+    def add(self, chunk: Chunk) -> None:
+        self.result.sessions += chunk.sessions
+        self.result.summaries.update(chunk.summaries)
+        if chunk.entries:
+            assert self._fh is not None, "an export chunk needs a part file"
+            self._fh.write(chunk.data)
+            base = self._size
+            self.result.entries += [(p, q, s, base + o, n) for p, q, s, o, n in chunk.entries]
+            self._size += len(chunk.data)
+        if chunk.node:
+            self.result.node, self.result.peak_rss = chunk.node, chunk.peak_rss
+            self.result.cpu_seconds = chunk.cpu_seconds
+
+    def close(self) -> PartResult:
+        if self._fh is not None:
+            self._fh.close()
+        return self.result
+
+
+# -------------------------------------------------------------- local processes
+
+# Set in worker processes: a shared counter of reduced sessions, for progress.
+_worker_counter: Any = None
+
+
+def _init_worker(counter: Any) -> None:
+    global _worker_counter
+    _worker_counter = counter
+
+
+def _process_worker(job_bytes: bytes, part: str | None) -> bytes:
+    """One partition in a worker process (top level: the pool pickles it by name)."""
+    job = msgspec.msgpack.decode(job_bytes, type=Job)
+    sink = PartSink(Path(part) if part else None)
+
+    async def run() -> None:
+        async for chunk in worker_chunks(job):
+            sink.add(chunk)
+            if _worker_counter is not None and chunk.sessions:
+                with _worker_counter.get_lock():
+                    _worker_counter.value += chunk.sessions
+
+    try:
+        asyncio.run(run())
+    finally:
+        result = sink.close()
+    result.cpu_seconds = time.process_time()  # a fresh process: its start-up counts too
+    return msgspec.msgpack.encode(result)
+
+
+async def run_in_processes(
+    jobs: Sequence[Job], parts: Sequence[Path | None], on_progress: Callable[[int], None] | None
+) -> list[PartResult]:
+    """Each job in its own spawned process (one per job, all at once)."""
+    ctx = multiprocessing.get_context("spawn")
+    counter = ctx.Value("q", 0)
+    loop = asyncio.get_running_loop()
+    with ProcessPoolExecutor(
+        len(jobs), mp_context=ctx, initializer=_init_worker, initargs=(counter,)
+    ) as pool:
+        futures = [
+            loop.run_in_executor(
+                pool,
+                _process_worker,
+                msgspec.msgpack.encode(job),
+                str(part) if part is not None else None,
+            )
+            for job, part in zip(jobs, parts, strict=True)
+        ]
+        done = asyncio.gather(*futures)
+        while not done.done():
+            await asyncio.wait([done], timeout=0.2)
+            if on_progress is not None:
+                on_progress(counter.value)
+        results = await done
+    return [msgspec.msgpack.decode(r, type=PartResult) for r in results]
+
+
+# -------------------------------------------------------------- driver
+
+
+async def wanted_ids(store: EventStore, session_ids: Iterable[str] | None) -> list[str]:
+    """The log's session ids (or those of `session_ids` it holds)."""
+    ids = await store.session_ids()
+    if session_ids is not None:
+        wanted = set(session_ids)
+        ids = [s for s in ids if s in wanted]
+    return ids
+
+
+def make_jobs(base: Job, ids: Sequence[str], parts: int) -> list[Job]:
+    """One job per range of `ids` (at most one per session)."""
+    return [msgspec.structs.replace(base, sessions=r) for r in plan_ranges(ids, parts)]
+
+
+def part_paths(part_dir: Path | None, n: int) -> list[Path | None]:
+    return [part_dir / f"part-{k:05d}" if part_dir else None for k in range(n)]
+
+
+async def run_jobs(
+    base: Job,
+    ids: Sequence[str],
+    *,
+    workers: int | None,
+    ray: str | None,
+    part_dir: Path | None,
+    on_progress: Callable[[int], None] | None,
+) -> list[PartResult]:
+    """Split `ids` into ranges and run them in local processes, or as Ray tasks
+    when `ray` is set ("" = `ray.init()`'s default cluster). `workers` None:
+    one per core (on Ray: per CPU of the cluster), fewer for a small log."""
+    if ray is not None:
+        from replay.cluster import run_on_ray
+
+        return await run_on_ray(
+            base,
+            ids,
+            workers=workers,
+            part_dir=part_dir,
+            address=ray or None,
+            on_progress=on_progress,
+        )
+    jobs = make_jobs(base, ids, workers or auto_workers(len(ids)))
+    return await run_in_processes(jobs, part_paths(part_dir, len(jobs)), on_progress)
+
+
+def partition_stats(results: Sequence[PartResult]) -> list[PartStat]:
+    return [
+        PartStat(node=r.node, sessions=r.sessions, peak_rss=r.peak_rss, cpu_seconds=r.cpu_seconds)
+        for r in results
+    ]
+
+
+def merge_summaries(results: Sequence[PartResult]) -> dict[str, SessionSummary]:
+    seen: dict[str, SessionSummary] = {}
+    for r in results:
+        seen.update(r.summaries)
+    return seen
+
+
+def merge_export(results: Sequence[PartResult], out: Path, fmt: Format, batch: int) -> int:
+    """Write the parts' sessions to `out` in the one-process order; return the
+    number of sessions. A session yielded more than once keeps its last yield."""
+    final: dict[str, tuple[int, int, int, int, int]] = {}
+    for k, r in enumerate(results):
+        for phase, pos, sid, offset, length in r.entries:
+            key = (phase, pos, k, offset, length)
+            if sid not in final or final[sid][:2] <= key[:2]:
+                final[sid] = key
+    order = sorted(final.values())
+    files = [open(r.part, "rb") if r.entries else None for r in results]  # noqa: SIM115
+    try:
+        if fmt == "jsonl":
+            with out.open("wb") as dst:
+                for _phase, _pos, k, offset, length in order:
+                    src = files[k]
+                    assert src is not None
+                    src.seek(offset)
+                    dst.write(src.read(length))
+        else:
+            writer = ParquetWriter(out, batch)
+            try:
+                for _phase, _pos, k, offset, length in order:
+                    src = files[k]
+                    assert src is not None
+                    src.seek(offset)
+                    for sample in samples_from_blob(src.read(length)):
+                        writer.write(sample)
+            finally:
+                writer.close()
+    finally:
+        for fh in files:
+            if fh is not None:
+                fh.close()
+    return len(final)
+
+
+def part_directory(out: Path) -> Path:
+    """A private directory beside `out` for the part files (same filesystem)."""
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.parts-", dir=out.parent))
+
+
+def remove_parts(part_dir: Path) -> None:
+    shutil.rmtree(part_dir, ignore_errors=True)

@@ -1,0 +1,241 @@
+"""Parallel replay (local processes): the projection and the export files are the
+one-process run's, byte for byte, for 1, 2 and 4 workers; Ray is never imported
+without --ray. The Ray runs of the same comparisons are in test_ray.py."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from builders import Log, _rewrite_refs, small_logs
+
+from recorder.log.events import ArrayRef, NewEvent
+from recorder.log.store import EventStore
+from replay.export import export_samples
+from replay.partitions import auto_workers, plan_ranges
+from replay.reclassify import reclassify
+from replay.rules import Rules
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def parallel_logs(n: int = 24) -> list[Log]:
+    """The shapes of small_logs() plus the stream's corner cases, `n` sessions more:
+    a session still open at the end of the log, one with a reward after its close
+    (yielded twice: the later yield wins), one closed then cleanly re-opened."""
+    logs = small_logs()
+    for i in range(n):
+        log = Log(f"p-{i:03d}").open(group_index=i % 4, sample_index=i)
+        t = log.turn([1, 2, 3 + i], [10 + i, 11, 2], tool_uses=[("tu", "Bash")])
+        t = log.turn(t.then([4, 5]), [12, 13 + i % 3], tool_results=["tu"])
+        if i % 5 == 0:
+            log.turn([1, 2, 90 + i], [14, 2])  # a wipe: a second segment
+        log.reward(i / n)
+        if i % 7 != 3:
+            log.close()
+        logs.append(log)
+    late = Log("q-late").open()
+    late.turn([1, 2, 3], [40, 2])
+    late.close().reward(0.25)
+    restarted = Log("r-restart").open()
+    restarted.turn([1, 2], [41, 2])
+    restarted.close("failed", reason="sandbox crashed").open(attempt=1)
+    restarted.turn([1, 2], [42, 2])
+    restarted.reward(1.0).close()
+    open_only = Log("o-open").open()
+    open_only.turn([1, 2, 3], [43])
+    return [*logs, late, restarted, open_only]
+
+
+async def write_interleaved(store: EventStore, logs: Sequence[Log], step: int = 2) -> None:
+    """Append the logs round-robin, `step` events at a time, as a live server
+    writes concurrent sessions: each session's events spread over the log."""
+    queues: list[tuple[str, list[NewEvent]]] = []
+    for log in logs:
+        mapping: dict[bytes, ArrayRef] = {}
+        for digest, arr in log.arrays.items():
+            mapping[digest] = await store.put_array(arr)
+        events = [
+            NewEvent(event=_rewrite_refs(r.event, mapping), event_id=r.event_id, ts=r.ts)  # type: ignore[arg-type]
+            for r in sorted(log.events, key=lambda r: r.seq)
+        ]
+        queues.append((log.session_id, events))
+    while any(events for _sid, events in queues):
+        for sid, events in queues:
+            if events:
+                await store.append(sid, events[:step])
+                del events[:step]
+
+
+async def projection_digest(store: EventStore) -> str:
+    """Every row of the projection tables, in key order, and the names in the order written."""
+    engine = store.read_engine  # type: ignore[attr-defined]
+    h = hashlib.blake2b(digest_size=16)
+    async with engine.connect() as conn:
+        for (name,) in await conn.execute(
+            sa.text("SELECT name FROM projection_names ORDER BY ordinal")
+        ):
+            h.update(f"name {name}\n".encode())
+        rows = await conn.execute(
+            sa.text(
+                "SELECT name, session_id, covers_position, digest, payload FROM projections"
+                ' ORDER BY name COLLATE "C", session_id COLLATE "C"'
+                if store.url.startswith("postgresql")
+                else "SELECT name, session_id, covers_position, digest, payload FROM projections"
+                " ORDER BY name, session_id"
+            )
+        )
+        count = 0
+        for name, sid, pos, digest, payload in rows:
+            count += 1
+            h.update(f"{name} {sid} {pos} {digest} {len(payload)}\n".encode())
+            h.update(bytes(payload))
+    assert count > 0, "no projection rows to compare"
+    return h.hexdigest()
+
+
+async def clear_projections(store: EventStore) -> None:
+    async with store.write_engine.begin() as conn:  # type: ignore[attr-defined]
+        await conn.execute(sa.text("DELETE FROM projections"))
+        await conn.execute(sa.text("DELETE FROM projection_names"))
+
+
+def file_digest(path: Path) -> str:
+    return hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest()
+
+
+# -- partition planning (pure) ---------------------------------------------------
+
+
+def test_ranges_split_evenly_and_cover_everything() -> None:
+    ids = [f"s{i:04d}" for i in range(10)]
+    ranges = plan_ranges(ids, 3)
+    assert ranges == [(None, "s0003"), ("s0003", "s0006"), ("s0006", None)]
+    assert plan_ranges(ids, 1) == [(None, None)]
+    assert plan_ranges(["only"], 4) == [(None, None)]
+    assert plan_ranges([], 4) == [(None, None)]
+
+
+def test_auto_workers_uses_every_core_but_not_for_a_small_log() -> None:
+    assert auto_workers(2000, cores=2) == 2
+    assert auto_workers(100_000, cores=16) == 16
+    assert auto_workers(100, cores=2) == 1  # fewer than 64 sessions per worker
+    assert auto_workers(0, cores=2) == 1
+
+
+# -- byte-identical results ------------------------------------------------------
+
+
+async def test_reclassify_projection_is_byte_identical_for_1_2_4_workers(
+    store: EventStore,
+) -> None:
+    logs = parallel_logs()
+    await write_interleaved(store, logs)
+    digests, reports = {}, {}
+    for workers in (1, 2, 4):
+        await clear_projections(store)
+        report = await reclassify(store, Rules(), workers=workers)
+        digests[workers] = await projection_digest(store)
+        reports[workers] = report
+        assert report.sessions == len(logs)
+    assert digests[2] == digests[1] and digests[4] == digests[1]
+    one = reports[1]
+    for workers in (2, 4):
+        report = reports[workers]
+        assert (report.kinds_after, report.status_after, report.trainable_after) == (
+            one.kinds_after,
+            one.status_after,
+            one.trainable_after,
+        )
+        assert len(report.partitions) == workers
+        assert sum(p.sessions for p in report.partitions) >= len(logs)
+        assert all(p.peak_rss > 0 for p in report.partitions)
+    # A re-run over the whole projection in parallel compares against it: nothing changed.
+    again = await reclassify(store, Rules(), workers=2)
+    assert again.changed_samples == [] and again.new_sessions == 0
+    # The session filter and dry runs work the same in parallel.
+    dry = await reclassify(store, Rules(), workers=2, dry_run=True, session_ids=["a-linear"])
+    assert dry.sessions == 1 and dry.dry_run
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+async def test_export_is_byte_identical_for_1_2_4_workers(
+    store: EventStore, tmp_path: Path, fmt: str
+) -> None:
+    logs = parallel_logs()
+    await write_interleaved(store, logs)
+    digests, counts = {}, {}
+    for workers in (1, 2, 4):
+        out = tmp_path / f"samples-{workers}.{fmt}"
+        counts[workers] = await export_samples(store, out, fmt, Rules(), workers=workers)  # type: ignore[arg-type]
+        digests[workers] = file_digest(out)
+        assert not [p for p in tmp_path.iterdir() if ".parts-" in p.name], "part files left"
+    assert digests[2] == digests[1] and digests[4] == digests[1]
+    assert counts[1].sessions == len(logs)
+    for workers in (2, 4):
+        assert counts[workers].samples == counts[1].samples
+        assert counts[workers].trainable_tokens == counts[1].trainable_tokens
+        assert len(counts[workers].partitions) == workers
+
+
+async def test_export_parquet_with_a_superseded_yield_keeps_one_process_row_groups(
+    sqlite_store: EventStore, tmp_path: Path
+) -> None:
+    """The serial export drops a re-yielded session's first rows in a rewrite; the
+    rewrite uses the same row groups as a run that never wrote them (`batch`=4
+    makes several groups), so the parallel file equals it byte for byte."""
+    await write_interleaved(sqlite_store, parallel_logs(12))
+    one, two = tmp_path / "one.parquet", tmp_path / "two.parquet"
+    await export_samples(sqlite_store, one, "parquet", Rules(), batch=4)
+    await export_samples(sqlite_store, two, "parquet", Rules(), batch=4, workers=3)
+    assert file_digest(one) == file_digest(two)
+
+
+# -- Ray stays out unless asked for ------------------------------------------------
+
+
+def test_ray_is_never_imported_without_the_ray_option(sqlite_url: str, tmp_path: Path) -> None:
+    """A `ray` package that raises on import, first on the path of the CLI and of
+    every worker process it spawns: runs without --ray succeed, a run with --ray
+    fails on it (so the tripwire is live)."""
+    import asyncio
+
+    from recorder.log.store import open_store
+
+    async def fill() -> None:
+        async with await open_store(sqlite_url, create=True) as s:
+            await write_interleaved(s, parallel_logs(8))
+
+    asyncio.run(fill())
+    trap = tmp_path / "trap" / "ray"
+    trap.mkdir(parents=True)
+    (trap / "__init__.py").write_text("raise RuntimeError('ray was imported')\n")
+    env = {**os.environ, "PYTHONPATH": f"{trap.parent}{os.pathsep}{ROOT}", "COLUMNS": "200"}
+    db = sqlite_url.removeprefix("sqlite+aiosqlite:///")
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "replay.cli", *args, "--db", db],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+
+    for args in (
+        ("reclassify", "--workers", "2"),
+        ("reclassify",),
+        ("export", "--workers", "2", "--out", str(tmp_path / "s.jsonl")),
+        ("export", "--out", str(tmp_path / "t.jsonl")),
+    ):
+        done = cli(*args)
+        assert done.returncode == 0, (args, done.stdout, done.stderr)
+        assert "ray was imported" not in done.stderr
+    tripped = cli("reclassify", "--ray", "127.0.0.1:1")
+    assert tripped.returncode != 0 and "ray was imported" in tripped.stderr
