@@ -388,8 +388,9 @@ async def test_context_limit_ends_a_2_1_197_rollout(scenario_run: ScenarioRun) -
 )
 async def test_context_limit_makes_2_1_330_compact(scenario_run: ScenarioRun) -> None:
     """2.1.330 answers the 400 with a compaction (a summary request) and finishes the task."""
-    (rejected,) = scenario_run.of(ev.RequestRejected)
-    assert rejected.message.startswith("prompt is too long")
+    # Usually one 400; a CLI that timed out under load re-sends the same request first.
+    rejected = scenario_run.of(ev.RequestRejected)
+    assert rejected and all(r.message.startswith("prompt is too long") for r in rejected)
     summaries = scenario_run.turns_with("Your task is to create a detailed summary")
     assert len(summaries) == 1
     assert max(scenario_run.prompts) > min(summaries)  # the task went on after it

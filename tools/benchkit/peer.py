@@ -19,16 +19,22 @@ from recorder.model.tokenizer import Tokenizer
 from recorder.model.tokens import SessionChains, TurnPlan, full_input_ids, plan_turn
 
 
-def full_render_plan(chains: SessionChains, req: ChatRequest, tok: Tokenizer) -> TurnPlan:
+def full_render_plan(
+    chains: SessionChains, req: ChatRequest, tok: Tokenizer, context_length: int | None = None
+) -> TurnPlan:
     """The baseline planner: render and tokenize the whole conversation every turn.
 
     The re-rendered tokens must start with the chain's tokens for its plan to
-    be the chain path's (same chain, "extend", same prefix length).
+    be the chain path's (same chain, "extend", same prefix length). The
+    context bound is the server's own check (`plan_turn`), made on the first
+    turn; a re-render peer is measured on conversations that fit.
     """
     input_ids = full_input_ids(req, tok)
     main = chains.main
     if main is None:
-        return plan_turn(chains, req, tok)  # the first request renders everything anyway
+        return plan_turn(
+            chains, req, tok, context_length
+        )  # the first request renders everything anyway
     n = len(main.tokens)
     if len(input_ids) <= n or main.tokens.tolist() != input_ids[:n]:
         raise RuntimeError(

@@ -61,10 +61,16 @@ class Planner:
         self.calls: list[PlanCall] = []
         self.parse_s: list[float] = []  # the server's parse_request, timed the same way
 
-    def __call__(self, chains: SessionChains, req: ChatRequest, tok: Tokenizer) -> TurnPlan:
+    def __call__(
+        self,
+        chains: SessionChains,
+        req: ChatRequest,
+        tok: Tokenizer,
+        context_length: int | None = None,
+    ) -> TurnPlan:
         fn = full_render_plan if self.mode == "baseline" else plan_turn
         t0 = time.perf_counter()
-        plan = fn(chains, req, tok)
+        plan = fn(chains, req, tok, context_length)
         seconds = time.perf_counter() - t0
         self.calls.append(PlanCall(self.mode, seconds, len(plan.input_ids), plan.new_tokens))
         return plan
