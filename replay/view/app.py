@@ -31,6 +31,7 @@ from replay.rules import Rules
 from replay.view import charts
 from replay.view import model as m
 from replay.view.index import Query, RunIndex, group_rows, select
+from replay.view.projections import known_rules, projection_counts
 
 HERE = Path(__file__).parent
 CHUNK = 4000  # sample tokens per JSON chunk
@@ -337,6 +338,7 @@ async def rules_page(request: web.Request) -> web.Response:
     index = request.app[INDEX]
     await index.refresh()
     names = await store.projection_names()
+    counts = await projection_counts(store)
     report = None
     if "dry_run" in request.query:
         from replay.reclassify import reclassify
@@ -349,7 +351,7 @@ async def rules_page(request: web.Request) -> web.Response:
         rules_json=json.dumps(
             {f: getattr(rules, f) for f in rules.__struct_fields__}, indent=2, default=str
         ),
-        projections=[n for n in names if n.startswith(SUMMARY_PREFIX)],
+        projections=[(c, known_rules(c.rules_version, rules)) for c in counts],
         others=[n for n in names if not n.startswith(SUMMARY_PREFIX)],
         report=report,
         sessions=len(index.rows),

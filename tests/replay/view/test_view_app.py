@@ -7,9 +7,11 @@ import asyncio
 import json
 import re
 import sqlite3
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import sqlalchemy as sa
 from aiohttp.test_utils import TestClient, TestServer
@@ -228,3 +230,55 @@ def test_lanes_draw_each_turn_and_fork() -> None:
     svg = str(charts.lanes([main, sub], "/session/s/turn/"))
     assert re.findall(r'href="/session/s/turn/(\d+)"', svg) == ["0", "1", "2", "5", "3", "4"]
     assert svg.count("<path") == 1  # the subagent forks off chain 0 after its turn 2
+
+
+def _cells(html: str, name: str) -> dict[str, str]:
+    """The projection row `name`'s cells (inner HTML) by their last class."""
+    row = html[html.index(f'data-name="{name}"') :].split("</tr>")[0]
+    cells = re.findall(r'<td class="([^"]+)">(.*?)</td>', row, flags=re.S)
+    return {k.split()[-1]: v.strip() for k, v in cells}
+
+
+def _kv(cell: str) -> dict[str, int]:
+    """A cell's `<span data-kind="k">k 3</span>` items as {"k": 3}."""
+    items = re.findall(r'<span data-(?:kind|status)="([^"]+)">[^<]* (\d+)</span>', cell)
+    return {k: int(v) for k, v in items}
+
+
+async def test_rules_page_counts_each_projection(logged: tuple[EventStore, EventStore]) -> None:
+    """Per summary projection, the Rules page shows what `replay stats` says of a
+    reduction under that projection's rules, and what the projection rows hold."""
+    from replay.reclassify import SUMMARY_PREFIX, SessionSummary
+    from replay.rules import PRESETS
+    from replay.stats import log_stats
+
+    writer, reader = logged
+    async for client in _client(reader):
+        empty = await (await client.get("/rules")).text()
+        assert 'id="projections">none yet' in empty
+        runs = {}
+        for rules in (Rules(), PRESETS["collapse-final"]):
+            report = await reclassify(writer, rules)
+            runs[report.summary_projection] = (rules, report)
+        html = await (await client.get("/rules")).text()
+        assert html.count('<tr class="projection"') == 2
+        for name, (rules, report) in runs.items():
+            cells = _cells(html, name)
+            stats = await log_stats(writer, rules)
+            assert rules.version in html[html.index(f'data-name="{name}"') :].split("</tr>")[0]
+            assert int(cells["covers"]) == report.covers_position
+            assert int(cells["sessions"]) == stats.sessions == report.sessions
+            assert int(cells["samples"]) == stats.samples == report.samples
+            assert int(cells["trainable"]) == stats.trainable_tokens == report.trainable_after
+            assert stats.segment_kinds and stats.sample_statuses  # nothing vacuous
+            assert _kv(cells["segment-kinds"]) == stats.segment_kinds
+            assert _kv(cells["sample-statuses"]) == stats.sample_statuses
+            assert _kv(cells["sample-kinds"]) == report.kinds_after
+            rows = await writer.load_projection(name)
+            decoder = msgspec.msgpack.Decoder(SessionSummary)
+            by_status = Counter(decoder.decode(p).status for _c, _d, p in rows.values())
+            assert _kv(cells["session-statuses"]) == dict(by_status)
+            assert name.startswith(SUMMARY_PREFIX)
+        # collapse-final keeps one sample per session, fan-out more: the rows differ
+        counts = [int(_cells(html, n)["samples"]) for n in runs]
+        assert counts[0] > counts[1]
