@@ -175,7 +175,7 @@ RUNS: web.AppKey[RunsCache] = web.AppKey("runs", RunsCache)
 
 async def runs_page(request: web.Request) -> web.Response:
     index = request.app[INDEX]
-    position = await index.refresh()
+    position = await index.current()
     q = Query.from_params(request.query)
     view = request.app[RUNS].get(index, q)
     start = q.page * q.per_page
@@ -195,6 +195,8 @@ async def runs_page(request: web.Request) -> web.Response:
         outcomes=view.outcomes,
         charts=view.charts,
         projection=index.projection,
+        indexing=index.indexing,
+        head=index.head,
     )
 
 
@@ -221,7 +223,7 @@ def _summary_charts(rows: list[Any]) -> list[Any]:
 async def position_api(request: web.Request) -> web.Response:
     """The log position and session count: an open page polls this to see news."""
     index = request.app[INDEX]
-    position = await index.refresh()
+    position = await index.current()
     sid = request.query.get("session")
     row = index.rows.get(sid) if sid else None
     return web.json_response(
@@ -229,6 +231,8 @@ async def position_api(request: web.Request) -> web.Response:
             "position": position,
             "sessions": len(index.rows),
             "session_position": row.last_position if row else None,
+            "indexing": index.indexing,
+            "head": index.head,
         }
     )
 
@@ -247,7 +251,7 @@ async def _reduced(request: web.Request) -> m.Reduced:
 async def session_page(request: web.Request) -> web.Response:
     red = await _reduced(request)
     sid = request.match_info["sid"]
-    await request.app[INDEX].refresh()
+    await request.app[INDEX].current()
     row = request.app[INDEX].rows.get(sid)
     lanes = m.lanes(red.events, red.result)
     return render(
@@ -336,7 +340,7 @@ async def sample_tokens(request: web.Request) -> web.Response:
 async def rules_page(request: web.Request) -> web.Response:
     store, rules = request.app[STORE], request.app[RULES]
     index = request.app[INDEX]
-    await index.refresh()
+    await index.current()
     names = await store.projection_names()
     counts = await projection_counts(store)
     report = None

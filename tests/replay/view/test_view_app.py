@@ -23,7 +23,7 @@ from replay import close_session_samples
 from replay.reclassify import reclassify
 from replay.rules import Rules
 from replay.view import charts
-from replay.view.app import make_app
+from replay.view.app import INDEX, make_app
 from replay.view.index import Query, RunIndex, select
 from replay.view.readonly import open_readonly
 from replay.view.serve import is_loopback, view_token
@@ -282,3 +282,46 @@ async def test_rules_page_counts_each_projection(logged: tuple[EventStore, Event
         # collapse-final keeps one sample per session, fan-out more: the rows differ
         counts = [int(_cells(html, n)["samples"]) for n in runs]
         assert counts[0] > counts[1]
+
+
+async def test_runs_page_answers_while_the_index_is_built(sqlite_url: str) -> None:
+    """While a fold is under way (the startup build of a big log), pages answer at
+    once with the sessions indexed so far and an "indexing N of M" line; the
+    position API reports the progress the open page polls for."""
+    writer = await open_store(sqlite_url, create=True)
+    reader = await open_readonly(sqlite_url)
+    logs = small_logs()
+    try:
+        await write_to(writer, logs[0])
+        async for client in _client(reader):
+            index = client.server.app[INDEX]
+            await index.refresh()  # after the startup build
+            assert "a-linear" in await (await client.get("/")).text()
+            await write_to(writer, logs[1])
+            mid = await writer.last_position()
+            for log in logs[2:]:
+                await write_to(writer, log)
+            head = await writer.last_position()
+            await index.refresh(until=mid)
+            async with index._lock:  # a fold under way, as at startup
+                assert index.indexing
+                page = await asyncio.wait_for(client.get("/"), timeout=30)
+                html = await page.text()
+                assert page.status == 200
+                shown = set(re.findall(r'data-session="([^"]+)"', html))
+                assert shown == {"a-linear", "b-compact"}
+                line = html[html.index('id="indexing"') :].split("</p>")[0]
+                assert f"{mid} of {head} events" in line
+                pos = await (await client.get("/api/position")).json()
+                assert (pos["position"], pos["head"], pos["indexing"]) == (mid, head, True)
+                assert pos["sessions"] == 2
+                assert (await client.get("/session/a-linear")).status == 200
+            html = await (await client.get("/")).text()
+            assert 'id="indexing"' not in html
+            shown = set(re.findall(r'data-session="([^"]+)"', html))
+            assert shown == {log.session_id for log in logs}
+            pos = await (await client.get("/api/position")).json()
+            assert (pos["position"], pos["indexing"]) == (head, False)
+    finally:
+        await reader.close()
+        await writer.close()
