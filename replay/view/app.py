@@ -31,6 +31,7 @@ from replay.rules import Rules
 from replay.view import charts
 from replay.view import model as m
 from replay.view.index import Query, RunIndex, group_rows, select
+from replay.view.projections import known_rules, projection_counts
 
 HERE = Path(__file__).parent
 CHUNK = 4000  # sample tokens per JSON chunk
@@ -174,7 +175,7 @@ RUNS: web.AppKey[RunsCache] = web.AppKey("runs", RunsCache)
 
 async def runs_page(request: web.Request) -> web.Response:
     index = request.app[INDEX]
-    position = await index.refresh()
+    position = await index.current()
     q = Query.from_params(request.query)
     view = request.app[RUNS].get(index, q)
     start = q.page * q.per_page
@@ -194,6 +195,8 @@ async def runs_page(request: web.Request) -> web.Response:
         outcomes=view.outcomes,
         charts=view.charts,
         projection=index.projection,
+        indexing=index.indexing,
+        head=index.head,
     )
 
 
@@ -220,7 +223,7 @@ def _summary_charts(rows: list[Any]) -> list[Any]:
 async def position_api(request: web.Request) -> web.Response:
     """The log position and session count: an open page polls this to see news."""
     index = request.app[INDEX]
-    position = await index.refresh()
+    position = await index.current()
     sid = request.query.get("session")
     row = index.rows.get(sid) if sid else None
     return web.json_response(
@@ -228,6 +231,8 @@ async def position_api(request: web.Request) -> web.Response:
             "position": position,
             "sessions": len(index.rows),
             "session_position": row.last_position if row else None,
+            "indexing": index.indexing,
+            "head": index.head,
         }
     )
 
@@ -246,7 +251,7 @@ async def _reduced(request: web.Request) -> m.Reduced:
 async def session_page(request: web.Request) -> web.Response:
     red = await _reduced(request)
     sid = request.match_info["sid"]
-    await request.app[INDEX].refresh()
+    await request.app[INDEX].current()
     row = request.app[INDEX].rows.get(sid)
     lanes = m.lanes(red.events, red.result)
     return render(
@@ -335,8 +340,9 @@ async def sample_tokens(request: web.Request) -> web.Response:
 async def rules_page(request: web.Request) -> web.Response:
     store, rules = request.app[STORE], request.app[RULES]
     index = request.app[INDEX]
-    await index.refresh()
+    await index.current()
     names = await store.projection_names()
+    counts = await projection_counts(store)
     report = None
     if "dry_run" in request.query:
         from replay.reclassify import reclassify
@@ -349,7 +355,7 @@ async def rules_page(request: web.Request) -> web.Response:
         rules_json=json.dumps(
             {f: getattr(rules, f) for f in rules.__struct_fields__}, indent=2, default=str
         ),
-        projections=[n for n in names if n.startswith(SUMMARY_PREFIX)],
+        projections=[(c, known_rules(c.rules_version, rules)) for c in counts],
         others=[n for n in names if not n.startswith(SUMMARY_PREFIX)],
         report=report,
         sessions=len(index.rows),

@@ -17,6 +17,7 @@ rows sort in a few milliseconds, well under what a SQL round trip costs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,6 +121,10 @@ DECODED = (
     "sandbox_event",
 )
 SPAN = 50_000  # positions per catch-up step
+# How long a page waits for a fold under way before it shows the rows so far:
+# a small log's build ends within it; a big one's (10,000 x 40 turns: ~24 s)
+# shows progress instead of a blank wait.
+GRACE = 0.5
 
 _DECODED = (
     sa.select(
@@ -219,26 +224,57 @@ class RunIndex:
         self.rows: dict[str, RunRow] = {}
         self.position = 0
         self.projection: str | None = None
+        self.head = 0  # the log position the running (or last) fold heads for
+        self.span = SPAN
         self._lock = asyncio.Lock()
+        self._idle = asyncio.Event()  # set while no fold runs
+        self._idle.set()
 
-    async def refresh(self) -> int:
-        """Fold the events appended since the last call; returns the log position."""
+    @property
+    def indexing(self) -> bool:
+        """A fold is under way and has not reached `head` yet (the first build
+        of a big log takes a while: see tools/bench_view.py)."""
+        return self._lock.locked() and (not self.head or self.position < self.head)
+
+    async def current(self) -> int:
+        """`refresh`, unless a fold is already under way: then wait for it at
+        most `GRACE` seconds and answer with the position folded so far. Pages
+        use this, so the startup build of a big log never keeps a page waiting
+        (they show the rows indexed so far), while a small log's page is whole."""
+        if self._lock.locked():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), GRACE)
+            if self._lock.locked():
+                return self.position
+        return await self.refresh()
+
+    async def refresh(self, *, until: int | None = None) -> int:
+        """Fold the events appended since the last call (up to `until`, if
+        given); returns the log position folded."""
         async with self._lock:
-            engine = self.store.read_engine  # type: ignore[attr-defined]
-            head = await self.store.last_position()
-            while self.position < head:
-                span = {"after": self.position, "until": min(head, self.position + SPAN)}
-                async with engine.connect() as conn:
-                    decoded = (await conn.execute(_DECODED, span)).all()
-                rows = self.rows
-                for position, sid, type_, version, ts, payload in decoded:
-                    row = rows.get(sid)
-                    if row is None:
-                        row = rows[sid] = RunRow(sid)
-                    fold(row, position, ts, type_, decode_event(type_, version, payload))
-                self.position = span["until"]
-            await self._load_trained()
-            return self.position
+            self._idle.clear()
+            try:
+                return await self._fold(until)
+            finally:
+                self._idle.set()
+
+    async def _fold(self, until: int | None) -> int:
+        engine = self.store.read_engine  # type: ignore[attr-defined]
+        self.head = await self.store.last_position()
+        stop = self.head if until is None else min(until, self.head)
+        while self.position < stop:
+            span = {"after": self.position, "until": min(stop, self.position + self.span)}
+            async with engine.connect() as conn:
+                decoded = (await conn.execute(_DECODED, span)).all()
+            rows = self.rows
+            for position, sid, type_, version, ts, payload in decoded:
+                row = rows.get(sid)
+                if row is None:
+                    row = rows[sid] = RunRow(sid)
+                fold(row, position, ts, type_, decode_event(type_, version, payload))
+            self.position = span["until"]
+        await self._load_trained()
+        return self.position
 
     async def _load_trained(self) -> None:
         names = [n for n in await self.store.projection_names() if n.startswith(SUMMARY_PREFIX)]

@@ -7,9 +7,11 @@ import asyncio
 import json
 import re
 import sqlite3
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import sqlalchemy as sa
 from aiohttp.test_utils import TestClient, TestServer
@@ -21,7 +23,7 @@ from replay import close_session_samples
 from replay.reclassify import reclassify
 from replay.rules import Rules
 from replay.view import charts
-from replay.view.app import make_app
+from replay.view.app import INDEX, make_app
 from replay.view.index import Query, RunIndex, select
 from replay.view.readonly import open_readonly
 from replay.view.serve import is_loopback, view_token
@@ -228,3 +230,98 @@ def test_lanes_draw_each_turn_and_fork() -> None:
     svg = str(charts.lanes([main, sub], "/session/s/turn/"))
     assert re.findall(r'href="/session/s/turn/(\d+)"', svg) == ["0", "1", "2", "5", "3", "4"]
     assert svg.count("<path") == 1  # the subagent forks off chain 0 after its turn 2
+
+
+def _cells(html: str, name: str) -> dict[str, str]:
+    """The projection row `name`'s cells (inner HTML) by their last class."""
+    row = html[html.index(f'data-name="{name}"') :].split("</tr>")[0]
+    cells = re.findall(r'<td class="([^"]+)">(.*?)</td>', row, flags=re.S)
+    return {k.split()[-1]: v.strip() for k, v in cells}
+
+
+def _kv(cell: str) -> dict[str, int]:
+    """A cell's `<span data-kind="k">k 3</span>` items as {"k": 3}."""
+    items = re.findall(r'<span data-(?:kind|status)="([^"]+)">[^<]* (\d+)</span>', cell)
+    return {k: int(v) for k, v in items}
+
+
+async def test_rules_page_counts_each_projection(logged: tuple[EventStore, EventStore]) -> None:
+    """Per summary projection, the Rules page shows what `replay stats` says of a
+    reduction under that projection's rules, and what the projection rows hold."""
+    from replay.reclassify import SUMMARY_PREFIX, SessionSummary
+    from replay.rules import PRESETS
+    from replay.stats import log_stats
+
+    writer, reader = logged
+    async for client in _client(reader):
+        empty = await (await client.get("/rules")).text()
+        assert 'id="projections">none yet' in empty
+        runs = {}
+        for rules in (Rules(), PRESETS["collapse-final"]):
+            report = await reclassify(writer, rules)
+            runs[report.summary_projection] = (rules, report)
+        html = await (await client.get("/rules")).text()
+        assert html.count('<tr class="projection"') == 2
+        for name, (rules, report) in runs.items():
+            cells = _cells(html, name)
+            stats = await log_stats(writer, rules)
+            assert rules.version in html[html.index(f'data-name="{name}"') :].split("</tr>")[0]
+            assert int(cells["covers"]) == report.covers_position
+            assert int(cells["sessions"]) == stats.sessions == report.sessions
+            assert int(cells["samples"]) == stats.samples == report.samples
+            assert int(cells["trainable"]) == stats.trainable_tokens == report.trainable_after
+            assert stats.segment_kinds and stats.sample_statuses  # nothing vacuous
+            assert _kv(cells["segment-kinds"]) == stats.segment_kinds
+            assert _kv(cells["sample-statuses"]) == stats.sample_statuses
+            assert _kv(cells["sample-kinds"]) == report.kinds_after
+            rows = await writer.load_projection(name)
+            decoder = msgspec.msgpack.Decoder(SessionSummary)
+            by_status = Counter(decoder.decode(p).status for _c, _d, p in rows.values())
+            assert _kv(cells["session-statuses"]) == dict(by_status)
+            assert name.startswith(SUMMARY_PREFIX)
+        # collapse-final keeps one sample per session, fan-out more: the rows differ
+        counts = [int(_cells(html, n)["samples"]) for n in runs]
+        assert counts[0] > counts[1]
+
+
+async def test_runs_page_answers_while_the_index_is_built(sqlite_url: str) -> None:
+    """While a fold is under way (the startup build of a big log), pages answer at
+    once with the sessions indexed so far and an "indexing N of M" line; the
+    position API reports the progress the open page polls for."""
+    writer = await open_store(sqlite_url, create=True)
+    reader = await open_readonly(sqlite_url)
+    logs = small_logs()
+    try:
+        await write_to(writer, logs[0])
+        async for client in _client(reader):
+            index = client.server.app[INDEX]
+            await index.refresh()  # after the startup build
+            assert "a-linear" in await (await client.get("/")).text()
+            await write_to(writer, logs[1])
+            mid = await writer.last_position()
+            for log in logs[2:]:
+                await write_to(writer, log)
+            head = await writer.last_position()
+            await index.refresh(until=mid)
+            async with index._lock:  # a fold under way, as at startup
+                assert index.indexing
+                page = await asyncio.wait_for(client.get("/"), timeout=30)
+                html = await page.text()
+                assert page.status == 200
+                shown = set(re.findall(r'data-session="([^"]+)"', html))
+                assert shown == {"a-linear", "b-compact"}
+                line = html[html.index('id="indexing"') :].split("</p>")[0]
+                assert f"{mid} of {head} events" in line
+                pos = await (await client.get("/api/position")).json()
+                assert (pos["position"], pos["head"], pos["indexing"]) == (mid, head, True)
+                assert pos["sessions"] == 2
+                assert (await client.get("/session/a-linear")).status == 200
+            html = await (await client.get("/")).text()
+            assert 'id="indexing"' not in html
+            shown = set(re.findall(r'data-session="([^"]+)"', html))
+            assert shown == {log.session_id for log in logs}
+            pos = await (await client.get("/api/position")).json()
+            assert (pos["position"], pos["indexing"]) == (head, False)
+    finally:
+        await reader.close()
+        await writer.close()

@@ -427,3 +427,73 @@ def test_open_pages_follow_a_live_log(browser: Any, tmp_path: Path) -> None:
         assert runs.errors == [] and session.errors == []
     finally:
         viewer.stop()
+
+
+def test_indexing_line_gives_way_to_the_whole_index(browser: Any, tmp_path: Path) -> None:
+    """The runs page opened while the startup index is still being built shows the
+    sessions indexed so far and an "indexing N of M" line; when the build ends,
+    the page's own poll replaces both with every session, no reload."""
+    import threading
+
+    from aiohttp import web
+    from builders import small_logs
+
+    from replay.rules import Rules
+    from replay.view.app import INDEX, make_app
+    from replay.view.readonly import open_readonly
+
+    url = f"sqlite+aiosqlite:///{tmp_path / 'idx.db'}"
+    logs = small_logs()
+
+    async def write() -> tuple[int, int]:
+        store = await open_store(url, create=True)
+        try:
+            for log in logs[:2]:
+                await write_to(store, log)
+            mid = await store.last_position()
+            for log in logs[2:]:
+                await write_to(store, log)
+            return mid, await store.last_position()
+        finally:
+            await store.close()
+
+    mid, head = _run(write())
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def call(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(120)
+
+    async def start() -> tuple[Any, web.AppRunner, int]:
+        reader = await open_readonly(url)
+        app = make_app(reader, Rules(), token=None, tokenizer=None)
+        index = app[INDEX]
+        await index.refresh(until=mid)  # the build got this far ...
+        await index._lock.acquire()  # ... and is still under way
+        runner = web.AppRunner(app)
+        await runner.setup()  # starts the startup build: it waits for the lock
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return reader, runner, port
+
+    reader, runner, port = call(start())
+    index = runner.app[INDEX]
+    try:
+        pg = Page(browser, f"http://127.0.0.1:{port}")
+        p = pg.goto("/")
+        assert f"{mid} of {head} events" in p.locator("#indexing").inner_text()
+        assert p.locator("tr.run").count() == 2
+        pg.shot("runs-indexing")
+        loop.call_soon_threadsafe(index._lock.release)  # the build goes on
+        p.wait_for_selector("#indexing", state="detached", timeout=15000)
+        p.wait_for_selector(f'#run-count[data-total="{len(logs)}"]', timeout=15000)
+        assert p.locator("tr.run").count() == len(logs)
+        assert "live" in p.locator("#live").inner_text()
+        assert pg.errors == [] and pg.dialogs == []
+    finally:
+        call(runner.cleanup())
+        call(reader.close())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
