@@ -51,7 +51,8 @@ class ParseCache:
     view of the previous request keeps alive, plus its translation, which
     decodes to about as much) plus a fixed overhead; and a message no
     request used in the last `max_idle_requests` (history replaced by a
-    compaction, a finished subagent) goes too. Not thread-safe: one
+    compaction, a finished subagent) goes too. The previous request's views
+    are kept only while its messages total at most `max_bytes`. Not thread-safe: one
     session's requests are parsed on the server's event loop.
 
     No object per entry: a translation is kept as a plain tuple and its last
@@ -116,8 +117,10 @@ class ParseCache:
         previous, previous_keys = self._previous, self._previous_keys
         keys: list[bytes] = []
         entries, last_used = self._entries, self._last_used
+        total = 0
         for i, raw in enumerate(raws):
             size = len(raw)
+            total += size
             if size > self.max_entry_bytes:
                 conversation.add(translate_message(bytes(raw), i, conversation))
                 keys.append(b"")  # never kept (see `max_entry_bytes`)
@@ -137,7 +140,11 @@ class ParseCache:
                     conversation.check_tool_results(piece, i)
             conversation.add(piece)
             keys.append(key)
-        self._previous, self._previous_keys = list(raws), keys
+        # The views keep the body they point into alive: not beyond `max_bytes`
+        # (on the OpenAI paths that body is the cache's own, joined per request).
+        self._previous, self._previous_keys = (
+            (list(raws), keys) if total <= self.max_bytes else ([], [])
+        )
         idle_before = now - self.max_idle_requests
         self._evict(lambda oldest: last_used[oldest] < idle_before)
 

@@ -402,6 +402,7 @@ def test_message_larger_than_the_byte_bound_is_not_kept() -> None:
     cache = ParseCache(max_bytes=5000)
     _assert_same(session.body(), cache)
     assert len(cache) == 0 and cache.nbytes == 0
+    assert cache._previous == []  # nor the body it is a view of
 
 
 _SHARED = ParseCache(max_entries=64)
