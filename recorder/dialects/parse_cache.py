@@ -52,7 +52,8 @@ class ParseCache:
     decodes to about as much) plus a fixed overhead; and a message no
     request used in the last `max_idle_requests` (history replaced by a
     compaction, a finished subagent) goes too. The previous request's views
-    are kept only while its messages total at most `max_bytes`. Not thread-safe: one
+    are kept only while its messages total at most `max_bytes` and none is
+    too big to cache. Not thread-safe: one
     session's requests are parsed on the server's event loop.
 
     No object per entry: a translation is kept as a plain tuple and its last
@@ -122,6 +123,7 @@ class ParseCache:
             size = len(raw)
             total += size
             if size > self.max_entry_bytes:
+                total = self.max_bytes + 1  # its view would keep it alive: keep none
                 conversation.add(translate_message(bytes(raw), i, conversation))
                 keys.append(b"")  # never kept (see `max_entry_bytes`)
                 continue
@@ -140,11 +142,11 @@ class ParseCache:
                     conversation.check_tool_results(piece, i)
             conversation.add(piece)
             keys.append(key)
-        # The views keep the body they point into alive: not beyond `max_bytes`
-        # (on the OpenAI paths that body is the cache's own, joined per request).
-        self._previous, self._previous_keys = (
-            (list(raws), keys) if total <= self.max_bytes else ([], [])
-        )
+        # The views keep the body they point into alive: not beyond `max_bytes`, nor
+        # with a message too big to cache (on the OpenAI paths that body is the
+        # cache's own, joined per request, not the one the server keeps).
+        keep = total <= self.max_bytes
+        self._previous, self._previous_keys = (list(raws), keys) if keep else ([], [])
         idle_before = now - self.max_idle_requests
         self._evict(lambda oldest: last_used[oldest] < idle_before)
 
