@@ -8,6 +8,7 @@ a turn costs what its new messages cost plus one scan of the body.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -32,24 +33,31 @@ class Conversation(Protocol):
 
 
 class ParseCache:
-    """One session's translated messages, keyed by their exact JSON bytes (LRU, bounded).
+    """One session's translated messages, keyed by a digest of their JSON bytes (LRU, bounded).
 
     Identical bytes decode to the identical message, so a hit needs no
     decoding, validation or translation; only the cross-message rules run
-    again (`_Conversation`). The previous request's keys are kept in order:
-    a message at the same position as before is matched by a byte compare,
-    so only messages that moved or are new get hashed.
+    again (`_Conversation`). The key is a 16-byte BLAKE2b digest, not a copy
+    of the message's JSON: a 100k-token session kept ~540 kB of keys that
+    repeated its previous request body byte for byte. The previous request's
+    messages are kept as the `msgspec.Raw` views the decoder made (views into
+    that request's body, which the server keeps anyway as the basis of the
+    next body's delta) with their digests, in order: a message at the same
+    position as before is matched by a byte compare against its view, so
+    only messages that moved or are new get hashed, and a hit copies nothing.
 
     Bounds: the least recently used messages go beyond `max_entries` or
-    `max_bytes`, where a message is charged twice its JSON size (the key plus
-    its translation) plus a fixed overhead; and a message no request used in
-    the last `max_idle_requests` (history replaced by a compaction, a
-    finished subagent) goes too. The previous request's key list may keep a
-    few evicted keys alive until the next request. Not thread-safe: one
+    `max_bytes`, where a message is charged twice its JSON size (the JSON a
+    view of the previous request keeps alive, plus its translation, which
+    decodes to about as much) plus a fixed overhead; and a message no
+    request used in the last `max_idle_requests` (history replaced by a
+    compaction, a finished subagent) goes too. The previous request's views
+    are kept only while its messages total at most `max_bytes` and none is
+    too big to cache. Not thread-safe: one
     session's requests are parsed on the server's event loop.
 
     No object per entry: a translation is kept as a plain tuple and its last
-    use as an int in a flat dict (untracked by the cyclic GC), two tracked
+    use and size as ints in flat dicts (untracked by the cyclic GC), two tracked
     objects per message instead of three. Every full collection walks them
     all: after a restart, 256 restored caches of 200 messages made full
     collections take ~150-200 ms each, most of what the restart cost beyond
@@ -57,7 +65,7 @@ class ParseCache:
     """
 
     # Per message beyond 2x its JSON: the translation's dicts and strings (~600 bytes
-    # measured by tests/server/test_memory.py) and the dict slot.
+    # measured by tests/server/test_memory.py), the digest and the dict slots.
     ENTRY_OVERHEAD = 640
 
     def __init__(
@@ -72,7 +80,10 @@ class ParseCache:
         self.max_entry_bytes = max_bytes // 16
         self._entries: OrderedDict[bytes, CachedPiece] = OrderedDict()  # LRU first
         self._last_used: dict[bytes, int] = {}  # key -> number of the request
-        self._previous: list[bytes] = []
+        self._sizes: dict[bytes, int] = {}  # key -> its message's JSON size
+        # The previous request's messages (views into its body) and their keys.
+        self._previous: list[msgspec.Raw] = []
+        self._previous_keys: list[bytes] = []
         self._nbytes = 0
         self._requests = 0
 
@@ -87,7 +98,8 @@ class ParseCache:
     def clear(self) -> None:
         self._entries.clear()
         self._last_used.clear()
-        self._previous = []
+        self._sizes.clear()
+        self._previous, self._previous_keys = [], []
         self._nbytes = 0
 
     def add_messages(
@@ -103,18 +115,26 @@ class ParseCache:
         """
         self._requests += 1
         now = self._requests
-        previous, keys, entries, last_used = self._previous, [], self._entries, self._last_used
+        previous, previous_keys = self._previous, self._previous_keys
+        keys: list[bytes] = []
+        entries, last_used = self._entries, self._last_used
+        total = 0
         for i, raw in enumerate(raws):
-            data = bytes(raw)
-            if len(data) > self.max_entry_bytes:
-                conversation.add(translate_message(data, i, conversation))
+            size = len(raw)
+            total += size
+            if size > self.max_entry_bytes:
+                total = self.max_bytes + 1  # its view would keep it alive: keep none
+                conversation.add(translate_message(bytes(raw), i, conversation))
                 keys.append(b"")  # never kept (see `max_entry_bytes`)
                 continue
-            key = previous[i] if i < len(previous) and previous[i] == data else data
+            if i < len(previous) and previous_keys[i] and previous[i] == raw:
+                key = previous_keys[i]
+            else:
+                key = hashlib.blake2b(raw, digest_size=16).digest()
             piece = entries.get(key)
             if piece is None:
-                piece = translate_message(data, i, conversation)
-                self._put(key, piece, now)
+                piece = translate_message(bytes(raw), i, conversation)
+                self._put(key, piece, size, now)
             else:
                 last_used[key] = now
                 entries.move_to_end(key)
@@ -122,14 +142,19 @@ class ParseCache:
                     conversation.check_tool_results(piece, i)
             conversation.add(piece)
             keys.append(key)
-        self._previous = keys
+        # The views keep the body they point into alive: not beyond `max_bytes`, nor
+        # with a message too big to cache (on the OpenAI paths that body is the
+        # cache's own, joined per request, not the one the server keeps).
+        keep = total <= self.max_bytes
+        self._previous, self._previous_keys = (list(raws), keys) if keep else ([], [])
         idle_before = now - self.max_idle_requests
         self._evict(lambda oldest: last_used[oldest] < idle_before)
 
-    def _put(self, key: bytes, piece: CachedPiece, now: int) -> None:
+    def _put(self, key: bytes, piece: CachedPiece, size: int, now: int) -> None:
         self._entries[key] = piece
         self._last_used[key] = now
-        self._nbytes += self._cost(key)
+        self._sizes[key] = size
+        self._nbytes += 2 * size + self.ENTRY_OVERHEAD
         # Checked inline first: a session's first request after a restart puts
         # every message of its history (hundreds), and is rarely over a bound.
         if len(self._entries) > self.max_entries:
@@ -143,7 +168,4 @@ class ParseCache:
         while entries and while_oldest(next(iter(entries))):
             key, _ = entries.popitem(last=False)
             del self._last_used[key]
-            self._nbytes -= self._cost(key)
-
-    def _cost(self, key: bytes) -> int:
-        return 2 * len(key) + self.ENTRY_OVERHEAD
+            self._nbytes -= 2 * self._sizes.pop(key) + self.ENTRY_OVERHEAD

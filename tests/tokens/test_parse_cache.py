@@ -15,6 +15,8 @@ import json
 import random
 from typing import Any
 
+import msgspec
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -258,6 +260,58 @@ def test_only_new_messages_are_translated(monkeypatch: pytest.MonkeyPatch) -> No
     assert len(translated) == n
 
 
+def test_a_same_length_edit_in_place_is_translated_anew(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A message at the same position and offset, same length, one byte changed: the
+    position match must compare the bytes, not trust the position or the length."""
+    translated: list[str] = []
+    original = translate._translate_message
+
+    def counting(message: translate.Message, path: str, seen: set[str]) -> Any:
+        translated.append(path)
+        return original(message, path, seen)
+
+    monkeypatch.setattr(translate, "_translate_message", counting)
+    session, cache = _Session(random.Random(5)), ParseCache()
+    for _ in range(6):
+        session.tool_turn()
+    session.messages[0]["content"] = "aaaa"
+    first = session.body()
+    assert parse_request(first, cache=cache) == parse_request(first)
+    session.messages[0]["content"] = "aaab"
+    second = session.body()
+    assert len(second) == len(first)
+    translated.clear()
+    assert parse_request(second, cache=cache) == parse_request(second)
+    assert translated.count("messages.0") == 2  # the uncached parse and the cached one
+    assert len(translated) == len(session.messages) + 1
+
+
+def test_the_cache_keeps_digests_not_copies_of_the_messages() -> None:
+    """Keys are 16-byte digests; the only message bytes the cache keeps alive are the
+    previous body's (as views into it), whatever the body's size."""
+    session, cache = _Session(random.Random(6)), ParseCache()
+    for _ in range(30):
+        session.tool_turn()
+        parse_request(session.body(), cache=cache)
+    assert len(cache) > 30
+    assert {len(key) for key in cache._entries} == {16}
+    body = session.body()
+    parse_request(body, cache=cache)
+    # The previous request's views are views of that very body, no copy of it.
+    assert all(isinstance(raw, msgspec.Raw) for raw in cache._previous)
+    base = np.frombuffer(body, dtype=np.uint8).__array_interface__["data"][0]
+    for raw in cache._previous:
+        start = np.frombuffer(raw, dtype=np.uint8).__array_interface__["data"][0] - base
+        assert 0 <= start <= len(body) - len(raw)
+        assert body[start : start + len(raw)] == bytes(raw)
+    # A message moved to another position is still a hit (found by its digest).
+    session.messages.insert(1, {"role": "user", "content": "inserted"})
+    session.messages.insert(2, {"role": "assistant", "content": "noted"})
+    entries = len(cache)
+    _assert_same(session.body(), cache)
+    assert len(cache) == entries + 2
+
+
 def _cached_session(turns: int) -> tuple[_Session, ParseCache]:
     session, cache = _Session(random.Random(2)), ParseCache()
     for _ in range(turns):
@@ -348,6 +402,7 @@ def test_message_larger_than_the_byte_bound_is_not_kept() -> None:
     cache = ParseCache(max_bytes=5000)
     _assert_same(session.body(), cache)
     assert len(cache) == 0 and cache.nbytes == 0
+    assert cache._previous == []  # nor the body it is a view of
 
 
 _SHARED = ParseCache(max_entries=64)
