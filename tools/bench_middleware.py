@@ -47,7 +47,11 @@ Messages, measured in the same run (the issue's "within 10%").
 Section cpu (`--section cpu`, or `all`): whole `recorder serve` processes,
 CPU per turn from /proc (all threads) against the re-render peer, and against
 another checkout with `--before-src DIR` (tools/benchkit/cpu_turns.py), with
-the load average; default checkpoints there 1k, 10k, 100k, 200k.
+the load average; default checkpoints there 1k, 10k, 100k, 200k. With
+`--slime-src DIR` (a THUDM/slime checkout) slime's agent middleware, its real
+AnthropicAdapter in its own process (tools/benchkit/slime_peer.py), takes the
+same turns too: columns "slime CPU ms", "slime wall p50", "slime/ours CPU", and
+a line comparing its prompt ids with our chain's. CI runs it without.
 
 Section 2, pure (no HTTP, no store, no engine): parse + plan in-process, the
 chain path against parse + full render + full encode, median of repeats
@@ -57,7 +61,7 @@ chain path against parse + full render + full encode, median of repeats
         [--section both|e2e|pure] [--engine-thread] [--engine-latency-ms 50]
         [--db-dir DIR] [--per-turn] [--repeat 30] [--dialect anthropic|openai-chat]
     python -m tools.bench_middleware --section cpu [--cpu-contexts 1000,10000,100000,200000]
-        [--before-src DIR] [--no-peer]
+        [--before-src DIR] [--no-peer] [--slime-src DIR]
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ from recorder.server import RecorderServer
 from tools.bench_middleware_pure import measure, pure_table
 from tools.benchkit import wire
 from tools.benchkit.conversation import FIXED_TOKENS_PER_TURN, Conversation, words_per_token
-from tools.benchkit.cpu_turns import CpuRow, cpu_table, run_cpu
+from tools.benchkit.cpu_turns import CpuRow, PromptCheck, cpu_table, prompt_note, run_cpu
 from tools.benchkit.engine import TOKENIZER, EngineProcess, EngineThread, fixture_tokenizer
 from tools.benchkit.probes import Planner, time_store_calls
 from tools.benchkit.procs import REPO
@@ -472,6 +476,7 @@ class Results:
     e2e: list[E2eRow] = field(default_factory=list)
     pure: list[dict[str, float]] = field(default_factory=list)
     cpu: list[CpuRow] = field(default_factory=list)
+    slime_prompt: PromptCheck | None = None
 
 
 def main(argv: list[str] | None = None) -> Results:
@@ -492,6 +497,12 @@ def main(argv: list[str] | None = None) -> Results:
         help="cpu: another checkout (e.g. a git worktree of main) measured in the same run",
     )
     ap.add_argument("--no-peer", action="store_true", help="cpu: leave out the re-render peer")
+    ap.add_argument(
+        "--slime-src",
+        type=Path,
+        default=None,
+        help="cpu: a THUDM/slime checkout; adds slime's agent middleware (its real code)",
+    )
     ap.add_argument("--contexts", default="1000,10000,100000", help="checkpoints, tokens")
     ap.add_argument("--turns", type=int, default=30, help="e2e: measured turns per mode")
     ap.add_argument("--new-tokens", type=int, default=200, help="e2e: context growth per turn")
@@ -547,17 +558,20 @@ def main(argv: list[str] | None = None) -> Results:
         if args.per_turn:
             out.print(per_turn_table(points))
     if args.section in ("all", "cpu"):
-        rows, load_before, load_after = asyncio.run(
+        run = asyncio.run(
             run_cpu(
                 ints(args.cpu_contexts),
                 args.turns,
                 args.engine_latency_ms / 1000,
                 args.before_src,
                 not args.no_peer,
+                args.slime_src,
             )
         )
-        results.cpu = rows
-        out.print(cpu_table(rows, args.engine_latency_ms, (load_before, load_after)))
+        results.cpu, results.slime_prompt = run.rows, run.slime_prompt
+        out.print(cpu_table(run.rows, args.engine_latency_ms, (run.load_before, run.load_after)))
+        if run.slime_prompt is not None:
+            out.print(prompt_note(run.slime_prompt))
     if args.section in ("both", "all", "pure"):
         tok = load_tokenizer(str(TOKENIZER), chat_template=str(TEMPLATE))
         for context in contexts:

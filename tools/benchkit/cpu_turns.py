@@ -8,6 +8,12 @@ its own SQLite file, in front of one scripted engine (a child process too):
              main): the before/after figures of one change, in one run
   re-render  this checkout with the full re-render planner (`benchkit.peer`):
              what a middleware that re-tokenizes every turn pays
+  slime      slime's agent middleware, its real `AnthropicAdapter` run from a
+             checkout (`--slime-src DIR`, `benchkit.slime_peer`): renders the
+             whole history with the HF chat template every turn; no store.
+             Its sessions open on their first request (a fresh sid each).
+             After the run, slime's rendering of ours' last request is
+             compared with the ids our chain sent for it (`PromptCheck`).
 
 Each gets the same Claude-Code-shaped conversation (same seed), grown fast
 to just below each checkpoint, then `turns` rounds: in each round every
@@ -21,28 +27,53 @@ read before and after, since the machine is shared.
 from __future__ import annotations
 
 import asyncio
+import copy
 import statistics
+import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import aiohttp
 
+from recorder.log import events as ev
+from recorder.log.store import open_store
 from tools.benchkit import wire
 from tools.benchkit.conversation import Conversation
 from tools.benchkit.cpu import cpu_ns, cpu_ticks_s, load_average
-from tools.benchkit.engine import EngineProcess
-from tools.benchkit.recorder import ADMIN, RecorderProcess
+from tools.benchkit.engine import EngineProcess, fixture_tokenizer
+from tools.benchkit.recorder import RecorderProcess
+from tools.benchkit.slime_peer import (
+    SlimeProcess,
+    TokenDifference,
+    check_slime_src,
+    token_difference,
+)
 from tools.benchkit.table import rich_table
 
 STEP_WORDS = 110  # ~150 tokens of tool result; with the ~50-token answer ~200 per turn
 GROW_WORDS = 6000
 
 
+class Served(Protocol):
+    """A middleware under test in its own process: where it listens, its process
+    (whose /proc counters are read), and how a session opens on it."""
+
+    url: str
+    proc: subprocess.Popen[bytes]
+
+    async def wait_healthy(self, http: aiohttp.ClientSession) -> None: ...
+
+    async def open_session(self, http: aiohttp.ClientSession) -> str: ...
+
+    async def stop(self) -> None: ...
+
+
 @dataclass
 class Contender:
     name: str
-    proc: RecorderProcess
+    proc: Served
     conversation: Conversation = field(default_factory=Conversation)
     session_id: str = ""
     context: int = 0
@@ -57,14 +88,34 @@ class CpuRow:
     ticks_ms: dict[str, float]
 
 
+@dataclass(frozen=True)
+class PromptCheck:
+    """slime's rendering of ours' last request against the ids our chain sent for it."""
+
+    difference: TokenDifference
+    ours_text: str  # the differing middle of each, decoded ("" when identical)
+    slime_text: str
+
+
+@dataclass
+class CpuRun:
+    rows: list[CpuRow]
+    load_before: str
+    load_after: str
+    slime_prompt: PromptCheck | None = None
+
+
 async def run_cpu(
     contexts: list[int],
     turns: int,
     engine_latency_s: float,
     before_src: Path | None = None,
     peer: bool = True,
-) -> tuple[list[CpuRow], str, str]:
-    """(rows, load average before, load average after)."""
+    slime_src: Path | None = None,
+) -> CpuRun:
+    """Every contender through every checkpoint, the load average before and after."""
+    if slime_src is not None:
+        slime_src = check_slime_src(slime_src)  # before any process starts
     load_before = load_average()
     engine = EngineProcess(int(max(contexts) * 1.3) + 40_000, engine_latency_s)
     await engine.start()
@@ -78,19 +129,45 @@ async def run_cpu(
             Contender(name, RecorderProcess(engine.url, f"{tmp}/{name}.db", log=True, **kw))  # type: ignore[arg-type]
             for name, kw in specs
         ]
+        if slime_src is not None:
+            contenders.append(Contender("slime", SlimeProcess(slime_src, engine.url, log=True)))
+        check = None
         try:
             timeout = aiohttp.ClientTimeout(total=1200)
             async with aiohttp.ClientSession(timeout=timeout) as http:
                 for c in contenders:
                     await c.proc.wait_healthy(http)
-                    c.session_id = await wire.open_session(http, c.proc.url, ADMIN, {})
+                    c.session_id = await c.proc.open_session(http)
                     await _turn(http, c, None)
                 rows = [await _checkpoint(http, contenders, t, turns) for t in sorted(contexts)]
+                slime = contenders[-1].proc
+                if isinstance(slime, SlimeProcess):
+                    check = await _check_prompt(http, contenders[0], slime, f"{tmp}/ours.db")
         finally:
             for c in contenders:
                 await c.proc.stop()
             await engine.stop()
-    return rows, load_before, load_average()
+    return CpuRun(rows, load_before, load_average(), check)
+
+
+async def _check_prompt(
+    http: aiohttp.ClientSession, ours: Contender, slime: SlimeProcess, db: str
+) -> PromptCheck:
+    """Render ours' last request with slime; compare with the ids ours sent the engine."""
+    last = copy.copy(ours.conversation)
+    last.messages = ours.conversation.messages[:-1]  # the request, before its answer joined
+    theirs = await slime.prompt_ids(http, last.body())
+    store = await open_store(db)
+    try:
+        records = await store.read_session(ours.session_id)
+        rendered = [r.event for r in records if isinstance(r.event, ev.RenderedInput)]
+        ids = (await store.get_array(rendered[-1].input_ids)).tolist()
+    finally:
+        await store.close()
+    diff = token_difference(ids, theirs)
+    tok = fixture_tokenizer()
+    mine, slimes = diff.middles(ids, theirs)
+    return PromptCheck(diff, tok.decode(mine), tok.decode(slimes))
 
 
 async def _turn(http: aiohttp.ClientSession, c: Contender, words: int | None) -> float:
@@ -137,6 +214,11 @@ def cpu_table(rows: list[CpuRow], engine_latency_ms: float, loads: tuple[str, st
         f"median (mean) over turns; wall p50 includes the scripted engine's {engine_latency_ms:g} "
         f"ms per call\nbefore the run: {loads[0]}; after: {loads[1]}"
     )
+    if "slime" in names:
+        title += (
+            "\nslime = slime's agent middleware (its AnthropicAdapter, real code from --slime-src) "
+            "in its own process: same engine, conversation and rotation"
+        )
     cols = ["context tok", "turns"]
     for n in names:
         cols += [f"{n} CPU ms", f"{n} wall p50"]
@@ -155,3 +237,17 @@ def cpu_table(rows: list[CpuRow], engine_latency_ms: float, loads: tuple[str, st
         cell += [f"{r.ticks_ms['ours']:.2f}"]
         cells.append(tuple(cell))
     return rich_table(title, tuple(cols), cells)
+
+
+def prompt_note(check: PromptCheck) -> str:
+    """One paragraph under the table: does slime send the engine what our chain sends?"""
+    d = check.difference
+    head = f"slime's rendering of ours' last request: {d.theirs:,} tokens, ours sent {d.ours:,}"
+    if d.identical:
+        return head + ": identical ids."
+    return (
+        f"{head}; the same but for tokens {d.head:,}..{d.ours - d.tail:,} of ours "
+        f"({d.ours - d.tail - d.head} tokens: {check.ours_text!r}) against {d.head:,}.."
+        f"{d.theirs - d.tail:,} of slime's ({d.theirs - d.tail - d.head} tokens: "
+        f"{check.slime_text!r})."
+    )

@@ -27,7 +27,7 @@ from replay.rules import load_rules
 from tools.benchkit.engine import TOKENIZER
 from tools.benchkit.memory import ProcessMemory
 from tools.benchkit.procs import REPO, python_module
-from tools.benchkit.wire import wait_healthy
+from tools.benchkit.wire import open_session, wait_healthy
 from tools.test_engine.launch import free_port
 
 ADMIN = "bench"
@@ -81,6 +81,10 @@ class RecorderProcess:
 
     async def wait_healthy(self, http: aiohttp.ClientSession) -> None:
         await wait_healthy(http, self.url, self.proc.poll, "the recorder")
+
+    async def open_session(self, http: aiohttp.ClientSession) -> str:
+        """A new session over the admin API (token `ADMIN`); its id is the client's API key."""
+        return await open_session(http, self.url, ADMIN, {})
 
     def rss(self) -> int:
         return self.memory.rss()

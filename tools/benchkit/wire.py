@@ -60,14 +60,15 @@ async def wait_healthy(
     exited: Callable[[], int | None],
     what: str,
     timeout_s: float = 120,
+    path: str = "/health",
 ) -> None:
-    """Poll `GET /health` until 200; `exited()` returns a return code once the process died."""
+    """Poll `GET path` until 200; `exited()` returns a return code once the process died."""
     for _ in range(int(timeout_s * 10)):
         code = exited()
         if code is not None:
             raise RuntimeError(f"{what} exited with code {code}")
         try:
-            async with http.get(url + "/health") as resp:
+            async with http.get(url + path) as resp:
                 if resp.status == 200:
                     return
         except aiohttp.ClientError:
