@@ -1,5 +1,6 @@
 """The per-turn middleware and training-run benchmarks still run, at toy sizes (no timing
-assertions).
+assertions). With TR_SLIME_SRC set to a THUDM/slime checkout, the cpu section runs
+with slime's agent middleware as a contender too (a test CI does not collect).
 
 Both sections run: end to end (real server, SQLite store, scripted engine,
 chain path against the full re-render planner) and the pure parse + plan
@@ -9,9 +10,17 @@ or when the full re-render does not reproduce the chain's tokens.
 
 from __future__ import annotations
 
+import importlib.util
+import os
+from pathlib import Path
+
 import pytest
 
+from tests.conftest import missing
 from tools.bench_middleware import main
+from tools.benchkit.slime_peer import ADAPTER_MODULE
+
+SLIME_ENV = "TR_SLIME_SRC"
 
 
 def test_bench_middleware_runs_at_toy_sizes(capsys: pytest.CaptureFixture[str]) -> None:
@@ -73,5 +82,42 @@ def test_bench_middleware_cpu_section_measures_each_process(
         assert set(row.cpu_ms) == {"ours", "re-render"}
         assert all(len(v) == 2 and min(v) > 0 for v in row.cpu_ms.values())
     assert results.cpu[0].context["ours"] < results.cpu[1].context["ours"]
+    assert results.slime_prompt is None  # no --slime-src: the table is ours and the peer only
     out = capsys.readouterr().out
     assert "CPU per turn of each recorder process" in out and "load average" in out
+    assert "slime" not in out
+
+
+# Collected only where TR_SLIME_SRC is set (a developer's machine with a THUDM/slime
+# checkout): CI has no slime checkout and runs the cpu section without it (above), so
+# CI never selects this test. Set but unusable, it calls `missing` (skips locally).
+if os.environ.get(SLIME_ENV):
+
+    def test_bench_middleware_cpu_section_with_slime(capsys: pytest.CaptureFixture[str]) -> None:
+        """slime's real AnthropicAdapter takes the same turns; its prompt differs from our
+        chain's only inside one message (the system prompt), never in the conversation."""
+        from recorder.model import sglang_compat
+
+        src = Path(os.environ[SLIME_ENV])
+        if not (src / ADAPTER_MODULE).is_file():
+            missing(f"{SLIME_ENV}={src} has no {ADAPTER_MODULE}", "point it at a slime checkout")
+        if importlib.util.find_spec("torch") is None:
+            missing("torch is not installed (slime imports it)", "pip install -e .[tiny]")
+        if not sglang_compat.available():
+            missing("SGLang's parser modules do not import", sglang_compat.INSTALL_HINT)
+        results = main(
+            ["--section", "cpu", "--cpu-contexts", "700,1600", "--turns", "2",
+             "--engine-latency-ms", "2", "--no-peer", "--slime-src", str(src)]
+        )  # fmt: skip
+        for row in results.cpu:
+            assert set(row.cpu_ms) == {"ours", "slime"}
+            assert all(len(v) == 2 and min(v) > 0 for v in row.cpu_ms.values())
+            assert all(len(v) == 2 and min(v) > 0 for v in row.wall_ms.values())
+        check = results.slime_prompt
+        assert check is not None
+        diff = check.difference
+        assert diff.head > 0 and diff.tail > diff.ours // 2  # the conversation itself agrees
+        assert "<|im_start|>" not in check.ours_text + check.slime_text
+        out = capsys.readouterr().out
+        assert "slime CPU ms" in out and "slime/ours CPU" in out
+        assert "slime's rendering of ours' last request" in out

@@ -22,6 +22,7 @@ from tools.benchkit import wire
 from tools.benchkit.conversation import Conversation
 from tools.benchkit.memory import status_bytes
 from tools.benchkit.procs import measure_in_child
+from tools.benchkit.slime_peer import TokenDifference, check_slime_src, token_difference
 from tools.benchkit.stats import (
     Span,
     engine_seconds,
@@ -131,3 +132,28 @@ def test_status_bytes_reads_this_process_memory() -> None:
     assert status_bytes("VmHWM") >= status_bytes("VmRSS") > 0
     with pytest.raises(RuntimeError, match="NoSuchField"):
         status_bytes("NoSuchField")
+
+
+def test_token_difference_finds_the_one_differing_middle() -> None:
+    same = token_difference([1, 2, 3], [1, 2, 3])
+    assert same == TokenDifference(3, 3, 3, 0) and same.identical
+    ours, theirs = [5, 1, 2, 9, 7, 8], [5, 1, 4, 4, 4, 7, 8]
+    diff = token_difference(ours, theirs)
+    assert (diff.head, diff.tail, diff.identical) == (2, 2, False)
+    assert diff.middles(ours, theirs) == ([2, 9], [4, 4, 4])
+
+
+def test_token_difference_never_counts_a_token_in_both_head_and_tail() -> None:
+    # One rendering extends the other: the tail must not reach back into the head.
+    assert token_difference([1, 2, 3], [1, 2, 3, 3]).middles([1, 2, 3], [1, 2, 3, 3]) == ([], [3])
+    diff = token_difference([1, 2, 2, 3], [1, 2, 3])
+    assert (diff.head, diff.tail) == (2, 1)
+    assert diff.middles([1, 2, 2, 3], [1, 2, 3]) == ([2], [])
+
+
+def test_slime_src_must_be_a_slime_checkout(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="THUDM/slime"):
+        check_slime_src(tmp_path)
+    (tmp_path / "slime" / "agent" / "adapters").mkdir(parents=True)
+    (tmp_path / "slime" / "agent" / "adapters" / "anthropic.py").write_text("")
+    assert check_slime_src(tmp_path) == tmp_path.resolve()
