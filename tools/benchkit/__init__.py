@@ -8,6 +8,8 @@
   (or its full re-render peer) or a `RecorderServer` in this process.
 - `peer`: the full re-render + re-tokenize planner, the baseline several
   benchmarks measure against.
+- `slime_peer`: slime's agent middleware (its real AnthropicAdapter, run from
+  a checkout) in a child process, the cpu section's `--slime-src` contender.
 - `probes`: patches timing an in-process recorder's own planner, parse and
   store calls.
 - `conversation`: Claude-Code-shaped sessions (synthetic text, tools, the
