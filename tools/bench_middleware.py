@@ -51,7 +51,10 @@ the load average; default checkpoints there 1k, 10k, 100k, 200k. With
 `--slime-src DIR` (a THUDM/slime checkout) slime's agent middleware, its real
 AnthropicAdapter in its own process (tools/benchkit/slime_peer.py), takes the
 same turns too: columns "slime CPU ms", "slime wall p50", "slime/ours CPU", and
-a line comparing its prompt ids with our chain's. CI runs it without.
+a line comparing its prompt ids with our chain's. CI runs it without. The
+"floor" column (`--no-floor` leaves it out) is the I/O any aiohttp middleware
+must do per turn and nothing else (tools/benchkit/floor.py): what our CPU per
+turn cannot go below without leaving aiohttp and asyncio's transports.
 
 Section 2, pure (no HTTP, no store, no engine): parse + plan in-process, the
 chain path against parse + full render + full encode, median of repeats
@@ -61,7 +64,7 @@ chain path against parse + full render + full encode, median of repeats
         [--section both|e2e|pure] [--engine-thread] [--engine-latency-ms 50]
         [--db-dir DIR] [--per-turn] [--repeat 30] [--dialect anthropic|openai-chat]
     python -m tools.bench_middleware --section cpu [--cpu-contexts 1000,10000,100000,200000]
-        [--before-src DIR] [--no-peer] [--slime-src DIR]
+        [--before-src DIR] [--no-peer] [--no-floor] [--slime-src DIR]
 """
 
 from __future__ import annotations
@@ -498,6 +501,11 @@ def main(argv: list[str] | None = None) -> Results:
     )
     ap.add_argument("--no-peer", action="store_true", help="cpu: leave out the re-render peer")
     ap.add_argument(
+        "--no-floor",
+        action="store_true",
+        help="cpu: leave out the I/O floor (tools/benchkit/floor.py)",
+    )
+    ap.add_argument(
         "--slime-src",
         type=Path,
         default=None,
@@ -566,6 +574,7 @@ def main(argv: list[str] | None = None) -> Results:
                 args.before_src,
                 not args.no_peer,
                 args.slime_src,
+                not args.no_floor,
             )
         )
         results.cpu, results.slime_prompt = run.rows, run.slime_prompt

@@ -72,20 +72,21 @@ def test_bench_training_runs_at_toy_sizes(capsys: pytest.CaptureFixture[str]) ->
 def test_bench_middleware_cpu_section_measures_each_process(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """Whole recorder processes, CPU per turn from /proc, ours against the re-render peer."""
+    """Whole recorder processes, CPU per turn from /proc, ours against the re-render peer
+    and the I/O floor."""
     results = main(
         ["--section", "cpu", "--cpu-contexts", "700,1600", "--turns", "2",
          "--engine-latency-ms", "2"]
     )  # fmt: skip
     assert [r.target for r in results.cpu] == [700, 1600]
     for row in results.cpu:
-        assert set(row.cpu_ms) == {"ours", "re-render"}
+        assert set(row.cpu_ms) == {"ours", "re-render", "floor"}
         assert all(len(v) == 2 and min(v) > 0 for v in row.cpu_ms.values())
     assert results.cpu[0].context["ours"] < results.cpu[1].context["ours"]
     assert results.slime_prompt is None  # no --slime-src: the table is ours and the peer only
     out = capsys.readouterr().out
     assert "CPU per turn of each recorder process" in out and "load average" in out
-    assert "slime" not in out
+    assert "slime" not in out and "floor = the I/O" in out
 
 
 # Collected only where TR_SLIME_SRC is set (a developer's machine with a THUDM/slime
@@ -107,7 +108,7 @@ if os.environ.get(SLIME_ENV):
             missing("SGLang's parser modules do not import", sglang_compat.INSTALL_HINT)
         results = main(
             ["--section", "cpu", "--cpu-contexts", "700,1600", "--turns", "2",
-             "--engine-latency-ms", "2", "--no-peer", "--slime-src", str(src)]
+             "--engine-latency-ms", "2", "--no-peer", "--no-floor", "--slime-src", str(src)]
         )  # fmt: skip
         for row in results.cpu:
             assert set(row.cpu_ms) == {"ours", "slime"}

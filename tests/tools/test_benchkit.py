@@ -11,6 +11,7 @@ attacked here with the real code (real dialect parsers, real processes).
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import sys
 from pathlib import Path
@@ -19,7 +20,9 @@ import pytest
 
 from recorder.dialects import ANTHROPIC, OPENAI_CHAT
 from tools.benchkit import wire
-from tools.benchkit.conversation import Conversation
+from tools.benchkit.conversation import Conversation, tool_call_reply
+from tools.benchkit.engine import fixture_tokenizer
+from tools.benchkit.floor import generate_body, prompt_tokens, sse_answer, tool_call
 from tools.benchkit.memory import status_bytes
 from tools.benchkit.procs import measure_in_child
 from tools.benchkit.slime_peer import TokenDifference, check_slime_src, token_difference
@@ -157,3 +160,19 @@ def test_slime_src_must_be_a_slime_checkout(tmp_path: Path) -> None:
     (tmp_path / "slime" / "agent" / "adapters").mkdir(parents=True)
     (tmp_path / "slime" / "agent" / "adapters" / "anthropic.py").write_text("")
     assert check_slime_src(tmp_path) == tmp_path.resolve()
+
+
+def test_floor_sends_a_generate_body_of_n_ids_and_answers_a_parsable_stream() -> None:
+    """The floor's wire is real: SGLang-shaped ids, and an answer our bench client
+    reads back as a text block and the tool call the engine wrote."""
+    body = json.loads(generate_body(1234))
+    assert len(body["input_ids"]) == 1234 and body["return_logprob"] is True
+    assert prompt_tokens(3_100) == 2_900 and 97_000 < prompt_tokens(550_000) < 101_000
+    text, call = tool_call(tool_call_reply(fixture_tokenizer(), 7, 3))
+    assert text == "I will read the next file to find the failing test."
+    assert call is not None and call["name"] == "Read"
+    _, content, usage = wire.parse_sse(sse_answer(text, call, 1234, 50))
+    assert [b["type"] for b in content] == ["text", "tool_use"]
+    assert content[0]["text"] == text and content[1]["input"] == call["arguments"]
+    assert usage == {"input_tokens": 1234, "output_tokens": 50}
+    assert tool_call("no call here") == ("no call here", None)

@@ -43,6 +43,7 @@ from tools.benchkit import wire
 from tools.benchkit.conversation import Conversation
 from tools.benchkit.cpu import cpu_ns, cpu_ticks_s, load_average
 from tools.benchkit.engine import EngineProcess, fixture_tokenizer
+from tools.benchkit.floor import FloorProcess
 from tools.benchkit.recorder import RecorderProcess
 from tools.benchkit.slime_peer import (
     SlimeProcess,
@@ -112,6 +113,7 @@ async def run_cpu(
     before_src: Path | None = None,
     peer: bool = True,
     slime_src: Path | None = None,
+    floor: bool = True,
 ) -> CpuRun:
     """Every contender through every checkpoint, the load average before and after."""
     if slime_src is not None:
@@ -131,6 +133,8 @@ async def run_cpu(
         ]
         if slime_src is not None:
             contenders.append(Contender("slime", SlimeProcess(slime_src, engine.url, log=True)))
+        if floor:
+            contenders.append(Contender("floor", FloorProcess(engine.url, f"{tmp}/floor.db")))
         check = None
         try:
             timeout = aiohttp.ClientTimeout(total=1200)
@@ -218,6 +222,12 @@ def cpu_table(rows: list[CpuRow], engine_latency_ms: float, loads: tuple[str, st
         title += (
             "\nslime = slime's agent middleware (its AnthropicAdapter, real code from --slime-src) "
             "in its own process: same engine, conversation and rotation"
+        )
+    if "floor" in names:
+        title += (
+            "\nfloor = the I/O any aiohttp middleware must do per turn (read and decode the body, "
+            "/generate with pre-made id JSON, one durable SQLite row, one SSE write: "
+            "tools/benchkit/floor.py)"
         )
     cols = ["context tok", "turns"]
     for n in names:
