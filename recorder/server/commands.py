@@ -157,6 +157,15 @@ log = logging.getLogger("recorder.server")
     "turn on a frozen engine waits about this long before it moves to a live one.",
 )
 @click.option(
+    "--engine-body-cache-mb",
+    type=click.FloatRange(min=0),
+    default=64.0,
+    show_default=True,
+    help="Memory for each session's last /generate body (~6 bytes per context token), "
+    "whose token ids' JSON its next body reuses instead of encoding them again (~0.6 ms "
+    "of CPU per 100k tokens per turn); least recently used sessions' go first. 0: none.",
+)
+@click.option(
     "--restore-from",
     type=click.Choice(["snapshot", "replay"]),
     default="snapshot",
@@ -225,6 +234,7 @@ def serve(
     sqlite_cache_mb: float,
     engine_health_interval: float,
     engine_health_timeout: float,
+    engine_body_cache_mb: float,
     restore_from: str,
     close_watch_interval: float,
     max_cached_mb: float,
@@ -292,6 +302,7 @@ def serve(
         "sqlite_cache_bytes": int(sqlite_cache_mb * 2**20),
         "engine_health_interval_s": engine_health_interval,
         "engine_health_timeout_s": engine_health_timeout,
+        "engine_body_cache_bytes": int(engine_body_cache_mb * 2**20),
         "restore_from_snapshots": restore_from == "snapshot",
         "close_watch_interval_s": close_watch_interval,
         "max_cached_mb": max_cached_mb,
@@ -356,6 +367,7 @@ async def _serve(tokenizer, rules, **s) -> None:  # type: ignore[no-untyped-def]
         s["engines"],
         health_interval_s=s["engine_health_interval_s"],
         health_timeout_s=s["engine_health_timeout_s"],
+        body_cache_bytes=s["engine_body_cache_bytes"],
     )
     await engine.start()
     try:
