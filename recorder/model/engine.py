@@ -24,6 +24,7 @@ import orjson
 
 from recorder.model.engine_wire import (
     EngineError,
+    GenerateBodies,
     GenerateOutput,
     SamplingParams,
     error_message,
@@ -33,6 +34,10 @@ from recorder.model.engine_wire import (
 from recorder.model.failover import DEFAULT_HEALTH_TIMEOUT_S, EnginePool
 
 log = logging.getLogger(__name__)
+
+# Last /generate bodies kept for their sessions' next ones (`GenerateBodies`): ~6 bytes
+# per context token, so 64 MB covers ~100 sessions at 100k tokens.
+DEFAULT_BODY_CACHE_BYTES = 64 << 20
 
 
 class EngineClient(EnginePool):
@@ -50,8 +55,12 @@ class EngineClient(EnginePool):
         max_connections: int = 0,
         health_interval_s: float = 5.0,
         health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S,
+        body_cache_bytes: int = DEFAULT_BODY_CACHE_BYTES,
     ) -> None:
+        """`body_cache_bytes`: memory for the last `/generate` body of each session, whose
+        token ids' JSON the session's next body reuses (`GenerateBodies`)."""
         super().__init__(urls, health_interval_s=health_interval_s)
+        self.bodies = GenerateBodies(body_cache_bytes)
         # Background work (aborts sent to engines marked down), cancelled by close().
         self._detached: set[asyncio.Task[None]] = set()
         self._checks: asyncio.Task[None] | None = None
@@ -112,16 +121,19 @@ class EngineClient(EnginePool):
         *,
         return_routed_experts: bool = False,
         on_sent: Callable[[], None] | None = None,
+        cache_key: str | None = None,
     ) -> GenerateOutput:
         """One `/generate` attempt. Raises EngineError; an abort is a normal result.
 
         `on_sent` is called once the request body is handed to the socket: the
         engine is busy from then on, and the caller can start work that would
-        otherwise compete with sending a long prompt.
+        otherwise compete with sending a long prompt. `cache_key` (the session):
+        the body's token ids reuse the JSON of this key's previous body where
+        they start with its ids (`GenerateBodies`).
         """
         body: dict[str, Any] = {
             "rid": rid,
-            "input_ids": json_ids(input_ids),
+            "input_ids": None,  # placed by GenerateBodies
             "stream": False,
             "return_logprob": True,
             "logprob_start_len": -1,
@@ -130,8 +142,10 @@ class EngineClient(EnginePool):
         }
         if return_routed_experts:
             body["return_routed_experts"] = True
+        ids = np.asarray(json_ids(input_ids), dtype=np.int32)
+        raw = self.bodies.build(cache_key, body, ids)
         started = time.monotonic()
-        status, answer = await self._request("POST", url, "/generate", body, on_sent=on_sent)
+        status, answer = await self._request("POST", url, "/generate", raw=raw, on_sent=on_sent)
         latency = time.monotonic() - started
         if status != 200:
             raise EngineError("http", error_message(answer), status=status, url=url)
@@ -182,7 +196,9 @@ class EngineClient(EnginePool):
         *,
         timeout_s: float | None = None,
         on_sent: Callable[[], None] | None = None,
+        raw: bytes | None = None,
     ) -> tuple[int, Any]:
+        """(status, decoded JSON answer); the body is `body` as JSON, or `raw` JSON bytes."""
         if self._session is None:
             raise RuntimeError("EngineClient.start() was not called")
         target = url.rstrip("/") + path
@@ -195,8 +211,10 @@ class EngineClient(EnginePool):
         if on_sent is not None:
             kwargs["trace_request_ctx"] = _SentSignal(on_sent)
         if body is not None:
-            kwargs["data"] = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
-            kwargs["headers"] = {"Content-Type": "application/json"}
+            raw = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+        if raw is not None:
+            kwargs["data"] = raw
+            kwargs["headers"] = _JSON_HEADERS
         try:
             async with self._session.request(method, target, **kwargs) as resp:
                 raw = await resp.read()
@@ -221,6 +239,9 @@ class EngineClient(EnginePool):
                 ) from None
             answer = raw.decode(errors="replace")
         return status, answer
+
+
+_JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 class _SentSignal:

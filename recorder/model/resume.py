@@ -137,6 +137,7 @@ async def generate_with_resume(
                 time_left,
                 return_routed_experts,
                 on_sent,
+                session_id,
             )
         except EngineError as exc:
             moved = None
@@ -179,6 +180,7 @@ async def _one_attempt(
     time_left: float,
     return_routed_experts: bool,
     on_sent: Callable[[], None] | None,
+    session_id: str | None,
 ) -> GenerateOutput:
     try:
         async with asyncio.timeout(time_left):
@@ -192,6 +194,7 @@ async def _one_attempt(
                     rid,
                     return_routed_experts=return_routed_experts,
                     on_sent=on_sent,
+                    cache_key=session_id,
                 ),
             )
     except asyncio.CancelledError:

@@ -387,6 +387,7 @@ async def close_session(request: web.Request) -> web.Response:
             state.status = "closed"
             state.close_status = status
             forget_tokens(state)
+            ctx.engine.bodies.forget(session_id)  # its last /generate body, kept for a next turn
             ctx.registry.put(state)  # bounded: the oldest closed sessions leave memory
 
         await finish_even_if_cancelled(write())

@@ -87,6 +87,10 @@ async def finish_even_if_cancelled(awaitable: Awaitable[T]) -> T:
     return result
 
 
+def _nothing() -> None:
+    return None
+
+
 class Journal:
     """A buffer of events for one session, the seq the next one gets, and queued steps."""
 
@@ -106,15 +110,22 @@ class Journal:
         self.claimed = False
         # Did a later append follow another process's events?
         self.rebased = False
-        # The conflict that lost the claim, once it happened (`claim_lost` wakes up).
+        # The conflict that lost the claim, once it happened (`on_lost` callbacks run).
         self.lost: ConcurrencyConflict | None = None
-        self._lost = asyncio.Event()
+        self._on_lost: list[Callable[[], None]] = []
 
-    async def claim_lost(self) -> ConcurrencyConflict:
-        """Return once the unit's claiming append lost to another process's."""
-        await self._lost.wait()
-        assert self.lost is not None
-        return self.lost
+    def on_lost(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback` once the unit's claiming append loses to another process's
+        (at once if it has); returns what removes it.
+
+        A callback, not an awaitable: the turn watches for this during every
+        engine call, and a waiting task per turn costs loop iterations.
+        """
+        if self.lost is not None:
+            callback()
+            return _nothing
+        self._on_lost.append(callback)
+        return lambda: self._on_lost.remove(callback) if callback in self._on_lost else None
 
     @property
     def pending(self) -> Sequence[NewEvent]:
@@ -227,7 +238,9 @@ class Journal:
             except ConcurrencyConflict as exc:
                 if not self.claimed:
                     self.lost = exc
-                    self._lost.set()
+                    callbacks, self._on_lost = self._on_lost, []
+                    for callback in callbacks:
+                        callback()
                     raise
                 await self._follow(exc)
                 continue

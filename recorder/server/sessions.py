@@ -63,11 +63,16 @@ class TurnStop:
 
     event: asyncio.Event = field(default_factory=asyncio.Event)
     reason: str = ""
+    # Called once when the turn is stopped (the turn interrupts its engine call).
+    callbacks: list[Callable[[], None]] = field(default_factory=list)
 
     def stop(self, reason: str) -> None:
         if not self.event.is_set():
             self.reason = reason
             self.event.set()
+            callbacks, self.callbacks = self.callbacks, []
+            for callback in callbacks:
+                callback()
 
 
 class SessionContended(Exception):

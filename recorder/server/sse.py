@@ -36,6 +36,17 @@ SSE_HEADERS = {
 PING = ("ping", {"type": "ping"})
 
 
+class _SseResponse(web.StreamResponse):
+    """A streamed response whose status line and headers leave with its first write.
+
+    aiohttp's `StreamResponse` sends them on `prepare` by themselves: one more
+    socket write (and one more wake-up of the client) per turn. `web.Response`
+    buffers them the same way; the stream's first write always follows at once.
+    """
+
+    _send_headers_immediately = False
+
+
 class SseStream:
     """One SSE response; every write goes through one lock so frames never interleave."""
 
@@ -58,6 +69,9 @@ class SseStream:
         self._headers = {**SSE_HEADERS, **(headers or {})}
         self._response: web.StreamResponse | None = None
         self._lock = asyncio.Lock()
+        # The first ping is a timer, not a task: most answers come back before it
+        # is due, and a task per turn costs loop iterations to start and cancel.
+        self._first_ping: asyncio.TimerHandle | None = None
         self._keepalive: asyncio.Task[None] | None = None
         self._greeting: bytes | None = None
         self.client_gone = False
@@ -80,10 +94,19 @@ class SseStream:
         return True
 
     def start_keepalive(self) -> None:
-        if self._keepalive is None:
-            self._keepalive = asyncio.get_running_loop().create_task(self._keep_alive())
+        if self._keepalive is None and self._first_ping is None:
+            self._first_ping = asyncio.get_running_loop().call_later(
+                self._first_byte_after, self._start_pinging
+            )
+
+    def _start_pinging(self) -> None:
+        self._first_ping = None
+        self._keepalive = asyncio.get_running_loop().create_task(self._keep_alive())
 
     async def stop_keepalive(self) -> None:
+        timer, self._first_ping = self._first_ping, None
+        if timer is not None:
+            timer.cancel()
         task, self._keepalive = self._keepalive, None
         if task is not None:
             task.cancel()
@@ -116,9 +139,9 @@ class SseStream:
     async def _open_locked(self) -> None:
         if self._response is not None:
             return
-        response = web.StreamResponse(status=200, headers=self._headers)
+        response = _SseResponse(status=200, headers=self._headers)
         response.enable_chunked_encoding()
-        await response.prepare(self._request)  # aiohttp sends the headers with the first write
+        await response.prepare(self._request)  # the headers go with the first write
         self._response = response
         if self._greeting is not None:
             greeting, self._greeting = self._greeting, None
@@ -149,7 +172,6 @@ class SseStream:
 
     async def _keep_alive(self) -> None:
         try:
-            await asyncio.sleep(self._first_byte_after)
             while not self.client_gone:
                 async with self._lock:
                     await self._open_locked()

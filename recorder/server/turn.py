@@ -221,30 +221,80 @@ async def _unless_claim_lost(journal: Journal, work: Awaitable[T], stop: TurnSto
     A lost claim: its input was planned from a stale head, so its answer would
     be thrown away. Either way the engine is asked to abort (as when the
     client leaves) and the turn ends at once instead of after the generation.
+
+    `work` runs in this task, which either signal cancels (no watcher tasks:
+    they would cost loop iterations every turn); a stop waits at most
+    `_STOP_ABORT_WAIT_S` for the engine's abort (it goes on detached).
     """
-    task = asyncio.ensure_future(work)
-    lost = asyncio.ensure_future(journal.claim_lost())
-    stopped = asyncio.ensure_future(stop.event.wait())
+    task = asyncio.current_task()
+    assert task is not None
+    cause = _Interrupt(task)
+    unhook_lost = journal.on_lost(cause.lost)
+    stop.callbacks.append(cause.stopped)
+    if stop.event.is_set():  # stopped before the engine call began
+        cause.stopped()
     try:
-        done, _ = await asyncio.wait([task, lost, stopped], return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        await asyncio.wait([task])  # the engine's abort goes out before the cancel is recorded
-        raise
+        result = await work
+    except BaseException as exc:
+        if not cause.reason or cause.outer_cancel():
+            raise
+        if not isinstance(exc, asyncio.CancelledError | Exception):
+            raise
+        # The engine call's own end (cancelled, or an error on the way) is not
+        # what the turn reports: the interrupt is.
+        if cause.reason == "stopped":
+            raise TurnStopped(stop.reason) from None
+        assert journal.lost is not None
+        raise journal.lost from None
     finally:
-        lost.cancel()
-        stopped.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    if stop.event.is_set() and not lost.done():
-        await asyncio.wait([task], timeout=_STOP_ABORT_WAIT_S)
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        raise TurnStopped(stop.reason)
-    await asyncio.wait([task])
-    if not task.cancelled():
-        task.exception()  # retrieved: the lost claim is what the turn reports
-    raise lost.result()
+        unhook_lost()
+        if cause.stopped in stop.callbacks:
+            stop.callbacks.remove(cause.stopped)
+        cause.done()
+    cause.outer_cancel()  # the engine call finished first: the interrupt came too late
+    return result
+
+
+class _Interrupt:
+    """Why a turn's engine call was interrupted (its task cancelled), if it was."""
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self._task = task
+        self.reason = ""
+        self._cancels = 0
+        self._late: asyncio.TimerHandle | None = None
+
+    def lost(self) -> None:
+        self._interrupt("lost")
+
+    def stopped(self) -> None:
+        if self._interrupt("stopped"):
+            loop = asyncio.get_running_loop()
+            self._late = loop.call_later(_STOP_ABORT_WAIT_S, self._cancel)
+
+    def _interrupt(self, reason: str) -> bool:
+        if self.reason:
+            return False
+        self.reason = reason
+        self._cancel()
+        return True
+
+    def _cancel(self) -> None:
+        self._late = None
+        self._cancels += 1
+        self._task.cancel()
+
+    def outer_cancel(self) -> bool:
+        """Take back this interrupt's cancels; was the task cancelled from outside too?"""
+        for _ in range(self._cancels):
+            self._task.uncancel()
+        self._cancels = 0
+        return self._task.cancelling() > 0
+
+    def done(self) -> None:
+        if self._late is not None:
+            self._late.cancel()
+            self._late = None
 
 
 async def _plan(

@@ -47,3 +47,43 @@ async def test_a_client_that_stops_reading_is_dropped_not_waited_for() -> None:
     finally:
         sock.close()
         await runner.cleanup()
+
+
+async def test_an_answer_before_the_first_ping_is_one_socket_write() -> None:
+    """Status line, headers, greeting, events and the chunked end leave in one write:
+    each write to a local client is a send and a wake-up of the client."""
+    writes: list[bytes] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        transport = request.transport
+        assert transport is not None
+        write, writelines = transport.write, transport.writelines
+        transport.write = lambda data: (writes.append(bytes(data)), write(data))[1]  # type: ignore[method-assign]
+        transport.writelines = lambda chunks: (  # type: ignore[method-assign]
+            writes.append(b"".join(chunks)),
+            writelines(chunks),
+        )[1]
+        stream = SseStream(request, first_byte_after=60)
+        stream.set_greeting("message_start", {"type": "message_start"})
+        stream.start_keepalive()
+        response = await stream.finish([("message_stop", {"type": "message_stop"})])
+        transport.write, transport.writelines = write, writelines  # type: ignore[method-assign]
+        return response
+
+    app = web.Application()
+    app.router.add_get("/", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        received = await reader.readuntil(b"0\r\n\r\n")
+        writer.close()
+    finally:
+        await runner.cleanup()
+    assert len(writes) == 1
+    assert writes[0] == received
+    assert received.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"event: message_start" in received and b"event: message_stop" in received
