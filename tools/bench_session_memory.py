@@ -227,21 +227,29 @@ def census_table(after: dict[str, Any], before: dict[str, Any] | None, n: int) -
     row("(the registry's own estimate, held_bytes)", _mean(c["held_bytes"]))
     pieces = c["piece_cache"]
     base = c.get("base", {})
+    base_pieces = base.get("piece_cache", {})
     for key in sorted(k for k in pieces if k.endswith(" bytes")):
-        grown = pieces[key] - base.get("piece_cache", {}).get(key, 0)
-        row(f"store piece cache: {key.removesuffix(' bytes')} pieces (charged)", grown / n)
+        dtype = key.removesuffix(" bytes")
+        grown = {
+            what: pieces.get(f"{dtype} {what}", 0) - base_pieces.get(f"{dtype} {what}", 0)
+            for what in ("bytes", "items", "pieces")
+        }
+        what = f"{grown['pieces'] / n:.0f} pieces, {grown['items'] / n:,.0f} items"
+        row(f"store piece cache: {dtype} ({what}, charged)", grown["bytes"] / n)
     sqlite = c["sqlite"] - base.get("sqlite", 0)
     row("SQLite allocator (page caches; grows with the log)", sqlite / n)
     heap = c["malloc"]
     for key in ("in use", "free, held", "mmapped"):
         row(f"glibc heap {key} (all of the process)", (heap[key] - base["malloc"][key]) / n)
-    rss = (after["rss_open"] - after["rss_before"]) / n
-    row("RSS growth (measured)", rss)
-    if before is not None:
-        row(
-            "RSS growth, --before-src (same sessions)",
-            (before["rss_open"] - before["rss_before"]) / n,
-        )
+    py, py_base = c["pymalloc"], base["pymalloc"]
+    for key in ("in use", "free"):
+        row(f"Python small-object arenas: {key}", (py[key] - py_base[key]) / n)
+    for label, result in (("", after), (", --before-src", before)):
+        if result is None:
+            continue
+        rss = (result["rss_open"] - result["rss_before"]) / n
+        start, end = result["rss_before"] / MB, result["rss_open"] / MB
+        row(f"RSS growth{label} (measured: {start:.1f} -> {end:.1f} MB)", rss)
     return rich_table(title, ("what", "per session", "bytes / context token"), rows, left=1)
 
 
@@ -264,6 +272,8 @@ async def run(args: argparse.Namespace) -> None:
                 if args.before_src:
                     before = await census_run(engine, tmp, args, roots["before"], probe=False)
                 out.print(census_table(after, before, args.sessions))
+                if args.census_json:
+                    Path(args.census_json).write_text(json.dumps(after, indent=1))
     finally:
         await engine.stop()
 
@@ -285,6 +295,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--census", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--before-src", default=None, help="another checkout (a worktree of main)")
     ap.add_argument("--db-dir", default=None, help="where the SQLite files go")
+    ap.add_argument("--census-json", default=None, help="also write the raw census here")
     asyncio.run(run(ap.parse_args(argv)))
 
 

@@ -19,7 +19,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import os
+import re
 import sys
+import tempfile
 import types
 from array import array
 from collections.abc import Iterable
@@ -144,6 +147,13 @@ def piece_cache_census(cache: Any) -> dict[str, int]:
     for piece in list(cache._items.values()):
         key = f"{piece.dtype} bytes"
         out[key] = out.get(key, 0) + cache.charge(piece)
+        out[f"{piece.dtype} items"] = out.get(f"{piece.dtype} items", 0) + len(piece.suffix)
+        out[f"{piece.dtype} pieces"] = out.get(f"{piece.dtype} pieces", 0) + 1
+        if os.environ.get("CENSUS_PIECES"):
+            out.setdefault("list", []).append(
+                (piece.dtype, piece.total_length, len(piece.suffix), piece.digest.hex()[:8],
+                 piece.parent.hex()[:8] if piece.parent else None)
+            )
     return out
 
 
@@ -190,6 +200,33 @@ def malloc_info() -> dict[str, int]:
     return {"in use": info.uordblks, "free, held": info.fordblks, "mmapped": info.hblkhd}
 
 
+def python_arenas() -> dict[str, int]:
+    """Python's small-object allocator (objects of 512 bytes or less): its arenas' bytes,
+    the bytes in live blocks, and the free rest (free blocks and unused pools).
+
+    From `sys._debugmallocstats()`, which prints to the C stderr: read through a
+    temporary file put in place of file descriptor 2.
+    """
+    with tempfile.TemporaryFile() as out:
+        saved = os.dup(2)
+        try:
+            os.dup2(out.fileno(), 2)
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        out.seek(0)
+        text = out.read().decode("utf-8", "replace")
+
+    def field(label: str) -> int:
+        found = re.search(re.escape(label) + r"\s*=\s*([\d,]+)", text)
+        return int(found.group(1).replace(",", "")) if found else 0
+
+    arenas = field("Total")  # the first total: the arenas' bytes
+    in_use = field("# bytes in allocated blocks")
+    return {"arenas": arenas, "in use": in_use, "free": arenas - in_use}
+
+
 def census(ctx: Any, shared: Iterable[object] = ()) -> dict[str, Any]:
     """Everything above for a server's context: per open session, and process-wide."""
     gc.collect()
@@ -208,4 +245,5 @@ def census(ctx: Any, shared: Iterable[object] = ()) -> dict[str, Any]:
         "piece_cache": piece_cache_census(ctx.store.piece_cache),
         "sqlite": sqlite_memory(),
         "malloc": malloc_info(),
+        "pymalloc": python_arenas(),
     }
