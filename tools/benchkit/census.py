@@ -11,7 +11,9 @@ request's messages as views into its body) counts the buffer it points into,
 found through its C struct (`Raw` exposes no attribute for it). Beside them,
 the store's piece cache (by dtype), SQLite's own allocator and glibc's heap
 (in use, and free but still held): memory no session owns but the sessions
-made grow.
+made grow. `CENSUS_PIECES=1` in the server's environment also lists every
+cached piece (dtype, total length, suffix length, digest, parent): how the
+spine pieces that repeated a chain's tokens were found (snapshot._tokens_ref).
 """
 
 from __future__ import annotations
@@ -141,9 +143,9 @@ def session_census(state: Any, walk: Walk) -> dict[str, int]:
     return dict(zip(STRUCTURES, sizes, strict=True))
 
 
-def piece_cache_census(cache: Any) -> dict[str, int]:
+def piece_cache_census(cache: Any) -> dict[str, Any]:
     """The store's piece cache: entries and the bytes it charges, per dtype."""
-    out: dict[str, int] = {"entries": len(cache), "charged": cache.nbytes}
+    out: dict[str, Any] = {"entries": len(cache), "charged": cache.nbytes}
     for piece in list(cache._items.values()):
         key = f"{piece.dtype} bytes"
         out[key] = out.get(key, 0) + cache.charge(piece)
@@ -151,8 +153,13 @@ def piece_cache_census(cache: Any) -> dict[str, int]:
         out[f"{piece.dtype} pieces"] = out.get(f"{piece.dtype} pieces", 0) + 1
         if os.environ.get("CENSUS_PIECES"):
             out.setdefault("list", []).append(
-                (piece.dtype, piece.total_length, len(piece.suffix), piece.digest.hex()[:8],
-                 piece.parent.hex()[:8] if piece.parent else None)
+                (
+                    piece.dtype,
+                    piece.total_length,
+                    len(piece.suffix),
+                    piece.digest.hex()[:8],
+                    piece.parent.hex()[:8] if piece.parent else None,
+                )
             )
     return out
 
