@@ -3,10 +3,11 @@
 Two tables, each with its peer measured in the same run:
 
   idle       RSS of a started, healthy `recorder serve` holding no session, on a
-             log it opened before (a restart: the common start), median over
-             `--idle-rounds` rounds, the default parser backend (SGLang's
-             parsers) beside the builtin one; with `--before-src DIR` the same
-             for that checkout (a worktree of main), rounds interleaved.
+             log it opened before (a restart: the common start) and on a new
+             one, median over `--idle-rounds` rounds, the default parser
+             backend (SGLang's parsers) beside the builtin one; with
+             `--before-src DIR` the same for that checkout (a worktree of
+             main), rounds interleaved.
   census     `--sessions` sessions shaped like Claude Code's (bench_training's
              conversations) grown to `--context` tokens in one server, which
              runs with a census probe (`--serve`, below). Per open session:
@@ -14,9 +15,9 @@ Two tables, each with its peer measured in the same run:
              each object counted once, views counted by the buffer they keep
              alive), what the store's piece cache, SQLite's allocator and
              glibc's heap grew by, divided by the sessions, and the measured
-             RSS growth per session; the rest is what no probe sees (Python's
-             small-object arenas, freed but held memory, ...). With
-             `--before-src`, that checkout's RSS per session, same sessions.
+             RSS growth per session, measured in runs without the probe (its
+             own allocations would count): this checkout's and, with
+             `--before-src`, that checkout's, same sessions.
 
 `python -m tools.bench_session_memory --serve SERVE_ARGS` is `recorder serve`
 with the probe: on SIGUSR1 it writes the census as JSON to $CENSUS_FILE.
@@ -102,17 +103,20 @@ async def idle_rss(engine: EngineProcess, db: Path, backend: str | None, root: P
 
 async def idle_table_data(
     engine: EngineProcess, tmp: Path, roots: dict[str, Path], rounds: int
-) -> dict[tuple[str, str], list[int]]:
-    """Idle RSS per (checkout, backend), each on its own log, opened once before measuring."""
-    out: dict[tuple[str, str], list[int]] = {}
+) -> dict[tuple[str, str, str], list[int]]:
+    """Idle RSS per (checkout, backend, log): on a log it opened before (a restart) and on
+    a new one (a first start, which creates the schema), the cells interleaved per round."""
+    out: dict[tuple[str, str, str], list[int]] = {}
     cells = [(name, backend) for name in roots for backend in ("default", "builtin")]
     for name, backend in cells:  # creates each log: the rounds below start on an existing one
         await idle_rss(engine, tmp / f"idle-{name}-{backend}.db", _flag(backend), roots[name])
-    for _ in range(rounds):
+    for k in range(rounds):
         for name, backend in cells:
-            db = tmp / f"idle-{name}-{backend}.db"
-            rss = await idle_rss(engine, db, _flag(backend), roots[name])
-            out.setdefault((name, backend), []).append(rss)
+            for log in ("existing", "new"):
+                suffix = f"-new{k}" if log == "new" else ""
+                db = tmp / f"idle-{name}-{backend}{suffix}.db"
+                rss = await idle_rss(engine, db, _flag(backend), roots[name])
+                out.setdefault((name, backend, log), []).append(rss)
     return out
 
 
@@ -120,24 +124,26 @@ def _flag(backend: str) -> str | None:
     return None if backend == "default" else backend
 
 
-def idle_table(data: dict[tuple[str, str], list[int]]) -> Table:
+def idle_table(data: dict[tuple[str, str, str], list[int]]) -> Table:
     title = (
-        "idle RSS of `recorder serve` (started on a log it opened before, healthy, no "
-        f"session), median of {len(next(iter(data.values())))} rounds; goal: <= 150 MB"
+        "idle RSS of `recorder serve` (healthy, no session), median of "
+        f"{len(next(iter(data.values())))} rounds, on a log it opened before (a restart) and on "
+        "a new one; goal: <= 150 MB with the default backend"
     )
     rows = []
-    for name in dict.fromkeys(n for n, _ in data):
-        default = statistics.median(data[(name, "default")])
-        builtin = statistics.median(data[(name, "builtin")])
+    for name, log in dict.fromkeys((n, g) for n, _, g in data):
+        default = statistics.median(data[(name, "default", log)])
+        builtin = statistics.median(data[(name, "builtin", log)])
         rows.append(
             (
                 name,
+                log,
                 f"{default / MB:.1f} MB",
                 f"{builtin / MB:.1f} MB",
                 f"{(default - builtin) / MB:+.1f} MB",
             )
         )
-    cols = ("checkout", "default backend (sglang)", "builtin backend", "sglang's parsers cost")
+    cols = ("checkout", "log", "default backend (sglang)", "builtin backend", "sglang's cost")
     return rich_table(title, cols, rows)
 
 
@@ -206,7 +212,7 @@ def _mean(values: list[int]) -> float:
     return statistics.fmean(values) if values else 0.0
 
 
-def census_table(after: dict[str, Any], before: dict[str, Any] | None, n: int) -> Table:
+def census_table(after: dict[str, Any], plain: dict[str, dict[str, Any]], n: int) -> Table:
     """Per open session: each structure, the process-wide growth / n, RSS growth / n."""
     c = after["census"]
     sessions = c["sessions"]
@@ -244,12 +250,10 @@ def census_table(after: dict[str, Any], before: dict[str, Any] | None, n: int) -
     py, py_base = c["pymalloc"], base["pymalloc"]
     for key in ("in use", "free"):
         row(f"Python small-object arenas: {key}", (py[key] - py_base[key]) / n)
-    for label, result in (("", after), (", --before-src", before)):
-        if result is None:
-            continue
+    for name, result in plain.items():
         rss = (result["rss_open"] - result["rss_before"]) / n
         start, end = result["rss_before"] / MB, result["rss_open"] / MB
-        row(f"RSS growth{label} (measured: {start:.1f} -> {end:.1f} MB)", rss)
+        row(f"RSS growth, {name} (no probe; {start:.1f} -> {end:.1f} MB)", rss)
     return rich_table(title, ("what", "per session", "bytes / context token"), rows, left=1)
 
 
@@ -267,11 +271,14 @@ async def run(args: argparse.Namespace) -> None:
                 idle = await idle_table_data(engine, tmp, roots, args.idle_rounds)
                 out.print(idle_table(idle))
             if args.census:
+                # RSS growth without the probe (its own allocations would count), every
+                # checkout alike; then the census in a run of its own.
+                plain = {
+                    name: await census_run(engine, tmp, args, root, probe=False)
+                    for name, root in roots.items()
+                }
                 after = await census_run(engine, tmp, args, REPO, probe=True)
-                before = None
-                if args.before_src:
-                    before = await census_run(engine, tmp, args, roots["before"], probe=False)
-                out.print(census_table(after, before, args.sessions))
+                out.print(census_table(after, plain, args.sessions))
                 if args.census_json:
                     Path(args.census_json).write_text(json.dumps(after, indent=1))
     finally:
