@@ -257,18 +257,19 @@ def census_table(after: dict[str, Any], plain: dict[str, dict[str, Any]], n: int
     return rich_table(title, ("what", "per session", "bytes / context token"), rows, left=1)
 
 
-async def run(args: argparse.Namespace) -> None:
+async def run(args: argparse.Namespace) -> dict[str, Any]:
     engine = EngineProcess(int(args.context * 1.5) + 8192, 0.0)
     await engine.start()
     roots = {"this": REPO}
     if args.before_src:
         roots["before"] = Path(args.before_src).resolve()
     out = console()
+    results: dict[str, Any] = {}
     try:
         with tempfile.TemporaryDirectory(dir=args.db_dir) as tmp_dir:
             tmp = Path(tmp_dir)
             if args.idle:
-                idle = await idle_table_data(engine, tmp, roots, args.idle_rounds)
+                idle = results["idle"] = await idle_table_data(engine, tmp, roots, args.idle_rounds)
                 out.print(idle_table(idle))
             if args.census:
                 # RSS growth without the probe (its own allocations would count), every
@@ -278,18 +279,21 @@ async def run(args: argparse.Namespace) -> None:
                     for name, root in roots.items()
                 }
                 after = await census_run(engine, tmp, args, REPO, probe=True)
+                results.update(census=after["census"], plain=plain)
                 out.print(census_table(after, plain, args.sessions))
                 if args.census_json:
                     Path(args.census_json).write_text(json.dumps(after, indent=1))
     finally:
         await engine.stop()
+    return results
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark (its tables printed); what it measured, for tests."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--serve"]:
         serve_with_census(argv[1:])
-        return
+        return {}
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--context", type=int, default=100_000, help="tokens each session reaches")
@@ -303,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--before-src", default=None, help="another checkout (a worktree of main)")
     ap.add_argument("--db-dir", default=None, help="where the SQLite files go")
     ap.add_argument("--census-json", default=None, help="also write the raw census here")
-    asyncio.run(run(ap.parse_args(argv)))
+    return asyncio.run(run(ap.parse_args(argv)))
 
 
 if __name__ == "__main__":
