@@ -30,6 +30,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import sys
+import threading
 import types
 from pathlib import Path
 from typing import Any
@@ -102,17 +103,22 @@ def _reexports(tree: ast.Module) -> tuple[dict[str, str | None], bool]:
     return origins, only_reexports
 
 
+# Held while a lazy module's own code runs, so two threads never both run it.
+_RUNNING = threading.RLock()
+
+
 def _run_real_code(module: types.ModuleType, name: str) -> types.ModuleType:
     """Run module `name`'s own code in `module` once: it becomes the real module."""
-    if "__getattr__" in module.__dict__:
-        del module.__getattr__
-        spec = module.__spec__
-        assert spec is not None and spec.loader is not None
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            sys.modules.pop(name, None)  # as a failed import leaves it: absent
-            raise
+    with _RUNNING:
+        if "__getattr__" in module.__dict__:
+            del module.__getattr__
+            spec = module.__spec__
+            assert spec is not None and spec.loader is not None
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                sys.modules.pop(name, None)  # as a failed import leaves it: absent
+                raise
     return module
 
 
