@@ -40,6 +40,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
+import msgspec
+
 from recorder.log.events import AnyEvent, ArrayRef, NewEvent, SessionClosed, SessionOpened
 from recorder.log.ids import uuid7
 from recorder.log.store.arrays import EncodedArray, encode_array
@@ -136,15 +138,19 @@ class Journal:
         now = time.time()
         self._pending.extend(NewEvent(event=e, ts=now, event_id=uuid7()) for e in events)
 
-    def add_array(self, array: np.ndarray, *, extends: ArrayRef | None = None) -> ArrayRef:
+    def add_array(
+        self, array: np.ndarray, *, extends: ArrayRef | None = None, cache: bool = True
+    ) -> ArrayRef:
         """Buffer an array (with `extends`: its suffix after that stored array) to be
         written in the same transaction as the buffered events.
 
         Saves a commit per array on the turn's critical path (the engine's
         output ids and logprobs), and no array is ever stored without the
-        event that names it.
+        event that names it. `cache=False`: kept out of the store's piece cache.
         """
         encoded = encode_array(array, extends=extends)
+        if not cache:
+            encoded = msgspec.structs.replace(encoded, cache=False)
         self._arrays.append(encoded)
         return encoded.ref
 

@@ -105,6 +105,39 @@ def test_parsers_never_import_torch_and_xgrammar_stays_whole() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
 
 
+def test_parsers_load_no_module_a_parser_never_uses_and_those_stay_whole() -> None:
+    """In a fresh interpreter: the tool-call parsers load neither the openai SDK's client
+    nor `sglang.utils`' requests/IPython/tqdm (~16 MB of a server's RSS), and each lazily
+    loaded module is the real one when something uses it: the protocol's validator
+    helper runs SGLang's own function, the SDK builds a client."""
+    code = (
+        "import sys\n"
+        "from recorder.model.parsers import make_parser\n"
+        "tools = [{'type': 'function', 'function': {'name': 'Read', 'parameters': "
+        "{'type': 'object', 'properties': {'path': {'type': 'string'}}}}}]\n"
+        'text = \'<tool_call>\\n{"name": "Read", "arguments": {"path": "x"}}\\n</tool_call>\'\n'
+        "out = make_parser('qwen25', None, 'sglang').parse_sync(text, tools)\n"
+        "assert [c.name for c in out.tool_calls] == ['Read'], out\n"
+        "heavy = ('requests', 'IPython', 'tqdm', 'openai._client', 'openai.resources')\n"
+        "loaded = [m for m in heavy if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+        "protocol = sys.modules['sglang.srt.entrypoints.openai.protocol']\n"
+        "assert protocol.convert_json_schema_to_str({'a': 1}) == '{\"a\": 1}'\n"
+        "assert 'requests' in sys.modules  # the real sglang.utils ran\n"
+        "import openai\n"
+        "from openai import OpenAI\n"
+        "from openai.types.responses import Response\n"
+        "import openai.types.responses.response as real\n"
+        "assert Response is real.Response and openai.types.responses.Response is Response\n"
+        "client = OpenAI(api_key='k', base_url='http://127.0.0.1:9')\n"
+        "assert client.responses is not None and openai.__version__\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
 def test_default_backend_is_sglang_and_says_its_version() -> None:
     assert default_backend() == "sglang"
     parser = make_parser("glm47", "glm45", default_backend())

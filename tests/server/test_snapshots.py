@@ -445,3 +445,23 @@ def test_every_form_of_message_digest_packs_and_unpacks() -> None:
     packed = snapshot._digest_array(digests)
     assert snapshot._digests_of(packed) == digests
     assert packed.size == sum(1 + 1 + 16 * (1 + d.count("+") + d.count("|")) for d in digests)
+
+
+async def test_spine_pieces_stay_out_of_the_piece_cache(harness: Harness) -> None:
+    """A spine piece repeats tokens whose per-turn pieces the piece cache holds: it is
+    stored but not cached, so the cache holds each of a chain's tokens once (cached
+    spines held ~1.6x the tokens of an open 100k session), and a restart reads it."""
+    h = harness
+    turns = 2 * snapshot.SPINE_TURNS + 1
+    sid, _ = await plain_turns(h, turns)
+    state = h.ctx.registry.cached(sid)
+    assert state is not None and state.chains.main is not None
+    main = state.chains.main
+    outputs = sum(b.end_len - b.input_len for b in main.boundaries)
+    cache = h.store.piece_cache  # type: ignore[attr-defined]
+    cached = [p for p in cache._items.values() if p.dtype == "int32"]
+    # The chain's tokens once, the engine's output ids (their own arrays) and each
+    # snapshot's boundary record (4 int32 per turn).
+    assert sum(len(p.suffix) for p in cached) <= len(main.tokens) + outputs + 4 * turns
+    states = await both_ways(h, sid)
+    assert_same_state(*states)

@@ -39,6 +39,7 @@ class RecorderProcess:
     `peer`: the same command with the full re-render planner (`benchkit.peer`).
     `log`: write its output to a new temporary file (`log_file`) instead of ours.
     `root`: run another checkout's recorder (a before/after comparison in one run).
+    `module`: run `python -m MODULE... SERVE_ARGS` instead (a server with a probe installed).
     `BENCH_PROFILE=FILE` in the environment runs it under cProfile into FILE.
     """
 
@@ -51,6 +52,7 @@ class RecorderProcess:
         peer: bool = False,
         log: bool = False,
         root: Path = REPO,
+        module: Sequence[str] = (),
     ) -> None:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
@@ -59,7 +61,8 @@ class RecorderProcess:
             "--chat-template", "chatml-tools", "--tool-parser", "qwen25",
             "--port", str(port), "--admin-token", ADMIN, *extra,
         ]  # fmt: skip
-        module = ["tools.benchkit.peer"] if peer else ["recorder.cli", "serve"]
+        if not module:
+            module = ["tools.benchkit.peer"] if peer else ["recorder.cli", "serve"]
         profile = os.environ.get("BENCH_PROFILE")
         if profile:
             module = ["cProfile", "-o", profile, "-m", *module]

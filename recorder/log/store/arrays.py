@@ -159,11 +159,14 @@ class EncodedArray(msgspec.Struct, frozen=True):
     in the events it appends and hand the pieces to that same append.
     `decoded` mirrors `pieces` as verified suffixes, for the store's piece
     cache. No pieces: the array is `extends` itself (an empty suffix).
+    `cache=False`: its pieces are stored but not put in the piece cache (as
+    `put_array(..., cache=False)`), for what nothing reads hot.
     """
 
     ref: ArrayRef
     pieces: tuple[Piece, ...] = ()
     decoded: tuple[DecodedPiece, ...] = ()
+    cache: bool = True
 
 
 def encode_array(array: np.ndarray, *, extends: ArrayRef | None = None) -> EncodedArray:

@@ -394,14 +394,16 @@ class SqlEventStore(EventStore):
     def _unstored_pieces(
         self, arrays: Sequence[arr.EncodedArray]
     ) -> tuple[list[arr.Piece], list[arr.DecodedPiece]]:
-        """The pieces of `arrays` still to write: a cached piece is already stored."""
+        """The pieces of `arrays` still to write (a cached piece is already stored), and
+        those of them to cache once durable."""
         pieces: list[arr.Piece] = []
         decoded: list[arr.DecodedPiece] = []
         for encoded in arrays:
             for piece, dec in zip(encoded.pieces, encoded.decoded, strict=True):
                 if self._pieces.get(piece.digest) is None:
                     pieces.append(piece)
-                    decoded.append(dec)
+                    if encoded.cache:
+                        decoded.append(dec)
         return pieces, decoded
 
     def _learn(self, decoded: Iterable[arr.DecodedPiece]) -> None:
