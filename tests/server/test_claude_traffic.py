@@ -377,8 +377,11 @@ async def test_claude_code_versions_are_the_pinned_ones() -> None:
 )
 async def test_context_limit_ends_a_2_1_197_rollout(scenario_run: ScenarioRun) -> None:
     """Over the recorder's context length: a 400 "prompt is too long", and 2.1.197 gives up."""
-    (rejected,) = scenario_run.of(ev.RequestRejected)
-    assert rejected.status == 400 and rejected.message.startswith("prompt is too long")
+    # Usually one 400; a CLI that timed out under load re-sends the same request first.
+    rejected = scenario_run.of(ev.RequestRejected)
+    assert rejected and all(
+        r.status == 400 and r.message.startswith("prompt is too long") for r in rejected
+    )
     assert scenario_run.codes == [1]
     assert scenario_run.results[-1]["result"] == "Prompt is too long"
 
