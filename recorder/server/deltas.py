@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from recorder.log.events import ArrayRef
+from recorder.log.store.arrays import EncodedArray, encode_array
 
 log = logging.getLogger("recorder.server")
 
@@ -95,7 +96,8 @@ async def put_body(
 ) -> tuple[ArrayRef, BodyPrefixes]:
     """Store `body` as deltas of `previous`; (its ref, what the next body uses).
 
-    Three pieces at most: after the longest stored prefix of what it shares
+    Three pieces at most, written in one commit (each commit costs the writer a
+    WAL write and an fsync): after the longest stored prefix of what it shares
     with the previous body, its new middle, then its tail (what it shares at
     its end with the previous body) as a copy of the bytes the previous tail
     was copied from, so a tail's source stays the same body turn after turn
@@ -116,12 +118,15 @@ async def put_body(
     end = len(body) - copied
     usable = [r for r in previous.refs if r.length <= shared] if shared else []
     prefix = usable[-1] if usable else None
+    built: list[EncodedArray] = []  # written in one commit at the end
     if shared > (prefix.length if prefix is not None else 0):
         start = prefix.length if prefix is not None else 0
-        prefix = await store.put_array(data[start:shared], extends=prefix, cache=False)
+        built.append(encode_array(data[start:shared], extends=prefix))
+        prefix = built[-1].ref
     middle = prefix
     if end > shared or (middle is None and not copied):
-        middle = await store.put_array(data[shared:end], extends=prefix, cache=False)
+        built.append(encode_array(data[shared:end], extends=prefix))
+        middle = built[-1].ref
     ref: ArrayRef | None = None
     tail: TailSource | None = None
     if copied:
@@ -129,20 +134,21 @@ async def put_body(
         source, offset, length = previous.tail
         at = offset + length - copied
         try:
-            ref = await store.put_array(
-                data[end:], extends=middle, basis=source, basis_offset=at, cache=False
+            built.append(
+                await store.encode_copy(data[end:], extends=middle, basis=source, basis_offset=at)
             )
-            tail = (source, at, copied)
+            ref, tail = built[-1].ref, (source, at, copied)
         except ValueError:  # the source does not hold these bytes: never expected
             log.warning("a body's tail differs from its recorded source; stored plainly")
-            ref = None
     if ref is None:
         if end < len(body):
-            ref = await store.put_array(data[end:], extends=middle, cache=False)
+            built.append(encode_array(data[end:], extends=middle))
+            ref = built[-1].ref
         else:
             assert middle is not None
             ref = middle
         tail = (ref, shared, len(body) - shared)
+    await store.put_arrays(built, cache=False)
     if previous.tail is not None and tail is not None and previous.tail[0] != tail[0]:
         # The old source of the tails is read no more (a body's own pieces are
         # never cached: nothing reads them hot; the source is, by each copy).

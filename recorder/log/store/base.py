@@ -238,6 +238,31 @@ class EventStore(ProjectionStore):
         array nothing reads hot: a request body; a read fetches it).
         """
 
+    @abc.abstractmethod
+    async def encode_copy(
+        self,
+        array: np.ndarray,
+        *,
+        extends: ArrayRef | None,
+        basis: ArrayRef,
+        basis_offset: int,
+    ) -> EncodedArray:
+        """What `put_array(array, extends=, basis=, basis_offset=)` would store, not stored yet.
+
+        Hand it to `put_arrays` (with the arrays it extends, if they are not
+        stored yet): several arrays then cost one commit. ValueError when the
+        basis's bytes at `basis_offset` are not `array`'s.
+        """
+
+    @abc.abstractmethod
+    async def put_arrays(self, arrays: Sequence[EncodedArray], *, cache: bool = True) -> None:
+        """Store arrays built by `encode_array` / `encode_copy` in one commit.
+
+        An array may extend (or copy from) another of the same call: a body
+        stored as prefix, middle and tail pieces costs one commit, not three.
+        `cache` as for `put_array`.
+        """
+
     def release(self, old: ArrayRef, keep: Sequence[ArrayRef]) -> None:
         """A hint: `old`'s pieces outside the arrays `keep` names will not be read hot again.
 

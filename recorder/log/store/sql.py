@@ -711,23 +711,46 @@ class SqlEventStore(EventStore):
         if basis is None:
             encoded = arr.encode_array(array, extends=extends)
         else:
-            suffix, dtype = arr.as_suffix(array, extends.dtype if extends is not None else None)
-            if extends is not None and len(suffix) == 0:
-                return extends
-            if basis_offset is not None:
-                piece, suffix = await self._encode_copy(suffix, dtype, extends, basis, basis_offset)
-            else:
-                piece, suffix = await self._encode_on_basis(suffix, dtype, extends, basis)
-            suffix.setflags(write=False)
-            decoded = arr.DecodedPiece(
-                piece.digest, piece.parent, dtype, piece.total_length, suffix, piece.depth
-            )
-            ref = ArrayRef(piece.digest, piece.total_length, dtype)
-            encoded = arr.EncodedArray(ref, (piece,), (decoded,))
+            encoded = await self._encode_with_basis(array, extends, basis, basis_offset)
         await self._put_encoded([encoded], cache=cache)
         if basis is not None and basis_offset is None:
             self._supersede(basis, encoded.ref)
         return encoded.ref
+
+    async def encode_copy(
+        self,
+        array: np.ndarray,
+        *,
+        extends: ArrayRef | None,
+        basis: ArrayRef,
+        basis_offset: int,
+    ) -> arr.EncodedArray:
+        return await self._encode_with_basis(array, extends, basis, basis_offset)
+
+    async def put_arrays(self, arrays: Sequence[arr.EncodedArray], *, cache: bool = True) -> None:
+        await self._put_encoded(arrays, cache=cache)
+
+    async def _encode_with_basis(
+        self,
+        array: np.ndarray,
+        extends: ArrayRef | None,
+        basis: ArrayRef,
+        basis_offset: int | None,
+    ) -> arr.EncodedArray:
+        """The `EncodedArray` of `put_array(..., basis=)`, with or without `basis_offset`."""
+        suffix, dtype = arr.as_suffix(array, extends.dtype if extends is not None else None)
+        if extends is not None and len(suffix) == 0:
+            return arr.EncodedArray(extends)
+        if basis_offset is not None:
+            piece, suffix = await self._encode_copy(suffix, dtype, extends, basis, basis_offset)
+        else:
+            piece, suffix = await self._encode_on_basis(suffix, dtype, extends, basis)
+        suffix.setflags(write=False)
+        decoded = arr.DecodedPiece(
+            piece.digest, piece.parent, dtype, piece.total_length, suffix, piece.depth
+        )
+        ref = ArrayRef(piece.digest, piece.total_length, dtype)
+        return arr.EncodedArray(ref, (piece,), (decoded,))
 
     def release(self, old: ArrayRef, keep: Sequence[ArrayRef]) -> None:
         kept: set[bytes] = set()
