@@ -69,15 +69,42 @@ class BodyPrefixes:
     tail: TailSource | None = None
 
 
+def _first_difference(x: np.ndarray, y: np.ndarray) -> int:
+    """Index of the first element where `x` and `y` differ, or -1."""
+    neq = x != y
+    if not neq.size:
+        return -1
+    k = int(neq.argmax())  # stops at the first True
+    return k if neq[k] else -1
+
+
+def _view(buf: bytes, dtype: type, count: int, start: int) -> np.ndarray:
+    if count <= 0:
+        return np.empty(0, dtype)
+    return np.frombuffer(buf, dtype, count, start)
+
+
 def shared_prefix_len(a: bytes, b: bytes) -> int:
-    """How many leading bytes `a` and `b` have in common."""
+    """How many leading bytes `a` and `b` have in common.
+
+    Compared 8 bytes at a time, then byte by byte inside the first differing
+    word: a request body is ~0.5 MB at 100k tokens, and a byte-wise compare
+    (a 0.5 MB mask, then its nonzero indices) took ~0.5 ms of every turn.
+    """
     n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    x = np.frombuffer(a, dtype=np.uint8, count=n)
-    y = np.frombuffer(b, dtype=np.uint8, count=n)
-    differ = np.flatnonzero(x != y)
-    return int(differ[0]) if differ.size else n
+    words = n // 8
+    at = _first_difference(_view(a, np.uint64, words, 0), _view(b, np.uint64, words, 0))
+    start, stop = (8 * at, 8 * at + 8) if at >= 0 else (8 * words, n)
+    k = _first_difference(
+        _view(a, np.uint8, stop - start, start), _view(b, np.uint8, stop - start, start)
+    )
+    return start + k if k >= 0 else stop
+
+
+def _tail(buf: bytes, dtype: type, count: int, back: int) -> np.ndarray:
+    """The `count` items that end `back` bytes before the end of `buf`, last first."""
+    size = np.dtype(dtype).itemsize
+    return _view(buf, dtype, count, len(buf) - back - count * size)[::-1]
 
 
 def shared_suffix_len(a: bytes, b: bytes, limit: int) -> int:
@@ -85,10 +112,11 @@ def shared_suffix_len(a: bytes, b: bytes, limit: int) -> int:
     n = min(len(a), len(b), limit)
     if n <= 0:
         return 0
-    x = np.frombuffer(a, dtype=np.uint8, count=n, offset=len(a) - n)
-    y = np.frombuffer(b, dtype=np.uint8, count=n, offset=len(b) - n)
-    differ = np.flatnonzero(x != y)
-    return n - int(differ[-1]) - 1 if differ.size else n
+    words = n // 8
+    at = _first_difference(_tail(a, np.uint64, words, 0), _tail(b, np.uint64, words, 0))
+    back, count = (8 * at, 8) if at >= 0 else (8 * words, n - 8 * words)
+    k = _first_difference(_tail(a, np.uint8, count, back), _tail(b, np.uint8, count, back))
+    return back + k if k >= 0 else back + count
 
 
 async def put_body(

@@ -224,3 +224,20 @@ async def test_a_body_costs_one_commit(sqlite_url: str) -> None:
         assert prefixes.tail is not None and prefixes.tail[0] != ref  # tails were copies
     finally:
         await store.close()
+
+
+def test_shared_lengths_match_a_byte_by_byte_count() -> None:
+    """Word-wise comparison finds the same lengths as counting bytes, at every alignment."""
+    rng = random.Random(7)
+
+    def prefix(a: bytes, b: bytes) -> int:
+        n = min(len(a), len(b))
+        return next((i for i in range(n) if a[i] != b[i]), n)
+
+    for _ in range(3000):
+        a = bytes(rng.choice(b"ab") for _ in range(rng.randint(0, 40)))
+        b = a[: rng.randint(0, len(a))] + bytes(rng.choice(b"ab") for _ in range(rng.randint(0, 9)))
+        b += a[rng.randint(0, len(a)) :]
+        limit = rng.randint(-1, 45)
+        assert shared_prefix_len(a, b) == prefix(a, b)
+        assert shared_suffix_len(a, b, limit) == max(0, min(prefix(a[::-1], b[::-1]), limit))

@@ -155,8 +155,13 @@ class StoreOptions(msgspec.Struct, frozen=True, kw_only=True):
 _TYPE_META: dict[type, tuple[str, int]] = {}
 
 
-class EventRow(msgspec.Struct):
-    """One event as stored; built once per event in `append` (a C-level Struct: cheap)."""
+class EventRow(msgspec.Struct, gc=False):
+    """One event as stored; built once per event in `append` (a C-level Struct: cheap).
+
+    Untracked by the cyclic GC (it holds no containers, so it cannot be part of a
+    cycle): a batch of 1,000 tracked rows set off collections that scanned every
+    live object, ~3x the cost of building the rows.
+    """
 
     event_id: uuid.UUID
     type: str
