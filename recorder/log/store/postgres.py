@@ -89,6 +89,14 @@ HEADS_SQL = (
 BEGIN_LOCKED_SQL = (
     f"BEGIN ISOLATION LEVEL READ COMMITTED; SELECT pg_advisory_xact_lock({WRITER_LOCK_KEY})"
 )
+# The same for a group of array pieces alone (a turn's request body and engine
+# input): its commit does not wait for the WAL flush. The next event commit's
+# flush covers it (the WAL is one sequence), and no event can name the pieces
+# before that, so nothing acknowledged depends on them sooner (as on SQLite).
+BEGIN_LOCKED_PIECES_SQL = (
+    "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL synchronous_commit TO off;"
+    f" SELECT pg_advisory_xact_lock({WRITER_LOCK_KEY})"
+)
 
 # One statement for all of a plain group but COMMIT: read the heads, reserve
 # the positions, insert the pieces and (small groups) the events, and report
@@ -189,7 +197,7 @@ class PlainGroupWriter:
         copy = plan.n_rows >= COPY_MIN_EVENTS
         try:
             conn = await self._connection()
-            await conn.execute(BEGIN_LOCKED_SQL)
+            await conn.execute(BEGIN_LOCKED_SQL if plan.n_rows else BEGIN_LOCKED_PIECES_SQL)
             last_seqs, first, present = await conn.fetchrow(
                 PLAIN_GROUP_SQL,
                 plan.sessions,
