@@ -250,9 +250,10 @@ def fold_heads(
     return last_position
 
 
-# Digests of pieces a one-hop writer has committed, remembered so that a group
-# whose pieces extend them need not look them up (rows are never deleted).
-KNOWN_DIGESTS = 4096
+# Digests of pieces a one-hop writer has committed or found stored, remembered so
+# that a group whose pieces extend them need not look them up (rows are never
+# deleted). A turn names ~3 such parents and bases, all recent: ~150 kB.
+KNOWN_DIGESTS = 1024
 
 # -- the one-hop writer -------------------------------------------------------------
 
