@@ -391,6 +391,14 @@ class WithoutBasis:
     ) -> ArrayRef:
         return await self.store.put_array(array, extends=extends, cache=cache)
 
+    async def encode_copy(
+        self, array: np.ndarray, *, extends: ArrayRef | None, basis: ArrayRef, basis_offset: int
+    ) -> codec.EncodedArray:
+        return codec.encode_array(array, extends=extends)
+
+    async def put_arrays(self, arrays: list[codec.EncodedArray], *, cache: bool = True) -> None:
+        await self.store.put_arrays(arrays, cache=cache)
+
 
 class BodyTimes(msgspec.Struct, frozen=True):
     put_s: float  # median seconds per body put
