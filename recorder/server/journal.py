@@ -201,14 +201,18 @@ class Journal:
         await self.drain()
         await self.flush_buffer()
 
-    async def flush_buffer(self) -> None:
-        """Append the buffer now (from inside a step: `flush` would wait for that step)."""
+    async def flush_buffer(self, *, durable: bool = True) -> None:
+        """Append the buffer now (from inside a step: `flush` would wait for that step).
+
+        `durable=False`: see `EventStore.append` (nothing may be acknowledged on
+        these events before a later durable append).
+        """
         if not self._pending:
             return
         batch, self._pending = self._pending, []
         arrays, self._arrays = self._arrays, []
         try:
-            await finish_even_if_cancelled(self._append(batch, arrays))
+            await finish_even_if_cancelled(self._append(batch, arrays, durable))
         except asyncio.CancelledError:
             raise
         except BaseException:
@@ -217,12 +221,18 @@ class Journal:
             self._arrays = arrays + self._arrays
             raise
 
-    async def _append(self, batch: list[NewEvent], arrays: list[EncodedArray]) -> None:
+    async def _append(
+        self, batch: list[NewEvent], arrays: list[EncodedArray], durable: bool
+    ) -> None:
         """Append at the expected seq; a claimed unit follows other processes' appends."""
         for _ in range(MAX_FOLLOWS):
             try:
                 await self._store.append(
-                    self.session_id, batch, expected_seq=self.next_seq, arrays=arrays
+                    self.session_id,
+                    batch,
+                    expected_seq=self.next_seq,
+                    arrays=arrays,
+                    durable=durable,
                 )
             except ConcurrencyConflict as exc:
                 if not self.claimed:

@@ -305,8 +305,8 @@ async def test_unknown_parent_falls_back_and_fails_alone(store_url: str) -> None
 async def test_sqlite_fsyncs_every_group_with_events(
     sqlite_url: str, make_events: MakeEvents
 ) -> None:
-    """A group of array pieces alone commits without an fsync; one with events
-    commits with it (synchronous=FULL), so its fsync covers the pieces before it."""
+    """Array pieces alone and `durable=False` appends commit without an fsync; any
+    other append commits with it (synchronous=FULL), which covers what came before."""
     from recorder.log.store.sqlite import SqliteEventStore
 
     store = await open_sql_store(sqlite_url)
@@ -326,9 +326,12 @@ async def test_sqlite_fsyncs_every_group_with_events(
         ref = await store.put_array(np.arange(9, dtype=np.int32))
         assert await synchronous() == 1  # NORMAL
         more = codec.encode_array(np.arange(3, dtype=np.int32), extends=ref)
-        await store.append("s", make_events(2), arrays=[more])
+        await store.append("s", make_events(2, "a"), arrays=[more], durable=False)
+        assert await synchronous() == 1
+        await store.append("s", make_events(2, "b"))
         assert await synchronous() == 2  # FULL
-        assert counts(store) == (2, 0)
+        assert counts(store) == (3, 0)
         assert (await store.get_array(more.ref)).tolist() == [*range(9), *range(3)]
+        assert [r.seq for r in await store.read_session("s")] == [0, 1, 2, 3]
     finally:
         await store.close()

@@ -110,6 +110,7 @@ class EventStore(ProjectionStore):
         *,
         expected_seq: int | None = None,
         arrays: Sequence[EncodedArray] = (),
+        durable: bool = True,
     ) -> list[int]:
         """Append a batch atomically; return the global positions.
 
@@ -129,6 +130,14 @@ class EventStore(ProjectionStore):
         id) still writes its arrays: pieces are content-addressed, so they
         are harmless alone and a retry finds them stored. With no events,
         `arrays` are simply stored.
+
+        `durable=False`: the commit may skip its flush to disk (an fsync on
+        SQLite, the WAL flush on Postgres). The batch is visible at once and
+        survives a crash of this process; it survives power loss with the next
+        durable commit, whose flush covers everything written before it. For
+        events nothing is acknowledged on before a later durable append of the
+        same session (a turn's request and engine attempt, recorded while the
+        engine works; its answer is appended durably before the client sees it).
         """
 
     @abc.abstractmethod

@@ -172,7 +172,7 @@ class EventRow(msgspec.Struct, gc=False):
 
 
 class AppendRequest(WriteRequest):
-    __slots__ = ("expected_seq", "pieces", "rows", "session_id")
+    __slots__ = ("durable", "expected_seq", "pieces", "rows", "session_id")
 
     def __init__(
         self,
@@ -180,6 +180,7 @@ class AppendRequest(WriteRequest):
         rows: list[EventRow],
         expected_seq: int | None,
         pieces: Sequence[arr.Piece] = (),
+        durable: bool = True,
     ) -> None:
         super().__init__((len(rows) + len(pieces)) or 1)
         self.session_id = session_id
@@ -187,14 +188,25 @@ class AppendRequest(WriteRequest):
         self.expected_seq = expected_seq
         # Array pieces written in the same transaction (see `EventStore.append`).
         self.pieces = pieces
+        # Must the group's commit reach the disk before this returns (see `append`)?
+        self.durable = durable
 
 
 class PiecesRequest(WriteRequest):
     __slots__ = ("pieces",)
+    # Pieces alone need no flush at commit: no event names them before a later
+    # durable commit, whose flush covers them too.
+    durable = False
 
     def __init__(self, pieces: Sequence[arr.Piece]) -> None:
         super().__init__(len(pieces))
         self.pieces = pieces
+
+
+def needs_flush(group: Sequence[GroupRequest]) -> bool:
+    """Whether a group's commit must reach the disk before it returns: when any
+    request in it asks for that (the fast paths; the generic path always flushes)."""
+    return any(r.durable for r in group)
 
 
 # (session_id, seq, row) of an event the group will insert.
@@ -374,6 +386,7 @@ class SqlEventStore(EventStore):
         *,
         expected_seq: int | None = None,
         arrays: Sequence[arr.EncodedArray] = (),
+        durable: bool = True,
     ) -> list[int]:
         if not events:
             if arrays:
@@ -391,7 +404,7 @@ class SqlEventStore(EventStore):
             raise IdempotencyConflict("a batch lists the same event_id twice; ids must be unique")
         pieces, decoded = self._unstored_pieces(arrays)
         result: list[int] = await self._submit(
-            AppendRequest(session_id, rows, expected_seq, pieces)
+            AppendRequest(session_id, rows, expected_seq, pieces, durable)
         )
         self._learn(decoded)
         return result

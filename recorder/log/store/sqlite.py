@@ -20,13 +20,13 @@
   (a bulk copy, a huge batch); set as low as the checkpoint size, it made
   SQLite truncate and regrow the file every cycle, which cost batched appends
   ~15% of their rate.
-- A group that carries no event (array pieces only: a turn's request body
-  and engine input, stored while the engine runs) commits with
-  synchronous=NORMAL: no fsync, ~0.3 ms of CPU less. It survives kill -9 at
-  once (its WAL frames are in the OS page cache) and power loss with the next
-  event commit, whose fsync makes every earlier WAL frame durable too. No
-  event can name those pieces before that commit, so nothing acknowledged
-  depends on them any sooner: appends keep their fsync.
+- A group that needs no flush (array pieces alone: a turn's request body
+  and engine input; appends made with `durable=False`: its request events,
+  recorded while the engine works) commits with synchronous=NORMAL: no fsync,
+  ~0.3 ms of CPU less. It survives kill -9 at once (its WAL frames are in the
+  OS page cache) and power loss with the next durable commit, whose fsync
+  makes every earlier WAL frame durable too. Nothing is acknowledged on those
+  writes before such a commit; every other append keeps its fsync.
 - One thread hop per group: the plain group (no conflict, no re-sent id, no
   unknown array parent) is written by one synchronous function on a writer
   thread with its own sqlite3 connection (`OneHopWriter`). Through SQLAlchemy
@@ -69,6 +69,7 @@ from recorder.log.store.sql import (
     PlainGroup,
     SqlEventStore,
     StoreOptions,
+    needs_flush,
 )
 
 log = logging.getLogger(__name__)
@@ -305,7 +306,7 @@ class OneHopWriter:
         plan = PlainGroup(group)
         try:
             conn = self._connection()
-            self._set_synchronous(conn, full=plan.n_rows > 0)
+            self._set_synchronous(conn, full=needs_flush(group))
             conn.execute("BEGIN IMMEDIATE")
             if pieces and not self._bases_present(conn, pieces.values()):
                 return self._roll_back("an array names an unknown parent or basis")
@@ -326,7 +327,7 @@ class OneHopWriter:
         return results
 
     def _set_synchronous(self, conn: sqlite3.Connection, *, full: bool) -> None:
-        """FULL (fsync at commit) for a group with events, NORMAL for pieces alone
+        """FULL (fsync at commit) for a group that needs its flush, else NORMAL
         (see the module docstring)."""
         if full != self._synchronous_full:
             conn.execute(f"PRAGMA synchronous={'FULL' if full else 'NORMAL'}")
