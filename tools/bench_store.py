@@ -388,16 +388,9 @@ class WithoutBasis:
         basis: ArrayRef | None = None,
         basis_offset: int | None = None,
         cache: bool = True,
+        along: list[codec.EncodedArray] | None = None,
     ) -> ArrayRef:
-        return await self.store.put_array(array, extends=extends, cache=cache)
-
-    async def encode_copy(
-        self, array: np.ndarray, *, extends: ArrayRef | None, basis: ArrayRef, basis_offset: int
-    ) -> codec.EncodedArray:
-        return codec.encode_array(array, extends=extends)
-
-    async def put_arrays(self, arrays: list[codec.EncodedArray], *, cache: bool = True) -> None:
-        await self.store.put_arrays(arrays, cache=cache)
+        return await self.store.put_array(array, extends=extends, cache=cache, along=along or ())
 
 
 class BodyTimes(msgspec.Struct, frozen=True):

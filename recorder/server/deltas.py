@@ -124,12 +124,12 @@ async def put_body(
 ) -> tuple[ArrayRef, BodyPrefixes]:
     """Store `body` as deltas of `previous`; (its ref, what the next body uses).
 
-    Three pieces at most, written in one commit (each commit costs the writer a
-    WAL write and an fsync): after the longest stored prefix of what it shares
-    with the previous body, its new middle, then its tail (what it shares at
-    its end with the previous body) as a copy of the bytes the previous tail
-    was copied from, so a tail's source stays the same body turn after turn
-    (one basis hop for a cold read).
+    Three pieces at most, written in one commit (`put_array(along=)`; each
+    commit costs the writer a WAL write): after the longest stored prefix of
+    what it shares with the previous body, its new middle, then its tail (what
+    it shares at its end with the previous body) as a copy of the bytes the
+    previous tail was copied from, so a tail's source stays the same body turn
+    after turn (one basis hop for a cold read).
     """
     if previous.ref is not None and body == previous.body:  # a retry: stored already
         return previous.ref, previous
@@ -146,37 +146,37 @@ async def put_body(
     end = len(body) - copied
     usable = [r for r in previous.refs if r.length <= shared] if shared else []
     prefix = usable[-1] if usable else None
-    built: list[EncodedArray] = []  # written in one commit at the end
+    along: list[EncodedArray] = []  # encoded here, stored with the body's last piece
     if shared > (prefix.length if prefix is not None else 0):
         start = prefix.length if prefix is not None else 0
-        built.append(encode_array(data[start:shared], extends=prefix))
-        prefix = built[-1].ref
+        along.append(encode_array(data[start:shared], extends=prefix))
+        prefix = along[-1].ref
     middle = prefix
-    if end > shared or (middle is None and not copied):
-        built.append(encode_array(data[shared:end], extends=prefix))
-        middle = built[-1].ref
     ref: ArrayRef | None = None
     tail: TailSource | None = None
     if copied:
+        if end > shared:
+            along.append(encode_array(data[shared:end], extends=prefix))
+            middle = along[-1].ref
         assert previous.tail is not None
         source, offset, length = previous.tail
         at = offset + length - copied
         try:
-            built.append(
-                await store.encode_copy(data[end:], extends=middle, basis=source, basis_offset=at)
+            ref = await store.put_array(
+                data[end:], extends=middle, basis=source, basis_offset=at, cache=False, along=along
             )
-            ref, tail = built[-1].ref, (source, at, copied)
+            tail = (source, at, copied)
         except ValueError:  # the source does not hold these bytes: never expected
             log.warning("a body's tail differs from its recorded source; stored plainly")
     if ref is None:
-        if end < len(body):
-            built.append(encode_array(data[end:], extends=middle))
-            ref = built[-1].ref
+        # The rest after the shared prefix (the middle, and the tail if not copied) is
+        # one piece: the middle already encoded joins `along`, its tail extends it.
+        if middle is not prefix:
+            ref = await store.put_array(data[end:], extends=middle, cache=False, along=along)
         else:
-            assert middle is not None
-            ref = middle
+            ref = await store.put_array(data[shared:], extends=prefix, cache=False, along=along)
+            middle = ref
         tail = (ref, shared, len(body) - shared)
-    await store.put_arrays(built, cache=False)
     if previous.tail is not None and tail is not None and previous.tail[0] != tail[0]:
         # The old source of the tails is read no more (a body's own pieces are
         # never cached: nothing reads them hot; the source is, by each copy).

@@ -223,6 +223,7 @@ class EventStore(ProjectionStore):
         basis: ArrayRef | None = None,
         basis_offset: int | None = None,
         cache: bool = True,
+        along: Sequence[EncodedArray] = (),
     ) -> ArrayRef:
         """Store a 1-D array now; return its ref.
 
@@ -245,31 +246,10 @@ class EventStore(ProjectionStore):
 
         `cache=False`: the new piece stays out of the store's piece cache (an
         array nothing reads hot: a request body; a read fetches it).
-        """
 
-    @abc.abstractmethod
-    async def encode_copy(
-        self,
-        array: np.ndarray,
-        *,
-        extends: ArrayRef | None,
-        basis: ArrayRef,
-        basis_offset: int,
-    ) -> EncodedArray:
-        """What `put_array(array, extends=, basis=, basis_offset=)` would store, not stored yet.
-
-        Hand it to `put_arrays` (with the arrays it extends, if they are not
-        stored yet): several arrays then cost one commit. ValueError when the
-        basis's bytes at `basis_offset` are not `array`'s.
-        """
-
-    @abc.abstractmethod
-    async def put_arrays(self, arrays: Sequence[EncodedArray], *, cache: bool = True) -> None:
-        """Store arrays built by `encode_array` / `encode_copy` in one commit.
-
-        An array may extend (or copy from) another of the same call: a body
-        stored as prefix, middle and tail pieces costs one commit, not three.
-        `cache` as for `put_array`.
+        `along`: arrays from `recorder.log.store.arrays.encode_array` stored in
+        the same commit (`extends` may name one of them): a body stored as
+        prefix, middle and tail pieces costs one commit, not three.
         """
 
     def release(self, old: ArrayRef, keep: Sequence[ArrayRef]) -> None:

@@ -725,28 +725,16 @@ class SqlEventStore(EventStore):
         basis: ArrayRef | None = None,
         basis_offset: int | None = None,
         cache: bool = True,
+        along: Sequence[arr.EncodedArray] = (),
     ) -> ArrayRef:
         if basis is None:
             encoded = arr.encode_array(array, extends=extends)
         else:
             encoded = await self._encode_with_basis(array, extends, basis, basis_offset)
-        await self._put_encoded([encoded], cache=cache)
+        await self._put_encoded([*along, encoded], cache=cache)
         if basis is not None and basis_offset is None:
             self._supersede(basis, encoded.ref)
         return encoded.ref
-
-    async def encode_copy(
-        self,
-        array: np.ndarray,
-        *,
-        extends: ArrayRef | None,
-        basis: ArrayRef,
-        basis_offset: int,
-    ) -> arr.EncodedArray:
-        return await self._encode_with_basis(array, extends, basis, basis_offset)
-
-    async def put_arrays(self, arrays: Sequence[arr.EncodedArray], *, cache: bool = True) -> None:
-        await self._put_encoded(arrays, cache=cache)
 
     async def _encode_with_basis(
         self,
