@@ -225,14 +225,12 @@ class Journal:
         self, batch: list[NewEvent], arrays: list[EncodedArray], durable: bool
     ) -> None:
         """Append at the expected seq; a claimed unit follows other processes' appends."""
+        # Named only when False: stores that flush every append need not know it.
+        flush: dict[str, bool] = {} if durable else {"durable": False}
         for _ in range(MAX_FOLLOWS):
             try:
                 await self._store.append(
-                    self.session_id,
-                    batch,
-                    expected_seq=self.next_seq,
-                    arrays=arrays,
-                    durable=durable,
+                    self.session_id, batch, expected_seq=self.next_seq, arrays=arrays, **flush
                 )
             except ConcurrencyConflict as exc:
                 if not self.claimed:
