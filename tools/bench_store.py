@@ -143,9 +143,7 @@ def raw_rows(
 
 def raw_sqlite_batched(path: Path, batches: list[list[NewEvent]]) -> float:
     conn = sqlite3.connect(path, isolation_level=None)
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=FULL")
-    conn.execute(f"PRAGMA cache_size=-{WRITER_CACHE_KIB}")  # same settings as the store
+    configure_connection(conn, WRITER_CACHE_KIB)  # the store's settings (WAL, fsync, cache)
     conn.execute(
         "CREATE TABLE events (position INTEGER PRIMARY KEY, session_id TEXT NOT NULL, "
         "seq BIGINT NOT NULL, event_id BLOB NOT NULL UNIQUE, type TEXT NOT NULL, "
@@ -390,8 +388,9 @@ class WithoutBasis:
         basis: ArrayRef | None = None,
         basis_offset: int | None = None,
         cache: bool = True,
+        along: list[codec.EncodedArray] | None = None,
     ) -> ArrayRef:
-        return await self.store.put_array(array, extends=extends, cache=cache)
+        return await self.store.put_array(array, extends=extends, cache=cache, along=along or ())
 
 
 class BodyTimes(msgspec.Struct, frozen=True):

@@ -156,7 +156,16 @@ class LogBytes:
     bodies: int  # uint8 arrays: raw request bodies (compressed, deltas)
     other_arrays: int  # float arrays (logprobs)
     events: int  # event payloads
-    file: int  # the database file and its WAL
+    db_file: int  # the database file
+    wal_file: int  # its WAL
+    # Pages of the database (as of the newest commit) by table or index:
+    # name -> (bytes of pages, bytes of their stored payload)
+    pages: dict[str, tuple[int, int]] = field(default_factory=dict)
+    free_pages: int = 0  # bytes of pages on the freelist
+
+    @property
+    def file(self) -> int:
+        return self.db_file + self.wal_file
 
 
 def read_log_bytes(db: Path, context_tokens: int) -> LogBytes:
@@ -170,16 +179,27 @@ def read_log_bytes(db: Path, context_tokens: int) -> LogBytes:
             ).fetchall()
         )
         (events,) = conn.execute("SELECT IFNULL(SUM(LENGTH(payload)), 0) FROM events").fetchone()
+        pages = {
+            name: (int(size), int(payload))
+            for name, size, payload in conn.execute(
+                "SELECT name, SUM(pgsize), SUM(payload) FROM dbstat GROUP BY name"
+            )
+        }
+        ((free,),) = conn.execute("PRAGMA freelist_count").fetchall()
+        ((page_size,),) = conn.execute("PRAGMA page_size").fetchall()
     finally:
         conn.close()
-    files = [db, db.with_name(db.name + "-wal")]
+    wal = db.with_name(db.name + "-wal")
     return LogBytes(
         context_tokens,
         ids=int(by_dtype.pop("int32", 0) or 0),
         bodies=int(by_dtype.pop("uint8", 0) or 0),
         other_arrays=int(sum(v or 0 for v in by_dtype.values())),
         events=int(events),
-        file=sum(f.stat().st_size for f in files if f.exists()),
+        db_file=db.stat().st_size,
+        wal_file=wal.stat().st_size if wal.exists() else 0,
+        pages=pages,
+        free_pages=int(free) * int(page_size),
     )
 
 
@@ -411,10 +431,20 @@ def log_table(run: Run) -> Table:
         f"({log.context_tokens:,} tokens: the sum of every session's last context)"
     )
     kinds = [
-        ("token ids (int32 arrays)", log.ids),
-        ("request bodies (uint8 arrays)", log.bodies),
+        ("token ids (int32 arrays, compressed)", log.ids),
+        ("request bodies (uint8 arrays, compressed)", log.bodies),
         ("other arrays (logprobs)", log.other_arrays),
         ("event payloads", log.events),
+    ]
+    kinds += [
+        (f"pages of {name} (payload {payload / n:.2f} B/token)", size)
+        for name, (size, payload) in sorted(log.pages.items(), key=lambda kv: -kv[1][0])
+        if size
+    ]
+    kinds += [
+        ("free pages", log.free_pages),
+        ("database file", log.db_file),
+        ("WAL file", log.wal_file),
         ("database file + WAL", log.file),
     ]
     rows = [(what, f"{size / 1e6:.2f} MB", f"{size / n:.2f}") for what, size in kinds]

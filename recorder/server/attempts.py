@@ -70,7 +70,9 @@ class _AttemptRecorder:
 
         async def step() -> None:
             self._journal.add(*events)
-            await self._journal.flush_buffer()  # durable while the engine works
+            # Recorded while the engine works, without an fsync of its own: the
+            # client is answered only after the turn's last append, which flushes it.
+            await self._journal.flush_buffer(durable=False)
 
         self._journal.then(step)
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from recorder.log.events import ArrayRef
+from recorder.log.store.arrays import EncodedArray, encode_array
 
 log = logging.getLogger("recorder.server")
 
@@ -68,15 +69,42 @@ class BodyPrefixes:
     tail: TailSource | None = None
 
 
+def _first_difference(x: np.ndarray, y: np.ndarray) -> int:
+    """Index of the first element where `x` and `y` differ, or -1."""
+    neq = x != y
+    if not neq.size:
+        return -1
+    k = int(neq.argmax())  # stops at the first True
+    return k if neq[k] else -1
+
+
+def _view(buf: bytes, dtype: type, count: int, start: int) -> np.ndarray:
+    if count <= 0:
+        return np.empty(0, dtype)
+    return np.frombuffer(buf, dtype, count, start)
+
+
 def shared_prefix_len(a: bytes, b: bytes) -> int:
-    """How many leading bytes `a` and `b` have in common."""
+    """How many leading bytes `a` and `b` have in common.
+
+    Compared 8 bytes at a time, then byte by byte inside the first differing
+    word: a request body is ~0.5 MB at 100k tokens, and a byte-wise compare
+    (a 0.5 MB mask, then its nonzero indices) took ~0.5 ms of every turn.
+    """
     n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    x = np.frombuffer(a, dtype=np.uint8, count=n)
-    y = np.frombuffer(b, dtype=np.uint8, count=n)
-    differ = np.flatnonzero(x != y)
-    return int(differ[0]) if differ.size else n
+    words = n // 8
+    at = _first_difference(_view(a, np.uint64, words, 0), _view(b, np.uint64, words, 0))
+    start, stop = (8 * at, 8 * at + 8) if at >= 0 else (8 * words, n)
+    k = _first_difference(
+        _view(a, np.uint8, stop - start, start), _view(b, np.uint8, stop - start, start)
+    )
+    return start + k if k >= 0 else stop
+
+
+def _tail(buf: bytes, dtype: type, count: int, back: int) -> np.ndarray:
+    """The `count` items that end `back` bytes before the end of `buf`, last first."""
+    size = np.dtype(dtype).itemsize
+    return _view(buf, dtype, count, len(buf) - back - count * size)[::-1]
 
 
 def shared_suffix_len(a: bytes, b: bytes, limit: int) -> int:
@@ -84,10 +112,11 @@ def shared_suffix_len(a: bytes, b: bytes, limit: int) -> int:
     n = min(len(a), len(b), limit)
     if n <= 0:
         return 0
-    x = np.frombuffer(a, dtype=np.uint8, count=n, offset=len(a) - n)
-    y = np.frombuffer(b, dtype=np.uint8, count=n, offset=len(b) - n)
-    differ = np.flatnonzero(x != y)
-    return n - int(differ[-1]) - 1 if differ.size else n
+    words = n // 8
+    at = _first_difference(_tail(a, np.uint64, words, 0), _tail(b, np.uint64, words, 0))
+    back, count = (8 * at, 8) if at >= 0 else (8 * words, n - 8 * words)
+    k = _first_difference(_tail(a, np.uint8, count, back), _tail(b, np.uint8, count, back))
+    return back + k if k >= 0 else back + count
 
 
 async def put_body(
@@ -95,11 +124,12 @@ async def put_body(
 ) -> tuple[ArrayRef, BodyPrefixes]:
     """Store `body` as deltas of `previous`; (its ref, what the next body uses).
 
-    Three pieces at most: after the longest stored prefix of what it shares
-    with the previous body, its new middle, then its tail (what it shares at
-    its end with the previous body) as a copy of the bytes the previous tail
-    was copied from, so a tail's source stays the same body turn after turn
-    (one basis hop for a cold read).
+    Three pieces at most, written in one commit (`put_array(along=)`; each
+    commit costs the writer a WAL write): after the longest stored prefix of
+    what it shares with the previous body, its new middle, then its tail (what
+    it shares at its end with the previous body) as a copy of the bytes the
+    previous tail was copied from, so a tail's source stays the same body turn
+    after turn (one basis hop for a cold read).
     """
     if previous.ref is not None and body == previous.body:  # a retry: stored already
         return previous.ref, previous
@@ -116,32 +146,36 @@ async def put_body(
     end = len(body) - copied
     usable = [r for r in previous.refs if r.length <= shared] if shared else []
     prefix = usable[-1] if usable else None
+    along: list[EncodedArray] = []  # encoded here, stored with the body's last piece
     if shared > (prefix.length if prefix is not None else 0):
         start = prefix.length if prefix is not None else 0
-        prefix = await store.put_array(data[start:shared], extends=prefix, cache=False)
+        along.append(encode_array(data[start:shared], extends=prefix))
+        prefix = along[-1].ref
     middle = prefix
-    if end > shared or (middle is None and not copied):
-        middle = await store.put_array(data[shared:end], extends=prefix, cache=False)
     ref: ArrayRef | None = None
     tail: TailSource | None = None
     if copied:
+        if end > shared:
+            along.append(encode_array(data[shared:end], extends=prefix))
+            middle = along[-1].ref
         assert previous.tail is not None
         source, offset, length = previous.tail
         at = offset + length - copied
         try:
             ref = await store.put_array(
-                data[end:], extends=middle, basis=source, basis_offset=at, cache=False
+                data[end:], extends=middle, basis=source, basis_offset=at, cache=False, along=along
             )
             tail = (source, at, copied)
         except ValueError:  # the source does not hold these bytes: never expected
             log.warning("a body's tail differs from its recorded source; stored plainly")
-            ref = None
     if ref is None:
-        if end < len(body):
-            ref = await store.put_array(data[end:], extends=middle, cache=False)
+        # The rest after the shared prefix (the middle, and the tail if not copied) is
+        # one piece: the middle already encoded joins `along`, its tail extends it.
+        if middle is not prefix:
+            ref = await store.put_array(data[end:], extends=middle, cache=False, along=along)
         else:
-            assert middle is not None
-            ref = middle
+            ref = await store.put_array(data[shared:], extends=prefix, cache=False, along=along)
+            middle = ref
         tail = (ref, shared, len(body) - shared)
     if previous.tail is not None and tail is not None and previous.tail[0] != tail[0]:
         # The old source of the tails is read no more (a body's own pieces are

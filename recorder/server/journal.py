@@ -218,14 +218,18 @@ class Journal:
         await self.drain()
         await self.flush_buffer()
 
-    async def flush_buffer(self) -> None:
-        """Append the buffer now (from inside a step: `flush` would wait for that step)."""
+    async def flush_buffer(self, *, durable: bool = True) -> None:
+        """Append the buffer now (from inside a step: `flush` would wait for that step).
+
+        `durable=False`: see `EventStore.append` (nothing may be acknowledged on
+        these events before a later durable append).
+        """
         if not self._pending:
             return
         batch, self._pending = self._pending, []
         arrays, self._arrays = self._arrays, []
         try:
-            await finish_even_if_cancelled(self._append(batch, arrays))
+            await finish_even_if_cancelled(self._append(batch, arrays, durable))
         except asyncio.CancelledError:
             raise
         except BaseException:
@@ -234,12 +238,16 @@ class Journal:
             self._arrays = arrays + self._arrays
             raise
 
-    async def _append(self, batch: list[NewEvent], arrays: list[EncodedArray]) -> None:
+    async def _append(
+        self, batch: list[NewEvent], arrays: list[EncodedArray], durable: bool
+    ) -> None:
         """Append at the expected seq; a claimed unit follows other processes' appends."""
+        # Named only when False: stores that flush every append need not know it.
+        flush: dict[str, bool] = {} if durable else {"durable": False}
         for _ in range(MAX_FOLLOWS):
             try:
                 await self._store.append(
-                    self.session_id, batch, expected_seq=self.next_seq, arrays=arrays
+                    self.session_id, batch, expected_seq=self.next_seq, arrays=arrays, **flush
                 )
             except ConcurrencyConflict as exc:
                 if not self.claimed:

@@ -209,3 +209,35 @@ async def test_any_sequence_of_bodies_reads_back_and_every_copy_holds(
         await _store_all(sqlite_url, bodies)
     assert "differs from its recorded source" not in caplog.text
     assert _copies(sqlite_url)  # the case this exists for happened
+
+
+async def test_a_body_costs_one_commit(sqlite_url: str) -> None:
+    """Prefix, middle and tail pieces go to the log in one transaction (one fsync)."""
+    store = await open_store(sqlite_url, create=True)
+    try:
+        prefixes = BodyPrefixes()
+        for body in _bodies(6):
+            before = store.fast_groups + store.generic_groups
+            ref, prefixes = await put_body(store, prefixes, body)
+            assert store.fast_groups + store.generic_groups == before + 1
+            assert (await store.get_array(ref)).tobytes() == body
+        assert prefixes.tail is not None and prefixes.tail[0] != ref  # tails were copies
+    finally:
+        await store.close()
+
+
+def test_shared_lengths_match_a_byte_by_byte_count() -> None:
+    """Word-wise comparison finds the same lengths as counting bytes, at every alignment."""
+    rng = random.Random(7)
+
+    def prefix(a: bytes, b: bytes) -> int:
+        n = min(len(a), len(b))
+        return next((i for i in range(n) if a[i] != b[i]), n)
+
+    for _ in range(3000):
+        a = bytes(rng.choice(b"ab") for _ in range(rng.randint(0, 40)))
+        b = a[: rng.randint(0, len(a))] + bytes(rng.choice(b"ab") for _ in range(rng.randint(0, 9)))
+        b += a[rng.randint(0, len(a)) :]
+        limit = rng.randint(-1, 45)
+        assert shared_prefix_len(a, b) == prefix(a, b)
+        assert shared_suffix_len(a, b, limit) == max(0, min(prefix(a[::-1], b[::-1]), limit))

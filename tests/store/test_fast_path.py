@@ -300,3 +300,38 @@ async def test_unknown_parent_falls_back_and_fails_alone(store_url: str) -> None
         assert (await store.get_array(ok)).tolist() == list(range(5))
     finally:
         await store.close()
+
+
+async def test_sqlite_fsyncs_every_group_with_events(
+    sqlite_url: str, make_events: MakeEvents
+) -> None:
+    """Array pieces alone and `durable=False` appends commit without an fsync; any
+    other append commits with it (synchronous=FULL), which covers what came before."""
+    from recorder.log.store.sqlite import SqliteEventStore
+
+    store = await open_sql_store(sqlite_url)
+    assert isinstance(store, SqliteEventStore)
+
+    async def synchronous() -> int:
+        conn = store._one_hop._conn
+        assert conn is not None
+        loop = asyncio.get_running_loop()
+        executor = store._one_hop._executor
+        ((mode,),) = await loop.run_in_executor(
+            executor, lambda: conn.execute("PRAGMA synchronous").fetchall()
+        )
+        return int(mode)
+
+    try:
+        ref = await store.put_array(np.arange(9, dtype=np.int32))
+        assert await synchronous() == 1  # NORMAL
+        more = codec.encode_array(np.arange(3, dtype=np.int32), extends=ref)
+        await store.append("s", make_events(2, "a"), arrays=[more], durable=False)
+        assert await synchronous() == 1
+        await store.append("s", make_events(2, "b"))
+        assert await synchronous() == 2  # FULL
+        assert counts(store) == (3, 0)
+        assert (await store.get_array(more.ref)).tolist() == [*range(9), *range(3)]
+        assert [r.seq for r in await store.read_session("s")] == [0, 1, 2, 3]
+    finally:
+        await store.close()

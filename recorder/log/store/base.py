@@ -110,6 +110,7 @@ class EventStore(ProjectionStore):
         *,
         expected_seq: int | None = None,
         arrays: Sequence[EncodedArray] = (),
+        durable: bool = True,
     ) -> list[int]:
         """Append a batch atomically; return the global positions.
 
@@ -129,6 +130,14 @@ class EventStore(ProjectionStore):
         id) still writes its arrays: pieces are content-addressed, so they
         are harmless alone and a retry finds them stored. With no events,
         `arrays` are simply stored.
+
+        `durable=False`: the commit may skip its flush to disk (an fsync on
+        SQLite, the WAL flush on Postgres). The batch is visible at once and
+        survives a crash of this process; it survives power loss with the next
+        durable commit, whose flush covers everything written before it. For
+        events nothing is acknowledged on before a later durable append of the
+        same session (a turn's request and engine attempt, recorded while the
+        engine works; its answer is appended durably before the client sees it).
         """
 
     @abc.abstractmethod
@@ -214,6 +223,7 @@ class EventStore(ProjectionStore):
         basis: ArrayRef | None = None,
         basis_offset: int | None = None,
         cache: bool = True,
+        along: Sequence[EncodedArray] = (),
     ) -> ArrayRef:
         """Store a 1-D array now; return its ref.
 
@@ -236,6 +246,10 @@ class EventStore(ProjectionStore):
 
         `cache=False`: the new piece stays out of the store's piece cache (an
         array nothing reads hot: a request body; a read fetches it).
+
+        `along`: arrays from `recorder.log.store.arrays.encode_array` stored in
+        the same commit (`extends` may name one of them): a body stored as
+        prefix, middle and tail pieces costs one commit, not three.
         """
 
     def release(self, old: ArrayRef, keep: Sequence[ArrayRef]) -> None:

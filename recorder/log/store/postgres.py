@@ -36,6 +36,7 @@ from recorder.log.store.sql import (
     PlainGroup,
     SqlEventStore,
     StoreOptions,
+    needs_flush,
 )
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,14 @@ HEADS_SQL = (
 # after the lock is held, sees every commit made before it.
 BEGIN_LOCKED_SQL = (
     f"BEGIN ISOLATION LEVEL READ COMMITTED; SELECT pg_advisory_xact_lock({WRITER_LOCK_KEY})"
+)
+# The same for a group that needs no flush (`needs_flush`: array pieces alone,
+# appends made with `durable=False`): its commit does not wait for the WAL
+# flush. The next durable commit's flush covers it (the WAL is one sequence),
+# and nothing is acknowledged on it sooner (as on SQLite).
+BEGIN_LOCKED_NO_FLUSH_SQL = (
+    "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL synchronous_commit TO off;"
+    f" SELECT pg_advisory_xact_lock({WRITER_LOCK_KEY})"
 )
 
 # One statement for all of a plain group but COMMIT: read the heads, reserve
@@ -189,7 +198,9 @@ class PlainGroupWriter:
         copy = plan.n_rows >= COPY_MIN_EVENTS
         try:
             conn = await self._connection()
-            await conn.execute(BEGIN_LOCKED_SQL)
+            await conn.execute(
+                BEGIN_LOCKED_SQL if needs_flush(group) else BEGIN_LOCKED_NO_FLUSH_SQL
+            )
             last_seqs, first, present = await conn.fetchrow(
                 PLAIN_GROUP_SQL,
                 plan.sessions,
