@@ -8,10 +8,12 @@ is reached, then its arrays are fetched, it is yielded and its buffer freed.
 Both paths hand the reducer the same events (all of the session's events)
 and the same arrays, so live and offline reductions agree byte for byte.
 
-The stream reads arrays with `cache=False`: one `get_arrays` call fetches a
-whole session (its prompt chains share pieces within that call), and no later
-session reuses them, so keeping them would only grow the store's memory with
-the length of the log.
+The stream reads arrays with `cache=False`: one `get_arrays` call fetches the
+arrays of the sessions that closed in one page of events (at most
+`ARRAY_BATCH`; a session's prompt chains share pieces within that call, and a
+call costs a few queries whatever it reads), and no later session reuses
+them, so keeping them would only grow the store's memory with the length of
+the log.
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ from recorder.log.store.base import EventStore, SessionRange, StoreError
 # increasing in the stream's yield order, and the same whatever other sessions a
 # pass reads: each depends on that session's own events only.
 YieldKey = tuple[int, int]
+
+# Closed sessions whose arrays the stream reads in one `get_arrays` call: a call
+# costs a few round trips to the database whatever it reads (one per level of
+# the piece chains), so reading sessions one by one paid them per session.
+ARRAY_BATCH = 32
 
 
 @dataclass(slots=True)
@@ -112,10 +119,46 @@ async def _session_log(
     cache: bool,
     order: YieldKey = (0, 0),
 ) -> SessionLog:
-    events.sort(key=lambda e: (e.seq, e.position))
-    refs = needed_refs(events, routed_experts=routed_experts)
-    arrays, problems = await load_arrays(store, refs, cache=cache)
-    return SessionLog(session_id, events, arrays, problems, order)
+    (log,) = await _session_logs(store, [(session_id, events, order)], routed_experts, cache=cache)
+    return log
+
+
+# (session id, its events, where the stream yields it)
+_Ready = tuple[str, list[RecordedEvent], YieldKey]
+
+
+async def _session_logs(
+    store: EventStore, ready: Sequence[_Ready], routed_experts: bool, *, cache: bool
+) -> list[SessionLog]:
+    """`SessionLog`s of several sessions, their arrays read in one call.
+
+    Each session gets exactly the arrays it would get read alone: on a store
+    error the batch falls back to reading each session by itself (and that,
+    to one array at a time), so one bad array costs only its own turn.
+    """
+    wanted: list[list[ArrayRef]] = []
+    union: dict[bytes, ArrayRef] = {}
+    for _sid, events, _order in ready:
+        events.sort(key=lambda e: (e.seq, e.position))
+        refs = needed_refs(events, routed_experts=routed_experts)
+        wanted.append(refs)
+        for ref in refs:
+            union.setdefault(ref.digest, ref)
+    got: dict[bytes, np.ndarray] | None = None
+    if len(ready) > 1 and union:
+        try:
+            read = await store.get_arrays(list(union.values()), cache=cache)
+            got = dict(zip(union, read, strict=True))
+        except StoreError:
+            got = None
+    out = []
+    for (sid, events, order), refs in zip(ready, wanted, strict=True):
+        if got is not None:
+            arrays, problems = {r.digest: got[r.digest] for r in refs}, []
+        else:
+            arrays, problems = await load_arrays(store, refs, cache=cache)
+        out.append(SessionLog(sid, events, arrays, problems, order))
+    return out
 
 
 async def load_session(
@@ -170,6 +213,7 @@ async def iter_session_logs(
     buffers: dict[str, list[RecordedEvent]] = {}
     yielded: set[str] = set()
     dirty: dict[str, int] = {}  # session -> position of its first late event
+    ready: list[_Ready] = []  # closed, in yield order, arrays not read yet
     after = 0
     while after < until:
         page = await store.read_all(after=after, limit=page_size, **page_filter)
@@ -192,9 +236,16 @@ async def iter_session_logs(
             if isinstance(rec.event, SessionClosed):
                 del buffers[sid]
                 yielded.add(sid)
-                yield await _session_log(
-                    store, sid, buf, routed_experts, cache=False, order=(0, rec.position)
-                )
+                ready.append((sid, buf, (0, rec.position)))
+                if len(ready) >= ARRAY_BATCH:
+                    for log in await _session_logs(store, ready, routed_experts, cache=False):
+                        yield log
+                    ready = []
+        # Before the next page: a session is yielded within a page of its close.
+        if ready:
+            for log in await _session_logs(store, ready, routed_experts, cache=False):
+                yield log
+            ready = []
         after = page[-1].position
         if page[-1].position > until or len(page) < page_size:
             break

@@ -120,6 +120,64 @@ async def test_stream_yields_a_session_as_soon_as_it_closes(sqlite_store: EventS
     assert order == [log.session_id for log in logs]
 
 
+class FaultyArrays:
+    """Wraps a store: `get_arrays` fails for any request naming `bad`, and
+    records the digests each call asked for."""
+
+    def __init__(self, inner: EventStore, bad: bytes) -> None:
+        self.inner = inner
+        self.bad = bad
+        self.calls: list[set[bytes]] = []
+
+    async def last_position(self) -> int:
+        return await self.inner.last_position()
+
+    async def read_all(self, *, after: int = 0, limit: int = 1000) -> list[RecordedEvent]:
+        return await self.inner.read_all(after=after, limit=limit)
+
+    async def get_arrays(self, refs: Sequence[ArrayRef], *, cache: bool = True) -> list[Any]:
+        self.calls.append({r.digest for r in refs})
+        if any(r.digest == self.bad for r in refs):
+            from recorder.log.store import ArrayNotFound
+
+            raise ArrayNotFound(f"array {self.bad.hex()} is gone")
+        return await self.inner.get_arrays(refs, cache=cache)
+
+
+async def test_stream_reads_a_pages_sessions_arrays_at_once_and_a_bad_one_costs_only_its_own(
+    sqlite_store: EventStore,
+) -> None:
+    """Sessions closing in one page share one `get_arrays` call; when it fails,
+    each session is read alone, so a missing array is reported by its own
+    session only and every other session gets the arrays a lone read gives."""
+    logs = [Log(f"batch-{i}").open() for i in range(4)]
+    for i, log in enumerate(logs):
+        log.turn([1, 2, 10 + i], [20 + i, 2])
+        log.close()
+        await write_to(sqlite_store, log)
+    alone = {log.session_id: await load_session(sqlite_store, log.session_id) for log in logs}
+    streamed = [log async for log in iter_session_logs(sqlite_store, page_size=1000)]
+    assert [log.session_id for log in streamed] == [log.session_id for log in logs]
+    for log in streamed:
+        want = alone[log.session_id].arrays
+        assert log.arrays.keys() == want.keys() and log.missing_arrays == []
+        assert all(np.array_equal(log.arrays[d], want[d]) for d in want)
+
+    victim = alone["batch-2"]
+    bad = next(
+        d for d in victim.arrays if all(d not in alone[s].arrays for s in alone if s != "batch-2")
+    )
+    faulty = FaultyArrays(sqlite_store, bad)
+    got = {log.session_id: log async for log in iter_session_logs(faulty, page_size=1000)}  # type: ignore[arg-type]
+    first = faulty.calls[0]
+    assert all(set(alone[s].arrays) <= first for s in alone), "one call for the whole page"
+    assert got["batch-2"].missing_arrays and bad.hex()[:16] in got["batch-2"].missing_arrays[0]
+    assert bad not in got["batch-2"].arrays
+    for sid, log in got.items():
+        if sid != "batch-2":
+            assert log.missing_arrays == [] and log.arrays.keys() == alone[sid].arrays.keys()
+
+
 async def test_unclosed_sessions_are_yielded_at_the_end(sqlite_store: EventStore) -> None:
     open_log = Log("still-open").open()
     open_log.turn([1], [2])
