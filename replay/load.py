@@ -147,8 +147,9 @@ async def _load_deriving(
         store, [r for r in refs if r.digest not in later], cache=cache
     )
     derive_outputs(resent, arrays)
-    rest, more = await load_arrays(store, [r for r in refs if r.digest not in arrays], cache=cache)
-    arrays.update(rest)
+    rest = [r for r in refs if r.digest in later and r.digest not in arrays]
+    found, more = await load_arrays(store, rest, cache=cache)
+    arrays.update(found)
     return arrays, problems + more
 
 
@@ -233,7 +234,8 @@ async def _batch_arrays(
             got.update(zip(first, read, strict=True))
         for _refs, resent in wanted:
             derive_outputs(resent, got)
-        rest = {r.digest: r for refs, _resent in wanted for r in refs if r.digest not in got}
+        underived = later - got.keys()
+        rest = {r.digest: r for refs, _resent in wanted for r in refs if r.digest in underived}
         if rest:
             read = await store.get_arrays(list(rest.values()), cache=cache)
             got.update(zip(rest, read, strict=True))
