@@ -103,7 +103,7 @@ def _extends(inp: np.ndarray, seq: np.ndarray) -> bool:
         and n > 0
         and inp[0] == seq[0]
         and inp[n - 1] == seq[n - 1]
-        and bool(np.array_equal(inp[:n], seq))
+        and bool((inp[:n] == seq).all())
     )
 
 

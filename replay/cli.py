@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from recorder.log.store.base import EventStore, StoreError
+from replay.partitions import default_workers
 from replay.rules import PRESETS, Rules, RulesError, load_rules
 
 T = TypeVar("T")
@@ -76,11 +77,29 @@ async def _with_store(url: str, fn: Callable[[EventStore], Awaitable[T]], *, str
         await store.close()
 
 
-def _run(url: str, fn: Callable[[EventStore], Awaitable[T]], *, streaming: bool = False) -> T:
+def _run(
+    url: str,
+    fn: Callable[[EventStore], Awaitable[T]],
+    *,
+    streaming: bool = False,
+    fork: int = 0,
+) -> T:
     """Run `fn` on the store at `url`. `streaming=True` for one pass over the
     whole log (reclassify, export, stats): small caches, so memory stays flat
-    however many sessions the log holds."""
-    return asyncio.run(_with_store(url, fn, streaming=streaming))
+    however many sessions the log holds. `fork`: worker processes to fork
+    first, for a parallel run inside `fn` (`replay.parallel.forked_workers`)."""
+    from replay.parallel import forked_workers
+
+    with forked_workers(fork):
+        return asyncio.run(_with_store(url, fn, streaming=streaming))
+
+
+def _local_workers(workers: int | None, ray_address: str | None) -> int:
+    """Local worker processes a run may start: none on Ray, else `--workers` or
+    one per core (a small log may use fewer: `replay.partitions.auto_workers`)."""
+    if ray_address is not None:
+        return 0
+    return workers if workers is not None else default_workers()
 
 
 @contextmanager
@@ -174,7 +193,8 @@ def reclassify(
                 on_progress=advance,
             )
 
-    report = _parallel_errors(lambda: _run(db, go, streaming=True))
+    fork = _local_workers(workers, ray_address)
+    report = _parallel_errors(lambda: _run(db, go, streaming=True, fork=fork))
     _print_partitions(report.partitions)
     verb = "would write" if dry_run else "wrote"
     console.print(
@@ -363,7 +383,8 @@ def export(
                 on_progress=advance,
             )
 
-    counts = _parallel_errors(lambda: _run(db, go, streaming=True))
+    fork = _local_workers(workers, ray_address)
+    counts = _parallel_errors(lambda: _run(db, go, streaming=True, fork=fork))
     _print_partitions(counts.partitions)
     console.print(
         f"wrote {counts.samples} samples from {counts.sessions} sessions to {escape(str(out))} "

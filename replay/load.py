@@ -8,10 +8,12 @@ is reached, then its arrays are fetched, it is yielded and its buffer freed.
 Both paths hand the reducer the same events (all of the session's events)
 and the same arrays, so live and offline reductions agree byte for byte.
 
-The stream reads arrays with `cache=False`: one `get_arrays` call fetches a
-whole session (its prompt chains share pieces within that call), and no later
-session reuses them, so keeping them would only grow the store's memory with
-the length of the log.
+The stream reads arrays with `cache=False`: one `get_arrays` call fetches the
+arrays of the sessions that closed in one page of events (at most
+`ARRAY_BATCH`; a session's prompt chains share pieces within that call, and a
+call costs a few queries whatever it reads), and no later session reuses
+them, so keeping them would only grow the store's memory with the length of
+the log.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from recorder.log.events import (
     SessionClosed,
     SessionOpened,
 )
+from recorder.log.store.arrays import piece_digest
 from recorder.log.store.base import EventStore, SessionRange, StoreError
 
 # (phase, position): phase 0 = yielded at its `SessionClosed` (the close's
@@ -37,6 +40,11 @@ from recorder.log.store.base import EventStore, SessionRange, StoreError
 # increasing in the stream's yield order, and the same whatever other sessions a
 # pass reads: each depends on that session's own events only.
 YieldKey = tuple[int, int]
+
+# Closed sessions whose arrays the stream reads in one `get_arrays` call: a call
+# costs a few round trips to the database whatever it reads (one per level of
+# the piece chains), so reading sessions one by one paid them per session.
+ARRAY_BATCH = 32
 
 
 @dataclass(slots=True)
@@ -77,6 +85,74 @@ def needed_refs(events: Iterable[RecordedEvent], *, routed_experts: bool) -> lis
     return list(refs.values())
 
 
+# (an output ref, the ref of the input that should re-send it, where it starts there)
+Resent = tuple[ArrayRef, ArrayRef, int]
+
+
+def resent_outputs(events: Iterable[RecordedEvent]) -> list[Resent]:
+    """Where each turn's output ids should reappear: in the next turn's input,
+    right after the turn's own input (attempts one after another).
+
+    A chain's next request re-sends the model's output verbatim, so that input
+    already holds the output's tokens; `derive_outputs` takes them from there
+    when they hash to the output's digest, and the store is not asked for them.
+    A guess only: a turn followed by another chain's request just fails the
+    hash check and is read from the store.
+    """
+    out: list[Resent] = []
+    key: tuple[int, str] | None = None
+    start = 0
+    pending: list[tuple[ArrayRef, int]] = []
+    for rec in events:
+        ev = rec.event
+        if isinstance(ev, RenderedInput):
+            here = (ev.turn, ev.request_id)
+            if here == key:
+                continue
+            out += [(ref, ev.input_ids, at) for ref, at in pending]
+            key, start, pending = here, ev.input_ids.length, []
+        elif isinstance(ev, GenerateResult) and (ev.turn, ev.request_id) == key:
+            pending.append((ev.output_ids, start))
+            start += ev.output_ids.length
+    return out
+
+
+def derive_outputs(resent: Sequence[Resent], arrays: dict[bytes, np.ndarray]) -> None:
+    """Add to `arrays` each output of `resent` found in its input (read already).
+
+    Found means the slice hashes to the output's digest as the store's own
+    check of a one-piece array does (`arrays.piece_digest`), so it is exactly
+    the stored array; anything else (another chain's input, a multi-piece
+    output) is left for the store to read.
+    """
+    for out, inp, at in resent:
+        source = arrays.get(inp.digest)
+        if out.digest in arrays or source is None or out.dtype != inp.dtype:
+            continue
+        if source.size < at + out.length:
+            continue
+        piece = source[at : at + out.length]
+        if piece_digest(None, out.dtype, piece.tobytes()) == out.digest:
+            view = piece.view()
+            view.flags.writeable = False  # shared with the input it views
+            arrays[out.digest] = view
+
+
+async def _load_deriving(
+    store: EventStore, refs: Sequence[ArrayRef], resent: Sequence[Resent], *, cache: bool
+) -> tuple[dict[bytes, np.ndarray], list[str]]:
+    """`load_arrays`, taking the outputs `resent` names from their inputs where they are."""
+    later = {o.digest for o, _i, _at in resent}
+    arrays, problems = await load_arrays(
+        store, [r for r in refs if r.digest not in later], cache=cache
+    )
+    derive_outputs(resent, arrays)
+    rest = [r for r in refs if r.digest in later and r.digest not in arrays]
+    found, more = await load_arrays(store, rest, cache=cache)
+    arrays.update(found)
+    return arrays, problems + more
+
+
 async def load_arrays(
     store: EventStore, refs: Sequence[ArrayRef], *, cache: bool = True
 ) -> tuple[dict[bytes, np.ndarray], list[str]]:
@@ -112,10 +188,60 @@ async def _session_log(
     cache: bool,
     order: YieldKey = (0, 0),
 ) -> SessionLog:
-    events.sort(key=lambda e: (e.seq, e.position))
-    refs = needed_refs(events, routed_experts=routed_experts)
-    arrays, problems = await load_arrays(store, refs, cache=cache)
-    return SessionLog(session_id, events, arrays, problems, order)
+    (log,) = await _session_logs(store, [(session_id, events, order)], routed_experts, cache=cache)
+    return log
+
+
+# (session id, its events, where the stream yields it)
+_Ready = tuple[str, list[RecordedEvent], YieldKey]
+
+
+async def _session_logs(
+    store: EventStore, ready: Sequence[_Ready], routed_experts: bool, *, cache: bool
+) -> list[SessionLog]:
+    """`SessionLog`s of several sessions, their arrays read in one call.
+
+    Each session gets exactly the arrays it would get read alone: on a store
+    error the batch falls back to reading each session by itself (and that,
+    to one array at a time), so one bad array costs only its own turn.
+    """
+    wanted: list[tuple[list[ArrayRef], list[Resent]]] = []
+    for _sid, events, _order in ready:
+        events.sort(key=lambda e: (e.seq, e.position))
+        wanted.append((needed_refs(events, routed_experts=routed_experts), resent_outputs(events)))
+    got = await _batch_arrays(store, wanted, cache=cache) if len(ready) > 1 else None
+    out = []
+    for (sid, events, order), (refs, resent) in zip(ready, wanted, strict=True):
+        if got is not None:
+            arrays, problems = {r.digest: got[r.digest] for r in refs}, []
+        else:
+            arrays, problems = await _load_deriving(store, refs, resent, cache=cache)
+        out.append(SessionLog(sid, events, arrays, problems, order))
+    return out
+
+
+async def _batch_arrays(
+    store: EventStore, wanted: Sequence[tuple[list[ArrayRef], list[Resent]]], *, cache: bool
+) -> dict[bytes, np.ndarray] | None:
+    """Every array `wanted` names, in two calls (the outputs not found in their
+    inputs come second); None on a store error (the caller reads per session)."""
+    later = {o.digest for _refs, resent in wanted for o, _i, _at in resent}
+    first = {r.digest: r for refs, _resent in wanted for r in refs if r.digest not in later}
+    try:
+        got: dict[bytes, np.ndarray] = {}
+        if first:
+            read = await store.get_arrays(list(first.values()), cache=cache)
+            got.update(zip(first, read, strict=True))
+        for _refs, resent in wanted:
+            derive_outputs(resent, got)
+        underived = later - got.keys()
+        rest = {r.digest: r for refs, _resent in wanted for r in refs if r.digest in underived}
+        if rest:
+            read = await store.get_arrays(list(rest.values()), cache=cache)
+            got.update(zip(rest, read, strict=True))
+    except StoreError:
+        return None
+    return got
 
 
 async def load_session(
@@ -170,6 +296,7 @@ async def iter_session_logs(
     buffers: dict[str, list[RecordedEvent]] = {}
     yielded: set[str] = set()
     dirty: dict[str, int] = {}  # session -> position of its first late event
+    ready: list[_Ready] = []  # closed, in yield order, arrays not read yet
     after = 0
     while after < until:
         page = await store.read_all(after=after, limit=page_size, **page_filter)
@@ -192,9 +319,16 @@ async def iter_session_logs(
             if isinstance(rec.event, SessionClosed):
                 del buffers[sid]
                 yielded.add(sid)
-                yield await _session_log(
-                    store, sid, buf, routed_experts, cache=False, order=(0, rec.position)
-                )
+                ready.append((sid, buf, (0, rec.position)))
+                if len(ready) >= ARRAY_BATCH:
+                    for log in await _session_logs(store, ready, routed_experts, cache=False):
+                        yield log
+                    ready = []
+        # Before the next page: a session is yielded within a page of its close.
+        if ready:
+            for log in await _session_logs(store, ready, routed_experts, cache=False):
+                yield log
+            ready = []
         after = page[-1].position
         if page[-1].position > until or len(page) < page_size:
             break

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
 
 import msgspec
 
@@ -24,7 +25,7 @@ from replay.load import iter_session_logs
 from replay.partitions import PartStat, auto_workers
 from replay.reducer import reduce_session
 from replay.rules import Rules
-from replay.samples import SessionResult, digest_bytes, encode_result
+from replay.samples import Sample, SessionResult, digest_bytes, encode_result
 
 SAMPLES_PREFIX = "samples/"
 # Projection payload gathered before a write (bounds memory whatever the sample sizes).
@@ -79,7 +80,8 @@ _summary_encoder = msgspec.msgpack.Encoder(order="deterministic")
 _summary_decoder = msgspec.msgpack.Decoder(SessionSummary)
 
 
-def summarize(result: SessionResult, digest: str) -> SessionSummary:
+def summarize(result: SessionResult, digest: str, content: str | None = None) -> SessionSummary:
+    """`content`: the result's `content_digest` if already known (`encode_with_content`)."""
     return SessionSummary(
         digest=digest,
         status=result.status,
@@ -88,26 +90,61 @@ def summarize(result: SessionResult, digest: str) -> SessionSummary:
         sample_statuses=[s.status for s in result.samples],
         trainable_tokens=sum(sum(s.loss_mask) for s in result.samples),
         placeholder=result.placeholder,
-        content_digest=content_digest(result),
+        content_digest=content_digest(result) if content is None else content,
     )
 
 
 def content_digest(result: SessionResult) -> str:
     """Digest of the samples' training content (see `SessionSummary`)."""
+    return _content_digest(
+        result.samples, [(s.tokens, s.loss_mask, s.rollout_logprobs) for s in result.samples]
+    )
+
+
+def _content_digest(samples: list[Sample], lists: list[tuple[Any, Any, Any]]) -> str:
+    """`content_digest` with each sample's (tokens, loss_mask, rollout_logprobs)
+    given as they are to be encoded (the lists, or their bytes as `msgspec.Raw`)."""
     content = [
         (
-            s.tokens,
+            tokens,
             s.prompt_len,
-            s.loss_mask,
-            s.rollout_logprobs,
+            mask,
+            logprobs,
             s.reward,
             s.status,
             _kind(s.metadata),
             s.routed_experts,
         )
-        for s in result.samples
+        for s, (tokens, mask, logprobs) in zip(samples, lists, strict=True)
     ]
     return digest_bytes(_summary_encoder.encode(content))
+
+
+def encode_with_content(result: SessionResult) -> tuple[bytes, str]:
+    """(`encode_result(result)`, `content_digest(result)`), the samples' long
+    lists encoded once for both.
+
+    The lists are most of the bytes and most of the encoding time; a list's
+    msgpack is the same wherever it sits, so each is encoded alone and placed
+    as `msgspec.Raw` in both documents, which come out byte for byte as
+    `encode_result` and `content_digest` make them.
+    """
+    lists = [
+        (
+            msgspec.Raw(_summary_encoder.encode(s.tokens)),
+            msgspec.Raw(_summary_encoder.encode(s.loss_mask)),
+            msgspec.Raw(_summary_encoder.encode(s.rollout_logprobs)),
+        )
+        for s in result.samples
+    ]
+    shadow = msgspec.structs.replace(
+        result,
+        samples=[
+            msgspec.structs.replace(s, tokens=t, loss_mask=m, rollout_logprobs=lp)
+            for s, (t, m, lp) in zip(result.samples, lists, strict=True)
+        ],
+    )
+    return encode_result(shadow), _content_digest(result.samples, lists)
 
 
 def _samples_changed(before: SessionSummary, after: SessionSummary) -> bool:
@@ -194,9 +231,9 @@ async def reduce_batches(
             routed_experts=rules.routed_experts is not None,
         ):
             result = reduce_session(log.events, log.arrays, rules)
-            payload = encode_result(result)
+            payload, content = encode_with_content(result)
             digest = digest_bytes(payload)
-            summary = summarize(result, digest)
+            summary = summarize(result, digest, content)
             sid = log.session_id
             summaries[sid] = summary
             rows[sid] = (sid, log.last_position, digest, payload)

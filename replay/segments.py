@@ -143,7 +143,7 @@ def to_sample(
         tokens=b.tokens.tolist(),
         prompt_len=b.prompt_len,
         response_len=int(b.tokens.size) - b.prompt_len,
-        loss_mask=b.mask.astype(np.int64).tolist(),
+        loss_mask=b.mask.tolist(),  # int8: Python ints all the same
         rollout_logprobs=b.logprobs.tolist(),
         weight_versions=list(b.versions),
         status=status,

@@ -5,8 +5,9 @@ Part of the pure reducer (see `replay.reducer`): no I/O, no clock.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -76,17 +77,20 @@ class SessionFacts:
     diagnostics: list[str]
 
 
+_seq_order = attrgetter("seq", "position")
+
+
 def _window(events: Sequence[RecordedEvent]) -> tuple[list[RecordedEvent], list[str]]:
     """Events in seq order from the last SessionOpened on.
 
     Nothing before it may influence the result, not even a diagnostic: a
     stream that starts at the re-open must reduce to the same bytes.
     """
-    ordered = sorted(events, key=lambda e: (e.seq, e.position))
-    opened_at = [i for i, e in enumerate(ordered) if isinstance(e.event, SessionOpened)]
-    if not opened_at:
-        return ordered, ["no SessionOpened event: reducing the whole stream"]
-    return ordered[opened_at[-1] :], []
+    ordered = sorted(events, key=_seq_order)
+    for i in range(len(ordered) - 1, -1, -1):
+        if isinstance(ordered[i].event, SessionOpened):
+            return ordered[i:], []
+    return ordered, ["no SessionOpened event: reducing the whole stream"]
 
 
 def collect_session(events: Sequence[RecordedEvent]) -> SessionFacts:
@@ -99,10 +103,11 @@ def collect_session(events: Sequence[RecordedEvent]) -> SessionFacts:
     turns: dict[tuple[int, str], Turn] = {}
     for rec in window:
         ev = rec.event
-        if isinstance(ev, SessionOpened):
+        kind = type(ev)
+        if kind is SessionOpened or isinstance(ev, SessionOpened):
             opened = ev
             continue
-        if isinstance(ev, SessionClosed):
+        if kind is SessionClosed or isinstance(ev, SessionClosed):
             closed = ev
             continue
         if isinstance(ev, SessionFailed):
@@ -120,42 +125,86 @@ def collect_session(events: Sequence[RecordedEvent]) -> SessionFacts:
         if t is None:
             t = turns[key] = Turn(turn=key[0], request_id=key[1], first_seq=rec.seq)
         t.seqs.append(rec.seq)
-        _absorb(t, ev, diags)
+        absorb = _ABSORB.get(kind)
+        if absorb is not None:
+            absorb(t, ev, diags)
+        else:
+            _absorb(t, ev, diags)
     ordered = sorted(turns.values(), key=lambda t: (t.first_seq, t.turn, t.request_id))
     return SessionFacts(session_id, opened, closed, failures, reward, ordered, diags)
 
 
+def _request(t: Turn, ev: MessagesRequest, diags: list[str]) -> None:
+    t.request = t.request or ev
+
+
+def _decision(t: Turn, ev: ChainDecision, diags: list[str]) -> None:
+    t.decision = t.decision or ev
+
+
+def _rendered(t: Turn, ev: RenderedInput, diags: list[str]) -> None:
+    if t.rendered is not None:
+        diags.append(f"turn {t.turn}: more than one RenderedInput; the first is used")
+    t.rendered = t.rendered or ev
+
+
+def _result(t: Turn, ev: GenerateResult, diags: list[str]) -> None:
+    if ev.attempt in t.results:
+        diags.append(f"turn {t.turn}: duplicate result for attempt {ev.attempt}; first kept")
+    else:
+        t.results[ev.attempt] = ev
+
+
+def _aborted(t: Turn, ev: TurnAborted, diags: list[str]) -> None:
+    t.aborts += 1
+
+
+def _tito(t: Turn, ev: TitoVerdict, diags: list[str]) -> None:
+    t.tito = t.tito or ev
+
+
+def _response(t: Turn, ev: ResponseSent, diags: list[str]) -> None:
+    t.response = t.response or ev
+
+
+def _failed(t: Turn, ev: TurnFailed, diags: list[str]) -> None:
+    t.failed = t.failed or ev.reason or "turn failed"
+
+
+def _engine_error(t: Turn, ev: EngineError, diags: list[str]) -> None:
+    t.interrupted = t.interrupted or f"engine error ({ev.kind} {ev.status})"
+
+
+def _disconnected(t: Turn, ev: ClientDisconnected, diags: list[str]) -> None:
+    t.interrupted = t.interrupted or "client disconnected"
+
+
+# What each turn event tells its turn. Looked up by the event's exact class (a
+# session has hundreds of events); a subclass goes through `_absorb`.
+_ABSORB: dict[type, Callable[[Turn, Any, list[str]], None]] = {
+    MessagesRequest: _request,
+    ChainDecision: _decision,
+    RenderedInput: _rendered,
+    GenerateResult: _result,
+    TurnAborted: _aborted,
+    TitoVerdict: _tito,
+    ResponseSent: _response,
+    TurnFailed: _failed,
+    EngineError: _engine_error,
+    ClientDisconnected: _disconnected,
+}
+
+
 def _absorb(t: Turn, ev: Any, diags: list[str]) -> None:
-    if isinstance(ev, MessagesRequest):
-        t.request = t.request or ev
-    elif isinstance(ev, ChainDecision):
-        t.decision = t.decision or ev
-    elif isinstance(ev, RenderedInput):
-        if t.rendered is not None:
-            diags.append(f"turn {t.turn}: more than one RenderedInput; the first is used")
-        t.rendered = t.rendered or ev
-    elif isinstance(ev, GenerateResult):
-        if ev.attempt in t.results:
-            diags.append(f"turn {t.turn}: duplicate result for attempt {ev.attempt}; first kept")
-        else:
-            t.results[ev.attempt] = ev
-    elif isinstance(ev, TurnAborted):
-        t.aborts += 1
-    elif isinstance(ev, TitoVerdict):
-        t.tito = t.tito or ev
-    elif isinstance(ev, ResponseSent):
-        t.response = t.response or ev
-    elif isinstance(ev, TurnFailed):
-        t.failed = t.failed or ev.reason or "turn failed"
-    elif isinstance(ev, EngineError):
-        t.interrupted = t.interrupted or f"engine error ({ev.kind} {ev.status})"
-    elif isinstance(ev, ClientDisconnected):
-        t.interrupted = t.interrupted or "client disconnected"
+    for kind, absorb in _ABSORB.items():
+        if isinstance(ev, kind):
+            absorb(t, ev, diags)
+            return
 
 
 def _as_ids(arr: Any) -> np.ndarray:
     a = np.asarray(arr)
-    if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+    if a.ndim != 1 or a.dtype.kind not in "iu":
         raise ValueError(f"token ids must be a 1-D integer array, got {a.dtype}{list(a.shape)}")
     if a.size and int(a.min()) < 0:
         raise ValueError("negative token id")
@@ -216,7 +265,8 @@ def _read_turn(
             raise ValueError(
                 f"attempt {r.attempt}: {lp.size} logprobs for {out.size} output tokens"
             )
-        if lp.size and (not np.all(np.isfinite(lp)) or float(lp.max()) > 0.0):
+        # Each in [-inf < lp <= 0]: NaN fails both comparisons, +inf the first.
+        if lp.size and not (float(lp.max()) <= 0.0 and float(lp.min()) > -np.inf):
             raise ValueError(f"attempt {r.attempt}: logprobs not finite or positive")
         outs.append(out)
         lps.append(lp)

@@ -30,6 +30,10 @@ wall time when every worker has a core to itself. "Per added core" =
 (path(1 proc) / path(N) - 1) / (N - 1): 1.00 is linear. Peak RSS is the
 largest single process (driver, worker process or Ray worker, from VmHWM).
 The load average is printed because this machine is shared.
+
+`--before-src DIR` (another checkout, e.g. `git worktree add --detach DIR main`)
+adds that code's `1 proc` and `Nw` rows, measured in the same run on the same
+logs, interleaved with this checkout's (so both see the same neighbours).
 """
 
 from __future__ import annotations
@@ -50,8 +54,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# A measurement of another checkout (`--src DIR`) imports that checkout's code.
+SRC = Path(sys.argv[sys.argv.index("--src") + 1]) if "--src" in sys.argv else ROOT
+if str(SRC) not in sys.path:
+    sys.path.insert(0, str(SRC))
 
 from tools import bench_replay  # noqa: E402
 from tools.benchkit.memory import status_bytes  # noqa: E402
@@ -99,6 +105,8 @@ def scaled_log(size: int, args: argparse.Namespace) -> Path:
 
 
 def measure(job: str, mode: str, db: str, ray_address: str) -> None:
+    import inspect
+
     from replay.cli import _run
     from replay.export import export_samples
     from replay.reclassify import reclassify
@@ -107,18 +115,23 @@ def measure(job: str, mode: str, db: str, ray_address: str) -> None:
     workers = 1 if mode == "1" else int(mode.removeprefix("ray"))
     ray = ray_address if mode.startswith("ray") else None
     out = Path(db).with_name("samples.jsonl")
+    # As the console command runs it: local workers forked up front where the
+    # code under test does that (`_run(fork=...)`).
+    fork = {"fork": workers} if ray is None and "fork" in inspect.signature(_run).parameters else {}
     t0 = time.perf_counter()
     if job == "reclassify":
         result = _run(
             db,
             lambda store: reclassify(store, Rules(), workers=workers, ray=ray),
             streaming=True,
+            **fork,
         )
     else:
         result = _run(
             db,
             lambda store: export_samples(store, out, "jsonl", Rules(), workers=workers, ray=ray),
             streaming=True,
+            **fork,
         )
     seconds = time.perf_counter() - t0
     own, kids = (
@@ -146,11 +159,15 @@ def measure(job: str, mode: str, db: str, ray_address: str) -> None:
     )
 
 
-def run_measure(job: str, mode: str, db: Path, ray_address: str) -> dict[str, float]:
+def run_measure(
+    job: str, mode: str, db: Path, ray_address: str, src: Path | None = None
+) -> dict[str, float]:
+    """One measurement in a fresh interpreter; `src`: of that checkout's code."""
     with tempfile.TemporaryDirectory(prefix="bench-replay-par-") as tmp:
         copy = Path(tmp) / "runs.db"
         shutil.copyfile(db, copy)
         args = ["--measure", job, mode, str(copy), "--ray-address", ray_address]
+        args += ["--src", str(src)] if src is not None else []
         return measure_in_child(__file__, args, f"{job} {mode} on {db}")  # type: ignore[return-value]
 
 
@@ -218,6 +235,10 @@ def main() -> None:
     p.add_argument("--cache-dir", default="/tmp/tr-bench-replay")
     p.add_argument("--measure", nargs=3, metavar=("JOB", "MODE", "DB"), help=argparse.SUPPRESS)
     p.add_argument("--ray-address", default="", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--before-src", type=Path, default=None, help="another checkout to measure beside this one"
+    )
+    p.add_argument("--src", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.measure:
         measure(*args.measure, args.ray_address)
@@ -225,6 +246,10 @@ def main() -> None:
 
     n = args.workers
     modes = ["1", str(n)] + ([] if args.no_ray else [f"ray{n}"])
+    # (label, checkout, mode): the before checkout's local rows, then this one's.
+    before = args.before_src.resolve() if args.before_src else None
+    cells = [("before", before, m) for m in ("1", str(n))] if before else []
+    cells += [("", None, m) for m in modes]
     logs = {size: scaled_log(size, args) for size in args.sizes}
     head, address = (None, "") if args.no_ray else start_ray(n)
     results: dict[tuple[int, str, str], list[dict[str, float]]] = {}
@@ -232,10 +257,10 @@ def main() -> None:
         for _ in range(args.repeat):
             for size, db in logs.items():
                 for job in args.jobs:
-                    for mode in modes:
-                        r = run_measure(job, mode, db, address)
-                        results.setdefault((size, job, mode), []).append(r)
-                        print(f"  {size} {job} {mode}: {json.dumps(r)}", file=sys.stderr)
+                    for label, src, mode in cells:
+                        r = run_measure(job, mode, db, address, src)
+                        results.setdefault((size, job, label + mode), []).append(r)
+                        print(f"  {size} {job} {label}{mode}: {json.dumps(r)}", file=sys.stderr)
     finally:
         if head is not None:
             stop_ray(head)
@@ -248,8 +273,8 @@ def main() -> None:
     )
     table = Columns(
         [
-            ("sessions", 9, ">"), ("job", 11, "<"), ("mode", 8, "<"), ("nodes", 6, ">"),
-            ("wall s", 8, ">"), ("wall x", 7, ">"), ("CPU s", 7, ">"),
+            ("sessions", 9, ">"), ("job", 11, "<"), ("mode", 14, "<"), ("nodes", 6, ">"),
+            ("wall s", 8, ">"), ("wall x", 7, ">"), ("vs before", 10, ">"), ("CPU s", 7, ">"),
             ("CPU path s", 11, ">"), ("path x", 7, ">"), ("per added core", 15, ">"),
             ("peak RSS MB", 12, ">"),
         ],
@@ -259,16 +284,19 @@ def main() -> None:
     print(table.rule())
     for size in args.sizes:
         for job in args.jobs:
-            serial = results[(size, job, "1")]
-            base = statistics.median(r["seconds"] for r in serial)
-            base_path = statistics.median(r["path_cpu"] for r in serial)
-            for mode in modes:
-                runs = results[(size, job, mode)]
+            for prefix, _src, mode in cells:
+                serial = results[(size, job, prefix + "1")]
+                base = statistics.median(r["seconds"] for r in serial)
+                base_path = statistics.median(r["path_cpu"] for r in serial)
+                runs = results[(size, job, prefix + mode)]
                 t = statistics.median(r["seconds"] for r in runs)
                 path = statistics.median(r["path_cpu"] for r in runs)
                 cores = 1 if mode == "1" else int(mode.removeprefix("ray"))
                 per_core = f"{(base_path / path - 1) / (cores - 1):.2f}" if cores > 1 else "-"
                 label = {"1": "1 proc"}.get(mode, f"{mode}w" if mode.isdigit() else f"ray {cores}c")
+                label = f"{prefix} {label}".strip()
+                was = results.get((size, job, "before" + mode)) if not prefix else None
+                vs = f"{statistics.median(r['seconds'] for r in was) / t:.2f}x" if was else "-"
                 cpu = (
                     "-"
                     if mode.startswith("ray")
@@ -277,12 +305,13 @@ def main() -> None:
                 print(
                     table.row(
                         size, job, label, int(max(r["nodes"] for r in runs)), f"{t:.1f}",
-                        f"{base / t:.2f}x", cpu, f"{path:.1f}", f"{base_path / path:.2f}x",
+                        f"{base / t:.2f}x", vs, cpu, f"{path:.1f}", f"{base_path / path:.2f}x",
                         per_core, f"{max(r['peak_rss_mb'] for r in runs):.0f}",
                     )
                 )  # fmt: skip
     print(
-        "(wall: elapsed on this shared machine; CPU: driver + local worker processes; CPU path:\n"
+        "(wall: elapsed on this shared machine; vs before: the before checkout's wall in the same\n"
+        " mode / this one's; CPU: driver + local worker processes; CPU path:\n"
         " the driver's CPU + the busiest worker's, i.e. the wall time on idle cores;\n"
         " per added core = (path x - 1) / (cores - 1), 1.00 = linear; peak RSS: largest process)"
     )

@@ -16,7 +16,7 @@ from recorder.log.store import CorruptArray, EventStore, StoreOptions, open_stor
 from recorder.log.store.sql import SqlEventStore
 from replay import close_session_samples
 from replay.export import export_samples
-from replay.load import iter_session_logs, load_arrays, load_session
+from replay.load import iter_session_logs, load_arrays, load_session, needed_refs
 from replay.reclassify import reclassify
 from replay.reducer import reduce_session
 from replay.rules import Rules
@@ -118,6 +118,125 @@ async def test_stream_yields_a_session_as_soon_as_it_closes(sqlite_store: EventS
         assert counting.read_up_to <= log.last_position + 2
         assert counting.read_up_to < log.last_position + per_session
     assert order == [log.session_id for log in logs]
+
+
+class FaultyArrays:
+    """Wraps a store: `get_arrays` fails for any request naming `bad`, and
+    records the digests each call asked for."""
+
+    def __init__(self, inner: EventStore, bad: bytes) -> None:
+        self.inner = inner
+        self.bad = bad
+        self.calls: list[set[bytes]] = []
+
+    async def last_position(self) -> int:
+        return await self.inner.last_position()
+
+    async def read_all(self, *, after: int = 0, limit: int = 1000) -> list[RecordedEvent]:
+        return await self.inner.read_all(after=after, limit=limit)
+
+    async def get_arrays(self, refs: Sequence[ArrayRef], *, cache: bool = True) -> list[Any]:
+        self.calls.append({r.digest for r in refs})
+        if any(r.digest == self.bad for r in refs):
+            from recorder.log.store import ArrayNotFound
+
+            raise ArrayNotFound(f"array {self.bad.hex()} is gone")
+        return await self.inner.get_arrays(refs, cache=cache)
+
+
+async def test_stream_reads_a_pages_sessions_arrays_at_once_and_a_bad_one_costs_only_its_own(
+    sqlite_store: EventStore,
+) -> None:
+    """Sessions closing in one page share one `get_arrays` call; when it fails,
+    each session is read alone, so a missing array is reported by its own
+    session only and every other session gets the arrays a lone read gives."""
+    logs = [Log(f"batch-{i}").open() for i in range(4)]
+    for i, log in enumerate(logs):
+        log.turn([1, 2, 10 + i], [20 + i, 2])
+        log.close()
+        await write_to(sqlite_store, log)
+    alone = {log.session_id: await load_session(sqlite_store, log.session_id) for log in logs}
+    streamed = [log async for log in iter_session_logs(sqlite_store, page_size=1000)]
+    assert [log.session_id for log in streamed] == [log.session_id for log in logs]
+    for log in streamed:
+        want = alone[log.session_id].arrays
+        assert log.arrays.keys() == want.keys() and log.missing_arrays == []
+        assert all(np.array_equal(log.arrays[d], want[d]) for d in want)
+
+    victim = alone["batch-2"]
+    bad = next(
+        d for d in victim.arrays if all(d not in alone[s].arrays for s in alone if s != "batch-2")
+    )
+    faulty = FaultyArrays(sqlite_store, bad)
+    got = {log.session_id: log async for log in iter_session_logs(faulty, page_size=1000)}  # type: ignore[arg-type]
+    first = faulty.calls[0]
+    assert all(set(alone[s].arrays) <= first for s in alone), "one call for the whole page"
+    (problem,) = got["batch-2"].missing_arrays  # reported once
+    assert bad.hex()[:16] in problem
+    assert bad not in got["batch-2"].arrays
+    for sid, log in got.items():
+        if sid != "batch-2":
+            assert log.missing_arrays == [] and log.arrays.keys() == alone[sid].arrays.keys()
+
+
+class AskedFor:
+    """Wraps a store and records every digest `get_arrays` is asked for."""
+
+    def __init__(self, inner: EventStore) -> None:
+        self.inner = inner
+        self.asked: set[bytes] = set()
+
+    async def last_position(self) -> int:
+        return await self.inner.last_position()
+
+    async def read_all(self, *, after: int = 0, limit: int = 1000) -> list[RecordedEvent]:
+        return await self.inner.read_all(after=after, limit=limit)
+
+    async def read_session(self, session_id: str) -> list[RecordedEvent]:
+        return await self.inner.read_session(session_id)
+
+    async def get_arrays(self, refs: Sequence[ArrayRef], *, cache: bool = True) -> list[Any]:
+        self.asked |= {r.digest for r in refs}
+        return await self.inner.get_arrays(refs, cache=cache)
+
+
+@pytest.mark.parametrize("sessions", [1, 3])
+async def test_outputs_the_next_input_re_sends_are_taken_from_it_not_read(
+    store: EventStore, sessions: int
+) -> None:
+    """A turn's output ids are in the next input of its chain: the loader takes
+    them from there (checked against the output's digest), so the store is
+    never asked for them, and the arrays equal what the store holds. An output
+    the next request does not re-send (the last turn, a side request's, one
+    followed by another chain's request) is read."""
+    from recorder.log.events import GenerateResult
+
+    logs = []
+    for i in range(sessions):
+        log = Log(f"resend-{i}").open()
+        t = log.turn([1, 2, 3 + i], [10 + i, 11, 2])
+        log.turn([7, 8], [30 + i, 2], system="side")  # another chain between
+        t = log.turn(t.then([4, 5]), [12, 13 + i, 2])
+        log.turn(t.then([6]), [14, 2])
+        log.close()
+        await write_to(store, log)
+        logs.append(log)
+    asking = AskedFor(store)
+    streamed = [log async for log in iter_session_logs(asking, page_size=1000)]  # type: ignore[arg-type]
+    assert len(streamed) == sessions
+    for log in streamed:
+        plain = await load_arrays(store, needed_refs(log.events, routed_experts=False))
+        assert plain[1] == [] and log.missing_arrays == []
+        assert log.arrays.keys() == plain[0].keys()
+        assert all(np.array_equal(log.arrays[d], a) for d, a in plain[0].items())
+        outputs = [
+            e.event.output_ids.digest for e in log.events if isinstance(e.event, GenerateResult)
+        ]
+        # Only the next request is looked at: turn 0's output is re-sent after the
+        # side request, so it is read like the side turn's and the last turn's.
+        assert [d in asking.asked for d in outputs] == [True, True, False, True]
+    alone = await load_session(asking, streamed[0].session_id)  # type: ignore[arg-type]
+    assert alone.arrays.keys() == streamed[0].arrays.keys()
 
 
 async def test_unclosed_sessions_are_yielded_at_the_end(sqlite_store: EventStore) -> None:

@@ -239,3 +239,66 @@ def test_ray_is_never_imported_without_the_ray_option(sqlite_url: str, tmp_path:
         assert "ray was imported" not in done.stderr
     tripped = cli("reclassify", "--ray", "127.0.0.1:1")
     assert tripped.returncode != 0 and "ray was imported" in tripped.stderr
+
+
+# -- workers forked by the command line ---------------------------------------------
+
+
+def test_cli_forks_its_workers_and_the_projection_is_the_serial_one(
+    store_url: str, tmp_path: Path
+) -> None:
+    """`_run(fork=2)` in a fresh single-threaded process forks two workers before
+    it opens the store, the run uses them (not spawned ones), and the projection
+    equals the one-process run's byte for byte."""
+    import asyncio
+
+    from recorder.log.store import open_store
+
+    async def fill() -> None:
+        async with await open_store(store_url, create=True) as s:
+            await write_interleaved(s, parallel_logs(8))
+
+    asyncio.run(fill())
+    script = tmp_path / "forked.py"
+    script.write_text(
+        "import sys\n"
+        "from replay import parallel\n"
+        "from replay.cli import _run\n"
+        "from replay.reclassify import reclassify\n"
+        "from replay.rules import Rules\n"
+        "used = []\n"
+        "real = parallel._run_on_pool\n"
+        "async def spy(pool, *args):\n"
+        "    used.append(pool)\n"
+        "    return await real(pool, *args)\n"
+        "parallel._run_on_pool = spy\n"
+        "workers = int(sys.argv[2])\n"
+        "report = _run(sys.argv[1], lambda s: reclassify(s, Rules(), workers=workers),\n"
+        "              streaming=True, fork=2)\n"
+        "forked = [p for p in used if p._mp_context.get_start_method() == 'fork']\n"
+        "print(report.sessions, len(report.partitions), len(used), len(forked))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def run(workers: int) -> str:
+        done = subprocess.run(
+            [sys.executable, str(script), store_url, str(workers)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+
+    async def digest_then_clear() -> str:
+        async with await open_store(store_url) as s:
+            d = await projection_digest(s)
+            await clear_projections(s)
+            return d
+
+    n = len(parallel_logs(8))
+    assert run(1) == [str(n), "0", "0", "0"]  # one process: no pool at all
+    serial = asyncio.run(digest_then_clear())
+    assert run(2) == [str(n), "2", "1", "1"]  # the forked pool ran both partitions
+    assert asyncio.run(digest_then_clear()) == serial
