@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -58,9 +59,10 @@ from recorder.dialects.chat import (
     message_digest,
 )
 from recorder.dialects.json_limits import MAX_DEPTH, json_problem
-from recorder.dialects.parse_cache import CachedPiece, ParseCache
+from recorder.dialects.parse_cache import CachedPiece, KnownPrefix, ParseCache
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header"
+_BLANKS = re.compile(rb"[ \t\r\n]*")  # JSON whitespace
 
 
 # --------------------------------------------------------------------------
@@ -112,28 +114,79 @@ def translate(req: AnthropicRequest) -> ChatRequest:
 
 
 def _parse_with_cache(body: bytes, count_tokens: bool, cache: ParseCache) -> ChatRequest:
+    known = cache.known_prefix(body)
+    if known is not None:
+        chat = _parse_after_known(body, count_tokens, cache, known)
+        if chat is not None:
+            return chat
     req = raw_messages_decoder.decode(body)
-    if json_problem(outside_messages(body, req.messages)) is not None:
+    span = message_span(body, req.messages)
+    outside = body if span is None else body[: span[0]] + body[span[1] :]
+    if json_problem(outside) is not None:
         raise InvalidRequest("JSON limits", "body")  # the uncached path names the problem
     _check_max_tokens(req, count_tokens)
     _check_head(req, len(req.messages))
     conversation = _Conversation(system_text(req.system))
-    cache.add_messages(req.messages, conversation, _translate_raw)
+    cache.add_messages(req.messages, conversation, _translate_raw, body=body, span=span)
+    return _chat_request(req, conversation)
+
+
+def _parse_after_known(
+    body: bytes, count_tokens: bool, cache: ParseCache, known: KnownPrefix
+) -> ChatRequest | None:
+    """The request, decoding only what follows the previous request's messages.
+
+    `body` repeats the previous body through its last message (`known`):
+    those messages are cut out, and the rest (the fields around the
+    messages, and the messages after them) is decoded, checked for JSON
+    limits and translated as a request of its own, whose messages continue
+    the previous request's conversation. A 570 kB body costs what its new
+    messages cost, not a decoder pass over all of it (~0.2 ms). None when
+    the body does not go on as a list of messages would (the full path
+    decides, and names any problem).
+    """
+    after = _BLANKS.match(body, known.end).end()  # type: ignore[union-attr]
+    if after >= len(body) or body[after] not in b",]":
+        return None
+    more = body[after] == ord(",")
+    rest = after + 1 if more else after
+    short = body[: known.first] + body[rest:]
+    req = raw_messages_decoder.decode(short)
+    if more and not req.messages:
+        return None  # "[..., ]": not JSON, though the rest alone would be
+    if json_problem(short) is not None:
+        raise InvalidRequest("JSON limits", "body")  # the uncached path names the problem
+    state: _ConversationState = known.state
+    system = system_text(req.system)
+    if system != state.system:
+        return None  # another system prompt: another conversation
+    _check_max_tokens(req, count_tokens)
+    _check_head(req, known.n_messages + len(req.messages))
+    conversation = _Conversation.resume(state)
+    cache.add_new_messages(known, body, rest, req.messages, conversation, _translate_raw)
     return _chat_request(req, conversation)
 
 
 def outside_messages(body: bytes, raws: Sequence[msgspec.Raw]) -> bytes:
     """`body` without the bytes of its messages (each message is checked on its own,
-    once, when the cache first sees it). msgspec's `Raw` is a view into `body`, so
-    the messages' span is found by address, never by searching."""
+    once, when the cache first sees it)."""
+    span = message_span(body, raws)
+    return body if span is None else body[: span[0]] + body[span[1] :]
+
+
+def message_span(body: bytes, raws: Sequence[msgspec.Raw]) -> tuple[int, int] | None:
+    """Where in `body` its messages `raws` start and end, None if they are not views of it.
+
+    msgspec's `Raw` is a view into `body`, so the span is found by address,
+    never by searching."""
     if not raws:
-        return body
+        return None
     base = _address(body)
     start = _address(raws[0]) - base
     end = _address(raws[-1]) - base + len(raws[-1])
     if not 0 <= start <= end <= len(body):
-        return body  # not views of `body`: check it all
-    return body[:start] + body[end:]
+        return None
+    return start, end
 
 
 def _address(buffer: Any) -> int:
@@ -282,6 +335,18 @@ def _translate_raw(data: bytes, index: int, conversation: _Conversation) -> Cach
     return tuple(_translate_message(message, f"messages.{index}", conversation.seen))
 
 
+class _ConversationState(NamedTuple):
+    """A `_Conversation` after some messages (copies: later changes to it do not show)."""
+
+    system: str
+    messages: tuple[dict[str, Any], ...]
+    digests: tuple[str, ...]
+    seen: frozenset[str]
+    trailing_tool_result_ids: tuple[str, ...]
+    last_role: str
+    n_input_messages: int
+
+
 class _Conversation:
     """The chat messages of a request, built message by message under the cross-message rules.
 
@@ -301,6 +366,31 @@ class _Conversation:
         self.trailing_tool_result_ids: list[str] = []
         self.last_role = ""
         self.n_input_messages = 0
+
+    def snapshot(self) -> _ConversationState:
+        """Its state now, for a later request that repeats these messages (`resume`)."""
+        return _ConversationState(
+            self.system,
+            tuple(self.messages),
+            tuple(self.digests),
+            frozenset(self.seen),
+            tuple(self.trailing_tool_result_ids),
+            self.last_role,
+            self.n_input_messages,
+        )
+
+    @classmethod
+    def resume(cls, state: _ConversationState) -> _Conversation:
+        """The conversation as it was at `snapshot`, to add the messages that follow."""
+        conversation = cls.__new__(cls)
+        conversation.system = state.system
+        conversation.messages = list(state.messages)
+        conversation.digests = list(state.digests)
+        conversation.seen = set(state.seen)
+        conversation.trailing_tool_result_ids = list(state.trailing_tool_result_ids)
+        conversation.last_role = state.last_role
+        conversation.n_input_messages = state.n_input_messages
+        return conversation
 
     def check_tool_results(self, piece: CachedPiece, index: int) -> None:
         """A message translated in another conversation: do its tool_results follow their tool_use?"""
