@@ -78,6 +78,9 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     # The answer carries each output token's logprob (OpenAI `logprobs: true`).
     logprobs: bool = False
     loaded_tools: list[dict[str, Any]] = []
+    # Characters of the user, tool and system messages' text, counted as `messages`
+    # were built (-1: not counted); `recorder.model.admission` bounds the prompt by it.
+    text_chars: int = -1
 
     @property
     def callable_tools(self) -> list[dict[str, Any]]:

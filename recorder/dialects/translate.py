@@ -223,9 +223,9 @@ def _chat_request(req: RequestFields, conversation: _Conversation) -> ChatReques
     tools = [_tool_schema(t) for t in req.tools or [] if not t.defer_loading]
     deferred = {t.name: _tool_schema(t) for t in req.tools or [] if t.defer_loading}
     by_name = {**{t["function"]["name"]: t for t in tools}, **deferred}
-    messages, digests, loaded = _load_references(
-        conversation.messages, conversation.digests, by_name
-    )
+    messages, digests, loaded = conversation.messages, conversation.digests, ()
+    if conversation.references:
+        messages, digests, loaded = _load_references(messages, digests, by_name)
     thinking = req.thinking
     template_kwargs: dict[str, Any] = {}
     if thinking is not None:
@@ -256,6 +256,8 @@ def _chat_request(req: RequestFields, conversation: _Conversation) -> ChatReques
         template_kwargs=template_kwargs,
         json_schema=_json_schema(req),
         loaded_tools=[deferred[name] for name in loaded if name in deferred],
+        # Loading a tool changed the text of the messages that reference it.
+        text_chars=-1 if loaded else conversation.text_chars,
     )
 
 
@@ -345,6 +347,8 @@ class _ConversationState(NamedTuple):
     trailing_tool_result_ids: tuple[str, ...]
     last_role: str
     n_input_messages: int
+    text_chars: int
+    references: bool
 
 
 class _Conversation:
@@ -352,12 +356,17 @@ class _Conversation:
 
     Consecutive assistant messages merge (the API treats them as one turn);
     the tool_result ids after the last assistant message are collected.
+    Counted on the way, so that no later step walks every message again:
+    the characters of the text every template renders (`ChatRequest.text_chars`)
+    and whether any tool result holds a `tool_reference`.
     """
 
     def __init__(self, system: str) -> None:
         self.system = system
         self.messages: list[dict[str, Any]] = []
         self.digests: list[str] = []
+        self.text_chars = len(system)
+        self.references = False
         if system:
             prompt = {"role": "system", "content": system}
             self.messages.append(prompt)
@@ -377,6 +386,8 @@ class _Conversation:
             tuple(self.trailing_tool_result_ids),
             self.last_role,
             self.n_input_messages,
+            self.text_chars,
+            self.references,
         )
 
     @classmethod
@@ -390,6 +401,8 @@ class _Conversation:
         conversation.trailing_tool_result_ids = list(state.trailing_tool_result_ids)
         conversation.last_role = state.last_role
         conversation.n_input_messages = state.n_input_messages
+        conversation.text_chars = state.text_chars
+        conversation.references = state.references
         return conversation
 
     def check_tool_results(self, piece: CachedPiece, index: int) -> None:
@@ -418,6 +431,10 @@ class _Conversation:
                 return
         self.messages.extend(messages)
         self.digests.extend(digests)
+        if role != "assistant":
+            for message in messages:  # user, tool or system: its content is a string
+                self.text_chars += len(message["content"])
+                self.references = self.references or "tool_references" in message
 
 
 def _assistant_turn(blocks: list[ContentBlock], path: str) -> dict[str, Any]:
@@ -561,8 +578,6 @@ def _load_references(
     Also returns the names loaded, in order of first reference: from that
     point on the model may call them (as with the real API).
     """
-    if not any("tool_references" in m for m in messages):
-        return messages, digests, ()
     out, out_digests = [], list(digests)
     loaded_names: dict[str, None] = {}
     for i, message in enumerate(messages):

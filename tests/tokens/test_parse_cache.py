@@ -45,6 +45,13 @@ def _assert_same(body: bytes, *caches: ParseCache) -> Outcome:
     return expected
 
 
+def _assert_counted(outcome: Outcome) -> None:
+    """`text_chars` is the length of the text of every user, tool and system message."""
+    if isinstance(outcome, ChatRequest) and outcome.text_chars >= 0:
+        rendered = [m for m in outcome.messages if m["role"] in ("user", "tool", "system")]
+        assert outcome.text_chars == sum(len(m["content"]) for m in rendered)
+
+
 _TOOLS = [
     {
         "name": name,
@@ -242,10 +249,10 @@ def _edited_session(edits: list[str], seed: int, *, messages_first: bool) -> Non
             subagent = subagent or _Session(rng, system="You are a subagent.")
             subagent.messages_first = messages_first
             subagent.tool_turn()
-            _assert_same(subagent.body(), *caches)
+            _assert_counted(_assert_same(subagent.body(), *caches))
         else:
             getattr(main, edit)()
-        _assert_same(main.body(), *caches)
+        _assert_counted(_assert_same(main.body(), *caches))
         assert len(tiny) <= 3 and tiny.nbytes <= 3000
 
 
