@@ -55,6 +55,7 @@ from recorder.rollout.driver import (
     finish_despite_cancel,
     notify,
     placeholder_result,
+    run_all,
     run_rollout,
     session_id_for,
 )
@@ -158,16 +159,7 @@ async def run_group_ray(
             if gate is not None:
                 gate.release()
 
-    tasks = [asyncio.ensure_future(one(i, r)) for i, r in enumerate(reqs)]
-    try:
-        if tasks:  # asyncio.wait refuses an empty set
-            await asyncio.wait(tasks)
-    except asyncio.CancelledError:
-        for task in tasks:
-            task.cancel()
-        await finish_despite_cancel(tasks)
-        raise
-    return [r for r in (task.result() for task in tasks) if r is not None]
+    return [r for r in await run_all([one(i, r) for i, r in enumerate(reqs)]) if r is not None]
 
 
 def for_nodes(req: RolloutRequest) -> RolloutRequest:

@@ -31,8 +31,8 @@ import re
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
@@ -72,6 +72,7 @@ from replay.samples import Sample
 if TYPE_CHECKING:
     from recorder.rollout.cluster import RayOptions
 
+T = TypeVar("T")
 log = logging.getLogger("recorder.rollout")
 
 Outcome = str  # "passed" | "failed" | "infra_error"
@@ -571,13 +572,21 @@ async def run_group(
         notify(on_result, i, result)
         return result
 
-    tasks = [asyncio.ensure_future(one(i, r)) for i, r in enumerate(reqs)]
+    return await run_all([one(i, r) for i, r in enumerate(reqs)])
+
+
+async def run_all(coros: Sequence[Awaitable[T]]) -> list[T]:
+    """Run every rollout coroutine at once and return their results in order.
+
+    Not gather: on cancel it would re-raise the first child's CancelledError at once,
+    while its siblings are still killing agents and closing sessions. Here a cancel
+    reaches every task and returns only once all of them have cleaned up.
+    """
+    tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         if tasks:  # asyncio.wait refuses an empty set
             await asyncio.wait(tasks)
     except asyncio.CancelledError:
-        # Not gather: it re-raises the first child's CancelledError at once, while its
-        # siblings are still killing agents and closing sessions.
         for task in tasks:
             task.cancel()
         await finish_despite_cancel(tasks)

@@ -22,6 +22,7 @@ from tools.test_engine import (
     load_script,
     start_subprocess,
 )
+from tools.test_engine.core import BadRequest
 
 from .conftest import FIXTURE_TOKENIZER
 
@@ -225,3 +226,33 @@ async def test_cli_subprocess_with_script(tmp_path: Path, tokenizer) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_lean_parse_reads_what_the_checked_parse_reads(tokenizer) -> None:
+    """Benchmarks' engines skip SGLang's contract check (`check_contract=False`): their typed
+    read must give the same request for valid bodies and still refuse what it cannot run."""
+    checked = EngineCore(ScriptedBackend(tokenizer), tokenizer)
+    lean = EngineCore(ScriptedBackend(tokenizer), tokenizer, check_contract=False)
+    bodies = [
+        {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}, "rid": "r1"},
+        {
+            "input_ids": list(range(500)),
+            "rid": "r2",
+            "return_logprob": True,
+            "sampling_params": {"temperature": 0.5, "top_p": 0.9, "stop": ["x"], "top_k": 5},
+        },
+        {"input_ids": [7], "rid": "r3", "sampling_params": None, "return_routed_experts": True},
+    ]
+    for body in bodies:
+        raw = json.dumps(body).encode()
+        assert lean.parse_raw(raw) == checked.parse_raw(raw) == checked.parse_request(body)
+    for bad in (
+        {"input_ids": [1, "2"]},
+        {"input_ids": [1.5]},
+        {"text": "hi"},
+        {"input_ids": [1], "stream": True},
+    ):
+        with pytest.raises(BadRequest):
+            lean.parse_raw(json.dumps(bad).encode())
+    with pytest.raises(BadRequest):
+        lean.parse_raw(b"{not json")

@@ -48,7 +48,10 @@ def fixture_tokenizer() -> Tokenizer:
 def start_test_engine(context_length: int) -> tuple[subprocess.Popen[bytes], str]:
     """The test engine's scripted backend in a subprocess, zero latency, no history kept."""
     return start_subprocess(
-        ["--backend", "scripted", "--context-length", str(context_length), "--no-keep-history"]
+        [
+            *("--backend", "scripted", "--context-length", str(context_length)),
+            *("--no-keep-history", "--no-check-contract"),
+        ]
     )
 
 
@@ -72,7 +75,10 @@ def engine_app(
         tok,
         default_reply=lambda req: Reply(text=tool_call_reply(tok, len(req.input_ids), next(count))),
     )
-    app = build_app(EngineCore(backend, tok, context_length=context_length, keep_history=False))
+    core = EngineCore(
+        backend, tok, context_length=context_length, keep_history=False, check_contract=False
+    )
+    app = build_app(core)
 
     @web.middleware
     async def timed(request: web.Request, handler: Any) -> web.StreamResponse:

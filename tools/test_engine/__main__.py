@@ -34,6 +34,13 @@ FIXTURE_TOKENIZER = REPO_ROOT / "tests" / "data" / "smollm2-tokenizer"
     show_default=True,
     help="Keep every request and a prefix cache (off: nothing kept per request, for benchmarks).",
 )
+@click.option(
+    "--check-contract/--no-check-contract",
+    default=True,
+    show_default=True,
+    help="Validate each /generate body with SGLang's own contract (off: a typed msgspec read, "
+    "for benchmarks whose engine shares the recorder's cores).",
+)
 def main(**options: Any) -> None:
     """Serve SGLang's /generate protocol from a scripted or a tiny real model."""
     asyncio.run(_serve(**options))
@@ -51,6 +58,7 @@ async def _serve(
     gguf: str | None,
     seed: int | None,
     keep_history: bool,
+    check_contract: bool,
 ) -> None:
     if backend == "tiny":
         from .tiny import TinyBackend, smollm2_gguf
@@ -63,6 +71,7 @@ async def _serve(
             context_length=context_length or 8192,
             weight_version=weight_version,
             keep_history=keep_history,
+            check_contract=check_contract,
         )
     else:
         tokenizer = load_tokenizer(tokenizer_path or str(FIXTURE_TOKENIZER))
@@ -78,6 +87,7 @@ async def _serve(
             context_length=context_length or 32768,
             weight_version=weight_version,
             keep_history=keep_history,
+            check_contract=check_contract,
         )
         core.inject(*script.faults)
     server = EngineServer(core, host=host, port=port)
