@@ -54,15 +54,17 @@ from recorder.dialects.anthropic_wire import (
 from recorder.dialects.chat import (
     ChatRequest,
     InvalidRequest,
-    digest_obj,
     digest_text,
     message_digest,
+    shared_tools,
 )
 from recorder.dialects.json_limits import MAX_DEPTH, json_problem
 from recorder.dialects.parse_cache import CachedPiece, KnownPrefix, ParseCache
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header"
 _BLANKS = re.compile(rb"[ \t\r\n]*")  # JSON whitespace
+# A tool list's exact JSON (key order kept): the key of its shared schemas.
+_tools_encoder = msgspec.json.Encoder()
 
 
 # --------------------------------------------------------------------------
@@ -220,7 +222,10 @@ def _chat_request(req: RequestFields, conversation: _Conversation) -> ChatReques
             f"messages.{conversation.n_input_messages - 1}.role",
         )
     system = conversation.system
-    tools = [_tool_schema(t) for t in req.tools or [] if not t.defer_loading]
+    listed = [t for t in req.tools or [] if not t.defer_loading]
+    tools, render_digest = shared_tools(
+        _tools_encoder.encode(listed), lambda: [_tool_schema(t) for t in listed]
+    )
     deferred = {t.name: _tool_schema(t) for t in req.tools or [] if t.defer_loading}
     by_name = {**{t["function"]["name"]: t for t in tools}, **deferred}
     messages, digests, loaded = conversation.messages, conversation.digests, ()
@@ -238,7 +243,7 @@ def _chat_request(req: RequestFields, conversation: _Conversation) -> ChatReques
         message_digests=tuple(digests),
         system=system,
         system_digest=digest_text(system),
-        render_digest=digest_obj(tools),
+        render_digest=render_digest,
         tool_result_ids=tuple(conversation.trailing_tool_result_ids),
         n_input_messages=conversation.n_input_messages,
         max_tokens=req.max_tokens,

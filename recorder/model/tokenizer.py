@@ -30,6 +30,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _RawTokenizer
 
+from recorder.dialects.chat import tool_json
 from recorder.log.events import TokenizerIdentity
 
 TEMPLATES_DIR = Path(__file__).parent / "templates"
@@ -504,6 +505,18 @@ def _tojson(
     indent: int | None = None,
     separators: tuple[str, str] | None = None,
     sort_keys: bool = False,
+) -> str:
+    """As transformers' `tojson`; a tool schema's text is made once (`chat.tool_json`):
+    every turn's render has the tools in it."""
+    return tool_json(value, (ensure_ascii, indent, separators, sort_keys), _dumps)
+
+
+def _dumps(
+    value: Any,
+    ensure_ascii: bool,
+    indent: int | None,
+    separators: tuple[str, str] | None,
+    sort_keys: bool,
 ) -> str:
     return json.dumps(
         value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
