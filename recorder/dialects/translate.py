@@ -54,6 +54,7 @@ from recorder.dialects.anthropic_wire import (
 from recorder.dialects.chat import (
     ChatRequest,
     InvalidRequest,
+    digest_obj,
     digest_text,
     message_digest,
     shared_tools,
@@ -63,8 +64,10 @@ from recorder.dialects.parse_cache import CachedPiece, KnownPrefix, ParseCache
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header"
 _BLANKS = re.compile(rb"[ \t\r\n]*")  # JSON whitespace
-# A tool list's exact JSON (key order kept): the key of its shared schemas.
+# A tool list's exact JSON (key order kept): the key of its shared schemas. Shared
+# only from a body whose fields around the messages are at most this big.
 _tools_encoder = msgspec.json.Encoder()
+_MAX_SHARED_TOOLS_BYTES = 1 << 20
 
 
 # --------------------------------------------------------------------------
@@ -130,7 +133,7 @@ def _parse_with_cache(body: bytes, count_tokens: bool, cache: ParseCache) -> Cha
     _check_head(req, len(req.messages))
     conversation = _Conversation(system_text(req.system))
     cache.add_messages(req.messages, conversation, _translate_raw, body=body, span=span)
-    return _chat_request(req, conversation)
+    return _chat_request(req, conversation, share_tools=len(outside) <= _MAX_SHARED_TOOLS_BYTES)
 
 
 def _parse_after_known(
@@ -166,7 +169,7 @@ def _parse_after_known(
     _check_head(req, known.n_messages + len(req.messages))
     conversation = _Conversation.resume(state)
     cache.add_new_messages(known, body, rest, req.messages, conversation, _translate_raw)
-    return _chat_request(req, conversation)
+    return _chat_request(req, conversation, share_tools=len(short) <= _MAX_SHARED_TOOLS_BYTES)
 
 
 def outside_messages(body: bytes, raws: Sequence[msgspec.Raw]) -> bytes:
@@ -215,7 +218,13 @@ def _check_tool_choice(choice: ToolChoice | None, tools: list[Tool]) -> None:
         raise InvalidRequest(f"tool {choice.name!r} is not in `tools`", "tool_choice.name")
 
 
-def _chat_request(req: RequestFields, conversation: _Conversation) -> ChatRequest:
+def _chat_request(
+    req: RequestFields, conversation: _Conversation, *, share_tools: bool = False
+) -> ChatRequest:
+    """The translated request. `share_tools`: its tool schemas may be the ones other
+    requests with the same tools share (`chat.shared_tools`); only for a body whose
+    fields around the messages are small (a shared list is kept, and keyed by its JSON).
+    """
     if conversation.last_role == "assistant":
         raise InvalidRequest(
             "the last message must be from the user (assistant prefill is not supported)",
@@ -223,9 +232,13 @@ def _chat_request(req: RequestFields, conversation: _Conversation) -> ChatReques
         )
     system = conversation.system
     listed = [t for t in req.tools or [] if not t.defer_loading]
-    tools, render_digest = shared_tools(
-        _tools_encoder.encode(listed), lambda: [_tool_schema(t) for t in listed]
-    )
+    if share_tools:
+        tools, render_digest = shared_tools(
+            _tools_encoder.encode(listed), lambda: [_tool_schema(t) for t in listed]
+        )
+    else:
+        tools = [_tool_schema(t) for t in listed]
+        render_digest = digest_obj(tools)
     deferred = {t.name: _tool_schema(t) for t in req.tools or [] if t.defer_loading}
     by_name = {**{t["function"]["name"]: t for t in tools}, **deferred}
     messages, digests, loaded = conversation.messages, conversation.digests, ()

@@ -604,8 +604,9 @@ def test_the_same_tools_are_one_set_of_schemas_rendered_as_fresh_ones(tok: Any) 
         {"name": "Bash", "input_schema": {"type": "object", "properties": {}}},
     ]  # fmt: skip
     body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
-    first = parse_request(json.dumps({**body, "tools": tools}).encode())
-    again = parse_request(json.dumps({**body, "tools": tools}).encode())
+    first = parse_request(json.dumps({**body, "tools": tools}).encode(), cache=ParseCache())
+    again = parse_request(json.dumps({**body, "tools": tools}).encode(), cache=ParseCache())
+    assert parse_request(json.dumps({**body, "tools": tools}).encode()) == again  # uncached
     assert again.tools == first.tools and again.tools is not first.tools
     assert all(a is b for a, b in zip(again.tools, first.tools, strict=True))
     fresh = json.loads(json.dumps(first.tools))
@@ -613,7 +614,7 @@ def test_the_same_tools_are_one_set_of_schemas_rendered_as_fresh_ones(tok: Any) 
         assert tok.render(again.messages, again.tools) == tok.render(again.messages, fresh)
     reordered = [{**tools[0], "input_schema": {"properties": tools[0]["input_schema"][
         "properties"], "type": "object"}}, tools[1]]  # fmt: skip
-    other = parse_request(json.dumps({**body, "tools": reordered}).encode())
+    other = parse_request(json.dumps({**body, "tools": reordered}).encode(), cache=ParseCache())
     assert other.render_digest == first.render_digest  # digests sort keys; renders do not
     text = tok.render(other.messages, other.tools)
     assert text == tok.render(other.messages, json.loads(json.dumps(other.tools)))
