@@ -13,7 +13,7 @@ keeps what the model saw.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -78,11 +78,60 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     # The answer carries each output token's logprob (OpenAI `logprobs: true`).
     logprobs: bool = False
     loaded_tools: list[dict[str, Any]] = []
+    # Characters of the user, tool and system messages' text, counted as `messages`
+    # were built (-1: not counted); `recorder.model.admission` bounds the prompt by it.
+    text_chars: int = -1
 
     @property
     def callable_tools(self) -> list[dict[str, Any]]:
         """The tools the model may call now: the listed ones and the loaded deferred ones."""
         return [*self.tools, *self.loaded_tools] if self.loaded_tools else self.tools
+
+
+# --------------------------------------------------------------------------
+# Tool schemas shared by the requests that send the same tools
+# --------------------------------------------------------------------------
+
+# An agent sends the same tools every turn (Claude Code: ~20 schemas, ~70 kB of
+# JSON). Their schemas are built once per exact tool list and shared, never
+# changed (as the parse cache's messages are), and the JSON a chat template
+# makes of each (`tojson`, every turn's render) is kept with it.
+_MAX_TOOL_LISTS = 16
+_tool_lists: dict[bytes, tuple[list[dict[str, Any]], str]] = {}
+_tool_json: dict[int, tuple[dict[str, Any], dict[tuple[Any, ...], str]]] = {}
+
+
+def shared_tools(
+    key: bytes, build: Callable[[], list[dict[str, Any]]]
+) -> tuple[list[dict[str, Any]], str]:
+    """(the tool schemas `build()` makes, their `digest_obj`) for the tool list whose
+    exact JSON is `key`: built once, the same dicts for every request that sends it.
+
+    The caller gets its own list (the dicts in it are shared: never change them).
+    """
+    found = _tool_lists.get(key)
+    if found is None:
+        schemas = build()
+        found = (schemas, digest_obj(schemas))
+        if len(_tool_lists) >= _MAX_TOOL_LISTS:
+            _tool_lists.clear()
+            _tool_json.clear()
+        _tool_lists[key] = found
+        for schema in schemas:
+            _tool_json[id(schema)] = (schema, {})
+    return list(found[0]), found[1]
+
+
+def tool_json(value: Any, options: tuple[Any, ...], dumps: Callable[..., str]) -> str:
+    """`dumps(value, *options)`, kept for a schema of `shared_tools` (any other value:
+    computed each time)."""
+    entry = _tool_json.get(id(value))
+    if entry is None or entry[0] is not value:  # not a shared schema (or one dropped since)
+        return dumps(value, *options)
+    text = entry[1].get(options)
+    if text is None:
+        text = entry[1][options] = dumps(value, *options)
+    return text
 
 
 # --------------------------------------------------------------------------

@@ -9,9 +9,10 @@ a turn costs what its new messages cost plus one scan of the body.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import msgspec
 
@@ -30,6 +31,31 @@ class Conversation(Protocol):
     def check_tool_results(self, piece: CachedPiece, index: int) -> None: ...
 
     def add(self, piece: CachedPiece) -> None: ...
+
+    def snapshot(self) -> Any:
+        """Its state after the messages added so far, unaffected by later changes to it."""
+        ...
+
+
+# JSON whitespace, then a comma, then whitespace: what separates two array elements.
+_SEPARATOR = re.compile(rb"[ \t\r\n]*,[ \t\r\n]*")
+_BLANKS = re.compile(rb"[ \t\r\n]*")
+
+
+class KnownPrefix(NamedTuple):
+    """The previous request's messages, found byte for byte at the start of this body.
+
+    `body[:end]` is the previous body up to the end of its last message: the
+    same bytes at the same offsets, so the same messages (a JSON value's
+    extent depends only on its own bytes, and the bytes before it put the
+    decoder in the same place). `first` is where the first message starts,
+    `n_messages` how many there are, `state` the conversation after them.
+    """
+
+    first: int
+    end: int
+    n_messages: int
+    state: Any
 
 
 class ParseCache:
@@ -81,9 +107,18 @@ class ParseCache:
         self._entries: OrderedDict[bytes, CachedPiece] = OrderedDict()  # LRU first
         self._last_used: dict[bytes, int] = {}  # key -> number of the request
         self._sizes: dict[bytes, int] = {}  # key -> its message's JSON size
-        # The previous request's messages (views into its body) and their keys.
-        self._previous: list[msgspec.Raw] = []
+        # The previous request: its body, where its messages are in it (the first's
+        # offset, each one's length, the end of the last), their keys, and the
+        # caller's conversation after them. `_views` are the messages as views into
+        # the body, when the decoder made them (built from the offsets when asked).
+        self._body: bytes | None = None
+        self._first = 0
+        self._end = 0
+        self._lengths: list[int] = []
         self._previous_keys: list[bytes] = []
+        self._views: list[msgspec.Raw] | None = None
+        self._state: Any = None
+        self._total = 0
         self._nbytes = 0
         self._requests = 0
 
@@ -99,36 +134,125 @@ class ParseCache:
         self._entries.clear()
         self._last_used.clear()
         self._sizes.clear()
-        self._previous, self._previous_keys = [], []
+        self._forget_previous()
         self._nbytes = 0
+
+    @property
+    def _previous(self) -> list[msgspec.Raw]:
+        """The previous request's messages, as views into its body, in order."""
+        if self._views is None:
+            self._views = _views(self._body, self._first, self._lengths) if self._body else []
+        return self._views
+
+    def known_prefix(self, body: bytes) -> KnownPrefix | None:
+        """The previous request's messages, if `body` repeats its bytes through the last one.
+
+        One compare of the bytes (no decoding): a client resends the whole
+        conversation every turn, so most requests only append messages.
+        """
+        prev = self._body
+        if prev is None or self._state is None or len(body) < self._end:
+            return None
+        if not body.startswith(memoryview(prev)[: self._end]):
+            return None
+        return KnownPrefix(self._first, self._end, len(self._lengths), self._state)
 
     def add_messages(
         self,
         raws: Sequence[msgspec.Raw],
         conversation: Conversation,
         translate_message: Callable[[bytes, int, Conversation], CachedPiece],
+        *,
+        body: bytes | None = None,
+        span: tuple[int, int] | None = None,
     ) -> None:
         """Add each message to `conversation`, translating only those not cached.
 
         `translate_message(json bytes, index, conversation)` checks, decodes and
-        translates one message (raising `InvalidRequest`).
+        translates one message (raising `InvalidRequest`). `body` is the request
+        body the `raws` are views of and `span` where in it they start and end:
+        with both, the next request may find them by `known_prefix`.
+        """
+        self._requests += 1
+        previous, previous_keys = self._previous, self._previous_keys
+        keys: list[bytes] = []
+        total = self._add(raws, 0, conversation, translate_message, previous, previous_keys, keys)
+        if body is None or span is None or total > self.max_bytes:
+            # The views keep the body they point into alive: not beyond `max_bytes`, nor
+            # with a message too big to cache (on the OpenAI paths that body is the
+            # cache's own, joined per request, not the one the server keeps).
+            self._forget_previous()
+        else:
+            self._body, (self._first, self._end) = body, span
+            self._lengths = [len(raw) for raw in raws]
+            self._previous_keys, self._views = keys, list(raws)
+            self._state, self._total = conversation.snapshot(), total
+        self._evict_idle()
+
+    def add_new_messages(
+        self,
+        known: KnownPrefix,
+        body: bytes,
+        start: int,
+        raws: Sequence[msgspec.Raw],
+        conversation: Conversation,
+        translate_message: Callable[[bytes, int, Conversation], CachedPiece],
+    ) -> None:
+        """`add_messages` for a body that repeats the previous request's messages
+        (`known_prefix`): `conversation` is already in `known.state`, and `raws`
+        are the messages after them, the first starting at `body[start:]` (past
+        blanks). Only these are looked at; the known ones count as used.
         """
         self._requests += 1
         now = self._requests
-        previous, previous_keys = self._previous, self._previous_keys
-        keys: list[bytes] = []
+        last_used = self._last_used
+        known_keys = self._previous_keys
+        # Used again, in the same order as last time: their places at the recent
+        # end of the LRU order stay as they are; only their last use is new.
+        last_used.update(dict.fromkeys(filter(last_used.__contains__, known_keys), now))
+        keys = list(known_keys)
+        total = self._total + self._add(
+            raws, known.n_messages, conversation, translate_message, [], [], keys
+        )
+        if total > self.max_bytes:
+            self._forget_previous()
+        else:
+            lengths = [len(raw) for raw in raws]
+            if lengths:
+                self._end = _end_of(body, _BLANKS.match(body, start).end(), lengths)  # type: ignore[union-attr]
+            self._body, self._views = body, None  # views into the old body: not kept
+            self._lengths = [*self._lengths, *lengths]
+            self._previous_keys = keys
+            self._state, self._total = conversation.snapshot(), total
+        self._evict_idle()
+
+    def _add(
+        self,
+        raws: Sequence[msgspec.Raw],
+        offset: int,
+        conversation: Conversation,
+        translate_message: Callable[[bytes, int, Conversation], CachedPiece],
+        previous: Sequence[msgspec.Raw],
+        previous_keys: Sequence[bytes],
+        keys: list[bytes],
+    ) -> int:
+        """Add `raws` (messages `offset`... of the request) to `conversation`; append their
+        keys to `keys`. Returns their total JSON size, more than `max_bytes` if one is
+        too big to cache (its view must not keep the body alive)."""
+        now = self._requests
         entries, last_used = self._entries, self._last_used
         total = 0
-        for i, raw in enumerate(raws):
+        for j, raw in enumerate(raws):
+            i = offset + j
             size = len(raw)
             total += size
             if size > self.max_entry_bytes:
-                total = self.max_bytes + 1  # its view would keep it alive: keep none
+                total += self.max_bytes + 1  # its view would keep it alive: keep none
                 conversation.add(translate_message(bytes(raw), i, conversation))
                 keys.append(b"")  # never kept (see `max_entry_bytes`)
                 continue
-            if i < len(previous) and previous_keys[i] and previous[i] == raw:
-                key = previous_keys[i]
+            if j < len(previous) and previous_keys[j] and previous[j] == raw:
+                key = previous_keys[j]
             else:
                 key = hashlib.blake2b(raw, digest_size=16).digest()
             piece = entries.get(key)
@@ -142,12 +266,16 @@ class ParseCache:
                     conversation.check_tool_results(piece, i)
             conversation.add(piece)
             keys.append(key)
-        # The views keep the body they point into alive: not beyond `max_bytes`, nor
-        # with a message too big to cache (on the OpenAI paths that body is the
-        # cache's own, joined per request, not the one the server keeps).
-        keep = total <= self.max_bytes
-        self._previous, self._previous_keys = (list(raws), keys) if keep else ([], [])
-        idle_before = now - self.max_idle_requests
+        return total
+
+    def _forget_previous(self) -> None:
+        self._body, self._views, self._state = None, None, None
+        self._lengths, self._previous_keys = [], []
+        self._first = self._end = self._total = 0
+
+    def _evict_idle(self) -> None:
+        idle_before = self._requests - self.max_idle_requests
+        last_used = self._last_used
         self._evict(lambda oldest: last_used[oldest] < idle_before)
 
     def _put(self, key: bytes, piece: CachedPiece, size: int, now: int) -> None:
@@ -169,3 +297,22 @@ class ParseCache:
             key, _ = entries.popitem(last=False)
             del self._last_used[key]
             self._nbytes -= 2 * self._sizes.pop(key) + self.ENTRY_OVERHEAD
+
+
+def _end_of(body: bytes, start: int, lengths: Sequence[int]) -> int:
+    """Where the last of consecutive array elements of `lengths` ends, the first at `start`."""
+    pos = start + lengths[0]
+    for length in lengths[1:]:
+        pos = _SEPARATOR.match(body, pos).end() + length  # type: ignore[union-attr]
+    return pos
+
+
+def _views(body: bytes, first: int, lengths: Sequence[int]) -> list[msgspec.Raw]:
+    """Consecutive array elements of `lengths`, the first at `first`, as views into `body`."""
+    view, views, pos = memoryview(body), [], first
+    for i, length in enumerate(lengths):
+        if i:
+            pos = _SEPARATOR.match(body, pos).end()  # type: ignore[union-attr]
+        views.append(msgspec.Raw(view[pos : pos + length]))
+        pos += length
+    return views

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -56,11 +57,17 @@ from recorder.dialects.chat import (
     digest_obj,
     digest_text,
     message_digest,
+    shared_tools,
 )
 from recorder.dialects.json_limits import MAX_DEPTH, json_problem
-from recorder.dialects.parse_cache import CachedPiece, ParseCache
+from recorder.dialects.parse_cache import CachedPiece, KnownPrefix, ParseCache
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header"
+_BLANKS = re.compile(rb"[ \t\r\n]*")  # JSON whitespace
+# A tool list's exact JSON (key order kept): the key of its shared schemas. Shared
+# only from a body whose fields around the messages are at most this big.
+_tools_encoder = msgspec.json.Encoder()
+_MAX_SHARED_TOOLS_BYTES = 1 << 20
 
 
 # --------------------------------------------------------------------------
@@ -112,28 +119,79 @@ def translate(req: AnthropicRequest) -> ChatRequest:
 
 
 def _parse_with_cache(body: bytes, count_tokens: bool, cache: ParseCache) -> ChatRequest:
+    known = cache.known_prefix(body)
+    if known is not None:
+        chat = _parse_after_known(body, count_tokens, cache, known)
+        if chat is not None:
+            return chat
     req = raw_messages_decoder.decode(body)
-    if json_problem(outside_messages(body, req.messages)) is not None:
+    span = message_span(body, req.messages)
+    outside = body if span is None else body[: span[0]] + body[span[1] :]
+    if json_problem(outside) is not None:
         raise InvalidRequest("JSON limits", "body")  # the uncached path names the problem
     _check_max_tokens(req, count_tokens)
     _check_head(req, len(req.messages))
     conversation = _Conversation(system_text(req.system))
-    cache.add_messages(req.messages, conversation, _translate_raw)
-    return _chat_request(req, conversation)
+    cache.add_messages(req.messages, conversation, _translate_raw, body=body, span=span)
+    return _chat_request(req, conversation, share_tools=len(outside) <= _MAX_SHARED_TOOLS_BYTES)
+
+
+def _parse_after_known(
+    body: bytes, count_tokens: bool, cache: ParseCache, known: KnownPrefix
+) -> ChatRequest | None:
+    """The request, decoding only what follows the previous request's messages.
+
+    `body` repeats the previous body through its last message (`known`):
+    those messages are cut out, and the rest (the fields around the
+    messages, and the messages after them) is decoded, checked for JSON
+    limits and translated as a request of its own, whose messages continue
+    the previous request's conversation. A 570 kB body costs what its new
+    messages cost, not a decoder pass over all of it (~0.2 ms). None when
+    the body does not go on as a list of messages would (the full path
+    decides, and names any problem).
+    """
+    after = _BLANKS.match(body, known.end).end()  # type: ignore[union-attr]
+    if after >= len(body) or body[after] not in b",]":
+        return None
+    more = body[after] == ord(",")
+    rest = after + 1 if more else after
+    short = body[: known.first] + body[rest:]
+    req = raw_messages_decoder.decode(short)
+    if more and not req.messages:
+        return None  # "[..., ]": not JSON, though the rest alone would be
+    if json_problem(short) is not None:
+        raise InvalidRequest("JSON limits", "body")  # the uncached path names the problem
+    state: _ConversationState = known.state
+    system = system_text(req.system)
+    if system != state.system:
+        return None  # another system prompt: another conversation
+    _check_max_tokens(req, count_tokens)
+    _check_head(req, known.n_messages + len(req.messages))
+    conversation = _Conversation.resume(state)
+    cache.add_new_messages(known, body, rest, req.messages, conversation, _translate_raw)
+    return _chat_request(req, conversation, share_tools=len(short) <= _MAX_SHARED_TOOLS_BYTES)
 
 
 def outside_messages(body: bytes, raws: Sequence[msgspec.Raw]) -> bytes:
     """`body` without the bytes of its messages (each message is checked on its own,
-    once, when the cache first sees it). msgspec's `Raw` is a view into `body`, so
-    the messages' span is found by address, never by searching."""
+    once, when the cache first sees it)."""
+    span = message_span(body, raws)
+    return body if span is None else body[: span[0]] + body[span[1] :]
+
+
+def message_span(body: bytes, raws: Sequence[msgspec.Raw]) -> tuple[int, int] | None:
+    """Where in `body` its messages `raws` start and end, None if they are not views of it.
+
+    msgspec's `Raw` is a view into `body`, so the span is found by address,
+    never by searching."""
     if not raws:
-        return body
+        return None
     base = _address(body)
     start = _address(raws[0]) - base
     end = _address(raws[-1]) - base + len(raws[-1])
     if not 0 <= start <= end <= len(body):
-        return body  # not views of `body`: check it all
-    return body[:start] + body[end:]
+        return None
+    return start, end
 
 
 def _address(buffer: Any) -> int:
@@ -160,19 +218,32 @@ def _check_tool_choice(choice: ToolChoice | None, tools: list[Tool]) -> None:
         raise InvalidRequest(f"tool {choice.name!r} is not in `tools`", "tool_choice.name")
 
 
-def _chat_request(req: RequestFields, conversation: _Conversation) -> ChatRequest:
+def _chat_request(
+    req: RequestFields, conversation: _Conversation, *, share_tools: bool = False
+) -> ChatRequest:
+    """The translated request. `share_tools`: its tool schemas may be the ones other
+    requests with the same tools share (`chat.shared_tools`); only for a body whose
+    fields around the messages are small (a shared list is kept, and keyed by its JSON).
+    """
     if conversation.last_role == "assistant":
         raise InvalidRequest(
             "the last message must be from the user (assistant prefill is not supported)",
             f"messages.{conversation.n_input_messages - 1}.role",
         )
     system = conversation.system
-    tools = [_tool_schema(t) for t in req.tools or [] if not t.defer_loading]
+    listed = [t for t in req.tools or [] if not t.defer_loading]
+    if share_tools:
+        tools, render_digest = shared_tools(
+            _tools_encoder.encode(listed), lambda: [_tool_schema(t) for t in listed]
+        )
+    else:
+        tools = [_tool_schema(t) for t in listed]
+        render_digest = digest_obj(tools)
     deferred = {t.name: _tool_schema(t) for t in req.tools or [] if t.defer_loading}
     by_name = {**{t["function"]["name"]: t for t in tools}, **deferred}
-    messages, digests, loaded = _load_references(
-        conversation.messages, conversation.digests, by_name
-    )
+    messages, digests, loaded = conversation.messages, conversation.digests, ()
+    if conversation.references:
+        messages, digests, loaded = _load_references(messages, digests, by_name)
     thinking = req.thinking
     template_kwargs: dict[str, Any] = {}
     if thinking is not None:
@@ -185,7 +256,7 @@ def _chat_request(req: RequestFields, conversation: _Conversation) -> ChatReques
         message_digests=tuple(digests),
         system=system,
         system_digest=digest_text(system),
-        render_digest=digest_obj(tools),
+        render_digest=render_digest,
         tool_result_ids=tuple(conversation.trailing_tool_result_ids),
         n_input_messages=conversation.n_input_messages,
         max_tokens=req.max_tokens,
@@ -203,6 +274,8 @@ def _chat_request(req: RequestFields, conversation: _Conversation) -> ChatReques
         template_kwargs=template_kwargs,
         json_schema=_json_schema(req),
         loaded_tools=[deferred[name] for name in loaded if name in deferred],
+        # Loading a tool changed the text of the messages that reference it.
+        text_chars=-1 if loaded else conversation.text_chars,
     )
 
 
@@ -282,17 +355,36 @@ def _translate_raw(data: bytes, index: int, conversation: _Conversation) -> Cach
     return tuple(_translate_message(message, f"messages.{index}", conversation.seen))
 
 
+class _ConversationState(NamedTuple):
+    """A `_Conversation` after some messages (copies: later changes to it do not show)."""
+
+    system: str
+    messages: tuple[dict[str, Any], ...]
+    digests: tuple[str, ...]
+    seen: frozenset[str]
+    trailing_tool_result_ids: tuple[str, ...]
+    last_role: str
+    n_input_messages: int
+    text_chars: int
+    references: bool
+
+
 class _Conversation:
     """The chat messages of a request, built message by message under the cross-message rules.
 
     Consecutive assistant messages merge (the API treats them as one turn);
     the tool_result ids after the last assistant message are collected.
+    Counted on the way, so that no later step walks every message again:
+    the characters of the text every template renders (`ChatRequest.text_chars`)
+    and whether any tool result holds a `tool_reference`.
     """
 
     def __init__(self, system: str) -> None:
         self.system = system
         self.messages: list[dict[str, Any]] = []
         self.digests: list[str] = []
+        self.text_chars = len(system)
+        self.references = False
         if system:
             prompt = {"role": "system", "content": system}
             self.messages.append(prompt)
@@ -301,6 +393,35 @@ class _Conversation:
         self.trailing_tool_result_ids: list[str] = []
         self.last_role = ""
         self.n_input_messages = 0
+
+    def snapshot(self) -> _ConversationState:
+        """Its state now, for a later request that repeats these messages (`resume`)."""
+        return _ConversationState(
+            self.system,
+            tuple(self.messages),
+            tuple(self.digests),
+            frozenset(self.seen),
+            tuple(self.trailing_tool_result_ids),
+            self.last_role,
+            self.n_input_messages,
+            self.text_chars,
+            self.references,
+        )
+
+    @classmethod
+    def resume(cls, state: _ConversationState) -> _Conversation:
+        """The conversation as it was at `snapshot`, to add the messages that follow."""
+        conversation = cls.__new__(cls)
+        conversation.system = state.system
+        conversation.messages = list(state.messages)
+        conversation.digests = list(state.digests)
+        conversation.seen = set(state.seen)
+        conversation.trailing_tool_result_ids = list(state.trailing_tool_result_ids)
+        conversation.last_role = state.last_role
+        conversation.n_input_messages = state.n_input_messages
+        conversation.text_chars = state.text_chars
+        conversation.references = state.references
+        return conversation
 
     def check_tool_results(self, piece: CachedPiece, index: int) -> None:
         """A message translated in another conversation: do its tool_results follow their tool_use?"""
@@ -328,6 +449,10 @@ class _Conversation:
                 return
         self.messages.extend(messages)
         self.digests.extend(digests)
+        if role != "assistant":
+            for message in messages:  # user, tool or system: its content is a string
+                self.text_chars += len(message["content"])
+                self.references = self.references or "tool_references" in message
 
 
 def _assistant_turn(blocks: list[ContentBlock], path: str) -> dict[str, Any]:
@@ -471,8 +596,6 @@ def _load_references(
     Also returns the names loaded, in order of first reference: from that
     point on the model may call them (as with the real API).
     """
-    if not any("tool_references" in m for m in messages):
-        return messages, digests, ()
     out, out_digests = [], list(digests)
     loaded_names: dict[str, None] = {}
     for i, message in enumerate(messages):

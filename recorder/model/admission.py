@@ -35,8 +35,16 @@ class PromptCannotFit(ContextOverflow):
 
 
 def min_prompt_tokens(chat: ChatRequest, tok: _Bounded) -> int:
-    """A lower bound on the tokens of `chat`'s rendered prompt, from text lengths only."""
-    chars = sum(_chars(m.get("content")) for m in chat.messages if m.get("role") in _RENDERED_ROLES)
+    """A lower bound on the tokens of `chat`'s rendered prompt, from text lengths only.
+
+    The lengths are summed as the request is translated (`ChatRequest.text_chars`),
+    so a turn does not walk every message of a long conversation again.
+    """
+    chars = chat.text_chars
+    if chars < 0:
+        chars = sum(
+            _chars(m.get("content")) for m in chat.messages if m.get("role") in _RENDERED_ROLES
+        )
     return chars // max(tok.max_token_chars, 1)
 
 

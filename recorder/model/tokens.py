@@ -25,6 +25,7 @@ decision, read top to bottom in `plan_turn`.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from array import array
 from collections.abc import Sequence
@@ -356,6 +357,8 @@ def _best_match(chains: SessionChains, req: ChatRequest) -> _Match | None:
 def _common_prefix(ours: Sequence[str], echoed: Sequence[str]) -> int:
     """How many leading messages of a request match the chain's (see `same_message`)."""
     n = min(len(ours), len(echoed))
+    if all(map(operator.eq, ours, echoed)):
+        return n  # the usual case, compared at C speed: every digest the same
     for i in range(n):
         if ours[i] != echoed[i] and not same_message(ours[i], echoed[i]):
             return i

@@ -45,6 +45,13 @@ def _assert_same(body: bytes, *caches: ParseCache) -> Outcome:
     return expected
 
 
+def _assert_counted(outcome: Outcome) -> None:
+    """`text_chars` is the length of the text of every user, tool and system message."""
+    if isinstance(outcome, ChatRequest) and outcome.text_chars >= 0:
+        rendered = [m for m in outcome.messages if m["role"] in ("user", "tool", "system")]
+        assert outcome.text_chars == sum(len(m["content"]) for m in rendered)
+
+
 _TOOLS = [
     {
         "name": name,
@@ -66,6 +73,7 @@ class _Session:
         self.next_id = 0
         self.messages: list[dict[str, Any]] = [{"role": "user", "content": self._words(8)}]
         self.dumps_kwargs: dict[str, Any] = {}
+        self.messages_first = False  # Claude Code's own layout: the messages, then the rest
 
     def _words(self, n: int) -> str:
         return " ".join(
@@ -87,6 +95,8 @@ class _Session:
             "thinking": {"type": "adaptive"},
             "context_management": {"edits": []},
         }
+        if self.messages_first:
+            body = {"messages": body.pop("messages"), **body}
         return json.dumps(body, **self.dumps_kwargs).encode()
 
     def _assistant(self, n_calls: int) -> dict[str, Any]:
@@ -213,8 +223,21 @@ _EDITS = [
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.sampled_from(_EDITS), min_size=1, max_size=30), st.integers(0, 2**32 - 1))
 def test_cached_parse_equals_uncached_over_an_edited_session(edits: list[str], seed: int) -> None:
+    _edited_session(edits, seed, messages_first=False)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from(_EDITS), min_size=1, max_size=30), st.integers(0, 2**32 - 1))
+def test_cached_parse_equals_uncached_with_the_messages_first(edits: list[str], seed: int) -> None:
+    """Claude Code's layout: a body that repeats the last one's messages byte for byte
+    and appends some is parsed from what follows them (`ParseCache.known_prefix`)."""
+    _edited_session(edits, seed, messages_first=True)
+
+
+def _edited_session(edits: list[str], seed: int, *, messages_first: bool) -> None:
     rng = random.Random(seed)
     main = _Session(rng)
+    main.messages_first = messages_first
     roomy, tiny = ParseCache(), ParseCache(max_entries=3, max_bytes=3000)
     forgetful = ParseCache(max_idle_requests=0)  # keeps only what the last request used
     caches = (roomy, tiny, forgetful)
@@ -224,11 +247,12 @@ def test_cached_parse_equals_uncached_over_an_edited_session(edits: list[str], s
         if edit == "subagent":
             # A subagent's requests arrive on the same session, between the main line's.
             subagent = subagent or _Session(rng, system="You are a subagent.")
+            subagent.messages_first = messages_first
             subagent.tool_turn()
-            _assert_same(subagent.body(), *caches)
+            _assert_counted(_assert_same(subagent.body(), *caches))
         else:
             getattr(main, edit)()
-        _assert_same(main.body(), *caches)
+        _assert_counted(_assert_same(main.body(), *caches))
         assert len(tiny) <= 3 and tiny.nbytes <= 3000
 
 
@@ -496,3 +520,81 @@ def test_the_cache_keeps_few_objects_for_the_cyclic_gc_to_walk() -> None:
     tracked = len(gc.get_objects()) - before
     assert len(cache) == len(messages)
     assert tracked <= 2 * len(cache) + 20, tracked
+
+
+def _decoded_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of every body the cached parse decodes (the raw-messages decoder)."""
+    sizes: list[int] = []
+    decoder = translate.raw_messages_decoder
+
+    class Counting:
+        def decode(self, data: bytes) -> Any:
+            sizes.append(len(data))
+            return decoder.decode(data)
+
+    monkeypatch.setattr(translate, "raw_messages_decoder", Counting())
+    return sizes
+
+
+def test_a_body_that_appends_messages_is_decoded_from_the_new_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    session, cache = _Session(random.Random(7)), ParseCache()
+    session.messages_first = True
+    for _ in range(30):
+        session.tool_turn()
+        _assert_same(session.body(), cache)
+    sizes = _decoded_sizes(monkeypatch)
+    session.tool_turn()
+    body = session.body()
+    _assert_same(body, cache)
+    # The fields around the messages and the two new ones: a fraction of the body.
+    assert len(sizes) == 1 and sizes[0] < len(body) // 4
+    # The same body again (a retry): nothing after the known messages but the rest.
+    _assert_same(body, cache)
+    assert len(sizes) == 2 and sizes[1] < sizes[0]
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        b", ]",  # a trailing comma: not JSON, though the rest alone would be
+        b",]",
+        b' , {"role": "user"}]',  # a new message without content
+        b', {"role": "user", "content": "x"}',  # the list never ends
+        b" x]",
+        b"",
+        b", 7]",
+        b', {"role": "user", "content": [{"type": "text", "text": "hi", "x": '
+        + b"[" * 200
+        + b"]" * 200
+        + b"}]}]",
+    ],
+)
+def test_what_follows_known_messages_is_refused_as_without_the_cache(tail: bytes) -> None:
+    session, cache = _Session(random.Random(8)), ParseCache()
+    session.messages_first = True
+    for _ in range(4):
+        session.tool_turn()
+    body = session.body()
+    _assert_same(body, cache)
+    close = body.index(b', "model"') - 1  # the "]" that ends the messages
+    assert body[close : close + 1] == b"]"
+    bad = body[:close] + tail + body[close + 1 :]
+    expected = _outcome(bad, None)
+    assert isinstance(expected, tuple)  # refused
+    assert _outcome(bad, cache) == expected
+    _assert_same(session.body(), cache)  # and the cache is still right afterwards
+
+
+def test_known_messages_under_another_system_prompt_are_translated_as_such() -> None:
+    session, cache = _Session(random.Random(9)), ParseCache()
+    session.messages_first = True
+    for _ in range(5):
+        session.tool_turn()
+        _assert_same(session.body(), cache)
+    session.system = "You are another agent."
+    session.tool_turn()
+    _assert_same(session.body(), cache)
+    body = session.body().replace(b'"stream": true', b'"stream": false')
+    _assert_same(body, cache)

@@ -592,3 +592,30 @@ def test_an_empty_system_message_is_dropped(empty: Any) -> None:
     prompt = tok.render(parse_request(with_empty).messages, None, True)
     assert "<|im_start|>system\n<|im_end|>" not in prompt
     assert prompt.count("<|im_start|>system") == 1  # the request's system prompt only
+
+
+def test_the_same_tools_are_one_set_of_schemas_rendered_as_fresh_ones(tok: Any) -> None:
+    """Requests sending the same tools share their schemas (and the template's JSON of
+    each); the render is that of schemas built anew, and other tools (the same ones
+    in another key order too) are theirs, not the shared ones."""
+    tools = [
+        {"name": "Read", "description": "Read a file.", "input_schema": {"type": "object",
+         "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}}}},
+        {"name": "Bash", "input_schema": {"type": "object", "properties": {}}},
+    ]  # fmt: skip
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    first = parse_request(json.dumps({**body, "tools": tools}).encode(), cache=ParseCache())
+    again = parse_request(json.dumps({**body, "tools": tools}).encode(), cache=ParseCache())
+    assert parse_request(json.dumps({**body, "tools": tools}).encode()) == again  # uncached
+    assert again.tools == first.tools and again.tools is not first.tools
+    assert all(a is b for a, b in zip(again.tools, first.tools, strict=True))
+    fresh = json.loads(json.dumps(first.tools))
+    for _ in range(2):  # the second render takes the kept JSON
+        assert tok.render(again.messages, again.tools) == tok.render(again.messages, fresh)
+    reordered = [{**tools[0], "input_schema": {"properties": tools[0]["input_schema"][
+        "properties"], "type": "object"}}, tools[1]]  # fmt: skip
+    other = parse_request(json.dumps({**body, "tools": reordered}).encode(), cache=ParseCache())
+    assert other.render_digest == first.render_digest  # digests sort keys; renders do not
+    text = tok.render(other.messages, other.tools)
+    assert text == tok.render(other.messages, json.loads(json.dumps(other.tools)))
+    assert text != tok.render(first.messages, first.tools)
