@@ -169,8 +169,16 @@ async def test_each_engine_is_tried_once_then_the_turn_fails(
 ) -> None:
     """Every engine gone: one attempt each, then the 529 the client retries later."""
     dead = [f"http://127.0.0.1:{free_port()}" for _ in range(3)]
-    # No checks: as if each engine died after the last one.
-    h = await make_harness(tokenizer, sqlite_url, engine_urls=dead, engine_health_interval_s=0)
+    # No checks: as if each engine died after the last one. The stream's first byte
+    # waits longer than three refused connections take under any load: a 529 is
+    # only possible before the stream opens (after it, the error goes in the stream).
+    h = await make_harness(
+        tokenizer,
+        sqlite_url,
+        engine_urls=dead,
+        engine_health_interval_s=0,
+        first_byte_after_s=30.0,
+    )
     try:
         sid = await h.open_session()
         with pytest.raises(anthropic.APIStatusError) as failed:
