@@ -184,9 +184,11 @@ def test_kill_9_of_the_driver_takes_its_recorder_serve_with_it(
         while len([p for p in root.iterdir() if (p / "prompt.txt").exists()]) < 3:
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
+        # `serve` as an argument of its own: the test's tmp path (in other children's
+        # arguments, e.g. git's in a sandbox) holds the word too.
         (serve,) = [
             pid for pid in children(proc.pid)
-            if b"serve" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"serve" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         ]  # fmt: skip
         proc.kill()
         proc.wait(30)
