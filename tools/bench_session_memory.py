@@ -162,6 +162,8 @@ async def census_run(
     module = ["tools.bench_session_memory", "--serve"] if probe else []
     db = tmp / f"census-{root.name}-{probe}.db"
     extra = ["--log-level", "WARNING"]
+    if root.resolve() == REPO.resolve():  # this checkout's own options (`--serve-arg`)
+        extra += args.serve_arg
     recorder = RecorderProcess(engine.url, str(db), extra, root=root, module=module)
     result: dict[str, Any] = {}
     try:
@@ -307,6 +309,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--before-src", default=None, help="another checkout (a worktree of main)")
     ap.add_argument("--db-dir", default=None, help="where the SQLite files go")
     ap.add_argument("--census-json", default=None, help="also write the raw census here")
+    ap.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        help="census: an argument for this checkout's `recorder serve` (repeat it), "
+        "e.g. --serve-arg=--engine-body-cache-mb --serve-arg=0",
+    )
     return asyncio.run(run(ap.parse_args(argv)))
 
 
