@@ -48,7 +48,7 @@ from tools.benchkit.conversation import words_per_token
 from tools.benchkit.engine import EngineProcess, fixture_tokenizer
 from tools.benchkit.memory import MB
 from tools.benchkit.procs import REPO
-from tools.benchkit.recorder import RecorderProcess
+from tools.benchkit.recorder import RecorderProcess, idle_rss
 from tools.benchkit.table import console, rich_table
 
 kB = 1024
@@ -88,19 +88,6 @@ def serve_with_census(argv: list[str]) -> None:
 # --------------------------------------------------------------------------
 
 
-async def idle_rss(engine: EngineProcess, db: Path, backend: str | None, root: Path) -> int:
-    """RSS of a healthy, idle `recorder serve` of checkout `root` on `db` (None: default backend)."""
-    extra = ["--log-level", "WARNING"] + (["--parser-backend", backend] if backend else [])
-    recorder = RecorderProcess(engine.url, str(db), extra, root=root)
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
-            await recorder.wait_healthy(http)
-        await asyncio.sleep(1.0)
-        return recorder.rss()
-    finally:
-        await recorder.stop()
-
-
 async def idle_table_data(
     engine: EngineProcess, tmp: Path, roots: dict[str, Path], rounds: int
 ) -> dict[tuple[str, str, str], list[int]]:
@@ -109,13 +96,15 @@ async def idle_table_data(
     out: dict[tuple[str, str, str], list[int]] = {}
     cells = [(name, backend) for name in roots for backend in ("default", "builtin")]
     for name, backend in cells:  # creates each log: the rounds below start on an existing one
-        await idle_rss(engine, tmp / f"idle-{name}-{backend}.db", _flag(backend), roots[name])
+        await idle_rss(
+            engine.url, str(tmp / f"idle-{name}-{backend}.db"), _flag(backend), roots[name]
+        )
     for k in range(rounds):
         for name, backend in cells:
             for log in ("existing", "new"):
                 suffix = f"-new{k}" if log == "new" else ""
                 db = tmp / f"idle-{name}-{backend}{suffix}.db"
-                rss = await idle_rss(engine, db, _flag(backend), roots[name])
+                rss = await idle_rss(engine.url, str(db), _flag(backend), roots[name])
                 out.setdefault((name, backend, log), []).append(rss)
     return out
 

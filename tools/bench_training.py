@@ -59,7 +59,7 @@ from tools.benchkit import wire
 from tools.benchkit.conversation import FIXED_TOKENS_PER_TURN, Conversation, words_per_token
 from tools.benchkit.engine import EngineProcess, fixture_tokenizer
 from tools.benchkit.memory import MB
-from tools.benchkit.recorder import ADMIN, RecorderProcess
+from tools.benchkit.recorder import ADMIN, RecorderProcess, idle_rss
 from tools.benchkit.stats import engine_seconds, ints, slope
 from tools.benchkit.table import console, rich_table
 
@@ -288,27 +288,12 @@ def _sample(k: int, driver: Driver, recorder: RecorderProcess) -> tuple[int, int
     return k, context, recorder.rss(), recorder.anon()
 
 
-async def idle_rss(engine: EngineProcess, db_dir: str, backend: str | None) -> int:
-    """RSS of a started, healthy, idle `recorder serve` (`backend`: its --parser-backend;
-    None: the default, SGLang's parsers when installed)."""
-    extra = ["--log-level", "WARNING"] + (["--parser-backend", backend] if backend else [])
-    db = str(Path(db_dir) / f"idle-{backend or 'default'}.db")
-    recorder = RecorderProcess(engine.url, db, extra)
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
-            await recorder.wait_healthy(http)
-        await asyncio.sleep(1.0)
-        return recorder.rss()
-    finally:
-        await recorder.stop()
-
-
 async def idle_rss_rounds(engine: EngineProcess, db_dir: str, rounds: int) -> dict[str, list[int]]:
     """Idle RSS per parser backend, the backends alternating for `rounds` rounds."""
     out: dict[str, list[int]] = {"default": [], "builtin": []}
     for _ in range(rounds):
-        out["default"].append(await idle_rss(engine, db_dir, None))
-        out["builtin"].append(await idle_rss(engine, db_dir, "builtin"))
+        out["default"].append(await idle_rss(engine.url, f"{db_dir}/idle-default.db", None))
+        out["builtin"].append(await idle_rss(engine.url, f"{db_dir}/idle-builtin.db", "builtin"))
     return out
 
 

@@ -24,6 +24,7 @@ from recorder.log.store.sql import MAX_BASIS_DEPTH
 from recorder.model.tokenizer import Tokenizer
 from recorder.server.deltas import MAX_CHAIN_REFS
 from tests.server.conftest import SYSTEM, Harness, make_harness
+from tools.benchkit.census import buffer_owner
 
 TURNS = MAX_BASIS_DEPTH + 8  # past one rebase of the body's basis chain, past MAX_CHAIN_REFS
 CONTEXT = 65536
@@ -53,17 +54,6 @@ def _body(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> bytes:
     return json.dumps(body).encode()
 
 
-def _buffer_owner(obj: object) -> object:
-    """The object whose memory holds a numpy array's / memoryview's data."""
-    while True:
-        if isinstance(obj, np.ndarray) and obj.base is not None:
-            obj = obj.base
-        elif isinstance(obj, memoryview):
-            obj = obj.obj
-        else:
-            return obj
-
-
 class Walk:
     """Every object reachable from some roots, each counted once (`sys.getsizeof`).
 
@@ -83,7 +73,7 @@ class Walk:
             seen.add(id(obj))
             self.bytes += sys.getsizeof(obj)
             if isinstance(obj, np.ndarray | memoryview):
-                owner = _buffer_owner(obj)
+                owner = buffer_owner(obj)
                 if owner is not obj:
                     kept = owner.nbytes if isinstance(owner, np.ndarray) else len(owner)  # type: ignore[arg-type]
                     if kept > obj.nbytes:

@@ -123,3 +123,17 @@ async def start_server(
     await server.start()
     freeze_startup_heap()  # as `recorder serve` does
     return server
+
+
+async def idle_rss(engine_url: str, db: str, backend: str | None, root: Path = REPO) -> int:
+    """RSS of a started, healthy, idle `recorder serve` of checkout `root` on `db`
+    (`backend`: its --parser-backend; None: the default, SGLang's parsers when installed)."""
+    extra = ["--log-level", "WARNING"] + (["--parser-backend", backend] if backend else [])
+    recorder = RecorderProcess(engine_url, db, extra, root=root)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+            await recorder.wait_healthy(http)
+        await asyncio.sleep(1.0)
+        return recorder.rss()
+    finally:
+        await recorder.stop()
