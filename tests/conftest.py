@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -34,6 +36,16 @@ def missing(what: str, fix: str) -> NoReturn:
     if os.environ.get("CI"):
         pytest.fail(f"under CI: {message}")
     pytest.skip(message)
+
+
+def fresh_python(code: str, timeout: float = 120) -> str:
+    """Run `code` in a fresh interpreter (what a module imports is only visible there);
+    its stdout, or the test fails with the end of its stderr."""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=timeout
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
 
 
 def smollm2_gguf() -> Path:

@@ -6,9 +6,6 @@ without them, failed under CI.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from recorder.model import sglang_compat
@@ -21,6 +18,7 @@ from recorder.model.parsers import (
     default_backend,
     make_parser,
 )
+from tests.conftest import fresh_python
 
 from .parser_corpus import FAMILIES, TOOLS, Case, Family, corpus
 
@@ -50,11 +48,8 @@ def test_parsers_import_without_the_package_init() -> None:
         "from recorder.model.parsers import default_backend\n"
         "print(default_backend())\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=120
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "sglang"
+    out = fresh_python(code, timeout=120)
+    assert out.strip() == "sglang"
 
 
 def test_parsers_never_import_torch_and_xgrammar_stays_whole() -> None:
@@ -99,10 +94,7 @@ def test_parsers_never_import_torch_and_xgrammar_stays_whole() -> None:
         "assert xg.GrammarMatcher is importlib.import_module('xgrammar.matcher').GrammarMatcher\n"
         "assert 'torch' in sys.modules\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    fresh_python(code, timeout=300)
 
 
 def test_parsers_load_no_module_a_parser_never_uses_and_those_stay_whole() -> None:
@@ -132,10 +124,7 @@ def test_parsers_load_no_module_a_parser_never_uses_and_those_stay_whole() -> No
         "client = OpenAI(api_key='k', base_url='http://127.0.0.1:9')\n"
         "assert client.responses is not None and openai.__version__\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    fresh_python(code, timeout=300)
 
 
 def test_default_backend_is_sglang_and_says_its_version() -> None:

@@ -8,8 +8,6 @@ These tests hold both reads to Alembic's own answers.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -18,6 +16,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from recorder.log.store import migrations, open_store
+from tests.conftest import fresh_python
 
 
 def _alembic_current(conn: sa.Connection) -> str | None:
@@ -77,7 +76,4 @@ async def test_opening_an_up_to_date_log_never_imports_alembic(sqlite_url: str) 
         "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('alembic', 'mako'))\n"
         "assert not loaded, loaded\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=120
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
+    fresh_python(code, timeout=120)
