@@ -6,22 +6,21 @@ and merges each pre-token on its own: the ids of a text are the added tokens'
 ids and each pre-token's ids, in order. The Rust tokenizer spends most of a
 turn's encoding in that regex (oniguruma over Unicode classes: splitting a
 740-character tool result alone took ~320 us, hot; twice that cold), while an
-agent's texts reuse the same few thousand words turn after turn. So for text
-made only of ASCII characters, this module splits with
-Python's `re` (an ASCII transcription of the tokenizer's own regex, exact
-on that alphabet) and looks each pre-token's ids up in a dict; a pre-token
-not seen yet is tokenized by the Rust tokenizer (a pre-token tokenized alone
-gives its ids within the text: the regex splits it into itself). ~5x less CPU
-per text; the ids are the tokenizer's.
+agent's texts reuse the same few thousand words turn after turn. So for ASCII
+text this module splits with Python's `re` (an ASCII transcription of the
+tokenizer's own regex, exact on that alphabet) and looks each pre-token's ids
+up in a dict; a pre-token not seen yet is tokenized by the Rust tokenizer (a
+pre-token tokenized alone gives its ids within the text: the regex splits it
+into itself). ~5x less CPU per text; the ids are the tokenizer's.
 
 Only configurations known to split this way get a cache (`WordCache.for_tokenizer`
 returns None otherwise): a BPE model without dropout, no normalizer or NFC
 (the identity on ASCII), a pre-tokenizer whose regex is one of `_PATTERNS`,
-added tokens matched as plain strings (no lstrip/rstrip/single_word), no
-truncation or padding. A probe of ASCII texts must then give the Rust
-tokenizer's ids, or no cache is used. Any other text (anything non-ASCII, or
-the four ASCII separators \\x1c-\\x1f that Python's `\\s` counts as blank
-and the tokenizer does not) goes to the Rust tokenizer whole.
+ASCII added tokens matched as plain strings (no lstrip/rstrip/single_word;
+the others cannot occur in ASCII text), no truncation or padding. A probe of
+ASCII texts must then give the Rust tokenizer's ids, or no cache is used. Any
+other text (non-ASCII, or holding one of the separators \\x1c-\\x1f) goes to
+the Rust tokenizer whole.
 """
 
 from __future__ import annotations
@@ -42,8 +41,9 @@ _QWEN2 = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _LLAMA3 = _QWEN2.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
-# In ASCII text, the characters Python's `re` splits otherwise than the tokenizer:
-# \x1c-\x1f are blank to `\s` in `re`, not in oniguruma (Unicode's White_Space).
+# ASCII the cache leaves to the Rust tokenizer: \x1c-\x1f are blank to Python
+# (`str.isspace`, `re`'s `\s`), not to oniguruma (Unicode's White_Space). The
+# transcription spells its blanks out, so they would split alike; kept out anyway.
 _UNSAFE = re.compile(r"[\x1c-\x1f]")
 # Pre-tokens longer than this are tokenized each time (a long run of one
 # character), and the cache is emptied when it holds this many.
@@ -109,6 +109,7 @@ class WordCache:
         )
 
     def encode(self, text: str) -> list[int] | None:
+        """The tokenizer's ids for `text` (no special tokens added); None unless ASCII-safe."""
         if not text.isascii() or _UNSAFE.search(text):
             return None
         segments: list[str | int] = [text]
@@ -233,14 +234,18 @@ def _plain_bpe(raw: RawTokenizer) -> bool:
 
 def _added_groups(raw: RawTokenizer) -> list[list[tuple[str, int]]] | None:
     """Added tokens as (content, id): un-normalized ones, then normalized ones (the
-    tokenizer's two passes); None when one is matched other than as a plain string."""
+    tokenizer's two passes); None when one is matched other than as a plain string.
+
+    A token that cannot occur in the text the cache takes (non-ASCII, or holding
+    \\x1c-\\x1f) is left out: its matching rules do not matter there.
+    """
     groups: list[list[tuple[str, int]]] = [[], []]
     for token_id, token in raw.get_added_tokens_decoder().items():
-        if token.single_word or token.lstrip or token.rstrip:
-            return None
         content = token.content
         if not content or not content.isascii() or _UNSAFE.search(content):
-            return None  # matched against normalized text: keep to what ASCII leaves alone
+            continue
+        if token.single_word or token.lstrip or token.rstrip:
+            return None
         groups[1 if token.normalized else 0].append((content, token_id))
     return groups
 

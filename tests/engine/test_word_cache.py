@@ -146,3 +146,18 @@ def test_a_probe_that_disagrees_disables_the_cache(tokenizer: Tokenizer) -> None
     assert cache is not None and cache.agrees(["hello world"])
     cache._words["hello"] = [0]  # a wrong entry: the probe must notice
     assert not cache.agrees(["hello world"])
+
+
+def test_non_ascii_added_tokens_leave_the_cache_on(tmp_path: Path) -> None:
+    """DeepSeek-style added tokens (full-width bars) cannot occur in ASCII text."""
+    spec = json.loads((FIXTURE_TOKENIZER / "tokenizer.json").read_text())
+    extra = {
+        "id": spec["added_tokens"][-1]["id"] + 1,
+        "content": "<｜begin▁of▁sentence｜>",
+        "single_word": False, "lstrip": True, "rstrip": False, "normalized": False, "special": True,
+    }  # fmt: skip
+    tok = _variant(tmp_path, "wide", {"added_tokens": [*spec["added_tokens"], extra]})
+    assert tok._words is not None
+    _assert_same(tok, _random_texts(4, 100, 60))
+    text = "x <｜begin▁of▁sentence｜> y"
+    assert tok.encode(text) == _raw_ids(tok, text)
