@@ -51,7 +51,7 @@ _MAX_WORD_CHARS = 64
 # New words joined longer than this are tokenized with the GIL released (see
 # `Tokenizer.encode`), shorter ones by the plain call.
 _GIL_FREE_CHARS = 64
-_MAX_WORDS = 1 << 17
+_MAX_WORDS = 1 << 16  # ~200 bytes each: ~13 MB at most
 
 
 def _ascii(pattern: str) -> re.Pattern[str]:
