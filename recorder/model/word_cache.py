@@ -124,7 +124,10 @@ class WordCache:
             if isinstance(seg, int):
                 out.append(seg)
             elif seg:
-                self._extend(out, self._split(seg))
+                words = self._split(seg)
+                if len("".join(words)) != len(seg):
+                    return None  # the regex skipped characters (never expected): the tokenizer's
+                self._extend(out, words)
         return out
 
     def _extend(self, out: list[int], words: list[str]) -> None:
