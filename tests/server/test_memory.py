@@ -131,18 +131,19 @@ async def test_caches_keep_what_they_account_for(big: Harness) -> None:
     slots = len(cache) * (sys.getsizeof({}) // 2)  # the dict's entries, not walked
     assert 0.8 * cache.nbytes <= held.bytes + slots <= cache.nbytes
 
-    # The session's own state: the previous body itself, not a bigger buffer.
+    # The session's own state: of the previous body only its last bytes, not a bigger buffer.
     state = h.ctx.registry.cached(session_id)
     assert state is not None
-    assert state.body_prefixes.body == last_body
+    window = state.body_prefixes.window
+    assert last_body.endswith(window) and len(window) < len(last_body) / 2
     # Per chain only the longest stored inputs are remembered, not one per turn.
     assert [len(refs) for refs in state.chain_refs.values()] == [MAX_CHAIN_REFS]
     session = Walk([state.body_prefixes, state.chains, state.chain_refs])
     assert session.views == []
     tokens = state.chains.main.tokens
-    # The body, the chain's int32 tokens and small bookkeeping: nothing per turn that grows
-    # by a body (24 turns of a 100 kB body would be 2.4 MB).
-    assert session.bytes < len(last_body) + tokens.itemsize * len(tokens) + 100_000
+    # The window, the chain's int32 tokens and small bookkeeping: nothing per turn that
+    # grows by a body (24 turns of a 100 kB body would be 2.4 MB), nor the body itself.
+    assert session.bytes < len(window) + tokens.itemsize * len(tokens) + 100_000
 
     # The parse cache: its entries (key bytes + translation) are what it charges, at most.
     parsed = Walk(state.parse_cache._entries.items())
