@@ -275,7 +275,10 @@ async def put_input(store: EventStore, chain_refs: ChainRefs, plan: TurnPlan) ->
         usable = [n for n in known if n <= plan.prefix_len]
         base = known[max(usable)] if usable else None
     start = base.length if base is not None else 0
-    return await store.put_array(np.asarray(plan.input_ids[start:], dtype=np.int32), extends=base)
+    ids = np.asarray(plan.input_ids[start:], dtype=np.int32)
+    # Not cached: the session's chain holds these tokens already; read back only by
+    # its close, from the log (`EventStore.get_arrays`).
+    return await store.put_array(ids, extends=base, cache=False)
 
 
 def remember_refs(
