@@ -23,8 +23,10 @@ import pytest
 from recorder.log.store.sql import MAX_BASIS_DEPTH
 from recorder.model.tokenizer import Tokenizer
 from recorder.server.deltas import MAX_CHAIN_REFS
+from recorder.server.sessions import held_bytes
 from tests.server.conftest import SYSTEM, Harness, make_harness
-from tools.benchkit.census import buffer_owner
+from tools.benchkit.census import Walk as CensusWalk
+from tools.benchkit.census import buffer_owner, session_census
 
 TURNS = MAX_BASIS_DEPTH + 8  # past one rebase of the body's basis chain, past MAX_CHAIN_REFS
 CONTEXT = 65536
@@ -149,3 +151,8 @@ async def test_caches_keep_what_they_account_for(big: Harness) -> None:
     parsed = Walk(state.parse_cache._entries.items())
     assert parsed.views == []
     assert parsed.bytes <= state.parse_cache.nbytes
+
+    # What the registry charges the session (its memory bound evicts by it) is what the
+    # census finds its state keeps alive, not a multiple of it.
+    census = sum(session_census(state, CensusWalk([h.ctx.store, h.ctx.registry])).values())
+    assert 0.8 * census <= held_bytes(state) <= 1.1 * census
