@@ -235,7 +235,8 @@ class ParseCache:
     ) -> int:
         """Add `raws` (messages `offset`... of the request) to `conversation`; append their
         keys to `keys`. Returns their total JSON size, more than `max_bytes` if one is
-        too big to cache (its view must not keep the body alive)."""
+        too big to cache (the request is then not remembered: the conversation's state
+        after it would keep that message's translation alive, uncharged)."""
         now = self._requests
         entries, last_used = self._entries, self._last_used
         total = 0
