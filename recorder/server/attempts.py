@@ -249,11 +249,14 @@ def _result_arrays(
     journal: Journal, out: GenerateOutput
 ) -> tuple[ArrayRef, ArrayRef | None, ArrayRef | None]:
     """(output ids, logprobs, routed experts) refs of one attempt, buffered in the journal."""
-    ids_ref = journal.add_array(np.asarray(out.output_ids, dtype=np.int32))
+    # Not cached in the store's piece cache: nothing reads them while the session is open
+    # (its chain holds the tokens); its close reads them back from the log.
+    ids_ref = journal.add_array(np.asarray(out.output_ids, dtype=np.int32), cache=False)
     logprobs_ref = None
     if out.logprobs is not None:
         # float64: exactly the engine's values (SGLang sends JSON doubles).
-        logprobs_ref = journal.add_array(np.asarray(out.logprobs, dtype=np.float64))
+        logprobs = np.asarray(out.logprobs, dtype=np.float64)
+        logprobs_ref = journal.add_array(logprobs, cache=False)
     experts_ref = None
     if out.routed_experts is not None:
         experts_ref = journal.add_array(np.frombuffer(out.routed_experts, dtype="<i4"))

@@ -514,12 +514,13 @@ class PieceCache:
     or the cache would keep whole bodies alive while counting only their
     pieces. Each entry is charged the suffix's buffer plus `ENTRY_OVERHEAD`
     for its Python objects (the struct, digests, numpy header, the buffer's
-    header, the dict slot; ~430 bytes measured): token pieces are a few
+    header, the dict slot; ~370-430 bytes measured, less for a piece whose
+    parent is cached: they share its digest): token pieces are a few
     hundred bytes, so counting only the data would let the real footprint
     reach about twice the bound.
     """
 
-    ENTRY_OVERHEAD: Final = 448
+    ENTRY_OVERHEAD: Final = 400
 
     def __init__(self, max_bytes: int) -> None:
         self._items: OrderedDict[bytes, DecodedPiece] = OrderedDict()
