@@ -113,7 +113,11 @@ def to_sample(
     rollout_id: str,
     rules: Rules,
     session_meta: dict[str, Any],
+    packed: bool = False,
 ) -> Sample:
+    """The segment as a sample. `packed`: tokens, loss mask and logprobs stay
+    numpy arrays (int, int8, float64) instead of lists, for a caller that only
+    encodes them (`replay.packed`)."""
     c = b.chain
     last = c.turns[-1]
     meta: dict[str, Any] = {
@@ -140,11 +144,11 @@ def to_sample(
         "session": session_meta,
     }
     return Sample(
-        tokens=b.tokens.tolist(),
+        tokens=b.tokens if packed else b.tokens.tolist(),  # type: ignore[arg-type]
         prompt_len=b.prompt_len,
         response_len=int(b.tokens.size) - b.prompt_len,
-        loss_mask=b.mask.tolist(),  # int8: Python ints all the same
-        rollout_logprobs=b.logprobs.tolist(),
+        loss_mask=b.mask if packed else b.mask.tolist(),  # type: ignore[arg-type]
+        rollout_logprobs=b.logprobs if packed else b.logprobs.tolist(),  # type: ignore[arg-type]
         weight_versions=list(b.versions),
         status=status,
         reward=reward,

@@ -104,6 +104,17 @@ def collect_session(events: Sequence[RecordedEvent]) -> SessionFacts:
     for rec in window:
         ev = rec.event
         kind = type(ev)
+        absorb = _ABSORB.get(kind)
+        if absorb is not None:  # a turn event of an exact class: most of a session
+            if ev.turn is None or ev.request_id is None:
+                continue
+            key = (int(ev.turn), str(ev.request_id))
+            t = turns.get(key)
+            if t is None:
+                t = turns[key] = Turn(turn=key[0], request_id=key[1], first_seq=rec.seq)
+            t.seqs.append(rec.seq)
+            absorb(t, ev, diags)
+            continue
         if kind is SessionOpened or isinstance(ev, SessionOpened):
             opened = ev
             continue
@@ -125,11 +136,7 @@ def collect_session(events: Sequence[RecordedEvent]) -> SessionFacts:
         if t is None:
             t = turns[key] = Turn(turn=key[0], request_id=key[1], first_seq=rec.seq)
         t.seqs.append(rec.seq)
-        absorb = _ABSORB.get(kind)
-        if absorb is not None:
-            absorb(t, ev, diags)
-        else:
-            _absorb(t, ev, diags)
+        _absorb(t, ev, diags)
     ordered = sorted(turns.values(), key=lambda t: (t.first_seq, t.turn, t.request_id))
     return SessionFacts(session_id, opened, closed, failures, reward, ordered, diags)
 
