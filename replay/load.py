@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 
@@ -192,6 +193,8 @@ async def _session_log(
     return log
 
 
+_SEQ_ORDER = attrgetter("seq", "position")
+
 # (session id, its events, where the stream yields it)
 _Ready = tuple[str, list[RecordedEvent], YieldKey]
 
@@ -207,7 +210,7 @@ async def _session_logs(
     """
     wanted: list[tuple[list[ArrayRef], list[Resent]]] = []
     for _sid, events, _order in ready:
-        events.sort(key=lambda e: (e.seq, e.position))
+        events.sort(key=_SEQ_ORDER)
         wanted.append((needed_refs(events, routed_experts=routed_experts), resent_outputs(events)))
     got = await _batch_arrays(store, wanted, cache=cache) if len(ready) > 1 else None
     out = []
@@ -314,7 +317,9 @@ async def iter_session_logs(
                 else:
                     dirty.setdefault(sid, rec.position)
                     continue
-            buf = buffers.setdefault(sid, [])
+            buf = buffers.get(sid)
+            if buf is None:
+                buf = buffers[sid] = []
             buf.append(rec)
             if isinstance(rec.event, SessionClosed):
                 del buffers[sid]

@@ -249,10 +249,10 @@ async def reduce_batches(
             payload, content = encode_with_content(result)
             digest = digest_bytes(payload)
             summary = summarize(result, digest, content)
-            sid = log.session_id
+            sid, last = log.session_id, log.last_position
             summaries[sid] = summary
-            rows[sid] = (sid, log.last_position, digest, payload)
-            summary_rows[sid] = (sid, log.last_position, digest, _summary_encoder.encode(summary))
+            rows[sid] = (sid, last, digest, payload)
+            summary_rows[sid] = (sid, last, digest, _summary_encoder.encode(summary))
             pending_bytes += len(payload)
             if on_session is not None:
                 on_session(unpacked(result))

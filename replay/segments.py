@@ -228,8 +228,9 @@ def _account_kept(out: Counter[str], t: Turn, b: BuiltSegment, n: int) -> None:
     assert t.input is not None and first is not None
     start = int(t.input.size) - int(first.size)
     kept = b.mask[start : start + n] if b.prompt_len == first.size else b.mask[:0]
-    out["trained"] += int(kept.sum())
-    masked = int(kept.size - kept.sum())
+    trained = int(kept.sum())
+    out["trained"] += trained
+    masked = int(kept.size) - trained
     if n > kept.size:
         out["truncated (segment cap or context budget)"] += n - int(kept.size)
     if masked and t.tito_masked:
