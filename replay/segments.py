@@ -46,9 +46,12 @@ def build_segment(kind: SegmentKind, c: Chain, rules: Rules) -> BuiltSegment:
         s = int(t.input.size) - p
         n = int(t.output.size)
         mask[s : s + n] = t.mask
-        logprobs[s : s + n] = np.where(t.mask == 1, t.logprobs, 0.0)  # type: ignore[arg-type]
+        logprobs[s : s + n] = t.logprobs
         for a, b, v in t.versions:
             versions[s + a : s + b] = [v] * (b - a)
+    # Every masked token's logprob is 0, once for the whole segment: a later
+    # turn overwrote an earlier one's mask and logprobs alike where they met.
+    logprobs[mask != 1] = 0.0
     routed = _routed(c, tokens.size, rules) if rules.routed_experts is not None else None
     return BuiltSegment(kind, c, tokens, p, mask, logprobs, versions, routed, [])
 
