@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import gc
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -17,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from recorder.log.store.base import EventStore, StoreError
+from replay.gcpass import pass_gc
 from replay.partitions import default_workers
 from replay.rules import PRESETS, Rules, RulesError, load_rules
 
@@ -91,39 +91,9 @@ def _run(
     first, for a parallel run inside `fn` (`replay.parallel.forked_workers`)."""
     from replay.parallel import forked_workers
 
-    with _pass_gc(streaming), forked_workers(fork):
+    # Set before forking: the workers inherit it (`replay.gcpass`).
+    with pass_gc() if streaming else nullcontext(), forked_workers(fork):
         return asyncio.run(_with_store(url, fn, streaming=streaming))
-
-
-# Young-generation size for a pass over a log (Python's default: 700).
-PASS_GC_THRESHOLD = 20_000
-
-
-@contextmanager
-def _pass_gc(active: bool) -> Iterator[None]:
-    """Garbage collection set for one long pass over a log (`active`).
-
-    A pass allocates millions of short-lived objects (events, their structs)
-    beside the ~300k long-lived ones the imported packages hold. With
-    Python's defaults each full collection re-scanned those (24 of them, 1.4 s
-    of 14 s CPU for `reclassify` of 2,000 sessions x 40 turns) and a young
-    collection ran every 700 allocations (0.6 s). Freezing what is alive
-    before the pass keeps the full collections to the pass's own objects, and
-    a larger young generation lets most objects die before any scan: 0.4 s
-    in all. Set before forking, so the workers inherit it; restored on exit
-    (the unfrozen objects are collectable again).
-    """
-    if not active:
-        yield
-        return
-    threshold = gc.get_threshold()
-    gc.freeze()
-    gc.set_threshold(PASS_GC_THRESHOLD, *threshold[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*threshold)
-        gc.unfreeze()
 
 
 def _local_workers(workers: int | None, ray_address: str | None) -> int:
