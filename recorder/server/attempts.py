@@ -72,14 +72,15 @@ class _AttemptRecorder:
             self._journal.add(*events)
             # Recorded while the engine works, without an fsync of its own: the
             # client is answered only after the turn's last append, which flushes it.
-            await self._journal.flush_buffer(durable=False)
+            # With the request's events and arrays when it is the first attempt.
+            await self._journal.append_buffer(durable=False)
 
         self._journal.then(step)
 
     async def on_result(self, attempt: Attempt, out: GenerateOutput) -> None:
         self._record.engine_s += out.latency_s
 
-        async def step() -> None:
+        def buffer() -> None:
             # The arrays travel with the next append (usually the turn's last).
             refs = _result_arrays(self._journal, out)
             self._journal.add(_result_event(self._record, attempt, out, *refs))
@@ -95,7 +96,7 @@ class _AttemptRecorder:
                     )
                 )
 
-        self._journal.then(step)
+        self._journal.now_or_then(buffer)
 
     async def on_moved(self, attempt: Attempt, exc: EngineError, url: str) -> None:
         """The attempt's engine is gone: record why, re-pin the session, go on at `url`.
@@ -114,7 +115,7 @@ class _AttemptRecorder:
         )
         state.engine_url = url
         event = _engine_error_event(record, attempt.attempt, exc)
-        self._journal.then(lambda: _add(self._journal, event))
+        self._journal.now_or_then(lambda: self._journal.add(event))
 
     def _attempt_events(self, attempt: Attempt) -> list[Any]:
         """[TurnResumed,] GenerateAttempt."""
@@ -224,11 +225,6 @@ def _engine_error_event(record: TurnRecord, attempt: int, exc: EngineError) -> e
         status=exc.status,
         message=str(exc),
     )
-
-
-async def _add(journal: Journal, *events: Any) -> None:
-    """A journal step that only buffers events (they go with the next append)."""
-    journal.add(*events)
 
 
 def _engine_problem(exc: EngineError) -> str:
