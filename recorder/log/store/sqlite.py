@@ -286,7 +286,12 @@ class OneHopWriter:
         loop = asyncio.get_running_loop()
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="recorder-sqlite-writer")
-        return await loop.run_in_executor(self._executor, self._write, group, before_commit, loop)
+        # The job answers through `call_soon_threadsafe` itself: `run_in_executor`'s
+        # bridge between the executor's future and an asyncio one costs two done
+        # callbacks and a state copy per group, on the loop.
+        done: asyncio.Future[list[list[int] | None] | None] = loop.create_future()
+        self._executor.submit(self._job, done, group, before_commit, loop)
+        return await done
 
     async def close(self) -> None:
         executor, self._executor = self._executor, None
@@ -295,6 +300,20 @@ class OneHopWriter:
             executor.shutdown(wait=True)  # the thread is idle: this returns at once
 
     # -- on the writer thread ----------------------------------------------------
+
+    def _job(
+        self,
+        done: asyncio.Future[list[list[int] | None] | None],
+        group: Sequence[GroupRequest],
+        before_commit: Callable[[], Awaitable[None]] | None,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        try:
+            result = self._write(group, before_commit, loop)
+        except BaseException as exc:  # _write answers None for what it expects
+            loop.call_soon_threadsafe(_fail, done, exc)
+            raise
+        loop.call_soon_threadsafe(_resolve, done, result)
 
     def _write(
         self,
@@ -387,6 +406,16 @@ class OneHopWriter:
         self._synchronous_full = True  # a new connection starts as configured
         if conn is not None:
             conn.close()
+
+
+def _resolve(done: asyncio.Future[Any], result: Any) -> None:
+    if not done.done():
+        done.set_result(result)
+
+
+def _fail(done: asyncio.Future[Any], exc: BaseException) -> None:
+    if not done.done():
+        done.set_exception(exc)
 
 
 async def _awaited(hook: Callable[[], Awaitable[None]]) -> None:
