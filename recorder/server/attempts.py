@@ -2,8 +2,8 @@
 
 `generate` calls the engine through `recorder.model.resume.generate_with_resume`
 and hands it `_AttemptRecorder`'s callbacks, which record each attempt and
-result by ordered background steps (`Journal.then`), so the engine call never
-waits for the store. A turn the engine failed is recorded (`TurnFailed` /
+result by ordered background steps (`Journal.then`, `Journal.now_or_then`), so
+the engine call never waits for the store. A turn the engine failed is recorded (`TurnFailed` /
 `EngineError`) before the error the client gets is raised (`fail_turn`).
 Called by the turn pipeline, `recorder.server.turn`.
 """
@@ -52,7 +52,9 @@ class _AttemptRecorder:
     """The engine driver's callbacks: every attempt and result becomes events.
 
     They are recorded by ordered background steps (`Journal.then`), so the
-    engine call never waits for the store.
+    engine call never waits for the store; a result only buffers its events
+    and arrays (the turn's last append writes them), at once when no step is
+    queued (`Journal.now_or_then`).
     """
 
     def __init__(

@@ -124,7 +124,6 @@ class Journal:
         self._runner: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None
         self._gate: asyncio.Event | None = None
-        self.arrays = BufferedArrays(self)
         self.begin()
 
     def begin(self) -> None:
@@ -174,6 +173,11 @@ class Journal:
             encoded = msgspec.structs.replace(encoded, cache=False)
         self._arrays.append(encoded)
         return encoded.ref
+
+    @property
+    def arrays(self) -> BufferedArrays:
+        """`put_array` whose pieces go with the next append (see the module doc)."""
+        return BufferedArrays(self)
 
     def after_append(self, callback: Callable[[], None]) -> None:
         """Call `callback` once what is buffered now is appended (never if it is dropped)."""
