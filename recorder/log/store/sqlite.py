@@ -320,6 +320,8 @@ class OneHopWriter:
         if executor is not None:
             await asyncio.get_running_loop().run_in_executor(executor, self._close_connection)
             executor.shutdown(wait=True)  # the thread is idle: this returns at once
+        else:  # opened by inline writes only, if at all
+            self._close_connection()
 
     def _write_inline(
         self, group: Sequence[GroupRequest], loop: asyncio.AbstractEventLoop
