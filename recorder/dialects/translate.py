@@ -255,7 +255,7 @@ def _chat_request(
         tools=tools,
         message_digests=tuple(digests),
         system=system,
-        system_digest=digest_text(system),
+        system_digest=conversation.system_digest,
         render_digest=render_digest,
         tool_result_ids=tuple(conversation.trailing_tool_result_ids),
         n_input_messages=conversation.n_input_messages,
@@ -359,6 +359,7 @@ class _ConversationState(NamedTuple):
     """A `_Conversation` after some messages (copies: later changes to it do not show)."""
 
     system: str
+    system_digest: str
     messages: tuple[dict[str, Any], ...]
     digests: tuple[str, ...]
     seen: frozenset[str]
@@ -381,6 +382,9 @@ class _Conversation:
 
     def __init__(self, system: str) -> None:
         self.system = system
+        # Once per conversation: a request that resumes it has the same system text
+        # (checked), and Claude Code's is tens of kB.
+        self.system_digest = digest_text(system)
         self.messages: list[dict[str, Any]] = []
         self.digests: list[str] = []
         self.text_chars = len(system)
@@ -398,6 +402,7 @@ class _Conversation:
         """Its state now, for a later request that repeats these messages (`resume`)."""
         return _ConversationState(
             self.system,
+            self.system_digest,
             tuple(self.messages),
             tuple(self.digests),
             frozenset(self.seen),
@@ -413,6 +418,7 @@ class _Conversation:
         """The conversation as it was at `snapshot`, to add the messages that follow."""
         conversation = cls.__new__(cls)
         conversation.system = state.system
+        conversation.system_digest = state.system_digest
         conversation.messages = list(state.messages)
         conversation.digests = list(state.digests)
         conversation.seen = set(state.seen)
