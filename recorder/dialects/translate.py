@@ -126,14 +126,14 @@ def _parse_with_cache(body: bytes, count_tokens: bool, cache: ParseCache) -> Cha
             return chat
     req = raw_messages_decoder.decode(body)
     span = message_span(body, req.messages)
-    outside = _outside_len(body, span)
+    outside_len = _outside_len(body, span)
     if not _outside_within_limits(body, span):
         raise InvalidRequest("JSON limits", "body")  # the uncached path names the problem
     _check_max_tokens(req, count_tokens)
     _check_head(req, len(req.messages))
     conversation = _Conversation(system_text(req.system))
     cache.add_messages(req.messages, conversation, _translate_raw, body=body, span=span)
-    return _chat_request(req, conversation, share_tools=outside <= _MAX_SHARED_TOOLS_BYTES)
+    return _chat_request(req, conversation, share_tools=outside_len <= _MAX_SHARED_TOOLS_BYTES)
 
 
 def _parse_after_known(
@@ -720,8 +720,8 @@ def _choice_name(choice: ToolChoice | None) -> Literal["auto", "any", "tool", "n
     return choice.__struct_config__.tag  # type: ignore[return-value]
 
 
-# msgspec caches how to convert to a type on the type object: a `list[...]` written
-# in the call would be a new alias (and a new conversion plan, ~12 us) every turn.
+# One alias object for every call: a `list[...]` written in the call is a new alias
+# each turn, which msgspec converts to measurably slower (~20 us against ~8 us).
 _BLOCKS = list[ContentBlock]
 
 
