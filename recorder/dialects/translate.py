@@ -176,7 +176,7 @@ def _parse_after_known(
 
 # Digests of the bytes around a request's messages (system prompt, tools, metadata)
 # that met the JSON limits. A session sends the same ones every turn, its subagents
-# the same tools: ~25-70 kB for Claude Code, ~0.3-1 ms to scan, ~20 us to digest.
+# the same tools: ~25-70 kB for Claude Code, ~0.3-1 ms to scan, ~15-40 us to digest.
 _OUTSIDE_OK: set[bytes] = set()
 _MAX_OUTSIDE_OK = 1024
 
@@ -185,7 +185,7 @@ def _outside_within_limits(body: bytes, span: tuple[int, int] | None) -> bool:
     """Does `body` without its messages (`span`) meet the JSON limits? (`json_problem`)
 
     A message is checked on its own when it is translated (`_translate_raw`).
-    The answer is kept by the outside bytes' 128-bit digest: the same bytes,
+    The answer is kept by the outside bytes' SHA-256: the same bytes,
     the same answer, and a body cannot be made to collide with one checked.
     """
     key = _outside_digest(body, span)
@@ -201,8 +201,11 @@ def _outside_within_limits(body: bytes, span: tuple[int, int] | None) -> bool:
 
 
 def _outside_digest(body: bytes, span: tuple[int, int] | None) -> bytes:
-    """The digest of `body` without `span`, hashed in place (no copy of the outside)."""
-    digest = hashlib.blake2b(digest_size=16)
+    """The digest of `body` without `span`, hashed in place (no copy of the outside).
+
+    SHA-256: CPUs with SHA extensions hash it ~2x faster than BLAKE2b (~15 us for 25 kB).
+    """
+    digest = hashlib.sha256()
     with memoryview(body) as view:
         if span is None:
             digest.update(view)
