@@ -161,3 +161,35 @@ def test_non_ascii_added_tokens_leave_the_cache_on(tmp_path: Path) -> None:
     _assert_same(tok, _random_texts(4, 100, 60))
     text = "x <｜begin▁of▁sentence｜> y"
     assert tok.encode(text) == _raw_ids(tok, text)
+
+
+class _Counting:
+    """Stands in for a WordCache to see whether `encode` consults it."""
+
+    def __init__(self, real: WordCache) -> None:
+        self.real, self.calls = real, 0
+
+    def encode(self, text: str) -> list[int] | None:
+        self.calls += 1
+        return self.real.encode(text)
+
+
+def test_a_worker_thread_leaves_the_gil_to_the_loop(tokenizer: Tokenizer, monkeypatch) -> None:
+    """Off the loop (`asyncio.to_thread`) the Rust call, which releases the GIL, is used;
+    on the loop's thread the cache is (an 8 MB plan on a thread starved the loop)."""
+    import asyncio
+
+    assert tokenizer._words is not None
+    counting = _Counting(tokenizer._words)
+    monkeypatch.setattr(tokenizer, "_words", counting)
+    text = "def f(x):\n    return x  # it's " * 50
+
+    async def both() -> tuple[list[int], list[int]]:
+        on_loop = tokenizer.encode(text)
+        assert counting.calls == 1
+        off_loop = await asyncio.to_thread(tokenizer.encode, text)
+        assert counting.calls == 1
+        return on_loop, off_loop
+
+    on_loop, off_loop = asyncio.run(both())
+    assert on_loop == off_loop == _raw_ids(tokenizer, text)
