@@ -516,9 +516,24 @@ class UnknownEventType(ValueError):
     pass
 
 
+# msgpack's fixarray header: 0x90 | n, for n <= 15 elements.
+_FIXARRAY, _FIXARRAY_LAST = 0x90, 0x9F
+_TAGS: dict[str, bytes] = {name: _encoder.encode(name) for name in EVENT_TYPES}
+
+
 def encode_event(event: Event) -> bytes:
-    """Payload bytes for storage (the `type` tag is stored in its own column too)."""
-    return _encoder.encode(event)
+    """Payload bytes for storage: the event's array without its type tag, which the
+    row's `type` column holds (~15 bytes of every event).
+
+    Only a fixarray (at most 15 elements with the tag) is stored without its
+    tag, so a payload's first byte says which it is: a fixarray lacks its
+    tag, a longer array keeps it, a map is a row from before revision 0005.
+    """
+    full = _encoder.encode(event)
+    head = full[0]
+    if _FIXARRAY < head <= _FIXARRAY_LAST:
+        return bytes((head - 1,)) + full[1 + len(_TAGS[type_name(event)]) :]
+    return full
 
 
 def decode_event(type_: str, version: int, payload: bytes) -> AnyEvent:
@@ -529,6 +544,9 @@ def decode_event(type_: str, version: int, payload: bytes) -> AnyEvent:
             f"event type {type_!r} is not known to this version of trajectory-recorder; "
             "upgrade the package to read this log"
         ) from None
+    first = payload[0] if payload else 0
+    if _FIXARRAY <= first < _FIXARRAY_LAST:  # `encode_event` left its tag out
+        payload = bytes((first + 1,)) + _TAGS[type_] + payload[1:]
     if version == cls.VERSION and not _is_map(payload):
         return _decoders[type_].decode(payload)
     if version > cls.VERSION:

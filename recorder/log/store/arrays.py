@@ -10,9 +10,10 @@ content written twice is one row.
 Small int32 suffixes and float32 ones are byte-shuffled before zstd: grouping
 the 1st, 2nd, 3rd and 4th byte of every element lets zstd see the
 near-constant high bytes of token ids and float exponents as long runs. An
-int32 suffix of `RAW_INT32_MIN_BYTES` or more is compressed as it is: there
-zstd finds repeated runs of tokens (words, code lines), which shuffling cuts
-apart (a spine piece of ~2k tokens: 18% smaller). A float64 suffix (engine
+int32 suffix of `RAW_INT32_MIN_BYTES` or more is also compressed as it is,
+and the smaller kept: in real text zstd finds repeated runs of tokens (words,
+code lines), which shuffling cuts apart (a spine piece of ~2k tokens: 18%
+smaller); ids without repeats compress better shuffled. A float64 suffix (engine
 logprobs) whose every value is a float32 one (SGLang computes logprobs in
 float32) is stored as those float32s, shuffled (`CODEC_F32_SHUFFLED`); a
 decode widens them back and the digest check proves every bit came back.
@@ -161,15 +162,17 @@ def _compress(raw: bytes, dtype: DType) -> tuple[int, bytes]:
     """(codec, compressed bytes) of a suffix's raw bytes, as the module docstring says."""
     compress = _compressor().compress
     itemsize = NUMPY_DTYPES[dtype].itemsize
-    if itemsize == 1 or (dtype == "int32" and len(raw) >= RAW_INT32_MIN_BYTES):
+    if itemsize == 1:
         return CODEC_ZSTD, compress(raw)
-    if dtype != "float64":
-        return CODEC_ZSTD_SHUFFLED, compress(_shuffle(raw, itemsize))
-    with np.errstate(over="ignore", invalid="ignore"):  # a value beyond float32: not exact
-        narrow = np.frombuffer(raw, "<f8").astype("<f4")
-    if narrow.astype("<f8").tobytes() == raw:  # every bit survives the round trip
-        return CODEC_F32_SHUFFLED, compress(_shuffle(narrow.tobytes(), 4))
-    shuffled, plain = compress(_shuffle(raw, itemsize)), compress(raw)
+    if dtype == "float64":
+        with np.errstate(over="ignore", invalid="ignore"):  # a value beyond float32: not exact
+            narrow = np.frombuffer(raw, "<f8").astype("<f4")
+        if narrow.astype("<f8").tobytes() == raw:  # every bit survives the round trip
+            return CODEC_F32_SHUFFLED, compress(_shuffle(narrow.tobytes(), 4))
+    shuffled = compress(_shuffle(raw, itemsize))
+    if dtype == "int32" and len(raw) < RAW_INT32_MIN_BYTES:
+        return CODEC_ZSTD_SHUFFLED, shuffled
+    plain = compress(raw)  # a large int32 piece or float64: whichever is smaller
     return (CODEC_ZSTD, plain) if len(plain) < len(shuffled) else (CODEC_ZSTD_SHUFFLED, shuffled)
 
 
