@@ -1,8 +1,9 @@
-"""Events as msgpack arrays; float64 array pieces stored as exact float32s (codec 5).
+"""Events as msgpack arrays, maybe packed; float64 pieces as exact float32s (codec 5).
 
 No column changes. From this revision on, an event's payload is a msgpack
-array (its type tag, then its fields in `events.ARRAY_LAYOUTS` order) rather
-than a map with every field's name, and a float64 piece whose values are all
+array (its fields in `events.ARRAY_LAYOUTS` order) rather than a map with
+every field's name, possibly compressed against a fixed dictionary
+(`recorder.log.packing`: a 0xC1 byte first), and a float64 piece whose values are all
 float32 values (engine logprobs) may be stored as those float32s
 (`arrays.CODEC_F32_SHUFFLED`). Code at revision 0004 reads neither, so the
 revision exists to make it refuse a database written with them ("a newer one
@@ -25,10 +26,11 @@ branch_labels = None
 depends_on = None
 
 CODEC_F32_SHUFFLED = 5
-# msgpack's array markers: fixarray (0x90-0x9f), array 16 (0xdc), array 32 (0xdd).
+# msgpack's array markers: fixarray (0x90-0x9f), array 16 (0xdc), array 32 (0xdd);
+# 0xc1: a packed payload.
 _ARRAY_PAYLOAD = {
-    "sqlite": "(substr(hex(payload), 1, 1) = '9' OR substr(hex(payload), 1, 2) IN ('DC', 'DD'))",
-    "postgresql": "(get_byte(payload, 0) BETWEEN 144 AND 159 OR get_byte(payload, 0) IN (220, 221))",
+    "sqlite": "(substr(hex(payload), 1, 1) = '9' OR substr(hex(payload), 1, 2) IN ('DC', 'DD', 'C1'))",
+    "postgresql": "(get_byte(payload, 0) BETWEEN 144 AND 159 OR get_byte(payload, 0) IN (220, 221, 193))",
 }
 
 

@@ -9,9 +9,10 @@ Each event type has a `VERSION`. The stored row keeps the version it was
 written at; `decode_event` upcasts older payloads to the current struct
 through the functions registered in `UPCASTERS`.
 
-Payloads are msgpack arrays (`array_like`): the type tag, then the fields in
-`ARRAY_LAYOUTS` order, no field names. Field names were ~35% of an event's
-bytes, and every turn writes eight events. Rows written before (revision
+Payloads are msgpack arrays (`array_like`): the fields in `ARRAY_LAYOUTS`
+order, no field names, no type tag (`encode_event`), compressed against a
+fixed dictionary when that helps (`packing`). Field names were ~35% of an
+event's bytes, and every turn writes eight events. Rows written before (revision
 0004 and older) hold msgpack maps and read back as they always did.
 """
 
@@ -23,6 +24,7 @@ from typing import Any, ClassVar, Literal
 
 import msgspec
 
+from recorder.log import packing
 from recorder.log.ids import uuid7
 
 # --------------------------------------------------------------------------
@@ -528,12 +530,14 @@ def encode_event(event: Event) -> bytes:
     Only a fixarray (at most 15 elements with the tag) is stored without its
     tag, so a payload's first byte says which it is: a fixarray lacks its
     tag, a longer array keeps it, a map is a row from before revision 0005.
+    Then `packing.pack` compresses it against a dictionary of recurring words
+    when that makes it smaller.
     """
     full = _encoder.encode(event)
     head = full[0]
     if _FIXARRAY < head <= _FIXARRAY_LAST:
-        return bytes((head - 1,)) + full[1 + len(_TAGS[type_name(event)]) :]
-    return full
+        full = bytes((head - 1,)) + full[1 + len(_TAGS[type_name(event)]) :]
+    return packing.pack(full)
 
 
 def decode_event(type_: str, version: int, payload: bytes) -> AnyEvent:
@@ -544,6 +548,10 @@ def decode_event(type_: str, version: int, payload: bytes) -> AnyEvent:
             f"event type {type_!r} is not known to this version of trajectory-recorder; "
             "upgrade the package to read this log"
         ) from None
+    try:
+        payload = packing.unpack(payload)
+    except packing.UnknownDictionary as exc:
+        raise UnknownEventType(str(exc)) from None
     first = payload[0] if payload else 0
     if _FIXARRAY <= first < _FIXARRAY_LAST:  # `encode_event` left its tag out
         payload = bytes((first + 1,)) + _TAGS[type_] + payload[1:]

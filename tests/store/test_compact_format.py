@@ -1,6 +1,7 @@
 """The compact stored format of revision 0005: events as msgpack arrays without
-field names or type tag, float64 pieces as exact float32s, large int32 pieces
-unshuffled when that is smaller; rows written before read back unchanged."""
+field names or type tag (packed against a fixed dictionary when long), float64
+pieces as exact float32s, large int32 pieces unshuffled when that is smaller;
+rows written before read back unchanged."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from recorder.log import events as ev
+from recorder.log import packing
 from recorder.log.events import ArrayRef
 from recorder.log.store import EventStore, open_store
 from recorder.log.store import arrays as codec
@@ -201,3 +203,52 @@ async def test_downgrading_below_0005_refuses_once_compact_rows_exist(store_url:
                 await conn.run_sync(downgrade)
     finally:
         await engine.dispose()
+
+
+def test_long_payloads_are_packed_against_the_dictionary_and_read_back() -> None:
+    """The protocol's recurring words (sampling keys, usage keys) cost little once packed."""
+    params = {
+        "max_new_tokens": 512,
+        "temperature": 0.7,
+        "top_p": 0.95,
+        "top_k": 20,
+        "skip_special_tokens": False,
+        "spaces_between_special_tokens": False,
+        "no_stop_trim": True,
+        "stop_token_ids": [2, 7],
+    }
+    attempt = ev.GenerateAttempt(
+        request_id="msg_1", turn=4, attempt=0, rid="ab" * 16, sampling_params=params
+    )
+    unpacked = msgspec.msgpack.encode(attempt)
+    payload = ev.encode_event(attempt)
+    assert payload[0] == packing.PACKED and payload[1] == packing.VERSION
+    assert len(payload) < 0.6 * len(unpacked)
+    assert packing.unpack(payload)[0] == unpacked[0] - 1  # the tagless array inside
+    assert ev.decode_event("generate_attempt", 1, payload) == attempt
+
+
+def test_short_or_incompressible_payloads_stay_plain() -> None:
+    short = ev.TitoVerdict(rules_version="v", request_id="q", turn=1, ok=True)
+    assert ev.encode_event(short)[0] != packing.PACKED
+    noise = bytes(np.random.default_rng(3).integers(0, 256, 400, dtype=np.uint8))
+    assert packing.pack(noise) == noise
+    assert packing.unpack(noise) == noise
+
+
+def test_a_payload_packed_with_an_unknown_dictionary_asks_for_an_upgrade() -> None:
+    packed = packing.pack(msgspec.msgpack.encode(["x" * 200]))
+    newer = bytes((packing.PACKED, packing.VERSION + 1)) + packed[2:]
+    with pytest.raises(ev.UnknownEventType, match="upgrade trajectory-recorder"):
+        ev.decode_event("sandbox_event", 1, newer)
+    damaged = packed[:2] + b"\xff" * (len(packed) - 2)
+    with pytest.raises(msgspec.DecodeError):
+        ev.decode_event("sandbox_event", 1, damaged)
+
+
+def test_the_dictionary_of_every_version_is_frozen() -> None:
+    """Stored payloads depend on a version's exact bytes: the import checks each digest."""
+    for version, data in packing.DICTIONARIES.items():
+        assert packing._checked(version, data) == data
+    with pytest.raises(AssertionError, match="add a new version"):
+        packing._checked(1, packing.DICTIONARIES[1] + b"x")
