@@ -218,9 +218,16 @@ def test_long_payloads_are_packed_against_the_dictionary_and_read_back() -> None
         "stop_token_ids": [2, 7],
     }
     attempt = ev.GenerateAttempt(
-        request_id="msg_1", turn=4, attempt=0, rid="ab" * 16, sampling_params=params
+        request_id="msg_0123456789abcdef01234567",
+        turn=4,
+        attempt=0,
+        rid="ab" * 16,
+        engine_url="http://127.0.0.1:30000",
+        max_new_tokens=512,
+        sampling_params=params,
     )
     unpacked = msgspec.msgpack.encode(attempt)
+    assert len(unpacked) >= packing.MIN_PACK_BYTES
     payload = ev.encode_event(attempt)
     assert payload[0] == packing.PACKED and payload[1] == packing.VERSION
     assert len(payload) < 0.6 * len(unpacked)

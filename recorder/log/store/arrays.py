@@ -17,7 +17,7 @@ smaller); ids without repeats compress better shuffled. A float64 suffix (engine
 logprobs) whose every value is a float32 one (SGLang computes logprobs in
 float32) is stored as those float32s, shuffled (`CODEC_F32_SHUFFLED`); a
 decode widens them back and the digest check proves every bit came back.
-Other float64 suffixes take the smaller of shuffled and plain.
+Other float64 suffixes are shuffled, as before.
 
 A piece may also be compressed against a *basis*: another stored array whose
 whole content serves as a zstd raw-content dictionary (`CODEC_ZSTD_BASIS`).
@@ -170,9 +170,9 @@ def _compress(raw: bytes, dtype: DType) -> tuple[int, bytes]:
         if narrow.astype("<f8").tobytes() == raw:  # every bit survives the round trip
             return CODEC_F32_SHUFFLED, compress(_shuffle(narrow.tobytes(), 4))
     shuffled = compress(_shuffle(raw, itemsize))
-    if dtype == "int32" and len(raw) < RAW_INT32_MIN_BYTES:
+    if dtype != "int32" or len(raw) < RAW_INT32_MIN_BYTES:
         return CODEC_ZSTD_SHUFFLED, shuffled
-    plain = compress(raw)  # a large int32 piece or float64: whichever is smaller
+    plain = compress(raw)  # a large int32 piece: whichever is smaller
     return (CODEC_ZSTD, plain) if len(plain) < len(shuffled) else (CODEC_ZSTD_SHUFFLED, shuffled)
 
 
