@@ -6,7 +6,7 @@ Anthropic's usage keys and content block shapes, stop reasons, dialect names,
 a state snapshot's field names. zstd alone cannot shrink ~300 bytes; against
 a raw-content dictionary holding those words a generate attempt loses ~60%, a
 response ~35%, a snapshot ~15% (`tools/bench_training.py`: event payloads
--25%). The words come from the wire protocols and our own schema, never from
+-28%). The words come from the wire protocols and our own schema, never from
 a session's content.
 
 A packed payload is `PACKED`, the dictionary's version, then a magicless zstd
@@ -145,6 +145,8 @@ def _dictionary(version: int) -> zstandard.ZstdCompressionDict:
 # never include building one (events are encoded on the loop and on writer
 # threads), and a compression (~4 us) holds the lock only that long.
 _COMPRESSOR: Final = _compressor()
+# zstd sizes its buffers on first use (~64 kB): a window's worth now, not in a request.
+_COMPRESSOR.compress(bytes(1 << 13))
 _compress_lock = threading.Lock()
 
 
