@@ -36,6 +36,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +180,10 @@ async def census_run(
             if probe:
                 result["census"] = await take_census(recorder, out)
                 result["census"]["base"] = base
+            else:  # what reading a session back from the log costs its close
+                started = time.perf_counter()
+                await driver.close_all()
+                result["close_s"] = (time.perf_counter() - started) / args.sessions
     finally:
         await recorder.stop()
     return result
@@ -245,6 +250,10 @@ def census_table(after: dict[str, Any], plain: dict[str, dict[str, Any]], n: int
         rss = (result["rss_open"] - result["rss_before"]) / n
         start, end = result["rss_before"] / MB, result["rss_open"] / MB
         row(f"RSS growth, {name} (no probe; {start:.1f} -> {end:.1f} MB)", rss)
+    for name, result in plain.items():
+        rows.append(
+            (f"close (reads the session back), {name}", f"{result['close_s'] * 1e3:.0f} ms", "")
+        )
     return rich_table(title, ("what", "per session", "bytes / context token"), rows, left=1)
 
 

@@ -8,13 +8,14 @@ a turn costs what its new messages cost plus one scan of the body.
 
 from __future__ import annotations
 
-import hashlib
+import os
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import msgspec
+import xxhash
 
 # A translated message as the cache keeps it: a plain tuple (role, chat messages,
 # digests, tool_use ids, tool_result ids), so an entry costs the cyclic GC two
@@ -40,6 +41,13 @@ class Conversation(Protocol):
 # JSON whitespace, then a comma, then whitespace: what separates two array elements.
 _SEPARATOR = re.compile(rb"[ \t\r\n]*,[ \t\r\n]*")
 _BLANKS = re.compile(rb"[ \t\r\n]*")
+# Keys the digests (xxh3-128) of messages and of the previous request's prefix: random
+# per process and never leaving it, so no client can aim at a collision.
+_SEED = int.from_bytes(os.urandom(8), "little")
+
+
+def _digest(data: bytes | memoryview) -> bytes:
+    return xxhash.xxh3_128_digest(data, seed=_SEED)
 
 
 class KnownPrefix(NamedTuple):
@@ -48,14 +56,17 @@ class KnownPrefix(NamedTuple):
     `body[:end]` is the previous body up to the end of its last message: the
     same bytes at the same offsets, so the same messages (a JSON value's
     extent depends only on its own bytes, and the bytes before it put the
-    decoder in the same place). `first` is where the first message starts,
-    `n_messages` how many there are, `state` the conversation after them.
+    decoder in the same place; the same digest, keyed: the same bytes). `first`
+    is where the first message starts, `n_messages` how many there are, `state`
+    the conversation after them, `hasher` the running digest of `body[:end]`
+    (the next request's prefix digest goes on from it).
     """
 
     first: int
     end: int
     n_messages: int
     state: Any
+    hasher: Any
 
 
 class ParseCache:
@@ -63,24 +74,21 @@ class ParseCache:
 
     Identical bytes decode to the identical message, so a hit needs no
     decoding, validation or translation; only the cross-message rules run
-    again (`_Conversation`). The key is a 16-byte BLAKE2b digest, not a copy
-    of the message's JSON: a 100k-token session kept ~540 kB of keys that
-    repeated its previous request body byte for byte. The previous request's
-    messages are kept as the `msgspec.Raw` views the decoder made (views into
-    that request's body, which the server keeps anyway as the basis of the
-    next body's delta) with their digests, in order: a message at the same
-    position as before is matched by a byte compare against its view, so
-    only messages that moved or are new get hashed, and a hit copies nothing.
+    again (`_Conversation`). The key is a keyed 16-byte xxh3 digest, not a
+    copy of the message's JSON: a 100k-token session kept ~540 kB of keys
+    that repeated its previous request body byte for byte. Of the previous
+    request only where its messages are, their keys and a digest of its
+    bytes up to its last message are kept, not the body (~0.5 MB at 100k
+    tokens, which the server does not keep either: deltas.BodyPrefixes).
 
     Bounds: the least recently used messages go beyond `max_entries` or
-    `max_bytes`, where a message is charged twice its JSON size (the JSON a
-    view of the previous request keeps alive, plus its translation, which
-    decodes to about as much) plus a fixed overhead; and a message no
-    request used in the last `max_idle_requests` (history replaced by a
-    compaction, a finished subagent) goes too. The previous request's views
-    are kept only while its messages total at most `max_bytes` and none is
-    too big to cache. Not thread-safe: one
-    session's requests are parsed on the server's event loop.
+    `max_bytes`, where a message is charged its JSON size (its translation
+    decodes to about as much: tools/bench_session_memory.py's census) plus a
+    fixed overhead; and a message no request used in the last
+    `max_idle_requests` (history replaced by a compaction, a finished
+    subagent) goes too. The previous request is remembered only while its
+    messages total at most `max_bytes` and none is too big to cache. Not
+    thread-safe: one session's requests are parsed on the server's event loop.
 
     No object per entry: a translation is kept as a plain tuple and its last
     use and size as ints in flat dicts (untracked by the cyclic GC), two tracked
@@ -90,7 +98,7 @@ class ParseCache:
     its reads and parses (tests/tokens/test_parse_cache.py counts them).
     """
 
-    # Per message beyond 2x its JSON: the translation's dicts and strings (~600 bytes
+    # Per message beyond its JSON: the translation's dicts and strings (~600 bytes
     # measured by tests/server/test_memory.py), the digest and the dict slots.
     ENTRY_OVERHEAD = 640
 
@@ -107,16 +115,14 @@ class ParseCache:
         self._entries: OrderedDict[bytes, CachedPiece] = OrderedDict()  # LRU first
         self._last_used: dict[bytes, int] = {}  # key -> number of the request
         self._sizes: dict[bytes, int] = {}  # key -> its message's JSON size
-        # The previous request: its body, where its messages are in it (the first's
-        # offset, each one's length, the end of the last), their keys, and the
-        # caller's conversation after them. `_views` are the messages as views into
-        # the body, when the decoder made them (built from the offsets when asked).
-        self._body: bytes | None = None
+        # The previous request: the digest of its body up to the end of its last
+        # message, where its messages are in it (the first's offset, how many,
+        # the end of the last), their keys, and the caller's conversation after them.
+        self._prefix_digest: bytes | None = None
         self._first = 0
         self._end = 0
-        self._lengths: list[int] = []
+        self._n_messages = 0
         self._previous_keys: list[bytes] = []
-        self._views: list[msgspec.Raw] | None = None
         self._state: Any = None
         self._total = 0
         self._nbytes = 0
@@ -137,25 +143,18 @@ class ParseCache:
         self._forget_previous()
         self._nbytes = 0
 
-    @property
-    def _previous(self) -> list[msgspec.Raw]:
-        """The previous request's messages, as views into its body, in order."""
-        if self._views is None:
-            self._views = _views(self._body, self._first, self._lengths) if self._body else []
-        return self._views
-
     def known_prefix(self, body: bytes) -> KnownPrefix | None:
         """The previous request's messages, if `body` repeats its bytes through the last one.
 
-        One compare of the bytes (no decoding): a client resends the whole
-        conversation every turn, so most requests only append messages.
+        One digest of the bytes (no decoding, ~30 us per 0.5 MB): a client resends
+        the whole conversation every turn, so most requests only append messages.
         """
-        prev = self._body
-        if prev is None or self._state is None or len(body) < self._end:
+        if self._prefix_digest is None or self._state is None or len(body) < self._end:
             return None
-        if not body.startswith(memoryview(prev)[: self._end]):
+        hasher = xxhash.xxh3_128(memoryview(body)[: self._end], seed=_SEED)
+        if hasher.digest() != self._prefix_digest:
             return None
-        return KnownPrefix(self._first, self._end, len(self._lengths), self._state)
+        return KnownPrefix(self._first, self._end, self._n_messages, self._state, hasher)
 
     def add_messages(
         self,
@@ -174,18 +173,16 @@ class ParseCache:
         with both, the next request may find them by `known_prefix`.
         """
         self._requests += 1
-        previous, previous_keys = self._previous, self._previous_keys
         keys: list[bytes] = []
-        total = self._add(raws, 0, conversation, translate_message, previous, previous_keys, keys)
+        total = self._add(raws, 0, conversation, translate_message, keys)
         if body is None or span is None or total > self.max_bytes:
-            # The views keep the body they point into alive: not beyond `max_bytes`, nor
-            # with a message too big to cache (on the OpenAI paths that body is the
-            # cache's own, joined per request, not the one the server keeps).
+            # Not beyond `max_bytes`, nor with a message too big to cache.
             self._forget_previous()
         else:
-            self._body, (self._first, self._end) = body, span
-            self._lengths = [len(raw) for raw in raws]
-            self._previous_keys, self._views = keys, list(raws)
+            self._first, self._end = span
+            self._prefix_digest = _digest(memoryview(body)[: self._end])
+            self._n_messages = len(raws)
+            self._previous_keys = keys
             self._state, self._total = conversation.snapshot(), total
         self._evict_idle()
 
@@ -212,7 +209,7 @@ class ParseCache:
         last_used.update(dict.fromkeys(filter(last_used.__contains__, known_keys), now))
         keys = list(known_keys)
         total = self._total + self._add(
-            raws, known.n_messages, conversation, translate_message, [], [], keys
+            raws, known.n_messages, conversation, translate_message, keys
         )
         if total > self.max_bytes:
             self._forget_previous()
@@ -220,8 +217,10 @@ class ParseCache:
             lengths = [len(raw) for raw in raws]
             if lengths:
                 self._end = _end_of(body, _BLANKS.match(body, start).end(), lengths)  # type: ignore[union-attr]
-            self._body, self._views = body, None  # views into the old body: not kept
-            self._lengths = [*self._lengths, *lengths]
+            hasher = known.hasher
+            hasher.update(memoryview(body)[known.end : self._end])
+            self._prefix_digest = hasher.digest()
+            self._n_messages = known.n_messages + len(raws)
             self._previous_keys = keys
             self._state, self._total = conversation.snapshot(), total
         self._evict_idle()
@@ -232,13 +231,12 @@ class ParseCache:
         offset: int,
         conversation: Conversation,
         translate_message: Callable[[bytes, int, Conversation], CachedPiece],
-        previous: Sequence[msgspec.Raw],
-        previous_keys: Sequence[bytes],
         keys: list[bytes],
     ) -> int:
         """Add `raws` (messages `offset`... of the request) to `conversation`; append their
         keys to `keys`. Returns their total JSON size, more than `max_bytes` if one is
-        too big to cache (its view must not keep the body alive)."""
+        too big to cache (the request is then not remembered: the conversation's state
+        after it would keep that message's translation alive, uncharged)."""
         now = self._requests
         entries, last_used = self._entries, self._last_used
         total = 0
@@ -247,14 +245,11 @@ class ParseCache:
             size = len(raw)
             total += size
             if size > self.max_entry_bytes:
-                total += self.max_bytes + 1  # its view would keep it alive: keep none
+                total += self.max_bytes + 1  # the request is not remembered
                 conversation.add(translate_message(bytes(raw), i, conversation))
                 keys.append(b"")  # never kept (see `max_entry_bytes`)
                 continue
-            if j < len(previous) and previous_keys[j] and previous[j] == raw:
-                key = previous_keys[j]
-            else:
-                key = hashlib.blake2b(raw, digest_size=16).digest()
+            key = _digest(raw)
             piece = entries.get(key)
             if piece is None:
                 piece = translate_message(bytes(raw), i, conversation)
@@ -269,9 +264,8 @@ class ParseCache:
         return total
 
     def _forget_previous(self) -> None:
-        self._body, self._views, self._state = None, None, None
-        self._lengths, self._previous_keys = [], []
-        self._first = self._end = self._total = 0
+        self._prefix_digest, self._state, self._previous_keys = None, None, []
+        self._first = self._end = self._total = self._n_messages = 0
 
     def _evict_idle(self) -> None:
         idle_before = self._requests - self.max_idle_requests
@@ -282,7 +276,7 @@ class ParseCache:
         self._entries[key] = piece
         self._last_used[key] = now
         self._sizes[key] = size
-        self._nbytes += 2 * size + self.ENTRY_OVERHEAD
+        self._nbytes += size + self.ENTRY_OVERHEAD
         # Checked inline first: a session's first request after a restart puts
         # every message of its history (hundreds), and is rarely over a bound.
         if len(self._entries) > self.max_entries:
@@ -296,7 +290,7 @@ class ParseCache:
         while entries and while_oldest(next(iter(entries))):
             key, _ = entries.popitem(last=False)
             del self._last_used[key]
-            self._nbytes -= 2 * self._sizes.pop(key) + self.ENTRY_OVERHEAD
+            self._nbytes -= self._sizes.pop(key) + self.ENTRY_OVERHEAD
 
 
 def _end_of(body: bytes, start: int, lengths: Sequence[int]) -> int:
@@ -305,14 +299,3 @@ def _end_of(body: bytes, start: int, lengths: Sequence[int]) -> int:
     for length in lengths[1:]:
         pos = _SEPARATOR.match(body, pos).end() + length  # type: ignore[union-attr]
     return pos
-
-
-def _views(body: bytes, first: int, lengths: Sequence[int]) -> list[msgspec.Raw]:
-    """Consecutive array elements of `lengths`, the first at `first`, as views into `body`."""
-    view, views, pos = memoryview(body), [], first
-    for i, length in enumerate(lengths):
-        if i:
-            pos = _SEPARATOR.match(body, pos).end()  # type: ignore[union-attr]
-        views.append(msgspec.Raw(view[pos : pos + length]))
-        pos += length
-    return views

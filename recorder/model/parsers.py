@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import re
 from typing import Any, Literal, Protocol
 
@@ -234,6 +235,26 @@ class BuiltinParser:
     async def parse(self, text: str, tools: list[dict[str, Any]]) -> ParsedOutput:
         return self.parse_sync(text, tools)
 
+    def _sglang_tools(self, tools: list[dict[str, Any]]) -> list[Any]:
+        """SGLang's pydantic Tool models for `tools`, built once per list of tool dicts.
+
+        A session's requests share their tool dicts (`chat.shared_tools`, never
+        changed), so every turn would otherwise build the same models (two
+        pydantic validations per tool). Keyed by the dicts' identity, checked.
+        """
+        key = tuple(map(id, tools))
+        found = self._tool_models.get(key)
+        if found is not None and all(map(operator.is_, found[0], tools)):
+            return found[1]
+        models = [
+            self._tool_cls(type="function", function=self._function_cls(**t["function"]))
+            for t in _openai_tools(tools)
+        ]
+        if len(self._tool_models) >= _MAX_TOOL_MODELS:
+            self._tool_models.clear()
+        self._tool_models[key] = (list(tools), models)
+        return models
+
 
 # --------------------------------------------------------------------------
 # Engine HTTP parsers
@@ -326,6 +347,10 @@ def _openai_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------
 
 
+# Tool lists whose SGLang models one parser keeps (a session's tools, its subagents').
+_MAX_TOOL_MODELS = 64
+
+
 class SglangParser:
     """SGLang's FunctionCallParser / ReasoningParser, imported without `sglang/__init__`."""
 
@@ -348,6 +373,9 @@ class SglangParser:
             ).FunctionCallParser
             protocol = sglang_compat.load("srt.entrypoints.openai.protocol")
             self._tool_cls, self._function_cls = protocol.Tool, protocol.Function
+        # SGLang's Tool models per tool list, by the identity of its dicts (kept here,
+        # so an id is never reused while its entry lives): see `_sglang_tools`.
+        self._tool_models: dict[tuple[int, ...], tuple[list[Any], list[Any]]] = {}
         if reasoning_parser:
             self._rp_cls = sglang_compat.load("srt.parser.reasoning_parser").ReasoningParser
         self.tool_parser = tool_parser
@@ -381,11 +409,7 @@ class SglangParser:
             reasoning, text = settle_reasoning(raw_reasoning, rest or "", start, output=text)
         calls: list[ToolCall] = []
         if self.tool_parser and tools:
-            sg_tools = [
-                self._tool_cls(type="function", function=self._function_cls(**t["function"]))
-                for t in _openai_tools(tools)
-            ]
-            fc = self._fc_cls(tools=sg_tools, tool_call_parser=self.tool_parser)
+            fc = self._fc_cls(tools=self._sglang_tools(tools), tool_call_parser=self.tool_parser)
             try:
                 normal, items = fc.parse_non_stream(text)
             except Exception:  # a detector that trips on odd output: the output stays text
@@ -397,6 +421,26 @@ class SglangParser:
 
     async def parse(self, text: str, tools: list[dict[str, Any]]) -> ParsedOutput:
         return self.parse_sync(text, tools)
+
+    def _sglang_tools(self, tools: list[dict[str, Any]]) -> list[Any]:
+        """SGLang's pydantic Tool models for `tools`, built once per list of tool dicts.
+
+        A session's requests share their tool dicts (`chat.shared_tools`, never
+        changed), so every turn would otherwise build the same models (two
+        pydantic validations per tool). Keyed by the dicts' identity, checked.
+        """
+        key = tuple(map(id, tools))
+        found = self._tool_models.get(key)
+        if found is not None and all(map(operator.is_, found[0], tools)):
+            return found[1]
+        models = [
+            self._tool_cls(type="function", function=self._function_cls(**t["function"]))
+            for t in _openai_tools(tools)
+        ]
+        if len(self._tool_models) >= _MAX_TOOL_MODELS:
+            self._tool_models.clear()
+        self._tool_models[key] = (list(tools), models)
+        return models
 
 
 def default_backend() -> Backend:

@@ -32,6 +32,8 @@ from tokenizers import Tokenizer as _RawTokenizer
 
 from recorder.dialects.chat import tool_json
 from recorder.log.events import TokenizerIdentity
+from recorder.model.byte_decoder import ByteDecoder
+from recorder.model.word_cache import WordCache
 
 TEMPLATES_DIR = Path(__file__).parent / "templates"
 CACHE_ENV = "TR_TOKENIZER_CACHE"
@@ -103,6 +105,8 @@ class Tokenizer:
         )
         self.max_token_chars: int = _max_token_chars(raw)
         self.cuts_exact: bool = _cuts_are_exact(raw)
+        self._words = WordCache.for_tokenizer(raw)
+        self._bytes = ByteDecoder.for_tokenizer(raw)
 
     # -- ids <-> text -------------------------------------------------------
 
@@ -113,7 +117,15 @@ class Tokenizer:
         no offsets (less CPU, a fraction of the memory) and releases the GIL
         while Rust works (`encode` holds it: 8 MB of text froze every other
         thread of the server for 3.3 s). The ids are the same.
+
+        ASCII text up to a piece's length (`_PIECE_CHARS`) is tokenized from the
+        tokenizer's cached pre-token ids when it has them (`WordCache`): the
+        same ids, ~5x less CPU for a turn's new messages and its TITO check.
         """
+        if self._words is not None and len(text) <= _PIECE_CHARS:
+            ids = self._words.encode(text)
+            if ids is not None:
+                return ids
         if len(text) < _GIL_FREE_CHARS:
             return self._raw.encode(text, add_special_tokens=False).ids
         return self._raw.encode_batch_fast([text], add_special_tokens=False)[0].ids
@@ -147,6 +159,12 @@ class Tokenizer:
         return [e.ids for e in self._raw.encode_batch(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int]) -> str:
+        """The text of `ids`, special tokens included; from each id's bytes (`ByteDecoder`)
+        when the tokenizer is byte-level: the same text for a fraction of the CPU."""
+        if self._bytes is not None:
+            text = self._bytes.decode(ids)
+            if text is not None:
+                return text
         return self._raw.decode(list(ids), skip_special_tokens=False)
 
     def decode_tokens(self, ids: Sequence[int]) -> list[str]:

@@ -18,11 +18,13 @@ this (compressed against the previous body, `basis=` alone) read the same.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
+import xxhash
 
 from recorder.log.events import ArrayRef
 from recorder.log.store.arrays import EncodedArray, encode_array
@@ -32,6 +34,7 @@ log = logging.getLogger("recorder.server")
 if TYPE_CHECKING:
     from recorder.log.store.base import EventStore
     from recorder.model.tokens import TurnPlan
+    from recorder.server.journal import BufferedArrays
 
 # Below this many shared bytes a body is stored whole: a delta would save
 # less than the extra piece costs.
@@ -55,18 +58,88 @@ MIN_COPY_BYTES = 256
 TailSource = tuple[ArrayRef, int, int]
 
 
+# The previous body is not kept whole (~0.5 MB at 100k tokens, per open session):
+# digests of its first k * PREFIX_STEP bytes (k = 1, 2, ...) up to `BodyPrefixes.start`,
+# and its bytes from there on. `start` is about WINDOW bytes before the end of its
+# newest messages, where the next body differs from it (its newest messages, or a
+# cache marker that moved to them), and never after its tail (what the next body's
+# tail may copy). A body that differs earlier shares a prefix found to PREFIX_STEP
+# bytes (a few kB more stored that turn); one that differs in the window, to the byte.
+PREFIX_STEP = 16 * 1024
+WINDOW = 32 * 1024
+# Keys the prefix digests (xxh3-128): random per process and never leaving it, so no
+# client can aim at a collision between two bodies' prefixes.
+_SEED = int.from_bytes(os.urandom(8), "little")
+
+
 @dataclass
 class BodyPrefixes:
-    """The previous body of a session, its ref, refs of stored prefixes of it
-    (shortest first) and where its last bytes can be copied from.
+    """What the next body's delta needs of a session's previous body: its length,
+    digests of its prefixes and its last bytes (`window`, see PREFIX_STEP), its ref,
+    refs of stored prefixes of it (shortest first) and where its last bytes can be
+    copied from.
 
     Empty after a restart: the next body is then stored whole.
     """
 
-    body: bytes = b""
+    length: int = 0
+    digests: list[bytes] = field(default_factory=list)
+    window: bytes = b""
     refs: list[ArrayRef] = field(default_factory=list)
     ref: ArrayRef | None = None
     tail: TailSource | None = None
+
+    @property
+    def start(self) -> int:
+        """Where `window` starts in the previous body (`digests` cover what is before)."""
+        return len(self.digests) * PREFIX_STEP
+
+
+def prefix_digests(body: bytes | memoryview) -> list[bytes]:
+    """Keyed digests of `body[: k * PREFIX_STEP]` for each whole step k = 1, 2, ...
+
+    One pass (a running hash), ~30 us per 0.5 MB.
+    """
+    hasher = xxhash.xxh3_128(seed=_SEED)
+    view = memoryview(body)
+    out = []
+    for end in range(PREFIX_STEP, len(view) + 1, PREFIX_STEP):
+        hasher.update(view[end - PREFIX_STEP : end])
+        out.append(hasher.digest())
+    return out
+
+
+def shared_with_previous(previous: BodyPrefixes, body: bytes) -> tuple[int, list[bytes]]:
+    """(a prefix length `body` shares with the previous body, `body`'s prefix digests).
+
+    To the byte when the two differ in the previous body's window (the usual
+    case), else to PREFIX_STEP bytes.
+    """
+    digests = prefix_digests(body)
+    matched = 0
+    for mine, theirs in zip(digests, previous.digests, strict=False):
+        if mine != theirs:
+            break
+        matched += 1
+    if matched < len(previous.digests):
+        return matched * PREFIX_STEP, digests
+    start = previous.start
+    return start + shared_prefix_len(previous.window, memoryview(body)[start:]), digests
+
+
+def _next_prefixes(
+    body: bytes,
+    digests: list[bytes],
+    refs: list[ArrayRef],
+    ref: ArrayRef,
+    tail: TailSource,
+    end: int,
+) -> BodyPrefixes:
+    """What the body after `body` needs of it; `end` is where its newest messages end
+    (its copied tail starts), `tail` what its tail may copy."""
+    start = max(0, min(end - WINDOW, len(body) - tail[2])) // PREFIX_STEP * PREFIX_STEP
+    kept = digests[: start // PREFIX_STEP]
+    return BodyPrefixes(len(body), kept, body[len(kept) * PREFIX_STEP :], refs, ref, tail)
 
 
 def _first_difference(x: np.ndarray, y: np.ndarray) -> int:
@@ -120,7 +193,7 @@ def shared_suffix_len(a: bytes, b: bytes, limit: int) -> int:
 
 
 async def put_body(
-    store: EventStore, previous: BodyPrefixes, body: bytes
+    store: EventStore | BufferedArrays, previous: BodyPrefixes, body: bytes
 ) -> tuple[ArrayRef, BodyPrefixes]:
     """Store `body` as deltas of `previous`; (its ref, what the next body uses).
 
@@ -131,16 +204,17 @@ async def put_body(
     previous tail was copied from, so a tail's source stays the same body turn
     after turn (one basis hop for a cold read).
     """
-    if previous.ref is not None and body == previous.body:  # a retry: stored already
-        return previous.ref, previous
+    shared, digests = shared_with_previous(previous, body)
+    if previous.ref is not None and shared == len(body) == previous.length:
+        return previous.ref, previous  # a retry: stored already
     data = np.frombuffer(body, dtype=np.uint8)
-    shared = shared_prefix_len(previous.body, body)
     if shared < MIN_SHARED_BYTES:
         shared = 0
     copied = 0
     if previous.tail is not None:
-        limit = min(len(body), len(previous.body)) - shared
-        copied = min(shared_suffix_len(previous.body, body, limit), previous.tail[2])
+        # Never past the previous tail, which the window holds (`_next_prefixes`).
+        limit = min(len(body) - shared, previous.length - shared, previous.tail[2])
+        copied = shared_suffix_len(previous.window, body, limit)
         if copied < MIN_COPY_BYTES:
             copied = 0
     end = len(body) - copied
@@ -185,14 +259,17 @@ async def put_body(
     for r in (prefix, middle, ref):
         if r is not None and (not refs or r.length > refs[-1].length):
             refs.append(r)
-    return ref, BodyPrefixes(body, refs[-MAX_PREFIX_REFS:], ref, tail)
+    assert tail is not None
+    return ref, _next_prefixes(body, digests, refs[-MAX_PREFIX_REFS:], ref, tail, end)
 
 
 # Per chain id: stored prefixes of the chain's tokens, by length (SessionState.chain_refs).
 ChainRefs = dict[int, dict[int, ArrayRef]]
 
 
-async def put_input(store: EventStore, chain_refs: ChainRefs, plan: TurnPlan) -> ArrayRef:
+async def put_input(
+    store: EventStore | BufferedArrays, chain_refs: ChainRefs, plan: TurnPlan
+) -> ArrayRef:
     """Store the engine input as a delta after the longest stored prefix of its chain."""
     base: ArrayRef | None = None
     if plan.prefix_len:
@@ -201,7 +278,10 @@ async def put_input(store: EventStore, chain_refs: ChainRefs, plan: TurnPlan) ->
         usable = [n for n in known if n <= plan.prefix_len]
         base = known[max(usable)] if usable else None
     start = base.length if base is not None else 0
-    return await store.put_array(np.asarray(plan.input_ids[start:], dtype=np.int32), extends=base)
+    ids = np.asarray(plan.input_ids[start:], dtype=np.int32)
+    # Not cached: the session's chain holds these tokens already; read back only by
+    # its close, from the log (`EventStore.get_arrays`).
+    return await store.put_array(ids, extends=base, cache=False)
 
 
 def remember_refs(

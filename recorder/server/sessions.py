@@ -103,7 +103,8 @@ class SessionState:
     # the chain's digests or boundaries), their ref and how many deltas deep it
     # is, so the next stores only new items (snapshot._record_ref).
     snapshot_records: dict[tuple[int, str], tuple[Any, ArrayRef, int]] = field(default_factory=dict)
-    # The previous request body and its stored prefixes (see deltas.put_body).
+    # What the next body's delta needs of the previous one (its last bytes, digests
+    # of its prefixes) and its stored prefixes (see deltas.put_body).
     body_prefixes: BodyPrefixes = field(default_factory=BodyPrefixes)
     # The translated messages of earlier requests (parse_request(..., cache=)),
     # so a turn translates only its new messages; emptied when the session closes.
@@ -131,9 +132,11 @@ def forget_tokens(state: SessionState) -> None:
 
 
 def held_bytes(state: SessionState) -> int:
-    """Roughly the memory a session's state holds: its previous request body, its
-    translated messages and its token chains (int32), the bulk of what it holds."""
-    total = len(state.body_prefixes.body) + state.parse_cache.nbytes
+    """The memory a session's state keeps alive, near enough to bound the registry by:
+    its token chains (int32), its translated messages and what it keeps of its previous
+    body, the bulk of it (tests/server/test_memory.py checks it against a census)."""
+    prefixes = state.body_prefixes
+    total = len(prefixes.window) + state.parse_cache.nbytes
     chains = getattr(state.chains, "chains", None) or {}
     return total + sum(c.tokens.itemsize * len(c.tokens) for c in chains.values())
 

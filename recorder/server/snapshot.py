@@ -210,19 +210,18 @@ def _tokens_ref(state: SessionState, chain: Chain) -> ArrayRef:
     piece: a restart reads a chain's tokens through about turns / SPINE_TURNS
     + 2 * SPINE_TURNS pieces, not two per turn.
 
-    Such a spine piece repeats tokens the store's piece cache holds already
-    (those turns' own pieces, which the close path reads back), so it is
-    stored without being cached: it is read only by a restore or when a
-    later turn's input is read back, from the log. Cached, spines would hold
-    every token of a long chain a second time (~1.6x its tokens at 100k,
-    ~230 kB per open session; tools/bench_session_memory.py).
+    No piece of it is cached in the store's piece cache: the chain holds its
+    tokens, and only a restore or the session's close reads them back, from
+    the log (as its engine inputs, deltas.put_input). Cached, a live chain's
+    tokens would be held a second time (~0.4 MB per open 100k session;
+    tools/bench_session_memory.py).
     """
     refs = state.chain_refs.setdefault(chain.chain_id, {})
     n = len(chain.tokens)
     known = refs.get(n)
     if known is not None:
         return known
-    start = longest = max((k for k in refs if k <= n), default=0)
+    start = max((k for k in refs if k <= n), default=0)
     turns = len(chain.boundaries)
     if turns % SPINE_TURNS == 0:
         # The tokens SPINE_TURNS turns back; the first time, the chain's first input.
@@ -231,7 +230,7 @@ def _tokens_ref(state: SessionState, chain: Chain) -> ArrayRef:
         if spine in refs:
             start = spine
     suffix = np.frombuffer(chain.tokens[start:], dtype=np.int32)
-    ref = state.journal.add_array(suffix, extends=refs.get(start), cache=start == longest)
+    ref = state.journal.add_array(suffix, extends=refs.get(start), cache=False)
     refs[n] = ref
     keep_longest(refs)
     return ref

@@ -221,3 +221,17 @@ def test_builtin_and_sglang_answer_alike(
         if (b := builtin.parse_sync(text, tools)) != (s := sglang.parse_sync(text, tools))
     ]
     assert differences == []
+
+
+def test_tool_models_are_built_once_per_tool_dicts_and_again_when_they_change() -> None:
+    """A session's tool dicts are shared turn after turn: SGLang's models for them are
+    reused; other dicts (a renamed tool) get their own, and the parse sees the change."""
+    parser = SglangParser("qwen25", None)
+    call = '<tool_call>\n{"name": "grep", "arguments": {"cmd": "x"}}\n</tool_call>'
+    first = parser._sglang_tools(TOOLS)
+    assert parser._sglang_tools(list(TOOLS)) is first  # a new list of the same dicts
+    assert parser.parse_sync(call, TOOLS).tool_calls == []  # no tool named grep
+    renamed = [dict(TOOLS[0], name="grep"), *TOOLS[1:]]
+    assert parser._sglang_tools(renamed) is not first
+    assert [c.name for c in parser.parse_sync(call, renamed).tool_calls] == ["grep"]
+    assert parser.parse_sync(call, TOOLS).tool_calls == []

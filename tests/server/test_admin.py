@@ -146,7 +146,7 @@ async def test_close_returns_samples(guarded: Harness) -> None:
     # A closed session holds no tokens or request bodies in memory.
     closed = h.ctx.registry.cached(sid)
     assert closed is not None and closed.chains is None and not closed.chain_refs
-    assert closed.body_prefixes.body == b"" and not closed.body_prefixes.refs
+    assert closed.body_prefixes.window == b"" and not closed.body_prefixes.refs
 
     # Closed: agent requests and a second close are conflicts; samples stay readable.
     with pytest.raises(anthropic.APIStatusError) as info:

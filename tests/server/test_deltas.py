@@ -9,8 +9,10 @@ import sqlite3
 
 import pytest
 
+from recorder.log.events import ArrayRef
 from recorder.log.store import StoreOptions, open_store
 from recorder.log.store.arrays import CODEC_COPY_BASIS
+from recorder.server import deltas
 from recorder.server.deltas import (
     MIN_SHARED_BYTES,
     BodyPrefixes,
@@ -175,12 +177,17 @@ async def test_a_repeated_body_is_its_previous_ref_and_keeps_the_tail_source(
     assert {depth for _, depth in _copies(sqlite_url)} == {1}
 
 
+@pytest.mark.parametrize("step", [deltas.PREFIX_STEP, 32])
 async def test_any_sequence_of_bodies_reads_back_and_every_copy_holds(
-    sqlite_url: str, caplog: pytest.LogCaptureFixture
+    sqlite_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, step: int
 ) -> None:
     """Bodies that grow, shrink, swap their tail or their head, repeat, or share
     nothing, in random orders: each reads back exactly, hot and cold, and no
-    copy ever names bytes its source does not hold (no plain fallback)."""
+    copy ever names bytes its source does not hold (no plain fallback). With a
+    small `PREFIX_STEP` and `WINDOW` the bodies span many steps: prefixes found
+    by digest, differences before the window."""
+    monkeypatch.setattr(deltas, "PREFIX_STEP", step)
+    monkeypatch.setattr(deltas, "WINDOW", 2 * step if step < deltas.PREFIX_STEP else deltas.WINDOW)
     rng = random.Random(25)
     words = [f"w{i}" for i in range(50)]
 
@@ -241,3 +248,31 @@ def test_shared_lengths_match_a_byte_by_byte_count() -> None:
         limit = rng.randint(-1, 45)
         assert shared_prefix_len(a, b) == prefix(a, b)
         assert shared_suffix_len(a, b, limit) == max(0, min(prefix(a[::-1], b[::-1]), limit))
+
+
+def test_a_shared_prefix_is_exact_from_the_window_on_and_never_too_long(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Of the previous body only digests of its prefixes and its bytes from about
+    `WINDOW` before its newest messages' end are kept: a difference there is found
+    to the byte, an earlier one to `PREFIX_STEP` bytes, and a prefix found is shared."""
+    monkeypatch.setattr(deltas, "PREFIX_STEP", 16)
+    monkeypatch.setattr(deltas, "WINDOW", 32)
+    rng = random.Random(11)
+    ref = ArrayRef(b"\0" * 32, 0, "uint8")
+    for _ in range(3000):
+        a = bytes(rng.choice(b"ab") for _ in range(rng.randint(0, 300)))
+        end = rng.randint(0, len(a))
+        tail = (ref, 0, rng.randint(0, len(a) - end))
+        previous = deltas._next_prefixes(a, deltas.prefix_digests(a), [], ref, tail, end)
+        assert previous.start + len(previous.window) == len(a) == previous.length
+        assert len(previous.window) >= tail[2] and previous.start <= max(0, end - 32)
+        cut = rng.randint(0, len(a))
+        b = a[:cut] + bytes(rng.choice(b"ab") for _ in range(rng.randint(0, 40)))
+        truth = shared_prefix_len(a, b)
+        shared, digests = deltas.shared_with_previous(previous, b)
+        assert digests == deltas.prefix_digests(b)
+        if truth >= previous.start:
+            assert shared == truth
+        else:
+            assert truth - 16 < shared <= truth

@@ -23,8 +23,10 @@ import pytest
 from recorder.log.store.sql import MAX_BASIS_DEPTH
 from recorder.model.tokenizer import Tokenizer
 from recorder.server.deltas import MAX_CHAIN_REFS
+from recorder.server.sessions import held_bytes
 from tests.server.conftest import SYSTEM, Harness, make_harness
-from tools.benchkit.census import buffer_owner
+from tools.benchkit.census import Walk as CensusWalk
+from tools.benchkit.census import buffer_owner, session_census
 
 TURNS = MAX_BASIS_DEPTH + 8  # past one rebase of the body's basis chain, past MAX_CHAIN_REFS
 CONTEXT = 65536
@@ -125,26 +127,33 @@ async def test_caches_keep_what_they_account_for(big: Harness) -> None:
     # The store's piece cache: what it holds is its charge, to within the
     # estimate of per-entry overhead (digests shared between pieces count once).
     cache = h.store.piece_cache  # type: ignore[attr-defined]
-    assert len(cache) > 2 * TURNS
+    # Records and bodies' tail sources; a live chain's token pieces are never cached.
+    assert len(cache) > TURNS
     held = Walk(cache._items.values())
     assert held.views == []
     slots = len(cache) * (sys.getsizeof({}) // 2)  # the dict's entries, not walked
     assert 0.8 * cache.nbytes <= held.bytes + slots <= cache.nbytes
 
-    # The session's own state: the previous body itself, not a bigger buffer.
+    # The session's own state: of the previous body only its last bytes, not a bigger buffer.
     state = h.ctx.registry.cached(session_id)
     assert state is not None
-    assert state.body_prefixes.body == last_body
+    window = state.body_prefixes.window
+    assert last_body.endswith(window) and len(window) < len(last_body) / 2
     # Per chain only the longest stored inputs are remembered, not one per turn.
     assert [len(refs) for refs in state.chain_refs.values()] == [MAX_CHAIN_REFS]
     session = Walk([state.body_prefixes, state.chains, state.chain_refs])
     assert session.views == []
     tokens = state.chains.main.tokens
-    # The body, the chain's int32 tokens and small bookkeeping: nothing per turn that grows
-    # by a body (24 turns of a 100 kB body would be 2.4 MB).
-    assert session.bytes < len(last_body) + tokens.itemsize * len(tokens) + 100_000
+    # The window, the chain's int32 tokens and small bookkeeping: nothing per turn that
+    # grows by a body (24 turns of a 100 kB body would be 2.4 MB), nor the body itself.
+    assert session.bytes < len(window) + tokens.itemsize * len(tokens) + 100_000
 
     # The parse cache: its entries (key bytes + translation) are what it charges, at most.
     parsed = Walk(state.parse_cache._entries.items())
     assert parsed.views == []
     assert parsed.bytes <= state.parse_cache.nbytes
+
+    # What the registry charges the session (its memory bound evicts by it) is what the
+    # census finds its state keeps alive, not a multiple of it.
+    census = sum(session_census(state, CensusWalk([h.ctx.store, h.ctx.registry])).values())
+    assert 0.8 * census <= held_bytes(state) <= 1.1 * census

@@ -141,7 +141,7 @@ async def test_the_cache_is_bounded_by_memory_least_recently_used_idle_first() -
         return SessionState(session_id=session_id, journal=Journal(FakeStore(), session_id, 0))  # type: ignore[arg-type]
 
     async def turn_with_body(state: SessionState) -> None:
-        state.body_prefixes = BodyPrefixes(body=b"x" * 1000)
+        state.body_prefixes = BodyPrefixes(window=b"x" * 1000)
 
     registry = SessionRegistry(loader, max_held_bytes=2500)
     for sid in ("a", "b"):

@@ -11,12 +11,12 @@ and with caches so small or forgetful that they evict all the time.
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 from typing import Any
 
 import msgspec
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -311,8 +311,8 @@ def test_a_same_length_edit_in_place_is_translated_anew(monkeypatch: pytest.Monk
 
 
 def test_the_cache_keeps_digests_not_copies_of_the_messages() -> None:
-    """Keys are 16-byte digests; the only message bytes the cache keeps alive are the
-    previous body's (as views into it), whatever the body's size."""
+    """Keys are 16-byte digests; the cache keeps no message bytes alive: neither the
+    previous body (~0.5 MB at 100k tokens) nor views into it."""
     session, cache = _Session(random.Random(6)), ParseCache()
     for _ in range(30):
         session.tool_turn()
@@ -321,19 +321,22 @@ def test_the_cache_keeps_digests_not_copies_of_the_messages() -> None:
     assert {len(key) for key in cache._entries} == {16}
     body = session.body()
     parse_request(body, cache=cache)
-    # The previous request's views are views of that very body, no copy of it.
-    assert all(isinstance(raw, msgspec.Raw) for raw in cache._previous)
-    base = np.frombuffer(body, dtype=np.uint8).__array_interface__["data"][0]
-    for raw in cache._previous:
-        start = np.frombuffer(raw, dtype=np.uint8).__array_interface__["data"][0] - base
-        assert 0 <= start <= len(body) - len(raw)
-        assert body[start : start + len(raw)] == bytes(raw)
+    reached = _reachable(cache)
+    assert id(body) not in reached
+    kinds = {type(o) for o in reached.values()}
+    assert msgspec.Raw not in kinds and memoryview not in kinds
+    assert max(len(o) for o in reached.values() if isinstance(o, bytes)) <= 16
     # A message moved to another position is still a hit (found by its digest).
     session.messages.insert(1, {"role": "user", "content": "inserted"})
     session.messages.insert(2, {"role": "assistant", "content": "noted"})
     entries = len(cache)
     _assert_same(session.body(), cache)
     assert len(cache) == entries + 2
+    # A body that appends to the previous one is still found by its prefix.
+    session.messages_first = True
+    parse_request(session.body(), cache=cache)
+    session.tool_turn()
+    assert cache.known_prefix(session.body()) is not None
 
 
 def _cached_session(turns: int) -> tuple[_Session, ParseCache]:
@@ -414,7 +417,7 @@ def test_cache_is_bounded_by_entries_and_bytes() -> None:
     roomy = ParseCache()
     _assert_same(body, roomy)
     assert len(roomy) == len(session.messages)
-    assert roomy.nbytes >= 2 * sum(len(json.dumps(m)) for m in session.messages)
+    assert roomy.nbytes >= sum(len(json.dumps(m)) for m in session.messages)
     roomy.clear()
     assert len(roomy) == 0 and roomy.nbytes == 0
     _assert_same(body, roomy)
@@ -426,7 +429,20 @@ def test_message_larger_than_the_byte_bound_is_not_kept() -> None:
     cache = ParseCache(max_bytes=5000)
     _assert_same(session.body(), cache)
     assert len(cache) == 0 and cache.nbytes == 0
-    assert cache._previous == []  # nor the body it is a view of
+    assert cache.known_prefix(session.body()) is None  # nor the request remembered
+
+
+def _reachable(root: object) -> dict[int, object]:
+    """Every object reachable from `root` through the references the gc sees."""
+    out: dict[int, object] = {}
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in out or isinstance(obj, type):
+            continue
+        out[id(obj)] = obj
+        stack.extend(gc.get_referents(obj))
+    return out
 
 
 _SHARED = ParseCache(max_entries=64)

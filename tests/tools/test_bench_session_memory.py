@@ -21,7 +21,7 @@ def test_bench_session_memory_runs_at_toy_sizes(capsys: pytest.CaptureFixture[st
     assert len(census["sessions"]) == 2 and all(c > 2500 for c in census["contexts"])
     for session in census["sessions"]:
         assert session["chains: token ids (int32)"] >= 4 * 2500
-        assert session["previous body (body delta)"] > 0
+        assert session["previous body: window, digests (body delta)"] > 0
     assert census["piece_cache"]["int32 items"] > 0 and census["base"]["malloc"]
     out = capsys.readouterr().out
     assert "idle RSS" in out and "per open session" in out

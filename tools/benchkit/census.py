@@ -6,8 +6,8 @@ by structure, in a fixed order, counting each object once (`Walk`): what an
 earlier structure already reached counts there, so the categories add up to
 what the sessions hold without double counting. What a view keeps alive is
 counted, not the view's length: a numpy slice or a memoryview counts its
-owner's whole buffer, and a `msgspec.Raw` (the parse cache keeps the previous
-request's messages as views into its body) counts the buffer it points into,
+owner's whole buffer, and a `msgspec.Raw` (a decoded request's messages are
+views into its body) counts the buffer it points into,
 found through its C struct (`Raw` exposes no attribute for it). Beside them,
 the store's piece cache (by dtype), SQLite's own allocator and glibc's heap
 (in use, and free but still held): memory no session owns but the sessions
@@ -116,10 +116,10 @@ class Walk:
 STRUCTURES = (
     "chains: token ids (int32)",
     "chains: digests, boundaries",
-    "previous body (body delta)",
+    "previous body: window, digests (body delta)",
     "body delta: refs",
     "parse cache: translations",
-    "parse cache: keys, LRU, views",
+    "parse cache: keys, LRU, previous request",
     "chain refs + snapshot records",
     "journal, metadata, the rest",
 )
@@ -133,7 +133,7 @@ def session_census(state: Any, walk: Walk) -> dict[str, int]:
     sizes = [
         walk.size(*(c.tokens for c in chain_list)),
         walk.size(chains) if chains is not None else 0,
-        walk.size(state.body_prefixes.body),
+        walk.size(state.body_prefixes.window, state.body_prefixes.digests),
         walk.size(state.body_prefixes),
         walk.size(*cache._entries.values()),
         walk.size(cache),

@@ -1,0 +1,163 @@
+"""ASCII text tokenized from cached pre-token ids gets exactly the Rust tokenizer's ids.
+
+`Tokenizer.encode` takes the cache for ASCII text (`recorder.model.word_cache`);
+every test here compares against the raw `tokenizers` call, never against
+`encode` itself, on texts built to break the transcribed regex: whitespace runs
+before words, contractions in both cases, digits, punctuation runs, control
+characters, added tokens glued to words, and tokenizers whose pre-tokenizer
+differs (Qwen's and Llama 3's splits; pre-tokenizers we have no regex for get
+no cache).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer as RawTokenizer
+
+from recorder.model import word_cache
+from recorder.model.tokenizer import Tokenizer, load_tokenizer
+from recorder.model.word_cache import WordCache
+
+from .conftest import FIXTURE_TOKENIZER
+
+_ATOMS = [
+    " ", "  ", "   ", "\n", "\n\n", "\r\n", "\r", "\t", " \t", "\v", "\f", "\x00", "\x1b", "\x7f",
+    "a", "Word", "WORD", "x1", "1", "123", "1234567", "3.14", "'s", "'S", "'t", "'re", "'VE",
+    "'m", "'ll", "'D", "'x", "don't", "!!", "?! ", "...", "--", "#", "$", "(", ")", "{", "}",
+    '"', "\\", "~", "`", "_", "<", "|", ">", "<|im_end|>", "<|im_start|>", "<|endoftext|>",
+    "<|im_end", "im_end|>", "<repo_name>", "<reponame>",
+]  # fmt: skip
+
+
+def _raw_ids(tok: Tokenizer, text: str) -> list[int]:
+    return tok._raw.encode(text, add_special_tokens=False).ids
+
+
+def _random_texts(seed: int, n: int, length: int) -> list[str]:
+    rng = random.Random(seed)
+    return ["".join(rng.choice(_ATOMS) for _ in range(length)) for _ in range(n)]
+
+
+def _assert_same(tok: Tokenizer, texts: list[str]) -> None:
+    for text in texts:
+        assert tok.encode(text) == _raw_ids(tok, text), repr(text[:80])
+
+
+def test_the_fixture_tokenizer_has_a_cache_and_it_is_exact(tokenizer: Tokenizer) -> None:
+    assert tokenizer._words is not None
+    _assert_same(tokenizer, _random_texts(1, 300, 60))
+    # Twice: the second time every pre-token comes from the cache.
+    _assert_same(tokenizer, _random_texts(1, 300, 60))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.text(alphabet=st.sampled_from([*string.printable, "\x00", "\x1b", "\x7f"]), max_size=80))
+def test_any_ascii_text_gets_the_tokenizers_ids(tokenizer: Tokenizer, text: str) -> None:
+    assert tokenizer.encode(text) == _raw_ids(tokenizer, text)
+
+
+def test_text_that_is_not_plain_ascii_goes_to_the_tokenizer(tokenizer: Tokenizer) -> None:
+    words = tokenizer._words
+    assert words is not None
+    for text in ["ünï", "a\x1cb", "x \x1f y", "漢字 x", "🙂"]:
+        assert words.encode(text) is None
+        assert tokenizer.encode(text) == _raw_ids(tokenizer, text)
+
+
+def test_a_full_cache_is_emptied_and_still_exact(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(word_cache, "_MAX_WORDS", 10)
+    monkeypatch.setattr(word_cache, "_MAX_WORD_CHARS", 3)
+    _assert_same(tokenizer, _random_texts(2, 50, 80))
+
+
+def _variant(tmp_path: Path, name: str, edit: dict) -> Tokenizer:
+    spec = json.loads((FIXTURE_TOKENIZER / "tokenizer.json").read_text())
+    spec.update(edit)
+    directory = tmp_path / name
+    directory.mkdir()
+    for file in FIXTURE_TOKENIZER.iterdir():
+        (directory / file.name).write_bytes(file.read_bytes())
+    (directory / "tokenizer.json").write_text(json.dumps(spec))
+    RawTokenizer.from_file(str(directory / "tokenizer.json"))  # it loads
+    return load_tokenizer(str(directory), chat_template="chatml-tools")
+
+
+def _split(pattern: str) -> dict:
+    return {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+        ],
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("pattern", [word_cache._QWEN2, word_cache._LLAMA3])
+def test_qwen_and_llama3_splits_are_exact(tmp_path: Path, pattern: str) -> None:
+    tok = _variant(
+        tmp_path, "split", {"pre_tokenizer": _split(pattern), "normalizer": {"type": "NFC"}}
+    )
+    assert tok._words is not None
+    _assert_same(tok, _random_texts(3, 300, 60))
+    _assert_same(tok, _random_texts(3, 300, 60))
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {"pre_tokenizer": _split(r"\p{L}+|\s+")},  # a regex we have no transcription of
+        {"normalizer": {"type": "Lowercase"}},
+        {"normalizer": {"type": "Prepend", "prepend": " "}},
+        {
+            "pre_tokenizer": {
+                "type": "ByteLevel",
+                "add_prefix_space": True,
+                "trim_offsets": True,
+                "use_regex": True,
+            }
+        },
+        {"pre_tokenizer": {"type": "Whitespace"}},
+    ],
+)
+def test_other_configurations_get_no_cache(tmp_path: Path, edit: dict) -> None:
+    tok = _variant(tmp_path, "other", edit)
+    assert tok._words is None
+    assert tok.encode("Hello  world's 123") == _raw_ids(tok, "Hello  world's 123")
+
+
+def test_an_added_token_that_strips_blanks_disables_the_cache(tmp_path: Path) -> None:
+    spec = json.loads((FIXTURE_TOKENIZER / "tokenizer.json").read_text())
+    added = [dict(t, lstrip=True) if t["id"] == 2 else t for t in spec["added_tokens"]]
+    tok = _variant(tmp_path, "lstrip", {"added_tokens": added})
+    assert tok._words is None
+
+
+def test_a_probe_that_disagrees_disables_the_cache(tokenizer: Tokenizer) -> None:
+    cache = WordCache.for_tokenizer(tokenizer._raw)
+    assert cache is not None and cache.agrees(["hello world"])
+    cache._words["hello"] = [0]  # a wrong entry: the probe must notice
+    assert not cache.agrees(["hello world"])
+
+
+def test_non_ascii_added_tokens_leave_the_cache_on(tmp_path: Path) -> None:
+    """DeepSeek-style added tokens (full-width bars) cannot occur in ASCII text."""
+    spec = json.loads((FIXTURE_TOKENIZER / "tokenizer.json").read_text())
+    extra = {
+        "id": spec["added_tokens"][-1]["id"] + 1,
+        "content": "<｜begin▁of▁sentence｜>",
+        "single_word": False, "lstrip": True, "rstrip": False, "normalized": False, "special": True,
+    }  # fmt: skip
+    tok = _variant(tmp_path, "wide", {"added_tokens": [*spec["added_tokens"], extra]})
+    assert tok._words is not None
+    _assert_same(tok, _random_texts(4, 100, 60))
+    text = "x <｜begin▁of▁sentence｜> y"
+    assert tok.encode(text) == _raw_ids(tok, text)
