@@ -8,6 +8,12 @@ into the store's content-addressed array table.
 Each event type has a `VERSION`. The stored row keeps the version it was
 written at; `decode_event` upcasts older payloads to the current struct
 through the functions registered in `UPCASTERS`.
+
+Payloads are msgpack arrays (`array_like`): the fields in `ARRAY_LAYOUTS`
+order, no field names, no type tag (`encode_event`), compressed against a
+fixed dictionary when that helps (`packing`). Field names were ~35% of an
+event's bytes, and every turn writes eight events. Rows written before (revision
+0004 and older) hold msgpack maps and read back as they always did.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any, ClassVar, Literal
 
 import msgspec
 
+from recorder.log import packing
 from recorder.log.ids import uuid7
 
 # --------------------------------------------------------------------------
@@ -44,8 +51,20 @@ class ArrayRef(msgspec.Struct, frozen=True, array_like=True):
 # --------------------------------------------------------------------------
 
 
-class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", omit_defaults=True):
-    """Base of every event payload. Subclasses set `tag` and `VERSION`."""
+class Event(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    tag_field="type",
+    omit_defaults=True,
+    array_like=True,
+):
+    """Base of every event payload. Subclasses set `tag` and `VERSION`.
+
+    Stored as an array, so a field's position is its identity: add fields
+    at the end only, with a default, and bump `VERSION` with an entry in
+    `ARRAY_LAYOUTS` for the old one (see `decode_event`).
+    """
 
     VERSION: ClassVar[int] = 1
     KIND: ClassVar[Literal["fact", "decision"]] = "fact"
@@ -356,6 +375,72 @@ EVENT_TYPES: dict[str, type[Event]] = {
     for cls in AnyEvent.__args__  # type: ignore[attr-defined]
 }
 
+# The field order of each (type, version) ever stored as an array: the
+# current versions' must equal their structs' (checked at import), and an
+# older one stays here so its rows can be upcast by name (`_as_dict`).
+ARRAY_LAYOUTS: dict[tuple[str, int], tuple[str, ...]] = {
+    ("session_opened", 1): (
+        "session_id", "metadata", "config", "tokenizer", "context_length", "engine_url", "attempt",
+    ),
+    ("session_closed", 1): ("status", "reason"),
+    ("session_failed", 1): ("where", "error_type", "message", "traceback"),
+    ("messages_request", 3): (
+        "request_id", "turn", "body", "path", "stream", "system_digest", "n_messages",
+        "tool_result_ids", "model", "n_chat_messages", "n_tools", "dialect", "answer_keys",
+    ),
+    ("rendered_input", 1): (
+        "request_id", "turn", "chain_id", "input_ids", "prefix_len", "new_messages",
+    ),
+    ("generate_attempt", 1): (
+        "request_id", "turn", "attempt", "rid", "engine_url", "resumed_tokens",
+        "max_new_tokens", "sampling_params",
+    ),
+    ("generate_result", 1): (
+        "request_id", "turn", "attempt", "rid", "output_ids", "logprobs", "finish_reason",
+        "finish_detail", "weight_version", "prompt_tokens", "cached_tokens", "routed_experts",
+        "latency_s",
+    ),
+    ("turn_aborted", 1): ("request_id", "turn", "attempt", "rid", "partial_tokens", "message"),
+    ("turn_resumed", 1): (
+        "request_id", "turn", "attempt", "resumed_tokens", "remaining_new_tokens",
+    ),
+    ("turn_failed", 1): ("request_id", "turn", "reason"),
+    ("engine_error", 1): ("request_id", "turn", "attempt", "kind", "status", "message"),
+    ("client_disconnected", 1): ("request_id", "turn", "rid"),
+    ("response_sent", 1): (
+        "request_id", "turn", "content", "stop_reason", "usage", "status", "reasoning", "parser",
+    ),
+    ("request_rejected", 1): ("request_id", "status", "error_type", "message"),
+    ("sandbox_event", 1): ("kind", "detail"),
+    ("reward_assigned", 2): ("reward", "detail"),
+    ("state_snapshot", 1): ("format", "state"),
+    ("chain_decision", 2): (
+        "rules_version", "request_id", "turn", "chain_id", "action", "reason",
+        "parent_chain_id", "dispatch_tool_use_id",
+    ),
+    ("tito_verdict", 1): (
+        "rules_version", "request_id", "turn", "ok", "first_divergence", "reencoded_ids",
+    ),
+    ("clamp_applied", 1): (
+        "rules_version", "request_id", "turn", "requested", "clamped_to", "context_length",
+    ),
+}  # fmt: skip
+
+
+def _check_layouts() -> None:
+    """Fail at import when a struct's fields no longer match its stored layout."""
+    for name, cls in EVENT_TYPES.items():
+        fields = tuple(f.name for f in msgspec.structs.fields(cls))
+        if ARRAY_LAYOUTS.get((name, cls.VERSION)) != fields:
+            raise AssertionError(
+                f"event {name!r} v{cls.VERSION} has fields {fields}, but ARRAY_LAYOUTS says "
+                f"{ARRAY_LAYOUTS.get((name, cls.VERSION))}: stored events are arrays, so "
+                "changing fields means a new VERSION, an upcaster and a layout entry"
+            )
+
+
+_check_layouts()
+
 
 class NewEvent(msgspec.Struct, frozen=True, kw_only=True):
     """An event about to be appended. `event_id` makes appends idempotent."""
@@ -433,9 +518,26 @@ class UnknownEventType(ValueError):
     pass
 
 
+# msgpack's fixarray header: 0x90 | n, for n <= 15 elements.
+_FIXARRAY, _FIXARRAY_LAST = 0x90, 0x9F
+_TAGS: dict[str, bytes] = {name: _encoder.encode(name) for name in EVENT_TYPES}
+
+
 def encode_event(event: Event) -> bytes:
-    """Payload bytes for storage (the `type` tag is stored in its own column too)."""
-    return _encoder.encode(event)
+    """Payload bytes for storage: the event's array without its type tag, which the
+    row's `type` column holds (~15 bytes of every event).
+
+    Only a fixarray (at most 15 elements with the tag) is stored without its
+    tag, so a payload's first byte says which it is: a fixarray lacks its
+    tag, a longer array keeps it, a map is a row from before revision 0005.
+    Then `packing.pack` compresses it against a dictionary of recurring words
+    when that makes it smaller.
+    """
+    full = _encoder.encode(event)
+    head = full[0]
+    if _FIXARRAY < head <= _FIXARRAY_LAST:
+        full = bytes((head - 1,)) + full[1 + len(_TAGS[type_name(event)]) :]
+    return packing.pack(full)
 
 
 def decode_event(type_: str, version: int, payload: bytes) -> AnyEvent:
@@ -446,14 +548,21 @@ def decode_event(type_: str, version: int, payload: bytes) -> AnyEvent:
             f"event type {type_!r} is not known to this version of trajectory-recorder; "
             "upgrade the package to read this log"
         ) from None
-    if version == cls.VERSION:
+    try:
+        payload = packing.unpack(payload)
+    except packing.UnknownDictionary as exc:
+        raise UnknownEventType(str(exc)) from None
+    first = payload[0] if payload else 0
+    if _FIXARRAY <= first < _FIXARRAY_LAST:  # `encode_event` left its tag out
+        payload = bytes((first + 1,)) + _TAGS[type_] + payload[1:]
+    if version == cls.VERSION and not _is_map(payload):
         return _decoders[type_].decode(payload)
     if version > cls.VERSION:
         raise UnknownEventType(
             f"event {type_!r} was written at schema version {version}, newer than this "
             f"code's {cls.VERSION}; upgrade the package to read this log"
         )
-    raw: dict[str, Any] = msgspec.msgpack.decode(payload)
+    raw = _as_dict(type_, version, msgspec.msgpack.decode(payload))
     for v in range(version, cls.VERSION):
         try:
             raw = UPCASTERS[(type_, v)](raw)
@@ -462,4 +571,38 @@ def decode_event(type_: str, version: int, payload: bytes) -> AnyEvent:
                 f"no upcaster from {type_!r} v{v} to v{v + 1}; this is a bug in the schema module"
             ) from None
     raw["type"] = type_
-    return msgspec.convert(raw, cls)
+    return msgspec.convert(_as_array(raw, cls), cls)
+
+
+def _is_map(payload: bytes) -> bool:
+    """A payload written as a msgpack map (before revision 0005) rather than an array."""
+    first = payload[0] if payload else 0
+    return 0x80 <= first <= 0x8F or first in (0xDE, 0xDF)
+
+
+def _as_dict(type_: str, version: int, raw: Any) -> dict[str, Any]:
+    """A stored payload (an old map, or an array at `version`'s layout) as a dict by name."""
+    if isinstance(raw, dict):
+        return raw
+    layout = ARRAY_LAYOUTS.get((type_, version))
+    if layout is None or not isinstance(raw, list) or len(raw) > len(layout) + 1:
+        raise UnknownEventType(
+            f"event {type_!r} v{version} is stored in a layout this code does not know; "
+            "this is a bug in the schema module (ARRAY_LAYOUTS lacks it)"
+        )
+    return dict(zip(("type", *layout), raw, strict=False))
+
+
+def _as_array(raw: dict[str, Any], cls: type[Event]) -> list[Any]:
+    """A dict by field name as `cls`'s array form; a field it lacks takes its default."""
+    out: list[Any] = [raw["type"]]
+    for f in msgspec.structs.fields(cls):
+        if f.name in raw:
+            out.append(raw[f.name])
+        elif f.default is not msgspec.NODEFAULT:
+            out.append(f.default)
+        elif f.default_factory is not msgspec.NODEFAULT:
+            out.append(f.default_factory())
+        else:
+            raise msgspec.ValidationError(f"Object missing required field `{f.name}`")
+    return out

@@ -28,7 +28,11 @@ _FORCED = (
 )
 
 
-class SamplingOverride(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+# omit_defaults: every turn's state snapshot carries a session's overrides, and
+# none set were ~145 bytes of field names and Nones there.
+class SamplingOverride(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True
+):
     temperature: Annotated[float, msgspec.Meta(ge=0)] | None = None
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
     top_k: int | None = None
@@ -53,7 +57,7 @@ class SamplingOverride(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         return msgspec.structs.replace(params, **changes) if changes else params
 
 
-class SessionOverrides(msgspec.Struct, frozen=True, kw_only=True):
+class SessionOverrides(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     sampling: SamplingOverride = SamplingOverride()
     max_turns: Annotated[int, msgspec.Meta(ge=1)] | None = None
 

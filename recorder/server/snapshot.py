@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 # Bump when `LiveState` or the meaning of any of its fields changes (including
 # how message digests are computed: `translate.message_digest`).
 # 3: an assistant message with text and tool calls digests as `<message>|<calls alone>`.
-SNAPSHOT_FORMAT = 3
+# 4: `prefix_refs` holds only the prefixes a restored session uses (`_kept_prefix_refs`).
+SNAPSHOT_FORMAT = 4
 
 # A message digest is 32 hex digits, or two joined by "+" (with reasoning):
 # stored as a 0 byte and its 16 or 32 raw bytes (half the text); with "|"
@@ -54,6 +55,10 @@ SPINE_TURNS = 8
 # A chain's digests and boundaries are stored again whole after this many
 # deltas (see `_record_ref`): a restart reads at most this many pieces each.
 RECORD_SPINE = 32
+# A snapshot names this many of a chain's longest stored prefixes (plus the
+# next spine's start, `_kept_prefix_refs`): enough for a retried or rewound
+# turn after a restart to be stored as a delta.
+SNAPSHOT_PREFIX_REFS = 4
 
 _HEX_DIGEST = re.compile(r"[0-9a-f]{32}(\+[0-9a-f]{32})?")
 _CALLS_DIGEST = re.compile(r"[0-9a-f]{32}\|[0-9a-f]{32}(\+[0-9a-f]{32})?")
@@ -161,14 +166,37 @@ def _chain_state(state: SessionState, chain: Chain) -> ChainState:
         dispatch_tool_use_id=chain.dispatch_tool_use_id,
         last_used=chain.last_used,
         n_tools=chain.n_tools,
-        prefix_refs=sorted(state.chain_refs.get(chain.chain_id, {}).values(), key=_length),
+        prefix_refs=_kept_prefix_refs(chain, state.chain_refs.get(chain.chain_id, {})),
         digests_depth=digests_depth,
         boundaries_depth=boundaries_depth,
     )
 
 
-def _length(ref: ArrayRef) -> int:
-    return ref.length
+def _kept_prefix_refs(chain: Chain, refs: dict[int, ArrayRef]) -> list[ArrayRef]:
+    """The stored prefixes a snapshot names, shortest first: the longest few, and
+    the one the chain's next spine goes back to (`_tokens_ref`).
+
+    A live chain remembers `MAX_CHAIN_REFS` (two per turn), ~30 bytes each:
+    written with every turn's snapshot they were ~70% of its bytes, while a
+    restored session only extends its newest tokens (a retry or a rewind its
+    last inputs). A prefix left out costs a rewound input after a restart a
+    bigger delta, never a wrong one.
+    """
+    keep: set[int] = set()
+    turns = len(chain.boundaries)
+    if turns:
+        spine_turn = turns + SPINE_TURNS - turns % SPINE_TURNS  # the next multiple
+        back = spine_turn - SPINE_TURNS - 1  # as `_tokens_ref` will pick it then
+        b = chain.boundaries[back] if back >= 0 else None
+        spine = b.end_len if b is not None else chain.boundaries[0].input_len
+        if spine in refs:
+            keep.add(spine)
+    # Always as many refs (once there are enough): a snapshot's size stays flat.
+    for n in sorted(refs, reverse=True):
+        if len(keep) > SNAPSHOT_PREFIX_REFS:
+            break
+        keep.add(n)
+    return [refs[n] for n in sorted(keep)]
 
 
 def _tokens_ref(state: SessionState, chain: Chain) -> ArrayRef:
