@@ -94,7 +94,7 @@ def _reduce(
 ) -> SessionResult:
     s = collect_session(events)
     builder = ChainBuilder(rules, s.diagnostics, main_system_digest(s.turns))
-    checks = IdChecks.for_session(s.turns, arrays)
+    checks = IdChecks()
     for t in s.turns:
         prepare_turn(t, arrays, rules, checks)
         if t.unusable is not None:

@@ -223,33 +223,6 @@ class IdChecks:
     def __init__(self) -> None:
         # id(root) -> (root, no negative id in it); the root is held so its id stays its own.
         self._roots: dict[int, tuple[np.ndarray, bool]] = {}
-        # Digests of logprobs arrays found in range by one scan of the whole session.
-        self._logprobs_clear: frozenset[bytes] = frozenset()
-
-    @classmethod
-    def for_session(cls, turns: Sequence[Turn], arrays: Mapping[bytes, np.ndarray]) -> IdChecks:
-        """Checks for `turns`, with every logprobs array they name scanned at once.
-
-        Two reductions per attempt (max and min of ~100 values) cost more in
-        call overhead than in scanning; one pair over the session's logprobs
-        concatenated clears them all. When that scan finds a value out of
-        range, nothing is cleared and each attempt is checked alone (its
-        error names it).
-        """
-        checks = cls()
-        found = {
-            r.logprobs.digest: arrays[r.logprobs.digest]
-            for t in turns
-            for r in t.results.values()
-            if r.logprobs is not None and r.logprobs.digest in arrays
-        }
-        if found and _logprobs_in_range(np.concatenate(list(found.values()), dtype=np.float64)):
-            checks._logprobs_clear = frozenset(found)
-        return checks
-
-    def logprobs_ok(self, digest: bytes, lp: np.ndarray) -> bool:
-        """Every value of `lp` (the array `digest` names) is in [-inf < lp <= 0]."""
-        return digest in self._logprobs_clear or _logprobs_in_range(lp)
 
     def non_negative(self, a: np.ndarray) -> bool:
         root = _same_dtype_root(a)
@@ -260,11 +233,6 @@ class IdChecks:
             if seen[1]:
                 return True
         return _min_ok(a)
-
-
-def _logprobs_in_range(lp: np.ndarray) -> bool:
-    # NaN fails both comparisons, +inf the first.
-    return lp.size == 0 or (float(lp.max()) <= 0.0 and float(lp.min()) > -np.inf)
 
 
 def _min_ok(a: np.ndarray) -> bool:
@@ -354,12 +322,8 @@ def _read_turn(
             raise ValueError(
                 f"attempt {r.attempt}: {lp.size} logprobs for {out.size} output tokens"
             )
-        ok = (
-            checks.logprobs_ok(r.logprobs.digest, lp)
-            if checks is not None
-            else _logprobs_in_range(lp)
-        )
-        if not ok:
+        # Each in [-inf < lp <= 0]: NaN fails both comparisons, +inf the first.
+        if lp.size and not (float(lp.max()) <= 0.0 and float(lp.min()) > -np.inf):
             raise ValueError(f"attempt {r.attempt}: logprobs not finite or positive")
         outs.append(out)
         lps.append(lp)

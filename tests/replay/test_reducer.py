@@ -393,7 +393,7 @@ def test_missing_logprobs_without_turn_failed_event_is_still_unusable() -> None:
 
 @pytest.mark.parametrize("bad", [0.5, float("nan"), float("-inf"), float("inf")])
 def test_logprobs_out_of_range_make_only_their_turn_unusable(bad: float) -> None:
-    """The session's logprobs are scanned at once; a bad value still names its attempt."""
+    """A logprob above 0, NaN or infinite drops its turn, named by its attempt."""
     log = Log("badlp").open()
     t0 = log.turn([1, 2], [3, 2])
     log.turn(t0.then([4]), attempts=[Attempt([5, 6], logprobs=[-0.5, bad])])
