@@ -391,6 +391,32 @@ def test_missing_logprobs_without_turn_failed_event_is_still_unusable() -> None:
     assert r.placeholder and any("logprobs missing" in d for d in r.diagnostics)
 
 
+@pytest.mark.parametrize("bad", [0.5, float("nan"), float("-inf"), float("inf")])
+def test_logprobs_out_of_range_make_only_their_turn_unusable(bad: float) -> None:
+    """A logprob above 0, NaN or infinite drops its turn, named by its attempt."""
+    log = Log("badlp").open()
+    t0 = log.turn([1, 2], [3, 2])
+    log.turn(t0.then([4]), attempts=[Attempt([5, 6], logprobs=[-0.5, bad])])
+    t2 = log.turn(t0.then([4]), [7, 2])
+    log.close()
+    r = reduce(log)
+    assert any("turn 1: unusable: attempt 0: logprobs not finite" in d for d in r.diagnostics)
+    assert not any(d.startswith(("turn 0: unusable", "turn 2: unusable")) for d in r.diagnostics)
+    (s,) = r.samples
+    assert s.tokens == t2.full and 5 not in s.tokens
+    check_invariants(s, engine_tokens=engine_tokens(2, [t0, t2]))
+
+
+def test_logprobs_at_zero_and_very_negative_are_in_range() -> None:
+    log = Log("edgelp").open()
+    t0 = log.turn([1, 2], attempts=[Attempt([3, 2], logprobs=[0.0, -1e30])])
+    log.close()
+    r = reduce(log)
+    assert not any("unusable" in d for d in r.diagnostics)
+    (s,) = r.samples
+    assert s.tokens == t0.full and s.rollout_logprobs[-2:] == [0.0, float(np.float32(-1e30))]
+
+
 def test_engine_error_and_disconnect_without_response_are_unusable() -> None:
     log = Log("err").open()
     t0 = log.turn([1, 2], [3, 2])
