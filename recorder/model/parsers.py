@@ -235,26 +235,6 @@ class BuiltinParser:
     async def parse(self, text: str, tools: list[dict[str, Any]]) -> ParsedOutput:
         return self.parse_sync(text, tools)
 
-    def _sglang_tools(self, tools: list[dict[str, Any]]) -> list[Any]:
-        """SGLang's pydantic Tool models for `tools`, built once per list of tool dicts.
-
-        A session's requests share their tool dicts (`chat.shared_tools`, never
-        changed), so every turn would otherwise build the same models (two
-        pydantic validations per tool). Keyed by the dicts' identity, checked.
-        """
-        key = tuple(map(id, tools))
-        found = self._tool_models.get(key)
-        if found is not None and all(map(operator.is_, found[0], tools)):
-            return found[1]
-        models = [
-            self._tool_cls(type="function", function=self._function_cls(**t["function"]))
-            for t in _openai_tools(tools)
-        ]
-        if len(self._tool_models) >= _MAX_TOOL_MODELS:
-            self._tool_models.clear()
-        self._tool_models[key] = (list(tools), models)
-        return models
-
 
 # --------------------------------------------------------------------------
 # Engine HTTP parsers
