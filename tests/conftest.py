@@ -16,7 +16,7 @@ import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import pytest
 
@@ -197,3 +197,25 @@ def sandbox_reachable_tmp_path(name: str) -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def tokenizer_variant(tmp_path: Path, name: str, edit: dict) -> Any:
+    """The fixture tokenizer with top-level fields of its tokenizer.json replaced
+    (`edit`), loaded as the server loads one: tests of configurations we have no
+    real tokenizer files for (Qwen's or Llama 3's split, a prepending normalizer)."""
+    import json
+
+    from tokenizers import Tokenizer as RawTokenizer
+
+    from recorder.model.tokenizer import load_tokenizer
+    from tools.benchkit.engine import TOKENIZER
+
+    spec = json.loads((TOKENIZER / "tokenizer.json").read_text())
+    spec.update(edit)
+    directory = tmp_path / name
+    directory.mkdir()
+    for file in TOKENIZER.iterdir():
+        (directory / file.name).write_bytes(file.read_bytes())
+    (directory / "tokenizer.json").write_text(json.dumps(spec))
+    RawTokenizer.from_file(str(directory / "tokenizer.json"))  # it loads
+    return load_tokenizer(str(directory), chat_template="chatml-tools")

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer as RawTokenizer
 
 from recorder.model import word_cache
-from recorder.model.tokenizer import Tokenizer, load_tokenizer
+from recorder.model.tokenizer import Tokenizer
 from recorder.model.word_cache import WordCache
+from tests.conftest import tokenizer_variant
 
 from .conftest import FIXTURE_TOKENIZER
 
@@ -79,16 +79,7 @@ def test_a_full_cache_is_emptied_and_still_exact(
     _assert_same(tokenizer, _random_texts(2, 50, 80))
 
 
-def _variant(tmp_path: Path, name: str, edit: dict) -> Tokenizer:
-    spec = json.loads((FIXTURE_TOKENIZER / "tokenizer.json").read_text())
-    spec.update(edit)
-    directory = tmp_path / name
-    directory.mkdir()
-    for file in FIXTURE_TOKENIZER.iterdir():
-        (directory / file.name).write_bytes(file.read_bytes())
-    (directory / "tokenizer.json").write_text(json.dumps(spec))
-    RawTokenizer.from_file(str(directory / "tokenizer.json"))  # it loads
-    return load_tokenizer(str(directory), chat_template="chatml-tools")
+_variant = tokenizer_variant
 
 
 def _split(pattern: str) -> dict:

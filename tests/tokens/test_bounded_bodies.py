@@ -17,13 +17,13 @@ import random
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer as RawTokenizer
 
 import recorder.dialects.chat as chat_module
 import recorder.model.tokenizer as tokenizer_module
 from recorder.dialects import dialect_named
-from recorder.model.tokenizer import Tokenizer, TooManyTokens, load_tokenizer
+from recorder.model.tokenizer import Tokenizer, TooManyTokens
 from recorder.model.tokens import ContextOverflow, SessionChains, full_input_ids, plan_turn
+from tests.conftest import tokenizer_variant
 from tools.benchkit.bodies import CHAT, KINDS, RESPONSES, bulk_body
 from tools.benchkit.engine import TOKENIZER as FIXTURE_TOKENIZER
 
@@ -80,17 +80,10 @@ def _variant(
     tmp_path: Path, name: str, pre_tokenizer: dict, normalizer: dict | None = None
 ) -> Tokenizer:
     """The fixture tokenizer with another pre-tokenizer (and normalizer)."""
-    spec = json.loads((FIXTURE_TOKENIZER / "tokenizer.json").read_text())
-    spec["pre_tokenizer"] = pre_tokenizer
+    edit: dict = {"pre_tokenizer": pre_tokenizer}
     if normalizer is not None:
-        spec["normalizer"] = normalizer
-    directory = tmp_path / name
-    directory.mkdir()
-    for file in FIXTURE_TOKENIZER.iterdir():
-        (directory / file.name).write_bytes(file.read_bytes())
-    (directory / "tokenizer.json").write_text(json.dumps(spec))
-    RawTokenizer.from_file(str(directory / "tokenizer.json"))  # it loads
-    return load_tokenizer(str(directory), chat_template="chatml-tools")
+        edit["normalizer"] = normalizer
+    return tokenizer_variant(tmp_path, name, edit)
 
 
 QWEN_SPLIT = (
