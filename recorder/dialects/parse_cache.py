@@ -11,19 +11,85 @@ from __future__ import annotations
 import os
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import msgspec
 import xxhash
 
 # A translated message as the cache keeps it: a plain tuple (role, chat messages,
-# digests, tool_use ids, tool_result ids), so an entry costs the cyclic GC two
-# tracked objects (this tuple and its tuple of message dicts; the dicts of plain
-# text and the tuples of strings are untracked), not three.
+# digests, tool_use ids, tool_result ids, characters of its rendered text, the
+# positions among its chat messages of those holding a `tool_references`), so an
+# entry costs the cyclic GC two tracked objects (this tuple and its tuple of
+# messages), not three. Its chat messages are packed (`pack_message`): a message's
+# msgpack bytes are about its text, its dicts and strings ~2x that (a 100k-token
+# session kept ~530 kB of them); a request unpacks only the messages it reads.
 CachedPiece = tuple[
-    str, tuple[dict[str, Any], ...], tuple[str, ...], tuple[str, ...], tuple[str, ...]
+    str,
+    tuple["dict[str, Any] | bytes", ...],
+    tuple[str, ...],
+    tuple[str, ...],
+    tuple[str, ...],
+    int,
+    tuple[int, ...],
 ]
+
+_packer = msgspec.msgpack.Encoder()
+_unpack = msgspec.msgpack.Decoder(dict[str, Any]).decode
+
+
+def pack_message(message: dict[str, Any]) -> bytes:
+    """A chat message as the cache keeps it (`unpack_message` gives an equal dict back:
+    its values are JSON's, and a tuple comes back as a list)."""
+    return _packer.encode(message)
+
+
+def unpack_message(item: dict[str, Any] | bytes) -> dict[str, Any]:
+    """The chat message of a packed or plain item."""
+    return _unpack(item) if isinstance(item, bytes) else item
+
+
+class ChatMessages(Sequence[dict[str, Any]]):
+    """A request's chat messages, some still packed: each is unpacked when first read.
+
+    A turn that extends a chain reads only its new messages (the chain holds the
+    tokens of the others), so the earlier ones stay packed, and the session keeps
+    no dict of them between requests. Read anything (a full render, equality) and
+    it is unpacked: the same dicts as an uncached parse's. Read-only, as the
+    plain list a `ChatRequest` otherwise holds is by convention.
+    """
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: list[dict[str, Any] | bytes]) -> None:
+        self._items = items  # owned: unpacked items replace their bytes in place
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self._get(i) for i in range(*index.indices(len(self._items)))]
+        return self._get(index)
+
+    def _get(self, i: int) -> dict[str, Any]:
+        item = self._items[i]
+        if isinstance(item, bytes):
+            item = self._items[i] = _unpack(item)
+        return item
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return (self._get(i) for i in range(len(self._items)))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ChatMessages | list | tuple):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(list(self))
 
 
 class Conversation(Protocol):
