@@ -148,9 +148,9 @@ class ParseCache:
     tokens, which the server does not keep either: deltas.BodyPrefixes).
 
     Bounds: the least recently used messages go beyond `max_entries` or
-    `max_bytes`, where a message is charged its JSON size (its translation
-    decodes to about as much: tools/bench_session_memory.py's census) plus a
-    fixed overhead; and a message no request used in the last
+    `max_bytes`, where a message is charged what its entry keeps alive: its
+    packed translation (`pack_message`, about its text) plus overheads
+    (`_charge`); and a message no request used in the last
     `max_idle_requests` (history replaced by a compaction, a finished
     subagent) goes too. The previous request is remembered only while its
     messages total at most `max_bytes` and none is too big to cache. Not
@@ -164,9 +164,13 @@ class ParseCache:
     its reads and parses (tests/tokens/test_parse_cache.py counts them).
     """
 
-    # Per message beyond its JSON: the translation's dicts and strings (~600 bytes
-    # measured by tests/server/test_memory.py), the digest and the dict slots.
-    ENTRY_OVERHEAD = 640
+    # Per entry beyond its packed messages: the tuples, the key and the dict slots;
+    # per chat message its digest and bytes object; per tool id its string. Measured
+    # (benchkit.census.Walk over the entries of a tool-using session): within ~10%
+    # above, never below (tests/server/test_memory.py).
+    ENTRY_OVERHEAD = 512
+    MESSAGE_OVERHEAD = 96
+    ID_OVERHEAD = 64
 
     def __init__(
         self, max_entries: int = 4096, max_bytes: int = 16 << 20, max_idle_requests: int = 64
@@ -180,7 +184,7 @@ class ParseCache:
         self.max_entry_bytes = max_bytes // 16
         self._entries: OrderedDict[bytes, CachedPiece] = OrderedDict()  # LRU first
         self._last_used: dict[bytes, int] = {}  # key -> number of the request
-        self._sizes: dict[bytes, int] = {}  # key -> its message's JSON size
+        self._sizes: dict[bytes, int] = {}  # key -> the bytes it is charged
         # The previous request: the digest of its body up to the end of its last
         # message, where its messages are in it (the first's offset, how many,
         # the end of the last), their keys, and the caller's conversation after them.
@@ -319,7 +323,7 @@ class ParseCache:
             piece = entries.get(key)
             if piece is None:
                 piece = translate_message(bytes(raw), i, conversation)
-                self._put(key, piece, size, now)
+                self._put(key, piece, now)
             else:
                 last_used[key] = now
                 entries.move_to_end(key)
@@ -338,11 +342,12 @@ class ParseCache:
         last_used = self._last_used
         self._evict(lambda oldest: last_used[oldest] < idle_before)
 
-    def _put(self, key: bytes, piece: CachedPiece, size: int, now: int) -> None:
+    def _put(self, key: bytes, piece: CachedPiece, now: int) -> None:
         self._entries[key] = piece
         self._last_used[key] = now
-        self._sizes[key] = size
-        self._nbytes += size + self.ENTRY_OVERHEAD
+        charge = self._charge(piece)
+        self._sizes[key] = charge
+        self._nbytes += charge
         # Checked inline first: a session's first request after a restart puts
         # every message of its history (hundreds), and is rarely over a bound.
         if len(self._entries) > self.max_entries:
@@ -356,7 +361,18 @@ class ParseCache:
         while entries and while_oldest(next(iter(entries))):
             key, _ = entries.popitem(last=False)
             del self._last_used[key]
-            self._nbytes -= self._sizes.pop(key) + self.ENTRY_OVERHEAD
+            self._nbytes -= self._sizes.pop(key)
+
+    def _charge(self, piece: CachedPiece) -> int:
+        """What an entry keeps alive, near enough (see `ENTRY_OVERHEAD`)."""
+        ids = (*piece[3], *piece[4])
+        return (
+            self.ENTRY_OVERHEAD
+            + sum(map(len, piece[1]))  # type: ignore[arg-type]
+            + self.MESSAGE_OVERHEAD * len(piece[1])
+            + sum(map(len, ids))
+            + self.ID_OVERHEAD * len(ids)
+        )
 
 
 def _end_of(body: bytes, start: int, lengths: Sequence[int]) -> int:
