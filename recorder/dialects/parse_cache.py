@@ -10,20 +10,22 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import msgspec
 import xxhash
+import zstandard
 
 # A translated message as the cache keeps it: a plain tuple (role, chat messages,
 # digests, tool_use ids, tool_result ids, characters of its rendered text, the
 # positions among its chat messages of those holding a `tool_references`), so an
 # entry costs the cyclic GC two tracked objects (this tuple and its tuple of
-# messages), not three. Its chat messages are packed (`pack_message`): a message's
-# msgpack bytes are about its text, its dicts and strings ~2x that (a 100k-token
-# session kept ~530 kB of them); a request unpacks only the messages it reads.
+# messages), not three. Its chat messages are packed (`pack_message`): msgpack,
+# compressed when big, ~1/3 of the text that is most of their dicts' memory (a
+# 100k-token session kept ~530 kB of them); a request unpacks only what it reads.
 CachedPiece = tuple[
     str,
     tuple["dict[str, Any] | bytes", ...],
@@ -35,18 +37,38 @@ CachedPiece = tuple[
 ]
 
 _packer = msgspec.msgpack.Encoder()
-_unpack = msgspec.msgpack.Decoder(dict[str, Any]).decode
+_decode = msgspec.msgpack.Decoder(dict[str, Any]).decode
+# Packed messages from this size on are compressed (zstd level 1: ~3x on text and
+# code, ~100 MB/s; below it the frame's overhead eats the gain). A compressed one
+# starts with zstd's magic number, a msgpack map never with its first byte (0x28).
+_COMPRESS_FROM = 512
+_ZSTD_FIRST_BYTE = 0x28
+# zstandard's (de)compressor objects are not thread-safe: one of each per thread.
+_zstd = threading.local()
 
 
 def pack_message(message: dict[str, Any]) -> bytes:
     """A chat message as the cache keeps it (`unpack_message` gives an equal dict back:
     its values are JSON's, and a tuple comes back as a list)."""
-    return _packer.encode(message)
+    packed = _packer.encode(message)
+    if len(packed) < _COMPRESS_FROM:
+        return packed
+    compressor = getattr(_zstd, "compressor", None)
+    if compressor is None:
+        compressor = _zstd.compressor = zstandard.ZstdCompressor(level=1)
+    return compressor.compress(packed)  # type: ignore[no-any-return]
 
 
 def unpack_message(item: dict[str, Any] | bytes) -> dict[str, Any]:
     """The chat message of a packed or plain item."""
-    return _unpack(item) if isinstance(item, bytes) else item
+    if not isinstance(item, bytes):
+        return item
+    if item[0] != _ZSTD_FIRST_BYTE:
+        return _decode(item)
+    decompressor = getattr(_zstd, "decompressor", None)
+    if decompressor is None:
+        decompressor = _zstd.decompressor = zstandard.ZstdDecompressor()
+    return _decode(decompressor.decompress(item))
 
 
 class ChatMessages(Sequence[dict[str, Any]]):
@@ -75,7 +97,7 @@ class ChatMessages(Sequence[dict[str, Any]]):
     def _get(self, i: int) -> dict[str, Any]:
         item = self._items[i]
         if isinstance(item, bytes):
-            item = self._items[i] = _unpack(item)
+            item = self._items[i] = unpack_message(item)
         return item
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -322,7 +344,7 @@ class ParseCache:
             key = _digest(raw)
             piece = entries.get(key)
             if piece is None:
-                piece = translate_message(bytes(raw), i, conversation)
+                piece = _packed(translate_message(bytes(raw), i, conversation))
                 self._put(key, piece, now)
             else:
                 last_used[key] = now
@@ -373,6 +395,12 @@ class ParseCache:
             + sum(map(len, ids))
             + self.ID_OVERHEAD * len(ids)
         )
+
+
+def _packed(piece: CachedPiece) -> CachedPiece:
+    """`piece` with its chat messages packed, as an entry keeps them."""
+    role, messages, *rest = piece
+    return (role, tuple(map(pack_message, messages)), *rest)  # type: ignore[return-value]
 
 
 def _end_of(body: bytes, start: int, lengths: Sequence[int]) -> int:

@@ -378,8 +378,7 @@ def _translate_raw(data: bytes, index: int, conversation: _Conversation) -> Cach
     if json_problem(data, MAX_DEPTH - 2) is not None:
         raise InvalidRequest("JSON limits", f"messages.{index}")  # named by the caller
     message = message_decoder.decode(data)
-    role, messages, *rest = _translate_message(message, f"messages.{index}", conversation.seen)
-    return (role, tuple(map(pack_message, messages)), *rest)  # type: ignore[return-value]
+    return tuple(_translate_message(message, f"messages.{index}", conversation.seen))  # type: ignore[return-value]
 
 
 class _ConversationState(NamedTuple):
