@@ -47,7 +47,6 @@ class Chain:
     chain_id: int
     line: Line
     system_digest: str | None
-    seq_tokens: np.ndarray
     turns: list[Turn] = field(default_factory=list)
     dispatch_id: str | None = None
     owner: Chain | None = None
@@ -69,10 +68,26 @@ class Chain:
     def last_seq(self) -> int:
         return max(self.turns[-1].seqs)
 
+    @property
+    def seq_tokens(self) -> np.ndarray:
+        """The chain's full sequence: its last turn's input + output.
+
+        Built only where a whole sequence is compared (a fork); extending
+        compares the two parts in place (`_extends`), so a turn does not copy
+        the whole context again."""
+        last = self.turns[-1]
+        assert last.input is not None and last.output is not None
+        return np.concatenate([last.input, last.output])
+
+    @property
+    def seq_size(self) -> int:
+        last = self.turns[-1]
+        assert last.input is not None and last.output is not None
+        return int(last.input.size + last.output.size)
+
     def extend(self, t: Turn) -> None:
         assert t.input is not None and t.output is not None
         self.turns.append(t)
-        self.seq_tokens = np.concatenate([t.input, t.output])
 
 
 @dataclass(slots=True, eq=False)
@@ -96,14 +111,22 @@ def _shared_len(a: np.ndarray, b: np.ndarray) -> int:
     return int(differ[0]) if differ.size else n
 
 
-def _extends(inp: np.ndarray, seq: np.ndarray) -> bool:
-    n = seq.size
+def _extends(inp: np.ndarray, c: Chain) -> bool:
+    """Does `inp` start with `c`'s full sequence (its last input + output)?"""
+    last = c.turns[-1]
+    assert last.input is not None and last.output is not None
+    head, tail = last.input, last.output
+    k = head.size
+    n = k + tail.size
+    if not 0 < n <= inp.size:
+        return False
+    first = head[0] if k else tail[0]
+    final = tail[-1] if tail.size else head[-1]
     return (
-        n <= inp.size
-        and n > 0
-        and inp[0] == seq[0]
-        and inp[n - 1] == seq[n - 1]
-        and bool((inp[:n] == seq).all())
+        inp[0] == first
+        and inp[n - 1] == final
+        and bool((inp[:k] == head).all())
+        and bool((inp[k:n] == tail).all())
     )
 
 
@@ -251,9 +274,7 @@ class ChainBuilder:
         assert t.input is not None
         best: Chain | None = None
         for c in self.chains:
-            if _extends(t.input, c.seq_tokens) and (
-                best is None or c.seq_tokens.size >= best.seq_tokens.size
-            ):
+            if _extends(t.input, c) and (best is None or c.seq_size >= best.seq_size):
                 best = c
         if best is not None:
             best.extend(t)
@@ -303,7 +324,6 @@ class ChainBuilder:
             chain_id=len(self.chains),
             line=parent.line,
             system_digest=parent.system_digest,
-            seq_tokens=np.concatenate([t.input, t.output]),
             turns=[*parent.turns[:kept], t],
             dispatch_id=parent.dispatch_id,
             owner=parent.owner,
@@ -360,7 +380,6 @@ class ChainBuilder:
             chain_id=len(self.chains),
             line=line,
             system_digest=sysd,
-            seq_tokens=np.concatenate([t.input, t.output]),
             turns=[t],
             dispatch_id=dispatch,
             owner=owner,
@@ -502,7 +521,6 @@ def _acted_on_part(c: Chain, owner: dict[int, Chain], evidence: Evidence) -> Cha
         chain_id=c.chain_id,
         line=c.line,
         system_digest=c.system_digest,
-        seq_tokens=np.concatenate([last.input, last.output]),
         turns=c.turns[:end],
         dispatch_id=c.dispatch_id,
         owner=c.owner,

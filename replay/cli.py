@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from recorder.log.store.base import EventStore, StoreError
+from replay.gcpass import pass_gc
 from replay.partitions import default_workers
 from replay.rules import PRESETS, Rules, RulesError, load_rules
 
@@ -90,7 +91,8 @@ def _run(
     first, for a parallel run inside `fn` (`replay.parallel.forked_workers`)."""
     from replay.parallel import forked_workers
 
-    with forked_workers(fork):
+    # Set before forking: the workers inherit it (`replay.gcpass`).
+    with pass_gc() if streaming else nullcontext(), forked_workers(fork):
         return asyncio.run(_with_store(url, fn, streaming=streaming))
 
 

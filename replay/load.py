@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 
@@ -67,22 +68,7 @@ class SessionLog:
 
 def needed_refs(events: Iterable[RecordedEvent], *, routed_experts: bool) -> list[ArrayRef]:
     """The arrays a reduction reads, each once, in first-use order."""
-    refs: dict[bytes, ArrayRef] = {}
-
-    def want(ref: ArrayRef | None) -> None:
-        if ref is not None and ref.digest not in refs:
-            refs[ref.digest] = ref
-
-    for rec in events:
-        ev = rec.event
-        if isinstance(ev, RenderedInput):
-            want(ev.input_ids)
-        elif isinstance(ev, GenerateResult):
-            want(ev.output_ids)
-            want(ev.logprobs)
-            if routed_experts:
-                want(ev.routed_experts)
-    return list(refs.values())
+    return wanted_arrays(events, routed_experts=routed_experts)[0]
 
 
 # (an output ref, the ref of the input that should re-send it, where it starts there)
@@ -99,6 +85,15 @@ def resent_outputs(events: Iterable[RecordedEvent]) -> list[Resent]:
     A guess only: a turn followed by another chain's request just fails the
     hash check and is read from the store.
     """
+    return wanted_arrays(events, routed_experts=False)[1]
+
+
+def wanted_arrays(
+    events: Iterable[RecordedEvent], *, routed_experts: bool
+) -> tuple[list[ArrayRef], list[Resent]]:
+    """(`needed_refs`, `resent_outputs`) in one pass over the events (a session
+    has hundreds; the stream asks for both of every session)."""
+    refs: dict[bytes, ArrayRef] = {}
     out: list[Resent] = []
     key: tuple[int, str] | None = None
     start = 0
@@ -106,15 +101,22 @@ def resent_outputs(events: Iterable[RecordedEvent]) -> list[Resent]:
     for rec in events:
         ev = rec.event
         if isinstance(ev, RenderedInput):
+            ref = ev.input_ids
+            if ref.digest not in refs:
+                refs[ref.digest] = ref
             here = (ev.turn, ev.request_id)
             if here == key:
                 continue
-            out += [(ref, ev.input_ids, at) for ref, at in pending]
-            key, start, pending = here, ev.input_ids.length, []
-        elif isinstance(ev, GenerateResult) and (ev.turn, ev.request_id) == key:
-            pending.append((ev.output_ids, start))
-            start += ev.output_ids.length
-    return out
+            out += [(o, ref, at) for o, at in pending]
+            key, start, pending = here, ref.length, []
+        elif isinstance(ev, GenerateResult):
+            for ref in (ev.output_ids, ev.logprobs, ev.routed_experts if routed_experts else None):
+                if ref is not None and ref.digest not in refs:
+                    refs[ref.digest] = ref
+            if (ev.turn, ev.request_id) == key:
+                pending.append((ev.output_ids, start))
+                start += ev.output_ids.length
+    return list(refs.values()), out
 
 
 def derive_outputs(resent: Sequence[Resent], arrays: dict[bytes, np.ndarray]) -> None:
@@ -192,6 +194,8 @@ async def _session_log(
     return log
 
 
+_SEQ_ORDER = attrgetter("seq", "position")
+
 # (session id, its events, where the stream yields it)
 _Ready = tuple[str, list[RecordedEvent], YieldKey]
 
@@ -207,8 +211,8 @@ async def _session_logs(
     """
     wanted: list[tuple[list[ArrayRef], list[Resent]]] = []
     for _sid, events, _order in ready:
-        events.sort(key=lambda e: (e.seq, e.position))
-        wanted.append((needed_refs(events, routed_experts=routed_experts), resent_outputs(events)))
+        events.sort(key=_SEQ_ORDER)
+        wanted.append(wanted_arrays(events, routed_experts=routed_experts))
     got = await _batch_arrays(store, wanted, cache=cache) if len(ready) > 1 else None
     out = []
     for (sid, events, order), (refs, resent) in zip(ready, wanted, strict=True):
@@ -314,7 +318,9 @@ async def iter_session_logs(
                 else:
                     dirty.setdefault(sid, rec.position)
                     continue
-            buf = buffers.setdefault(sid, [])
+            buf = buffers.get(sid)
+            if buf is None:
+                buf = buffers[sid] = []
             buf.append(rec)
             if isinstance(rec.event, SessionClosed):
                 del buffers[sid]

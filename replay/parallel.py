@@ -48,6 +48,7 @@ import msgspec
 
 from recorder.log.store.base import EventStore, SessionRange
 from replay.export import Format, ParquetWriter, part_blob, samples_from_blob
+from replay.gcpass import pass_gc
 from replay.load import iter_session_logs
 from replay.partitions import PartStat, auto_workers, plan_ranges
 from replay.reclassify import FLUSH_BYTES, SessionSummary, reduce_batches
@@ -126,8 +127,9 @@ async def worker_chunks(job: Job, node: str = "") -> AsyncIterator[Chunk]:
             if job.kind == "reclassify"
             else _export_chunks(store, job)
         )
-        async for chunk in chunks:
-            yield chunk
+        with pass_gc():  # a spawned worker or a Ray task; a forked worker has it already
+            async for chunk in chunks:
+                yield chunk
     finally:
         await store.close()
     yield Chunk(

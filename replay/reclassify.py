@@ -19,9 +19,11 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from recorder.log.store.base import EventStore, SessionRange
 from replay.load import iter_session_logs
+from replay.packed import encode_array, unpacked
 from replay.partitions import PartStat, auto_workers
 from replay.reducer import reduce_session
 from replay.rules import Rules
@@ -88,17 +90,20 @@ def summarize(result: SessionResult, digest: str, content: str | None = None) ->
         segmentation=[(s.kind, s.turns, s.dropped) for s in result.segments],
         sample_kinds=[_kind(s.metadata) for s in result.samples],
         sample_statuses=[s.status for s in result.samples],
-        trainable_tokens=sum(sum(s.loss_mask) for s in result.samples),
+        trainable_tokens=sum(_trainable(s) for s in result.samples),
         placeholder=result.placeholder,
         content_digest=content_digest(result) if content is None else content,
     )
 
 
+def _trainable(sample: Sample) -> int:
+    mask = sample.loss_mask
+    return int(mask.sum()) if isinstance(mask, np.ndarray) else sum(mask)
+
+
 def content_digest(result: SessionResult) -> str:
     """Digest of the samples' training content (see `SessionSummary`)."""
-    return _content_digest(
-        result.samples, [(s.tokens, s.loss_mask, s.rollout_logprobs) for s in result.samples]
-    )
+    return _content_digest(result.samples, [_encoded_lists(s) for s in result.samples])
 
 
 def _content_digest(samples: list[Sample], lists: list[tuple[Any, Any, Any]]) -> str:
@@ -127,16 +132,11 @@ def encode_with_content(result: SessionResult) -> tuple[bytes, str]:
     The lists are most of the bytes and most of the encoding time; a list's
     msgpack is the same wherever it sits, so each is encoded alone and placed
     as `msgspec.Raw` in both documents, which come out byte for byte as
-    `encode_result` and `content_digest` make them.
+    `encode_result` and `content_digest` make them. A packed result
+    (`reduce_session(packed=True)`) has numpy arrays there, encoded straight
+    to the same bytes (`replay.packed.encode_array`).
     """
-    lists = [
-        (
-            msgspec.Raw(_summary_encoder.encode(s.tokens)),
-            msgspec.Raw(_summary_encoder.encode(s.loss_mask)),
-            msgspec.Raw(_summary_encoder.encode(s.rollout_logprobs)),
-        )
-        for s in result.samples
-    ]
+    lists = [_encoded_lists(s) for s in result.samples]
     shadow = msgspec.structs.replace(
         result,
         samples=[
@@ -145,6 +145,15 @@ def encode_with_content(result: SessionResult) -> tuple[bytes, str]:
         ],
     )
     return encode_result(shadow), _content_digest(result.samples, lists)
+
+
+def _encoded_lists(s: Sample) -> tuple[msgspec.Raw, msgspec.Raw, msgspec.Raw]:
+    """A sample's tokens, loss mask and logprobs as msgpack (lists or packed arrays)."""
+    return (
+        msgspec.Raw(encode_array(s.tokens)),
+        msgspec.Raw(encode_array(s.loss_mask)),
+        msgspec.Raw(encode_array(s.rollout_logprobs)),
+    )
 
 
 def _samples_changed(before: SessionSummary, after: SessionSummary) -> bool:
@@ -183,6 +192,7 @@ async def reduce_batches(
     page_size: int = 1000,
     batch: int = 256,
     on_session: Callable[[SessionResult], None] | None = None,
+    on_reduced: Callable[[], None] | None = None,
 ) -> AsyncIterator[dict[str, SessionSummary]]:
     """Reduce (a range of) the log up to `covers`; write projection rows
     unless `names` is None (dry run). Yields each batch's summaries once its
@@ -192,6 +202,11 @@ async def reduce_batches(
     payload, whichever comes first. A batch is written in the background while
     the next one is reduced (the database works in its own thread), one batch
     in flight at a time, so batches land in order and at most two are held.
+
+    Sessions are reduced packed (`reduce_session(packed=True)`: the samples'
+    long lists are only encoded here); `on_session` gets each result with
+    lists, as `reduce_session` returns it, and `on_reduced` is called once per
+    session (a counter needs no result).
     """
     # Keyed by session: a session yielded twice in one batch is written once.
     rows: dict[str, _Row] = {}
@@ -230,17 +245,19 @@ async def reduce_batches(
             sessions=sessions,
             routed_experts=rules.routed_experts is not None,
         ):
-            result = reduce_session(log.events, log.arrays, rules)
+            result = reduce_session(log.events, log.arrays, rules, packed=True)
             payload, content = encode_with_content(result)
             digest = digest_bytes(payload)
             summary = summarize(result, digest, content)
-            sid = log.session_id
+            sid, last = log.session_id, log.last_position
             summaries[sid] = summary
-            rows[sid] = (sid, log.last_position, digest, payload)
-            summary_rows[sid] = (sid, log.last_position, digest, _summary_encoder.encode(summary))
+            rows[sid] = (sid, last, digest, payload)
+            summary_rows[sid] = (sid, last, digest, _summary_encoder.encode(summary))
             pending_bytes += len(payload)
             if on_session is not None:
-                on_session(result)
+                on_session(unpacked(result))
+            if on_reduced is not None:
+                on_reduced()
             if len(rows) >= batch or pending_bytes >= FLUSH_BYTES:
                 done = await flush()
                 if done:
@@ -266,6 +283,7 @@ async def reduce_partition(
     page_size: int = 1000,
     batch: int = 256,
     on_session: Callable[[SessionResult], None] | None = None,
+    on_reduced: Callable[[], None] | None = None,
 ) -> dict[str, SessionSummary]:
     """`reduce_batches` to the end: every session's summary (the later yield wins)."""
     seen: dict[str, SessionSummary] = {}
@@ -279,6 +297,7 @@ async def reduce_partition(
         page_size=page_size,
         batch=batch,
         on_session=on_session,
+        on_reduced=on_reduced,
     ):
         seen.update(done)
     return seen
@@ -323,11 +342,9 @@ async def reclassify(
     if workers == 1 and ray is None:
         count = 0
 
-        def progress(result: SessionResult) -> None:
+        def progress() -> None:
             nonlocal count
             count += 1
-            if on_session is not None:
-                on_session(result)
             if on_progress is not None:
                 on_progress(count)
 
@@ -339,7 +356,8 @@ async def reclassify(
             session_ids=session_ids,
             page_size=page_size,
             batch=batch,
-            on_session=progress,
+            on_session=on_session,
+            on_reduced=progress,
         )
     else:
         from replay import parallel

@@ -52,6 +52,7 @@ import numpy as np
 
 from recorder.log.events import RecordedEvent, SessionOpened
 from replay.chains import ChainBuilder, classify_chains, main_system_digest
+from replay.packed import unpacked_sample
 from replay.placeholders import placeholders_for
 from replay.rules import Rules
 from replay.samples import Sample, SampleStatus, SessionResult
@@ -65,7 +66,7 @@ from replay.segments import (
     to_sample,
     trim_to,
 )
-from replay.turns import SessionFacts, collect_session, prepare_turn
+from replay.turns import IdChecks, SessionFacts, collect_session, prepare_turn
 
 
 def _pad_id(opened: SessionOpened | None, rules: Rules) -> int:
@@ -86,26 +87,30 @@ def _rollout_id(session_id: str, opened: SessionOpened | None) -> str:
 
 
 def _reduce(
-    events: Sequence[RecordedEvent], arrays: Mapping[bytes, np.ndarray], rules: Rules
+    events: Sequence[RecordedEvent],
+    arrays: Mapping[bytes, np.ndarray],
+    rules: Rules,
+    packed: bool = False,
 ) -> SessionResult:
     s = collect_session(events)
     builder = ChainBuilder(rules, s.diagnostics, main_system_digest(s.turns))
+    checks = IdChecks()
     for t in s.turns:
-        prepare_turn(t, arrays, rules)
+        prepare_turn(t, arrays, rules, checks)
         if t.unusable is not None:
             s.diagnostics.append(f"turn {t.turn}: unusable: {t.unusable}")
         builder.add(t)
     built, dropped = _build_segments(s, builder, rules)
     built, left_out = _select(built, rules, s.diagnostics)
     dropped += left_out
-    samples = _samples(s, built, rules)
+    samples = _samples(s, built, rules, packed)
     placeholder_reason = _placeholder_reason(s, rules, samples)
     reward = float(s.reward or 0.0)
     status: SampleStatus
     if placeholder_reason is not None:
         s.diagnostics.append(f"placeholders: {placeholder_reason}")
         samples = placeholders_for(
-            samples,
+            [unpacked_sample(x) for x in samples],
             pad_token_id=_pad_id(s.opened, rules),
             session_id=s.session_id,
             rollout_id=_rollout_id(s.session_id, s.opened),
@@ -194,7 +199,9 @@ def _select(
     return capped, [b for b in built if b not in capped]
 
 
-def _samples(s: SessionFacts, built: list[BuiltSegment], rules: Rules) -> list[Sample]:
+def _samples(
+    s: SessionFacts, built: list[BuiltSegment], rules: Rules, packed: bool
+) -> list[Sample]:
     if s.reward is None:
         s.diagnostics.append("no RewardAssigned: reward 0")
     kinds = [b.kind for b in built]
@@ -218,6 +225,7 @@ def _samples(s: SessionFacts, built: list[BuiltSegment], rules: Rules) -> list[S
                 rollout_id=_rollout_id(s.session_id, s.opened),
                 rules=rules,
                 session_meta=_session_meta(s),
+                packed=packed,
             )
         )
     return out
@@ -242,12 +250,20 @@ def _placeholder_reason(s: SessionFacts, rules: Rules, samples: list[Sample]) ->
 
 
 def reduce_session(
-    events: Sequence[RecordedEvent], arrays: Mapping[bytes, np.ndarray], rules: Rules
+    events: Sequence[RecordedEvent],
+    arrays: Mapping[bytes, np.ndarray],
+    rules: Rules,
+    *,
+    packed: bool = False,
 ) -> SessionResult:
     """Reduce one session's events into samples. Never raises for bad data:
-    whatever goes wrong yields placeholder samples and a diagnostic."""
+    whatever goes wrong yields placeholder samples and a diagnostic.
+
+    `packed=True`: the samples' tokens, loss masks and logprobs are numpy
+    arrays, not lists (`replay.packed`: a caller that only encodes them saves
+    building the lists; `replay.packed.unpacked` turns them into lists)."""
     try:
-        return _reduce(events, arrays, rules)
+        return _reduce(events, arrays, rules, packed)
     except Exception as exc:  # the fail-safe: one bad session never stops a batch
         return _failure_result(events, rules, exc)
 

@@ -46,9 +46,12 @@ def build_segment(kind: SegmentKind, c: Chain, rules: Rules) -> BuiltSegment:
         s = int(t.input.size) - p
         n = int(t.output.size)
         mask[s : s + n] = t.mask
-        logprobs[s : s + n] = np.where(t.mask == 1, t.logprobs, 0.0)  # type: ignore[arg-type]
+        logprobs[s : s + n] = t.logprobs
         for a, b, v in t.versions:
             versions[s + a : s + b] = [v] * (b - a)
+    # Every masked token's logprob is 0, once for the whole segment: a later
+    # turn overwrote an earlier one's mask and logprobs alike where they met.
+    logprobs[mask != 1] = 0.0
     routed = _routed(c, tokens.size, rules) if rules.routed_experts is not None else None
     return BuiltSegment(kind, c, tokens, p, mask, logprobs, versions, routed, [])
 
@@ -113,7 +116,11 @@ def to_sample(
     rollout_id: str,
     rules: Rules,
     session_meta: dict[str, Any],
+    packed: bool = False,
 ) -> Sample:
+    """The segment as a sample. `packed`: tokens, loss mask and logprobs stay
+    numpy arrays (int, int8, float64) instead of lists, for a caller that only
+    encodes them (`replay.packed`)."""
     c = b.chain
     last = c.turns[-1]
     meta: dict[str, Any] = {
@@ -140,11 +147,11 @@ def to_sample(
         "session": session_meta,
     }
     return Sample(
-        tokens=b.tokens.tolist(),
+        tokens=b.tokens if packed else b.tokens.tolist(),  # type: ignore[arg-type]
         prompt_len=b.prompt_len,
         response_len=int(b.tokens.size) - b.prompt_len,
-        loss_mask=b.mask.tolist(),  # int8: Python ints all the same
-        rollout_logprobs=b.logprobs.tolist(),
+        loss_mask=b.mask if packed else b.mask.tolist(),  # type: ignore[arg-type]
+        rollout_logprobs=b.logprobs if packed else b.logprobs.tolist(),  # type: ignore[arg-type]
         weight_versions=list(b.versions),
         status=status,
         reward=reward,
@@ -224,8 +231,9 @@ def _account_kept(out: Counter[str], t: Turn, b: BuiltSegment, n: int) -> None:
     assert t.input is not None and first is not None
     start = int(t.input.size) - int(first.size)
     kept = b.mask[start : start + n] if b.prompt_len == first.size else b.mask[:0]
-    out["trained"] += int(kept.sum())
-    masked = int(kept.size - kept.sum())
+    trained = int(kept.sum())
+    out["trained"] += trained
+    masked = int(kept.size) - trained
     if n > kept.size:
         out["truncated (segment cap or context budget)"] += n - int(kept.size)
     if masked and t.tito_masked:

@@ -104,6 +104,17 @@ def collect_session(events: Sequence[RecordedEvent]) -> SessionFacts:
     for rec in window:
         ev = rec.event
         kind = type(ev)
+        absorb = _ABSORB.get(kind)
+        if absorb is not None:  # a turn event of an exact class: most of a session
+            if ev.turn is None or ev.request_id is None:
+                continue
+            key = (int(ev.turn), str(ev.request_id))
+            t = turns.get(key)
+            if t is None:
+                t = turns[key] = Turn(turn=key[0], request_id=key[1], first_seq=rec.seq)
+            t.seqs.append(rec.seq)
+            absorb(t, ev, diags)
+            continue
         if kind is SessionOpened or isinstance(ev, SessionOpened):
             opened = ev
             continue
@@ -125,11 +136,7 @@ def collect_session(events: Sequence[RecordedEvent]) -> SessionFacts:
         if t is None:
             t = turns[key] = Turn(turn=key[0], request_id=key[1], first_seq=rec.seq)
         t.seqs.append(rec.seq)
-        absorb = _ABSORB.get(kind)
-        if absorb is not None:
-            absorb(t, ev, diags)
-        else:
-            _absorb(t, ev, diags)
+        _absorb(t, ev, diags)
     ordered = sorted(turns.values(), key=lambda t: (t.first_seq, t.turn, t.request_id))
     return SessionFacts(session_id, opened, closed, failures, reward, ordered, diags)
 
@@ -202,25 +209,72 @@ def _absorb(t: Turn, ev: Any, diags: list[str]) -> None:
             return
 
 
-def _as_ids(arr: Any) -> np.ndarray:
+class IdChecks:
+    """Which token-id buffers hold no negative id, each scanned once per session.
+
+    A session's inputs (and the outputs found in them) are views of one
+    buffer (`replay.load`: the store assembles prefixes once), so checking
+    every input alone scanned that buffer again for each turn: quadratic in
+    the turns. A view whose every base is an array of its dtype holds only
+    elements of its root buffer, so a root without a negative id clears it;
+    otherwise (a root with one, or no such root) the view itself is scanned.
+    """
+
+    def __init__(self) -> None:
+        # id(root) -> (root, no negative id in it); the root is held so its id stays its own.
+        self._roots: dict[int, tuple[np.ndarray, bool]] = {}
+
+    def non_negative(self, a: np.ndarray) -> bool:
+        root = _same_dtype_root(a)
+        if root is not None:
+            seen = self._roots.get(id(root))
+            if seen is None:
+                seen = self._roots[id(root)] = (root, _min_ok(root))
+            if seen[1]:
+                return True
+        return _min_ok(a)
+
+
+def _min_ok(a: np.ndarray) -> bool:
+    return a.size == 0 or int(a.min()) >= 0
+
+
+def _same_dtype_root(a: np.ndarray) -> np.ndarray | None:
+    """The array owning `a`'s data if every base between them has `a`'s dtype."""
+    if a.strides[0] % a.itemsize:
+        return None
+    root = a
+    while root.base is not None:
+        base = root.base
+        if not isinstance(base, np.ndarray) or base.dtype != a.dtype:
+            return None
+        root = base
+    return root if root is not a else None
+
+
+def _as_ids(arr: Any, checks: IdChecks | None = None) -> np.ndarray:
     a = np.asarray(arr)
     if a.ndim != 1 or a.dtype.kind not in "iu":
         raise ValueError(f"token ids must be a 1-D integer array, got {a.dtype}{list(a.shape)}")
-    if a.size and int(a.min()) < 0:
+    if not (checks.non_negative(a) if checks is not None else _min_ok(a)):
         raise ValueError("negative token id")
     # Kept in the stored dtype: a session's inputs are views of one buffer
     # (the store assembles prefixes once), and a conversion would copy each.
     return a
 
 
-def prepare_turn(t: Turn, arrays: Mapping[bytes, np.ndarray], rules: Rules) -> None:
-    """Resolve a turn's arrays and masks, or set `t.unusable` to why not."""
+def prepare_turn(
+    t: Turn, arrays: Mapping[bytes, np.ndarray], rules: Rules, checks: IdChecks | None = None
+) -> None:
+    """Resolve a turn's arrays and masks, or set `t.unusable` to why not.
+
+    `checks`: one per session, shared by its turns (see `IdChecks`)."""
     t.unusable = _missing_facts(t)
     if t.unusable is not None:
         return
     attempts = [t.results[k] for k in sorted(t.results)]
     try:
-        inp, outs, lps = _read_turn(t, attempts, arrays)
+        inp, outs, lps = _read_turn(t, attempts, arrays, checks)
     except (KeyError, ValueError, TypeError) as exc:
         t.unusable = str(exc).strip("'\"")
         return
@@ -247,17 +301,20 @@ def _missing_facts(t: Turn) -> str | None:
 
 
 def _read_turn(
-    t: Turn, attempts: list[GenerateResult], arrays: Mapping[bytes, np.ndarray]
+    t: Turn,
+    attempts: list[GenerateResult],
+    arrays: Mapping[bytes, np.ndarray],
+    checks: IdChecks | None,
 ) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
     """The turn's input and each attempt's ids and logprobs, checked."""
     assert t.rendered is not None
-    inp = _as_ids(_array(arrays, t.rendered.input_ids.digest, "input_ids"))
+    inp = _as_ids(_array(arrays, t.rendered.input_ids.digest, "input_ids"), checks)
     if inp.size == 0:
         raise ValueError("empty input")
     outs: list[np.ndarray] = []
     lps: list[np.ndarray] = []
     for r in attempts:
-        out = _as_ids(_array(arrays, r.output_ids.digest, "output_ids"))
+        out = _as_ids(_array(arrays, r.output_ids.digest, "output_ids"), checks)
         if r.logprobs is None:
             raise ValueError(f"attempt {r.attempt}: logprobs missing")
         lp = np.asarray(_array(arrays, r.logprobs.digest, "logprobs"), dtype=np.float64)

@@ -72,14 +72,13 @@ class EngineClient(EnginePool):
 
     async def start(self) -> None:
         if self._session is None:
-            sent = aiohttp.TraceConfig()
-            sent.on_request_chunk_sent.append(_notify_sent)
+            # No trace configs: with any, aiohttp awaits a signal at every step of
+            # every request. `on_sent` rides on the request's body (`_SentBody`).
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self._max_connections),
                 timeout=aiohttp.ClientTimeout(
                     total=self.timeout_s, sock_connect=self.connect_timeout_s
                 ),
-                trace_configs=[sent],
             )
         if self.health_interval_s > 0 and self._checks is None:
             self._checks = asyncio.create_task(self._check_forever(), name="engine-health")
@@ -208,12 +207,10 @@ class EngineClient(EnginePool):
             else None
         )
         kwargs: dict[str, Any] = {"timeout": timeout} if timeout else {}
-        if on_sent is not None:
-            kwargs["trace_request_ctx"] = _SentSignal(on_sent)
         if body is not None:
             raw = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
         if raw is not None:
-            kwargs["data"] = raw
+            kwargs["data"] = raw if on_sent is None else _SentBody(raw, on_sent)
             kwargs["headers"] = _JSON_HEADERS
         try:
             async with self._session.request(method, target, **kwargs) as resp:
@@ -244,26 +241,22 @@ class EngineClient(EnginePool):
 _JSON_HEADERS = {"Content-Type": "application/json"}
 
 
-class _SentSignal:
-    """A request's `on_sent` callback, fired once (see `_notify_sent`)."""
+class _SentBody(aiohttp.BytesPayload):
+    """A request body that calls `on_sent` once, when it has been handed to the socket."""
 
-    __slots__ = ("callback",)
+    def __init__(self, raw: bytes, on_sent: Callable[[], None]) -> None:
+        super().__init__(raw, content_type=_JSON_HEADERS["Content-Type"])
+        self._on_sent: Callable[[], None] | None = on_sent
 
-    def __init__(self, callback: Callable[[], None]) -> None:
-        self.callback: Callable[[], None] | None = callback
+    async def write(self, writer: Any) -> None:
+        await super().write(writer)
+        self._sent()
 
-    def fire(self) -> None:
-        callback, self.callback = self.callback, None
+    async def write_with_length(self, writer: Any, content_length: int | None) -> None:
+        await super().write_with_length(writer, content_length)
+        self._sent()
+
+    def _sent(self) -> None:
+        callback, self._on_sent = self._on_sent, None
         if callback is not None:
             callback()
-
-
-async def _notify_sent(
-    _session: aiohttp.ClientSession,
-    context: Any,
-    _params: aiohttp.TraceRequestChunkSentParams,
-) -> None:
-    """aiohttp trace hook: a request body chunk was written (bytes bodies are one chunk)."""
-    signal = context.trace_request_ctx
-    if isinstance(signal, _SentSignal):
-        signal.fire()

@@ -37,10 +37,11 @@ class EnginePool(abc.ABC):
         # Engines that failed a health check or a connection; `pick` avoids them until a
         # check passes again. With one engine there is nowhere to move: no checks.
         self.down: set[str] = set()
-        # Per live engine watched by an attempt: set when it is marked down, so an
+        # Per engine watched by an attempt: done when it is marked down, so an
         # attempt in flight there stops waiting (a dead node may never reset the
-        # connection). Present and set iff the engine is down.
-        self._went_down: dict[str, asyncio.Event] = {}
+        # connection). Done iff the engine is down; a future, not an Event, so
+        # that the attempt watches it with a callback instead of a task.
+        self._went_down: dict[str, asyncio.Future[None]] = {}
         self.health_interval_s = health_interval_s if len(self.urls) > 1 else 0.0
 
     @abc.abstractmethod
@@ -67,19 +68,21 @@ class EnginePool(abc.ABC):
         elif not live and url not in self.down:
             log.warning("engine %s is down: its sessions move to live engines", url)
             self.down.add(url)
-            self._went_down.setdefault(url, asyncio.Event()).set()
+            waiter = self._went_down.get(url)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
 
     def live(self, url: str) -> bool:
         return url not in self.down
 
-    def went_down(self, url: str) -> asyncio.Event:
-        """An event set once `url` is marked down (already set while it is down)."""
-        event = self._went_down.get(url)
-        if event is None:
-            event = self._went_down[url] = asyncio.Event()
+    def went_down(self, url: str) -> asyncio.Future[None]:
+        """A future done once `url` is marked down (already done while it is down)."""
+        waiter = self._went_down.get(url)
+        if waiter is None:
+            waiter = self._went_down[url] = asyncio.get_running_loop().create_future()
             if url in self.down:
-                event.set()
-        return event
+                waiter.set_result(None)
+        return waiter
 
     def pick(self, session_id: str) -> str:
         """Stable engine choice per session (rendezvous hashing: adding an

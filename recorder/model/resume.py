@@ -218,25 +218,42 @@ async def _while_live(
     An engine whose node died may never reset the connection: without this the
     attempt would wait for the turn budget. Not watched when `url` is down already
     (the only engine left, or all down): nothing would be better.
+
+    `request` runs in this task, which the engine going down cancels (no watcher
+    task: it would cost loop iterations on every attempt).
     """
     if not client.live(url):
         return await request
-    down = asyncio.ensure_future(client.went_down(url).wait())
-    answer = asyncio.ensure_future(request)
+    task = asyncio.current_task()
+    assert task is not None
+    down = client.went_down(url)
+    interrupted = watching = False
+
+    def interrupt(_: object) -> None:
+        nonlocal interrupted
+        if watching:  # a callback scheduled just before the request ended finds it gone
+            interrupted = True
+            task.cancel()
+
+    watching = True
+    down.add_done_callback(interrupt)
     try:
-        await asyncio.wait({answer, down}, return_when=asyncio.FIRST_COMPLETED)
+        answer = await request
     except asyncio.CancelledError:
-        answer.cancel()
-        raise
+        if not interrupted or task.uncancel() > 0:  # also cancelled from outside
+            raise
+        raise EngineError(
+            "unreachable",
+            "failed its health check while generating",
+            url=url,
+            may_be_running=True,
+        ) from None
     finally:
-        down.cancel()
-    if answer.done():
-        return answer.result()
-    answer.cancel()
-    await asyncio.wait({answer})
-    raise EngineError(
-        "unreachable", "failed its health check while generating", url=url, may_be_running=True
-    )
+        watching = False
+        down.remove_done_callback(interrupt)
+    if interrupted:  # the request finished anyway: take the cancel back
+        task.uncancel()
+    return answer
 
 
 async def _abort(client: EngineClient, url: str, rid: str) -> None:

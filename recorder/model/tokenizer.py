@@ -549,9 +549,34 @@ def _strftime_now(fmt: str) -> str:
     return _dt.datetime.now().strftime(fmt)
 
 
+# Every name a plain dict's attribute lookup can find (dict and object attributes:
+# a builtin type's are fixed), so any other name is certainly not an attribute.
+_DICT_ATTRS = frozenset(dir(dict))
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """jinja's immutable sandbox, with a shortcut for `message.role` on a plain dict.
+
+    The sandbox's `getattr` tries the attribute first, and for a dict's key
+    that costs a raised AttributeError before the item lookup (a chat
+    template reads a dozen keys per message, every turn). A name that no
+    plain dict has as an attribute goes straight to the item: exactly where
+    the sandbox's own lookup ends, with the same result; every other object
+    and name takes the sandbox's path.
+    """
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        if type(obj) is dict and attribute not in _DICT_ATTRS:
+            try:
+                return obj[attribute]
+            except (TypeError, LookupError):
+                return self.undefined(obj=obj, name=attribute)
+        return super().getattr(obj, attribute)
+
+
 @lru_cache(maxsize=32)
 def _compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
+    env = _Sandbox(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols],

@@ -2,8 +2,8 @@
 
 `generate` calls the engine through `recorder.model.resume.generate_with_resume`
 and hands it `_AttemptRecorder`'s callbacks, which record each attempt and
-result by ordered background steps (`Journal.then`), so the engine call never
-waits for the store. A turn the engine failed is recorded (`TurnFailed` /
+result by ordered background steps (`Journal.then`, `Journal.now_or_then`), so
+the engine call never waits for the store. A turn the engine failed is recorded (`TurnFailed` /
 `EngineError`) before the error the client gets is raised (`fail_turn`).
 Called by the turn pipeline, `recorder.server.turn`.
 """
@@ -52,7 +52,9 @@ class _AttemptRecorder:
     """The engine driver's callbacks: every attempt and result becomes events.
 
     They are recorded by ordered background steps (`Journal.then`), so the
-    engine call never waits for the store.
+    engine call never waits for the store; a result only buffers its events
+    and arrays (the turn's last append writes them), at once when no step is
+    queued (`Journal.now_or_then`).
     """
 
     def __init__(
@@ -72,14 +74,15 @@ class _AttemptRecorder:
             self._journal.add(*events)
             # Recorded while the engine works, without an fsync of its own: the
             # client is answered only after the turn's last append, which flushes it.
-            await self._journal.flush_buffer(durable=False)
+            # With the request's events and arrays when it is the first attempt.
+            await self._journal.append_buffer(durable=False)
 
         self._journal.then(step)
 
     async def on_result(self, attempt: Attempt, out: GenerateOutput) -> None:
         self._record.engine_s += out.latency_s
 
-        async def step() -> None:
+        def buffer() -> None:
             # The arrays travel with the next append (usually the turn's last).
             refs = _result_arrays(self._journal, out)
             self._journal.add(_result_event(self._record, attempt, out, *refs))
@@ -95,7 +98,7 @@ class _AttemptRecorder:
                     )
                 )
 
-        self._journal.then(step)
+        self._journal.now_or_then(buffer)
 
     async def on_moved(self, attempt: Attempt, exc: EngineError, url: str) -> None:
         """The attempt's engine is gone: record why, re-pin the session, go on at `url`.
@@ -114,7 +117,7 @@ class _AttemptRecorder:
         )
         state.engine_url = url
         event = _engine_error_event(record, attempt.attempt, exc)
-        self._journal.then(lambda: _add(self._journal, event))
+        self._journal.now_or_then(lambda: self._journal.add(event))
 
     def _attempt_events(self, attempt: Attempt) -> list[Any]:
         """[TurnResumed,] GenerateAttempt."""
@@ -224,11 +227,6 @@ def _engine_error_event(record: TurnRecord, attempt: int, exc: EngineError) -> e
         status=exc.status,
         message=str(exc),
     )
-
-
-async def _add(journal: Journal, *events: Any) -> None:
-    """A journal step that only buffers events (they go with the next append)."""
-    journal.add(*events)
 
 
 def _engine_problem(exc: EngineError) -> str:

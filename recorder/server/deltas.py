@@ -34,6 +34,7 @@ log = logging.getLogger("recorder.server")
 if TYPE_CHECKING:
     from recorder.log.store.base import EventStore
     from recorder.model.tokens import TurnPlan
+    from recorder.server.journal import BufferedArrays
 
 # Below this many shared bytes a body is stored whole: a delta would save
 # less than the extra piece costs.
@@ -192,7 +193,7 @@ def shared_suffix_len(a: bytes, b: bytes, limit: int) -> int:
 
 
 async def put_body(
-    store: EventStore, previous: BodyPrefixes, body: bytes
+    store: EventStore | BufferedArrays, previous: BodyPrefixes, body: bytes
 ) -> tuple[ArrayRef, BodyPrefixes]:
     """Store `body` as deltas of `previous`; (its ref, what the next body uses).
 
@@ -266,7 +267,9 @@ async def put_body(
 ChainRefs = dict[int, dict[int, ArrayRef]]
 
 
-async def put_input(store: EventStore, chain_refs: ChainRefs, plan: TurnPlan) -> ArrayRef:
+async def put_input(
+    store: EventStore | BufferedArrays, chain_refs: ChainRefs, plan: TurnPlan
+) -> ArrayRef:
     """Store the engine input as a delta after the longest stored prefix of its chain."""
     base: ArrayRef | None = None
     if plan.prefix_len:

@@ -22,21 +22,33 @@ rollout event; `begin`) has appended yet:
 Events of one pipeline step are buffered and appended together; the
 store's group commit then makes durability cheap across sessions.
 
-Steps that need stored arrays first (a turn's request body and engine input,
-each attempt's output) run as ordered background steps (`then`), so their
-store round trips overlap the engine call instead of preceding it; `flush`
-and `write` wait for every queued step, so the log order never changes.
+Steps that record a turn while its engine works (the request body and
+engine input, each attempt and its output) run as ordered background steps
+(`then`), so their store round trips overlap the engine call instead of
+preceding it; `flush` and `write` wait for every queued step, so the log
+order never changes. The queued steps share one task (a task per step cost
+loop iterations on every turn), and a step that only buffers runs at once
+when nothing is queued (`now_or_then`).
 
-While the journal is held (`hold`), `background` work waits until `release`:
-a turn holds it until the engine has its request, so compressing and
-storing the request body never competes with sending 100k tokens to the
-engine. Draining releases it, so nothing can wait for work that never starts.
+Arrays are buffered like events: `add_array`, or `arrays.put_array` (what
+`EventStore.put_array` takes, for code written against a store) encode them
+now and write them with the next append, in its transaction. A turn's request
+body, engine input, request events and first attempt thus cost one store
+write, not three (each a thread hop and a commit). Nothing names an array
+before the append that stores it, and state that must only point at stored
+arrays is updated once they are (`after_append`).
+
+While the journal is held (`hold`), `background` work and `unheld` wait until
+`release`: a turn holds it until the engine has its request, so compressing
+the request body never competes with sending 100k tokens to the engine.
+Draining releases it, so nothing can wait for work that never starts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
@@ -51,6 +63,8 @@ if TYPE_CHECKING:
     import numpy as np
 
     from recorder.log.store.base import EventStore
+
+Step = Callable[[], Awaitable[None]]
 
 T = TypeVar("T")
 
@@ -102,7 +116,13 @@ class Journal:
         self.next_seq = next_seq
         self._pending: list[NewEvent] = []
         self._arrays: list[EncodedArray] = []
-        self._tail: asyncio.Task[None] | None = None
+        # Called once the buffer they were registered with is appended.
+        self._after_append: list[Callable[[], None]] = []
+        # Queued steps, the task that runs them (None when idle), and the failure
+        # of one (it drops every later step) until `drain` reports it.
+        self._steps: deque[Step] = deque()
+        self._runner: asyncio.Task[None] | None = None
+        self._failure: BaseException | None = None
         self._gate: asyncio.Event | None = None
         self.begin()
 
@@ -154,6 +174,15 @@ class Journal:
         self._arrays.append(encoded)
         return encoded.ref
 
+    @property
+    def arrays(self) -> BufferedArrays:
+        """`put_array` whose pieces go with the next append (see the module doc)."""
+        return BufferedArrays(self)
+
+    def after_append(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once what is buffered now is appended (never if it is dropped)."""
+        self._after_append.append(callback)
+
     def hold(self) -> None:
         """Make `background` work started from now on wait for `release`."""
         if self._gate is None:
@@ -176,42 +205,77 @@ class Journal:
 
         return asyncio.ensure_future(run())
 
-    def then(self, step: Callable[[], Awaitable[None]]) -> None:
+    async def unheld(self) -> None:
+        """Return once the journal is not held (at once if it is not)."""
+        gate = self._gate
+        if gate is not None:
+            await gate.wait()
+
+    def then(self, step: Step) -> None:
         """Run `step` in the background after every step queued before it.
 
         A failing step fails every later one; `drain` re-raises the failure.
         """
-        previous = self._tail
+        if self._failure is not None:
+            return  # failed with the step before it (drain reports that one)
+        self._steps.append(step)
+        if self._runner is None:
+            self._runner = asyncio.get_running_loop().create_task(self._run_steps())
 
-        async def run() -> None:
-            if previous is not None:
-                await previous
-            await step()
+    def now_or_then(self, work: Callable[[], None]) -> None:
+        """`work` (which only buffers) now if no step is queued, else as the next step.
 
-        self._tail = asyncio.get_running_loop().create_task(run())
+        The engine's answer usually comes back long after the request's steps
+        ran: buffering it then needs no task.
+        """
+        if self._runner is None and self._failure is None:
+            work()
+            return
+
+        async def step() -> None:
+            work()
+
+        self.then(step)
+
+    async def _run_steps(self) -> None:
+        """Run queued steps until none is left; a failure is kept for `drain`."""
+        try:
+            while self._steps:
+                await self._steps.popleft()()
+        except BaseException as exc:  # reported by drain, or dropped by settle
+            self._steps.clear()
+            self._failure = exc
+        finally:
+            self._runner = None
+
+    @property
+    def busy(self) -> bool:
+        """Are steps queued or running (or a failure not yet reported)?"""
+        return self._runner is not None or self._failure is not None
 
     async def drain(self) -> None:
         """Wait for the queued steps (not cancelled with the caller); re-raise a failure."""
         self.release()
-        tail = self._tail
-        if tail is None:
-            return
-        try:
-            await asyncio.shield(tail)
-        finally:
-            if tail.done() and self._tail is tail:
-                self._tail = None
+        while self._runner is not None:
+            await asyncio.shield(self._runner)
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
 
     async def settle(self) -> None:
         """End of a turn: let queued steps finish (ignoring their errors), drop the buffer."""
         self.release()
-        tail, self._tail = self._tail, None
-        if tail is not None:
-            await asyncio.wait([tail])
-            if not tail.cancelled():
-                tail.exception()  # retrieved: the turn already reported it
+        while self._runner is not None:
+            await asyncio.wait([self._runner])
+        self.drop()
+
+    def drop(self) -> None:
+        """End of a turn with no step queued (see `busy`): drop the buffer, at once."""
+        self._failure = None  # retrieved: the turn already reported it
+        self._steps.clear()
         self._pending.clear()
         self._arrays.clear()
+        self._after_append.clear()
 
     async def flush(self) -> None:
         """After the queued steps, append the buffer as one batch; return once durable."""
@@ -219,24 +283,34 @@ class Journal:
         await self.flush_buffer()
 
     async def flush_buffer(self, *, durable: bool = True) -> None:
-        """Append the buffer now (from inside a step: `flush` would wait for that step).
+        """Append the buffer now (from inside a step: `flush` would wait for that step),
+        not cut in half by a cancel of the caller.
 
         `durable=False`: see `EventStore.append` (nothing may be acknowledged on
         these events before a later durable append).
         """
+        if self._pending:
+            await finish_even_if_cancelled(self.append_buffer(durable=durable))
+
+    async def append_buffer(self, *, durable: bool = True) -> None:
+        """`flush_buffer` for callers a cancel cannot reach: a step (its task is the
+        journal's), or one already inside `finish_even_if_cancelled`."""
         if not self._pending:
             return
         batch, self._pending = self._pending, []
         arrays, self._arrays = self._arrays, []
+        callbacks, self._after_append = self._after_append, []
         try:
-            await finish_even_if_cancelled(self._append(batch, arrays, durable))
-        except asyncio.CancelledError:
+            await self._append(batch, arrays, durable)
+        except BaseException as exc:
+            if not isinstance(exc, asyncio.CancelledError):
+                # No event was written (appends are atomic): the caller decides.
+                self._pending = batch + self._pending
+                self._arrays = arrays + self._arrays
+                self._after_append = callbacks + self._after_append
             raise
-        except BaseException:
-            # No event was written (appends are atomic): the caller decides.
-            self._pending = batch + self._pending
-            self._arrays = arrays + self._arrays
-            raise
+        for callback in callbacks:
+            callback()
 
     async def _append(
         self, batch: list[NewEvent], arrays: list[EncodedArray], durable: bool
@@ -285,3 +359,42 @@ class Journal:
         await self.drain()
         self.add(*events)
         await self.flush()
+
+
+class BufferedArrays:
+    """`EventStore.put_array` and `release` for a journal: `put_array` encodes now
+    and the pieces go with the journal's next append (`put_array(into=)`; see
+    the module doc).
+
+    Lets code written against a store (`recorder.server.deltas`) store a turn's
+    arrays without a commit of their own.
+    """
+
+    def __init__(self, journal: Journal) -> None:
+        self._journal = journal
+
+    async def put_array(
+        self,
+        array: np.ndarray,
+        *,
+        extends: ArrayRef | None = None,
+        basis: ArrayRef | None = None,
+        basis_offset: int | None = None,
+        cache: bool = True,
+        along: Sequence[EncodedArray] = (),
+    ) -> ArrayRef:
+        encoded: list[EncodedArray] = []
+        ref = await self._journal._store.put_array(
+            array,
+            extends=extends,
+            basis=basis,
+            basis_offset=basis_offset,
+            cache=cache,
+            along=along,
+            into=encoded,
+        )
+        self._journal._arrays.extend(encoded)
+        return ref
+
+    def release(self, old: ArrayRef, keep: Sequence[ArrayRef]) -> None:
+        self._journal._store.release(old, keep)

@@ -137,7 +137,10 @@ async def run_turn(
     except Exception as exc:
         return await _session_failed(state, record, exc, responder)
     finally:
-        await finish_even_if_cancelled(state.journal.settle())
+        if state.journal.busy:
+            await finish_even_if_cancelled(state.journal.settle())
+        else:
+            state.journal.drop()  # the usual end: nothing to wait for, no task for it
         if state.journal.rebased:
             # Its chains miss the turns appended between this one's events.
             state.suspect = True
@@ -173,7 +176,7 @@ async def _run(
     record.plan = plan
     state.next_turn += 1
     state.journal.hold()  # released once the engine has the request (see Journal)
-    input_task = _record_request(
+    input_ref = _record_request(
         ctx, state, chat, body, path, plan, record, max_new, responder.dialect.name
     )
     model = chat.model or ctx.config.model_name
@@ -191,9 +194,9 @@ async def _run(
     async def finish() -> None:
         await state.journal.drain()
         try:
-            _commit(state, plan, output.output_ids, answer.content, input_task.result())
+            _commit(state, plan, output.output_ids, answer.content, input_ref.result())
             _add_snapshot(state)
-            await state.journal.flush_buffer()
+            await state.journal.append_buffer()  # finish itself is not cut by a cancel
         except BaseException:
             state.suspect = True  # chains advanced past the log: rebuilt before the next use
             raise
@@ -326,24 +329,32 @@ def _record_request(
     max_new: int,
     dialect: str,
 ) -> asyncio.Future[ArrayRef]:
-    """Store the body and engine input and record the request, in the background.
+    """Record the request, its body and engine input, in a background step.
 
     The engine does not need the stored arrays, so this overlaps the engine
     call; the step is queued first, so its events precede every later one.
-    Returns the engine input's ref (the chains remember it at commit).
+    The arrays are encoded once the engine has the request and written with
+    the step's events by the turn's next append (the first attempt's: one
+    commit for all of it). Returns the engine input's ref (the chains
+    remember it at commit).
     """
     journal = state.journal
-    body_task = journal.background(lambda: _put_body(ctx, state, body))
-    input_task = journal.background(lambda: put_input(ctx.store, state.chain_refs, plan))
+    input_ref: asyncio.Future[ArrayRef] = asyncio.get_running_loop().create_future()
 
     async def step() -> None:
-        body_ref, input_ref = await asyncio.gather(body_task, input_task)
+        await journal.unheld()
+        body_ref, prefixes = await put_body(journal.arrays, state.body_prefixes, body)
+        # The next body is stored against this one's pieces once they are stored.
+        journal.after_append(lambda: setattr(state, "body_prefixes", prefixes))
+        input_ref.set_result(await put_input(journal.arrays, state.chain_refs, plan))
         journal.add(
-            *_request_events(ctx, chat, plan, record, path, max_new, body_ref, input_ref, dialect)
+            *_request_events(
+                ctx, chat, plan, record, path, max_new, body_ref, input_ref.result(), dialect
+            )
         )
 
     journal.then(step)
-    return input_task
+    return input_ref
 
 
 async def _answer(
@@ -452,11 +463,6 @@ def _request_events(
 # --------------------------------------------------------------------------
 # Steps
 # --------------------------------------------------------------------------
-
-
-async def _put_body(ctx: ServerContext, state: SessionState, body: bytes) -> ArrayRef:
-    ref, state.body_prefixes = await put_body(ctx.store, state.body_prefixes, body)
-    return ref
 
 
 def _sampling_params(ctx: ServerContext, chat: ChatRequest, max_new: int) -> SamplingParams:

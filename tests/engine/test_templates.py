@@ -153,3 +153,33 @@ def test_think_variant_prefills_reasoning() -> None:
     assert tok.render(with_answer, add_generation_prompt=False).endswith(
         "<|im_start|>assistant\n<think>\n\n</think>\n\nhello<|im_end|>\n"
     )
+
+
+# A template reading dict keys that are also dict attributes, missing keys, a dict
+# subclass and dunder names: the sandbox's dict shortcut must change none of them.
+_LOOKUPS = (
+    "{{ m.role }}|{{ m.items is defined }}|{{ m.get('role') }}|{{ m.missing is defined }}"
+    "|{{ m.keys is defined }}|{{ s.role }}|{{ s.items is defined }}|{{ m.__class__ is defined }}"
+    "|{{ m.content }}|{% for k, v in m.items() %}{{ k }}={{ v }};{% endfor %}"
+)
+
+
+class _Sub(dict):  # type: ignore[type-arg]
+    role = "attribute"
+
+
+def test_sandbox_dict_shortcut_matches_jinja_sandbox() -> None:
+    """Same text as jinja's own ImmutableSandboxedEnvironment, attribute-like keys included."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from recorder.model.tokenizer import _compile_template
+
+    m = {"role": "user", "items": "key", "content": "hi", "keys": 1}
+    s = _Sub(role="item", items="x")
+    ours = _compile_template(_LOOKUPS).render(m=m, s=s)
+    theirs = ImmutableSandboxedEnvironment().from_string(_LOOKUPS).render(m=m, s=s)
+    assert ours == theirs
+    # Dict methods stay methods, a missing key is undefined, `__class__` stays unsafe.
+    assert ours == (
+        "user|True|user|False|True|attribute|True|False|hi|role=user;items=key;content=hi;keys=1;"
+    )

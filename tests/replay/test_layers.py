@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PURE = ["turns", "chains", "segments", "reducer", "placeholders", "samples"]
+PURE = ["turns", "chains", "segments", "reducer", "placeholders", "samples", "packed"]
 IMPURE = {"time", "random", "datetime", "os", "uuid", "asyncio", "socket", "secrets"}
 
 

@@ -33,6 +33,10 @@ BODY_CHARS = 8 << 20
 # decoded text, the template's render (a template joins strings: one more
 # copy while it renders); before issue 24 an 8 MB assistant text cost ~50x.
 MAX_PEAK = 4.0
+# What the process allocates meanwhile for anything but the body (a log record, a
+# timer, SQLite's page cache): a few pages. Four 8 MB copies hit the bound exactly,
+# so 3 kB of that churn failed a run at 4.0004x without a fifth copy.
+CHURN_BYTES = 256 << 10
 DIALECT_OF = {ANTHROPIC: "anthropic", CHAT: "openai-chat"}
 
 
@@ -59,7 +63,7 @@ def test_a_body_too_long_in_any_field_is_refused_within_bounded_memory(
     else:
         assert set(body["error"]) >= {"message", "type", "param", "code"}, body
     assert "prompt is too long: at least" in body["error"]["message"], body
-    assert m.peak_bytes <= MAX_PEAK * m.body_bytes, (
+    assert m.peak_bytes <= MAX_PEAK * m.body_bytes + CHURN_BYTES, (
         f"{kind}: peak RSS +{m.peak_bytes / 2**20:.0f} MB for a "
         f"{m.body_bytes / 2**20:.0f} MB body ({m.peak_bytes / m.body_bytes:.1f}x)"
     )

@@ -648,3 +648,38 @@ def test_the_cache_keeps_translations_packed_and_a_turn_unpacks_what_it_reads() 
     assert new == uncached.messages[n - 2 :]
     assert list(chat.messages) == uncached.messages and chat == uncached
     assert not any(isinstance(m, bytes) for m in items)
+
+
+def test_the_fields_around_the_messages_are_scanned_once_while_unchanged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A session re-sends the same system prompt and tools every turn: their JSON-limit
+    scan (~0.3-1 ms for Claude Code's) is kept by their digest; new messages are still
+    scanned, and other tools are scanned anew."""
+    scanned: list[bytes] = []
+    real = translate.json_problem
+
+    def counting(data: bytes, *args: Any) -> str | None:
+        scanned.append(data)
+        return real(data, *args)
+
+    monkeypatch.setattr(translate, "json_problem", counting)
+    monkeypatch.setattr(translate, "_OUTSIDE_OK", set())
+    tools = [{"name": f"T{k}", "input_schema": {"type": "object", "k": [k]}} for k in range(40)]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+    cache = ParseCache()
+    outside_scans = []
+    for turn in range(4):
+        body = {"model": "m", "max_tokens": 8, "messages": messages, "tools": tools}
+        parse_request(json.dumps(body).encode(), cache=cache)
+        outside_scans.append(sum(b'"tools"' in d for d in scanned))
+        messages = [*messages, {"role": "assistant", "content": f"a{turn}"}]
+        messages.append({"role": "user", "content": f"u{turn}"})
+    # The first body (its whole list of messages cut out) and the first resumed one
+    # (the new messages cut out of the shortened body) are scanned; later turns are not.
+    assert outside_scans[0] == 1 and outside_scans[-1] == outside_scans[1] <= 2
+    assert sum(b'"u1"' in d for d in scanned) == 1  # a new message: scanned on its own
+    tools.append({"name": "Extra", "input_schema": {"a": _nested(300)}})
+    body = {"model": "m", "max_tokens": 8, "messages": messages, "tools": tools}
+    with pytest.raises(InvalidRequest):
+        parse_request(json.dumps(body).encode(), cache=cache)

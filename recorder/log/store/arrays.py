@@ -88,10 +88,17 @@ class DecodedPiece(msgspec.Struct, frozen=True):
     depth: int = 0
 
 
+# A keyed-up hasher to copy (never updated itself): a copy costs a third less
+# than a new blake2b with `person`, and a replay hashes every piece it reads.
+_HASHER: Final = hashlib.blake2b(digest_size=DIGEST_SIZE, person=_PERSON)
+_DTYPE_TAGS: Final = {name: name.encode("ascii").ljust(8, b"\x00") for name in NUMPY_DTYPES}
+
+
 def piece_digest(parent: bytes | None, dtype: str, raw: bytes) -> bytes:
-    h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=_PERSON)
+    h = _HASHER.copy()
     h.update(parent or _NO_PARENT)
-    h.update(dtype.encode("ascii").ljust(8, b"\x00"))
+    tag = _DTYPE_TAGS.get(dtype)
+    h.update(tag if tag is not None else dtype.encode("ascii").ljust(8, b"\x00"))
     h.update(raw)
     return h.digest()
 

@@ -224,6 +224,7 @@ class EventStore(ProjectionStore):
         basis_offset: int | None = None,
         cache: bool = True,
         along: Sequence[EncodedArray] = (),
+        into: list[EncodedArray] | None = None,
     ) -> ArrayRef:
         """Store a 1-D array now; return its ref.
 
@@ -250,6 +251,12 @@ class EventStore(ProjectionStore):
         `along`: arrays from `recorder.log.store.arrays.encode_array` stored in
         the same commit (`extends` may name one of them): a body stored as
         prefix, middle and tail pieces costs one commit, not three.
+
+        `into`: store nothing now; add the encoded arrays (`along` and this one,
+        `cache` applied) to `into`, for an `append(..., arrays=)` with the
+        events that name them: one commit for both. A store that drops a
+        basis's cached pieces once the array is stored (`basis` without
+        `basis_offset`) keeps them then.
         """
 
     def release(self, old: ArrayRef, keep: Sequence[ArrayRef]) -> None:

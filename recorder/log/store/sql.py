@@ -728,11 +728,18 @@ class SqlEventStore(EventStore):
         basis_offset: int | None = None,
         cache: bool = True,
         along: Sequence[arr.EncodedArray] = (),
+        into: list[arr.EncodedArray] | None = None,
     ) -> ArrayRef:
         if basis is None:
             encoded = arr.encode_array(array, extends=extends)
         else:
             encoded = await self._encode_with_basis(array, extends, basis, basis_offset)
+        if into is not None:
+            into.extend(
+                a if a.cache == cache else msgspec.structs.replace(a, cache=cache)
+                for a in (*along, encoded)
+            )
+            return encoded.ref
         await self._put_encoded([*along, encoded], cache=cache)
         if basis is not None and basis_offset is None:
             self._supersede(basis, encoded.ref)
