@@ -10,20 +10,108 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import msgspec
 import xxhash
+import zstandard
 
 # A translated message as the cache keeps it: a plain tuple (role, chat messages,
-# digests, tool_use ids, tool_result ids), so an entry costs the cyclic GC two
-# tracked objects (this tuple and its tuple of message dicts; the dicts of plain
-# text and the tuples of strings are untracked), not three.
+# digests, tool_use ids, tool_result ids, characters of its rendered text, the
+# positions among its chat messages of those holding a `tool_references`), so an
+# entry costs the cyclic GC two tracked objects (this tuple and its tuple of
+# messages), not three. Its chat messages are packed (`pack_message`): msgpack,
+# compressed when big, ~1/3 of the text that is most of their dicts' memory (a
+# 100k-token session kept ~530 kB of them); a request unpacks only what it reads.
 CachedPiece = tuple[
-    str, tuple[dict[str, Any], ...], tuple[str, ...], tuple[str, ...], tuple[str, ...]
+    str,
+    tuple["dict[str, Any] | bytes", ...],
+    tuple[str, ...],
+    tuple[str, ...],
+    tuple[str, ...],
+    int,
+    tuple[int, ...],
 ]
+
+_packer = msgspec.msgpack.Encoder()
+_decode = msgspec.msgpack.Decoder(dict[str, Any]).decode
+# Packed messages from this size on are compressed (zstd level 1: ~3x on text and
+# code, ~100 MB/s; below it the frame's overhead eats the gain). A compressed one
+# starts with zstd's magic number, a msgpack map never with its first byte (0x28).
+_COMPRESS_FROM = 512
+_ZSTD_FIRST_BYTE = 0x28
+# zstandard's (de)compressor objects are not thread-safe: one of each per thread.
+_zstd = threading.local()
+
+
+def pack_message(message: dict[str, Any]) -> bytes:
+    """A chat message as the cache keeps it (`unpack_message` gives an equal dict back:
+    its values are JSON's, and a tuple comes back as a list)."""
+    packed = _packer.encode(message)
+    if len(packed) < _COMPRESS_FROM:
+        return packed
+    compressor = getattr(_zstd, "compressor", None)
+    if compressor is None:
+        compressor = _zstd.compressor = zstandard.ZstdCompressor(level=1)
+    return compressor.compress(packed)  # type: ignore[no-any-return]
+
+
+def unpack_message(item: dict[str, Any] | bytes) -> dict[str, Any]:
+    """The chat message of a packed or plain item."""
+    if not isinstance(item, bytes):
+        return item
+    if item[0] != _ZSTD_FIRST_BYTE:
+        return _decode(item)
+    decompressor = getattr(_zstd, "decompressor", None)
+    if decompressor is None:
+        decompressor = _zstd.decompressor = zstandard.ZstdDecompressor()
+    return _decode(decompressor.decompress(item))
+
+
+class ChatMessages(Sequence[dict[str, Any]]):
+    """A request's chat messages, some still packed: each is unpacked when first read.
+
+    A turn that extends a chain reads only its new messages (the chain holds the
+    tokens of the others), so the earlier ones stay packed, and the session keeps
+    no dict of them between requests. Read anything (a full render, equality) and
+    it is unpacked: the same dicts as an uncached parse's. Read-only, as the
+    plain list a `ChatRequest` otherwise holds is by convention.
+    """
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: list[dict[str, Any] | bytes]) -> None:
+        self._items = items  # owned: unpacked items replace their bytes in place
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self._get(i) for i in range(*index.indices(len(self._items)))]
+        return self._get(index)
+
+    def _get(self, i: int) -> dict[str, Any]:
+        item = self._items[i]
+        if isinstance(item, bytes):
+            item = self._items[i] = unpack_message(item)
+        return item
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return (self._get(i) for i in range(len(self._items)))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ChatMessages | list | tuple):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(list(self))
 
 
 class Conversation(Protocol):
@@ -82,9 +170,9 @@ class ParseCache:
     tokens, which the server does not keep either: deltas.BodyPrefixes).
 
     Bounds: the least recently used messages go beyond `max_entries` or
-    `max_bytes`, where a message is charged its JSON size (its translation
-    decodes to about as much: tools/bench_session_memory.py's census) plus a
-    fixed overhead; and a message no request used in the last
+    `max_bytes`, where a message is charged what its entry keeps alive: its
+    packed translation (`pack_message`, about its text) plus overheads
+    (`_charge`); and a message no request used in the last
     `max_idle_requests` (history replaced by a compaction, a finished
     subagent) goes too. The previous request is remembered only while its
     messages total at most `max_bytes` and none is too big to cache. Not
@@ -98,9 +186,13 @@ class ParseCache:
     its reads and parses (tests/tokens/test_parse_cache.py counts them).
     """
 
-    # Per message beyond its JSON: the translation's dicts and strings (~600 bytes
-    # measured by tests/server/test_memory.py), the digest and the dict slots.
-    ENTRY_OVERHEAD = 640
+    # Per entry beyond its packed messages: the tuples, the key and the dict slots;
+    # per chat message its digest and bytes object; per tool id its string. Measured
+    # (benchkit.census.Walk over the entries of a tool-using session): within ~10%
+    # above, never below (tests/server/test_memory.py).
+    ENTRY_OVERHEAD = 512
+    MESSAGE_OVERHEAD = 96
+    ID_OVERHEAD = 64
 
     def __init__(
         self, max_entries: int = 4096, max_bytes: int = 16 << 20, max_idle_requests: int = 64
@@ -114,7 +206,7 @@ class ParseCache:
         self.max_entry_bytes = max_bytes // 16
         self._entries: OrderedDict[bytes, CachedPiece] = OrderedDict()  # LRU first
         self._last_used: dict[bytes, int] = {}  # key -> number of the request
-        self._sizes: dict[bytes, int] = {}  # key -> its message's JSON size
+        self._sizes: dict[bytes, int] = {}  # key -> the bytes it is charged
         # The previous request: the digest of its body up to the end of its last
         # message, where its messages are in it (the first's offset, how many,
         # the end of the last), their keys, and the caller's conversation after them.
@@ -252,8 +344,8 @@ class ParseCache:
             key = _digest(raw)
             piece = entries.get(key)
             if piece is None:
-                piece = translate_message(bytes(raw), i, conversation)
-                self._put(key, piece, size, now)
+                piece = _packed(translate_message(bytes(raw), i, conversation))
+                self._put(key, piece, now)
             else:
                 last_used[key] = now
                 entries.move_to_end(key)
@@ -272,11 +364,12 @@ class ParseCache:
         last_used = self._last_used
         self._evict(lambda oldest: last_used[oldest] < idle_before)
 
-    def _put(self, key: bytes, piece: CachedPiece, size: int, now: int) -> None:
+    def _put(self, key: bytes, piece: CachedPiece, now: int) -> None:
         self._entries[key] = piece
         self._last_used[key] = now
-        self._sizes[key] = size
-        self._nbytes += size + self.ENTRY_OVERHEAD
+        charge = self._charge(piece)
+        self._sizes[key] = charge
+        self._nbytes += charge
         # Checked inline first: a session's first request after a restart puts
         # every message of its history (hundreds), and is rarely over a bound.
         if len(self._entries) > self.max_entries:
@@ -290,7 +383,24 @@ class ParseCache:
         while entries and while_oldest(next(iter(entries))):
             key, _ = entries.popitem(last=False)
             del self._last_used[key]
-            self._nbytes -= self._sizes.pop(key) + self.ENTRY_OVERHEAD
+            self._nbytes -= self._sizes.pop(key)
+
+    def _charge(self, piece: CachedPiece) -> int:
+        """What an entry keeps alive, near enough (see `ENTRY_OVERHEAD`)."""
+        ids = (*piece[3], *piece[4])
+        return (
+            self.ENTRY_OVERHEAD
+            + sum(map(len, piece[1]))  # type: ignore[arg-type]
+            + self.MESSAGE_OVERHEAD * len(piece[1])
+            + sum(map(len, ids))
+            + self.ID_OVERHEAD * len(ids)
+        )
+
+
+def _packed(piece: CachedPiece) -> CachedPiece:
+    """`piece` with its chat messages packed, as an entry keeps them."""
+    role, messages, *rest = piece
+    return (role, tuple(map(pack_message, messages)), *rest)  # type: ignore[return-value]
 
 
 def _end_of(body: bytes, start: int, lengths: Sequence[int]) -> int:

@@ -60,7 +60,14 @@ from recorder.dialects.chat import (
     shared_tools,
 )
 from recorder.dialects.json_limits import MAX_DEPTH, json_problem
-from recorder.dialects.parse_cache import CachedPiece, KnownPrefix, ParseCache
+from recorder.dialects.parse_cache import (
+    CachedPiece,
+    ChatMessages,
+    KnownPrefix,
+    ParseCache,
+    pack_message,
+    unpack_message,
+)
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header"
 _BLANKS = re.compile(rb"[ \t\r\n]*")  # JSON whitespace
@@ -289,8 +296,10 @@ def _chat_request(
     deferred = {t.name: _tool_schema(t) for t in req.tools or [] if t.defer_loading}
     by_name = {**{t["function"]["name"]: t for t in tools}, **deferred}
     messages, digests, loaded = conversation.messages, conversation.digests, ()
-    if conversation.references:
-        messages, digests, loaded = _load_references(messages, digests, by_name)
+    if conversation.reference_at:
+        messages, digests, loaded = _load_references(
+            messages, digests, conversation.reference_at, by_name
+        )
     thinking = req.thinking
     template_kwargs: dict[str, Any] = {}
     if thinking is not None:
@@ -298,7 +307,7 @@ def _chat_request(
     choice = req.tool_choice
     return ChatRequest(
         model=req.model,
-        messages=messages,
+        messages=ChatMessages(messages) if conversation.packed else messages,  # type: ignore[arg-type]
         tools=tools,
         message_digests=tuple(digests),
         system=system,
@@ -364,6 +373,25 @@ class _Piece(NamedTuple):
     digests: tuple[str, ...]
     tool_use_ids: tuple[str, ...]
     tool_result_ids: tuple[str, ...]
+    # Characters of its text a template renders (0 for an assistant message:
+    # `ChatRequest.text_chars`), and which of its messages hold a tool_reference.
+    text_chars: int
+    reference_at: tuple[int, ...]
+
+
+def _piece(
+    role: Literal["user", "assistant", "system"],
+    messages: tuple[dict[str, Any], ...],
+    tool_use_ids: tuple[str, ...] = (),
+    tool_result_ids: tuple[str, ...] = (),
+) -> _Piece:
+    """A `_Piece` with its digests and counts (user, tool and system content is a string)."""
+    digests = tuple(message_digest(m) for m in messages)
+    if role == "assistant":
+        return _Piece(role, messages, digests, tool_use_ids, tool_result_ids, 0, ())
+    chars = sum(len(m["content"]) for m in messages)
+    at = tuple(i for i, m in enumerate(messages) if "tool_references" in m)
+    return _Piece(role, messages, digests, tool_use_ids, tool_result_ids, chars, at)
 
 
 def _translate_message(message: Message, path: str, seen: set[str]) -> _Piece:
@@ -374,23 +402,21 @@ def _translate_message(message: Message, path: str, seen: set[str]) -> _Piece:
     becomes no chat message, rather than an empty system block in the prompt.
     """
     if message.role == "system" and _is_empty_system(message.content, path):
-        return _Piece("system", (), (), (), ())
+        return _piece("system", ())
     if isinstance(message.content, str):
         # The short form of one text block: any role's chat message is that text
         # (what the general path makes of it, without building the block).
-        chat = {"role": message.role, "content": message.content}
-        return _Piece(message.role, (chat,), (message_digest(chat),), (), ())
+        return _piece(message.role, ({"role": message.role, "content": message.content},))
     blocks = message.content
     if message.role == "assistant":
         reply = _assistant_turn(blocks, path)
         calls = tuple(b.id for b in blocks if isinstance(b, ToolUseBlock))
-        return _Piece("assistant", (reply,), (message_digest(reply),), calls, ())
+        return _piece("assistant", (reply,), calls)
     if message.role == "user":
         out = tuple(_user_messages(blocks, path, seen))
         results = tuple(b.tool_use_id for b in blocks if isinstance(b, ToolResultBlock))
-        return _Piece("user", out, tuple(message_digest(m) for m in out), (), results)
-    system = {"role": "system", "content": _text_only(blocks, path)}
-    return _Piece("system", (system,), (message_digest(system),), (), ())
+        return _piece("user", out, (), results)
+    return _piece("system", ({"role": "system", "content": _text_only(blocks, path)},))
 
 
 def _translate_raw(data: bytes, index: int, conversation: _Conversation) -> CachedPiece:
@@ -399,7 +425,7 @@ def _translate_raw(data: bytes, index: int, conversation: _Conversation) -> Cach
     if json_problem(data, MAX_DEPTH - 2) is not None:
         raise InvalidRequest("JSON limits", f"messages.{index}")  # named by the caller
     message = message_decoder.decode(data)
-    return tuple(_translate_message(message, f"messages.{index}", conversation.seen))
+    return tuple(_translate_message(message, f"messages.{index}", conversation.seen))  # type: ignore[return-value]
 
 
 class _ConversationState(NamedTuple):
@@ -407,14 +433,16 @@ class _ConversationState(NamedTuple):
 
     system: str
     system_digest: str
-    messages: tuple[dict[str, Any], ...]
+    messages: tuple[dict[str, Any] | bytes, ...]
     digests: tuple[str, ...]
     seen: frozenset[str]
     trailing_tool_result_ids: tuple[str, ...]
     last_role: str
+    last_is_assistant: bool
     n_input_messages: int
     text_chars: int
-    references: bool
+    reference_at: tuple[int, ...]
+    packed: bool
 
 
 class _Conversation:
@@ -424,7 +452,10 @@ class _Conversation:
     the tool_result ids after the last assistant message are collected.
     Counted on the way, so that no later step walks every message again:
     the characters of the text every template renders (`ChatRequest.text_chars`)
-    and whether any tool result holds a `tool_reference`.
+    and which messages hold a `tool_reference`. A message may be packed (a
+    ParseCache's piece): it stays packed unless something reads it
+    (`parse_cache.ChatMessages`), so neither the request nor the snapshot kept
+    for the next one holds a dict of every message.
     """
 
     def __init__(self, system: str) -> None:
@@ -432,10 +463,11 @@ class _Conversation:
         # Once per conversation: a request that resumes it has the same system text
         # (checked), and Claude Code's is tens of kB.
         self.system_digest = digest_text(system)
-        self.messages: list[dict[str, Any]] = []
+        self.messages: list[dict[str, Any] | bytes] = []
         self.digests: list[str] = []
         self.text_chars = len(system)
-        self.references = False
+        self.reference_at: list[int] = []  # indexes into `messages`
+        self.packed = False  # whether any of `messages` is packed
         if system:
             prompt = {"role": "system", "content": system}
             self.messages.append(prompt)
@@ -443,6 +475,7 @@ class _Conversation:
         self.seen: set[str] = set()
         self.trailing_tool_result_ids: list[str] = []
         self.last_role = ""
+        self.last_is_assistant = False  # the last chat message's role (merges)
         self.n_input_messages = 0
 
     def snapshot(self) -> _ConversationState:
@@ -455,9 +488,11 @@ class _Conversation:
             frozenset(self.seen),
             tuple(self.trailing_tool_result_ids),
             self.last_role,
+            self.last_is_assistant,
             self.n_input_messages,
             self.text_chars,
-            self.references,
+            tuple(self.reference_at),
+            self.packed,
         )
 
     @classmethod
@@ -471,9 +506,11 @@ class _Conversation:
         conversation.seen = set(state.seen)
         conversation.trailing_tool_result_ids = list(state.trailing_tool_result_ids)
         conversation.last_role = state.last_role
+        conversation.last_is_assistant = state.last_is_assistant
         conversation.n_input_messages = state.n_input_messages
         conversation.text_chars = state.text_chars
-        conversation.references = state.references
+        conversation.reference_at = list(state.reference_at)
+        conversation.packed = state.packed
         return conversation
 
     def check_tool_results(self, piece: CachedPiece, index: int) -> None:
@@ -485,27 +522,34 @@ class _Conversation:
                     f"messages.{index}",
                 )
 
-    def add(self, piece: CachedPiece) -> None:
-        """Add a `_Piece` (or its cached plain tuple)."""
-        role, messages, digests, tool_use_ids, tool_result_ids = piece
+    def add(self, piece: CachedPiece | _Piece) -> None:
+        """Add a `_Piece` (or its cached plain tuple, messages packed)."""
+        role, messages, digests, tool_use_ids, tool_result_ids, text_chars, reference_at = piece
         self.n_input_messages += 1
         self.last_role = role
+        if messages and isinstance(messages[0], bytes):
+            self.packed = True
         if role != "assistant":
             self.trailing_tool_result_ids.extend(tool_result_ids)
         else:
             self.seen.update(tool_use_ids)
             self.trailing_tool_result_ids.clear()
-            if self.messages and self.messages[-1]["role"] == "assistant":
-                merged = _merge_assistant(self.messages[-1], messages[0])
-                self.messages[-1] = merged
-                self.digests[-1] = message_digest(merged)
+            if self.last_is_assistant:
+                self._merge(messages[0])
                 return
+        if messages:
+            self.last_is_assistant = role == "assistant"
+        offset = len(self.messages)
+        self.reference_at.extend(offset + i for i in reference_at)
         self.messages.extend(messages)
         self.digests.extend(digests)
-        if role != "assistant":
-            for message in messages:  # user, tool or system: its content is a string
-                self.text_chars += len(message["content"])
-                self.references = self.references or "tool_references" in message
+        self.text_chars += text_chars
+
+    def _merge(self, item: dict[str, Any] | bytes) -> None:
+        """An assistant message right after another: one turn (kept packed if it came so)."""
+        merged = _merge_assistant(unpack_message(self.messages[-1]), unpack_message(item))
+        self.messages[-1] = pack_message(merged) if isinstance(item, bytes) else merged
+        self.digests[-1] = message_digest(merged)
 
 
 def _assistant_turn(blocks: list[ContentBlock], path: str) -> dict[str, Any]:
@@ -633,8 +677,11 @@ def _reference_mark(name: str) -> str:
 
 
 def _load_references(
-    messages: list[dict[str, Any]], digests: list[str], tools: dict[str, dict[str, Any]]
-) -> tuple[list[dict[str, Any]], list[str], tuple[str, ...]]:
+    messages: list[dict[str, Any] | bytes],
+    digests: list[str],
+    reference_at: Sequence[int],
+    tools: dict[str, dict[str, Any]],
+) -> tuple[list[dict[str, Any] | bytes], list[str], tuple[str, ...]]:
     """Each `tool_reference` becomes the referenced tool's schema, where the model meets it.
 
     The Messages API expands a reference into the tool's full definition at
@@ -645,19 +692,17 @@ def _load_references(
     (Claude Code adds a tool to `tools` once it is loaded: that must not
     break the chain), and a loaded message's digest is that of its expanded
     text. Messages are shared with the ParseCache: copied, never changed.
+    Only the messages at `reference_at` (in order) hold references.
 
     Also returns the names loaded, in order of first reference: from that
     point on the model may call them (as with the real API).
     """
-    out, out_digests = [], list(digests)
+    out, out_digests = list(messages), list(digests)
     loaded_names: dict[str, None] = {}
-    for i, message in enumerate(messages):
-        names = message.get("tool_references")
-        if names is None:
-            out.append(message)
-            continue
+    for i in reference_at:
+        message = unpack_message(messages[i])
         text = message["content"]
-        for name in names:
+        for name in message["tool_references"]:
             if name not in tools:
                 raise InvalidRequest(
                     f"tool_reference to {name!r}, which is not in tools; declare it there "
@@ -668,7 +713,7 @@ def _load_references(
             text = text.replace(_reference_mark(name), f"<tools>\n{schema}\n</tools>", 1)
             loaded_names[name] = None
         loaded = {**{k: v for k, v in message.items() if k != "tool_references"}, "content": text}
-        out.append(loaded)
+        out[i] = loaded
         out_digests[i] = message_digest(loaded)
     return out, out_digests, tuple(loaded_names)
 

@@ -25,7 +25,7 @@ from test_translate_requests import MALFORMED
 
 import recorder.dialects.translate as translate
 from recorder.dialects.chat import ChatRequest, InvalidRequest
-from recorder.dialects.parse_cache import ParseCache
+from recorder.dialects.parse_cache import ChatMessages, ParseCache, unpack_message
 from recorder.dialects.translate import parse_request
 
 Outcome = ChatRequest | tuple[str, str]
@@ -325,7 +325,11 @@ def test_the_cache_keeps_digests_not_copies_of_the_messages() -> None:
     assert id(body) not in reached
     kinds = {type(o) for o in reached.values()}
     assert msgspec.Raw not in kinds and memoryview not in kinds
-    assert max(len(o) for o in reached.values() if isinstance(o, bytes)) <= 16
+    # Beside the 16-byte keys, only packed translations (msgpack, `pack_message`): no
+    # copy of a message's JSON, nor of any other part of the body.
+    kept = [o for o in reached.values() if isinstance(o, bytes) and len(o) > 16]
+    assert all(o[:1] != b"{" and o not in body for o in kept)
+    assert all(isinstance(unpack_message(o), dict) for o in kept)
     # A message moved to another position is still a hit (found by its digest).
     session.messages.insert(1, {"role": "user", "content": "inserted"})
     session.messages.insert(2, {"role": "assistant", "content": "noted"})
@@ -614,6 +618,36 @@ def test_known_messages_under_another_system_prompt_are_translated_as_such() -> 
     _assert_same(session.body(), cache)
     body = session.body().replace(b'"stream": true', b'"stream": false')
     _assert_same(body, cache)
+
+
+def test_the_cache_keeps_translations_packed_and_a_turn_unpacks_what_it_reads() -> None:
+    """Between requests a session keeps no dict of its messages: its entries and the
+    state for the next request hold them packed (~half the memory); a request unpacks
+    only the messages read (an extending turn reads its new ones), and reading all of
+    them gives the uncached parse's messages."""
+    session, cache = _Session(random.Random(8)), ParseCache()
+    session.messages_first = True  # Claude Code's layout: found by `known_prefix`
+    for _ in range(20):
+        session.tool_turn()
+        parse_request(session.body(), cache=cache)
+    session.tool_turn()
+    body = session.body()
+    assert cache.known_prefix(body) is not None
+    chat = parse_request(body, cache=cache)
+    packed = [m for piece in cache._entries.values() for m in piece[1]]
+    assert packed and all(isinstance(m, bytes) for m in packed)
+    state = cache.known_prefix(body).state  # type: ignore[union-attr]
+    kept = [m for m in state.messages if not isinstance(m, bytes)]
+    assert all(m["role"] == "system" for m in kept)  # the system prompt: `state.system` itself
+    assert isinstance(chat.messages, ChatMessages)
+    n = len(chat.messages)
+    new = chat.messages[n - 2 :]
+    items = chat.messages._items
+    assert sum(isinstance(m, bytes) for m in items) >= n - 2 - len(kept)
+    uncached = parse_request(body)
+    assert new == uncached.messages[n - 2 :]
+    assert list(chat.messages) == uncached.messages and chat == uncached
+    assert not any(isinstance(m, bytes) for m in items)
 
 
 def test_the_fields_around_the_messages_are_scanned_once_while_unchanged(
