@@ -1,6 +1,7 @@
-"""Memory of `recorder serve`: idle RSS by parser backend, and a census of open 100k sessions.
+"""Memory of `recorder serve`: idle RSS by parser backend, RSS per open 100k session from
+8 to 32 sessions, and a census of open 100k sessions.
 
-Two tables, each with its peer measured in the same run:
+Three tables, each with its peer measured in the same run:
 
   idle       RSS of a started, healthy `recorder serve` holding no session, on a
              log it opened before (a restart: the common start) and on a new
@@ -8,6 +9,17 @@ Two tables, each with its peer measured in the same run:
              backend (SGLang's parsers) beside the builtin one; with
              `--before-src DIR` the same for that checkout (a worktree of
              main), rounds interleaved.
+  slope      RSS per open session, decisively: one server per checkout opens
+             sessions in stages (`--stages`, e.g. 8, 16, 32), grows each to
+             `--context` tokens and gives every open session one more turn,
+             and samples its RSS after each stage. Per session: RSS growth / n
+             at each stage (what n sessions cost, with every process-wide cache
+             they fill), and the marginal cost (least-squares slope of RSS over
+             the stages: what one more session costs once caches of fixed size
+             are warm), medians over `--repeats` runs, checkouts interleaved.
+             Variants (`--variant NAME=ARG,ARG`) run this checkout with other
+             options, e.g. the engine body cache off: its cap is a per-process
+             cost once reached, its per-session share below it.
   census     `--sessions` sessions shaped like Claude Code's (bench_training's
              conversations) grown to `--context` tokens in one server, which
              runs with a census probe (`--serve`, below). Per open session:
@@ -23,7 +35,8 @@ Two tables, each with its peer measured in the same run:
 with the probe: on SIGUSR1 it writes the census as JSON to $CENSUS_FILE.
 
     python -m tools.bench_session_memory [--sessions 8] [--context 100000]
-        [--idle-rounds 3] [--before-src DIR] [--no-idle] [--no-census]
+        [--stages 8,16,32] [--repeats 3] [--variant 'no body cache=--engine-body-cache-mb,0']
+        [--idle-rounds 3] [--before-src DIR] [--no-idle] [--no-slope] [--no-census]
 """
 
 from __future__ import annotations
@@ -50,6 +63,7 @@ from tools.benchkit.engine import EngineProcess, fixture_tokenizer
 from tools.benchkit.memory import MB
 from tools.benchkit.procs import REPO
 from tools.benchkit.recorder import RecorderProcess, idle_rss
+from tools.benchkit.stats import slope
 from tools.benchkit.table import console, rich_table
 
 kB = 1024
@@ -138,6 +152,101 @@ def idle_table(data: dict[tuple[str, str, str], list[int]]) -> Table:
 
 
 # --------------------------------------------------------------------------
+# RSS per open session, over stages of open sessions
+# --------------------------------------------------------------------------
+
+
+async def slope_run(
+    engine: EngineProcess, tmp: Path, args: argparse.Namespace, root: Path, extra: list[str]
+) -> dict[str, Any]:
+    """One server of checkout `root` (with `extra` options): its RSS with the warm-up
+    session closed, then after each stage of `--stages` open sessions at `--context`."""
+    db = tmp / f"slope-{root.name}-{len(os.listdir(tmp))}.db"
+    recorder = RecorderProcess(engine.url, str(db), ["--log-level", "WARNING", *extra], root=root)
+    result: dict[str, Any] = {"rss": [], "contexts": []}
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+            await recorder.wait_healthy(http)
+            driver = Driver(http, recorder, args)
+            wpt = words_per_token(fixture_tokenizer())
+            await _warm_up(driver)
+            result["rss_before"] = recorder.rss()
+            for n in args.stages:
+                opened = Driver(http, recorder, args)  # this stage's new sessions
+                for i in range(len(driver.sessions), n):
+                    await opened.open(i)
+                await opened.round(None)
+                await opened.grow_to(args.context, wpt)
+                driver.sessions += opened.sessions
+                driver.context.update(opened.context)
+                await driver.round(max(1, round(args.new_tokens * wpt)))  # every open one
+                await asyncio.sleep(0.5)
+                result["rss"].append(recorder.rss())
+                result["contexts"].append(statistics.fmean(driver.context.values()))
+    finally:
+        await recorder.stop()
+    return result
+
+
+async def _warm_up(driver: Driver) -> None:
+    """A short session, closed: what any first session loads (templates, statements)
+    is not charged to the sessions measured."""
+    warm = await driver.open(10_000)
+    for k in range(3):
+        await driver.turn(warm, driver.sessions[0][1], None if k == 0 else 200)
+    await driver.close_all()
+    await asyncio.sleep(0.5)
+
+
+def slope_figures(result: dict[str, Any], stages: list[int]) -> dict[str, float]:
+    """Per session: RSS growth / n at each stage, and the marginal slope over the stages."""
+    out = {
+        f"{n}": (rss - result["rss_before"]) / n
+        for n, rss in zip(stages, result["rss"], strict=True)
+    }
+    out["marginal"] = slope(stages, result["rss"])
+    return out
+
+
+def slope_table(data: dict[str, list[dict[str, Any]]], stages: list[int], context: float) -> Table:
+    runs = len(next(iter(data.values())))
+    title = (
+        f"RSS per open session at {context:,.0f} tokens of context (mean), `recorder serve` "
+        f"without a probe, median of {runs} runs (checkouts interleaved): growth / n with n "
+        "sessions open, and the marginal cost (slope of RSS over n); goal: <= 1.5 MB"
+    )
+    rows = []
+    for name, results in data.items():
+        figures = [slope_figures(r, stages) for r in results]
+        cells = [
+            f"{statistics.median(f[key] for f in figures) / MB:.2f} MB"
+            for key in [*map(str, stages), "marginal"]
+        ]
+        top = statistics.median(r["rss"][-1] for r in results) / MB
+        start = statistics.median(r["rss_before"] for r in results) / MB
+        rows.append((name, *cells, f"{start:.0f} -> {top:.0f} MB"))
+    cols = ("checkout", *(f"{n} sessions" for n in stages), "marginal (slope)", "RSS")
+    return rich_table(title, cols, rows)
+
+
+async def slope_data(
+    engine: EngineProcess, tmp: Path, args: argparse.Namespace, roots: dict[str, Path]
+) -> dict[str, list[dict[str, Any]]]:
+    """`--repeats` rounds of one run per checkout and variant, interleaved."""
+    cells: dict[str, tuple[Path, list[str]]] = {"this": (REPO, list(args.serve_arg))}
+    for spec in args.variant:
+        name, _, options = spec.partition("=")
+        cells[f"this, {name}"] = (REPO, [*args.serve_arg, *filter(None, options.split(","))])
+    if "before" in roots:
+        cells["before"] = (roots["before"], [])
+    out: dict[str, list[dict[str, Any]]] = {name: [] for name in cells}
+    for _ in range(args.repeats):
+        for name, (root, extra) in cells.items():
+            out[name].append(await slope_run(engine, tmp, args, root, extra))
+    return out
+
+
+# --------------------------------------------------------------------------
 # Census
 # --------------------------------------------------------------------------
 
@@ -161,11 +270,7 @@ async def census_run(
             await recorder.wait_healthy(http)
             driver = Driver(http, recorder, args)
             wpt = words_per_token(fixture_tokenizer())
-            warm = await driver.open(10_000)
-            for k in range(3):
-                await driver.turn(warm, driver.sessions[0][1], None if k == 0 else 200)
-            await driver.close_all()
-            await asyncio.sleep(0.5)
+            await _warm_up(driver)
             result["rss_before"] = recorder.rss()
             if probe:
                 base = await take_census(recorder, out)
@@ -271,6 +376,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if args.idle:
                 idle = results["idle"] = await idle_table_data(engine, tmp, roots, args.idle_rounds)
                 out.print(idle_table(idle))
+            if args.slope:
+                slopes = results["slope"] = await slope_data(engine, tmp, args, roots)
+                context = statistics.fmean(
+                    r["contexts"][-1] for runs in slopes.values() for r in runs
+                )
+                out.print(slope_table(slopes, args.stages, context))
             if args.census:
                 # RSS growth without the probe (its own allocations would count), every
                 # checkout alike; then the census in a run of its own.
@@ -286,6 +397,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         await engine.stop()
     return results
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -304,6 +419,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--idle-rounds", type=int, default=3)
     ap.add_argument("--idle", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--census", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--slope", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument(
+        "--stages", type=_ints, default=[8, 16, 32], help="slope: open sessions at each sample"
+    )
+    ap.add_argument("--repeats", type=int, default=3, help="slope: runs per checkout")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="slope: also this checkout as NAME=ARG,ARG (its `recorder serve` options), "
+        "e.g. 'no body cache=--engine-body-cache-mb,0'",
+    )
     ap.add_argument("--before-src", default=None, help="another checkout (a worktree of main)")
     ap.add_argument("--db-dir", default=None, help="where the SQLite files go")
     ap.add_argument("--census-json", default=None, help="also write the raw census here")
