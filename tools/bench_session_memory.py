@@ -32,7 +32,10 @@ Three tables, each with its peer measured in the same run:
              `--before-src`, that checkout's, same sessions.
 
 `python -m tools.bench_session_memory --serve SERVE_ARGS` is `recorder serve`
-with the probe: on SIGUSR1 it writes the census as JSON to $CENSUS_FILE.
+with the probe: on SIGUSR1 it writes the census as JSON to $CENSUS_FILE; with
+CENSUS_TRACEMALLOC=N (frames) in its environment it traces allocations from the
+start, and each census after the first adds the heap's growth since the first by
+allocating traceback (key "tracemalloc" of `--census-json`).
 
     python -m tools.bench_session_memory [--sessions 8] [--context 100000]
         [--stages 8,16,32] [--repeats 3] [--variant 'no body cache=--engine-body-cache-mb,0']
@@ -89,9 +92,23 @@ def serve_with_census(argv: list[str]) -> None:
 
     app.make_context = recording  # type: ignore[assignment]
 
+    traced = bool(os.environ.get("CENSUS_TRACEMALLOC"))
+    snapshots: list[Any] = []
+    if traced:  # where the heap grew between two censuses, by allocating line
+        import tracemalloc
+
+        tracemalloc.start(int(os.environ["CENSUS_TRACEMALLOC"]))
+
     def dump(signum: int, frame: object) -> None:
         loop = asyncio.events._get_running_loop()
         data = census.census(contexts[-1], shared=[loop] if loop else [])
+        if traced:
+            snapshots.append(tracemalloc.take_snapshot())
+            if len(snapshots) > 1:
+                diff = snapshots[-1].compare_to(snapshots[0], "traceback")[:40]
+                data["tracemalloc"] = [
+                    [d.size_diff, d.count_diff, d.traceback.format()] for d in diff
+                ]
         Path(os.environ["CENSUS_FILE"]).write_text(json.dumps(data))
 
     signal.signal(signal.SIGUSR1, dump)
@@ -298,7 +315,8 @@ async def take_census(recorder: RecorderProcess, out: Path) -> dict[str, Any]:
     """Signal the probe and read what it wrote."""
     out.unlink(missing_ok=True)
     recorder.proc.send_signal(signal.SIGUSR1)
-    for _ in range(600):
+    waits = 6000 if os.environ.get("CENSUS_TRACEMALLOC") else 600  # tracing: snapshots too
+    for _ in range(waits):
         await asyncio.sleep(0.1)
         if out.exists() and out.stat().st_size:
             await asyncio.sleep(0.1)
@@ -306,7 +324,7 @@ async def take_census(recorder: RecorderProcess, out: Path) -> dict[str, Any]:
                 return json.loads(out.read_text())  # type: ignore[no-any-return]
             except ValueError:
                 continue  # still being written
-    raise RuntimeError("the server wrote no census in 60 s")
+    raise RuntimeError(f"the server wrote no census in {waits / 10:.0f} s")
 
 
 def _mean(values: list[int]) -> float:
@@ -343,6 +361,18 @@ def census_table(after: dict[str, Any], plain: dict[str, dict[str, Any]], n: int
         }
         what = f"{grown['pieces'] / n:.0f} pieces, {grown['items'] / n:,.0f} items"
         row(f"store piece cache: {dtype} ({what}, charged)", grown["bytes"] / n)
+    shared, base_shared = c["shared"], base.get("shared", {})
+    for key in ("engine body cache", "tokenizer word cache"):
+        if key in shared:
+            row(f"{key} (per process, grown / n)", (shared[key] - base_shared.get(key, 0)) / n)
+    cap = shared["engine body cache: cap"]
+    rows.append(
+        (
+            "engine body cache: cap (per process, --engine-body-cache-mb)",
+            f"{cap / MB:.0f} MB",
+            f"reached at ~{cap / max(shared['engine body cache'] / max(n, 1), 1):.0f} sessions",
+        )
+    )
     sqlite = c["sqlite"] - base.get("sqlite", 0)
     row("SQLite allocator (page caches; grows with the log)", sqlite / n)
     heap = c["malloc"]

@@ -56,7 +56,10 @@ def pack_message(message: dict[str, Any]) -> bytes:
     compressor = getattr(_zstd, "compressor", None)
     if compressor is None:
         compressor = _zstd.compressor = zstandard.ZstdCompressor(level=1)
-    return compressor.compress(packed)  # type: ignore[no-any-return]
+    # Copied: zstandard's `compress` returns a bytes whose allocation stays the size of
+    # its worst-case bound (more than the input), only its length set to what was
+    # written, so a kept frame would hold as much memory as the message uncompressed.
+    return bytes(memoryview(compressor.compress(packed)))
 
 
 def unpack_message(item: dict[str, Any] | bytes) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import json
 import random
+import tracemalloc
 from typing import Any
 
 import msgspec
@@ -25,7 +26,7 @@ from test_translate_requests import MALFORMED
 
 import recorder.dialects.translate as translate
 from recorder.dialects.chat import ChatRequest, InvalidRequest
-from recorder.dialects.parse_cache import ChatMessages, ParseCache, unpack_message
+from recorder.dialects.parse_cache import ChatMessages, ParseCache, pack_message, unpack_message
 from recorder.dialects.translate import parse_request
 
 Outcome = ChatRequest | tuple[str, str]
@@ -648,6 +649,25 @@ def test_the_cache_keeps_translations_packed_and_a_turn_unpacks_what_it_reads() 
     assert new == uncached.messages[n - 2 :]
     assert list(chat.messages) == uncached.messages and chat == uncached
     assert not any(isinstance(m, bytes) for m in items)
+
+
+def test_a_packed_message_holds_the_memory_of_its_packed_size() -> None:
+    """A compressed entry's allocation is its length: zstandard's `compress` allocates
+    the frame's worst-case bound (more than its input), which a kept frame would keep
+    alive, the message's whole size, where the census sees only the frame's length."""
+    text = " ".join(f"line {i % 50} of a tool result" for i in range(2000))
+    message = {"role": "tool", "content": text}
+    packed = pack_message(message)
+    assert len(packed) < len(text) // 4 and unpack_message(packed) == message
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        kept = [pack_message(message) for _ in range(20)]
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 20 * (len(packed) + 256), (held, len(packed))
+    assert all(k == packed for k in kept)
 
 
 def test_the_fields_around_the_messages_are_scanned_once_while_unchanged(

@@ -143,6 +143,23 @@ def session_census(state: Any, walk: Walk) -> dict[str, int]:
     return dict(zip(STRUCTURES, sizes, strict=True))
 
 
+def shared_caches(ctx: Any) -> dict[str, int]:
+    """Process-wide caches the sessions fill, bounded by their own caps: the engine's
+    last /generate body per session (`engine_wire.GenerateBodies`) and the tokenizer's
+    pre-token ids (`word_cache.WordCache`), in bytes kept alive."""
+    bodies = ctx.engine.bodies
+    out = {
+        "engine body cache": bodies.held_bytes,
+        "engine body cache: cap": bodies.budget_bytes,
+        "engine body cache: sessions": len(bodies),
+    }
+    words = getattr(getattr(ctx.tokenizer, "_words", None), "_words", None)
+    if words is not None:
+        out["tokenizer word cache"] = Walk().size(words)
+        out["tokenizer word cache: words"] = len(words)
+    return out
+
+
 def piece_cache_census(cache: Any) -> dict[str, Any]:
     """The store's piece cache: entries and the bytes it charges, per dtype."""
     out: dict[str, Any] = {"entries": len(cache), "charged": cache.nbytes}
@@ -249,6 +266,7 @@ def census(ctx: Any, shared: Iterable[object] = ()) -> dict[str, Any]:
         "sessions": sessions,
         "contexts": contexts,
         "held_bytes": [registry._held.get(s.session_id, 0) for s in states],
+        "shared": shared_caches(ctx),
         "piece_cache": piece_cache_census(ctx.store.piece_cache),
         "sqlite": sqlite_memory(),
         "malloc": malloc_info(),
