@@ -31,6 +31,10 @@ from yarl import URL
 # would copy the whole body (~0.6 MB of ids at 100k tokens) once more.
 _JOIN_BELOW = 64 * 1024
 _MAX_HEAD = 64 * 1024  # an answer's status line and headers
+# Idle connections kept per engine, and for how long (aiohttp's connector keeps
+# them 15 s): after a burst of turns, the engine is not held to hundreds of sockets.
+_MAX_IDLE = 64
+_IDLE_S = 15.0
 
 
 class CannotConnect(Exception):
@@ -322,7 +326,9 @@ class LeanPool:
     """
 
     def __init__(self, *, limit: int = 0, connect_timeout_s: float = 10.0) -> None:
-        self._idle: defaultdict[tuple[str, int], list[_Connection]] = defaultdict(list)
+        # Per (host, port): idle connections with when each was last used, newest last.
+        self._idle: defaultdict[tuple[str, int], list[tuple[_Connection, float]]]
+        self._idle = defaultdict(list)
         self._slots = asyncio.Semaphore(limit) if limit > 0 else None
         self._connect_timeout_s = connect_timeout_s
         self._origins: dict[str, Origin | None] = {}
@@ -360,16 +366,27 @@ class LeanPool:
         except BaseException:
             conn.close()
             raise
-        if answer.reusable and not conn.lost:
-            self._idle[key].append(conn)
+        idle = self._idle[key]
+        if answer.reusable and not conn.lost and len(idle) < _MAX_IDLE:
+            idle.append((conn, asyncio.get_running_loop().time()))
         else:
             conn.close()
         return answer.status, answer.body
 
     def _idle_connection(self, key: tuple[str, int]) -> _Connection | None:
+        """The most recently used live idle connection; those idle too long are closed."""
         idle = self._idle.get(key)
+        if not idle:
+            return None
+        stale_before = asyncio.get_running_loop().time() - _IDLE_S
+        if idle[0][1] < stale_before:  # the oldest idle too long: close all such
+            fresh = [(conn, used) for conn, used in idle if used >= stale_before]
+            for conn, used in idle:
+                if used < stale_before:
+                    conn.close()
+            idle[:] = fresh
         while idle:
-            conn = idle.pop()
+            conn, _ = idle.pop()
             if not conn.lost and conn.transport is not None and not conn.transport.is_closing():
                 return conn
         return None
@@ -387,6 +404,6 @@ class LeanPool:
 
     def close(self) -> None:
         for conns in self._idle.values():
-            for conn in conns:
+            for conn, _ in conns:
                 conn.close()
         self._idle.clear()

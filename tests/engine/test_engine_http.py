@@ -233,3 +233,37 @@ async def test_a_cancelled_post_closes_its_connection() -> None:
     finally:
         pool.close()
         server.close()
+
+
+async def _echo_each(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while True:
+        try:
+            body = await _read_request(reader)
+        except asyncio.IncompleteReadError:
+            return
+        await asyncio.sleep(0.02)  # long enough for concurrent posts to overlap
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+
+
+async def test_idle_connections_are_bounded_in_number_and_time(monkeypatch) -> None:
+    import recorder.model.engine_http as engine_http
+
+    monkeypatch.setattr(engine_http, "_MAX_IDLE", 1)
+    server, port, accepted = await _serve(_echo_each)
+    pool = LeanPool()
+    origin = plain_origin(f"http://127.0.0.1:{port}")
+    assert origin is not None
+    try:
+        pair = [pool.post(origin, "/generate", b"{}") for _ in range(2)]
+        assert await asyncio.gather(*pair) == [(200, b"{}")] * 2
+        assert len(accepted) == 2  # two at once: two connections, one kept idle
+        pair = [pool.post(origin, "/generate", b"{}") for _ in range(2)]
+        await asyncio.gather(*pair)
+        assert len(accepted) == 3
+        monkeypatch.setattr(engine_http, "_IDLE_S", 0.0)
+        await asyncio.sleep(0.01)
+        await pool.post(origin, "/generate", b"{}")
+        assert len(accepted) == 4  # the idle one was too old: closed, not reused
+    finally:
+        pool.close()
+        server.close()
