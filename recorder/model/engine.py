@@ -22,6 +22,7 @@ import msgspec
 import numpy as np
 import orjson
 
+from recorder.model.engine_http import BadAnswer, CannotConnect, ConnectionLost, LeanPool
 from recorder.model.engine_wire import (
     EngineError,
     GenerateBodies,
@@ -69,6 +70,8 @@ class EngineClient(EnginePool):
         self.connect_timeout_s = connect_timeout_s
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+        # `/generate` to a plain-HTTP engine: its own keep-alive connections (engine_http).
+        self._lean = LeanPool(limit=max_connections, connect_timeout_s=connect_timeout_s)
 
     async def start(self) -> None:
         if self._session is None:
@@ -100,6 +103,7 @@ class EngineClient(EnginePool):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._checks
             self._checks = None
+        self._lean.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -144,7 +148,7 @@ class EngineClient(EnginePool):
         ids = np.asarray(json_ids(input_ids), dtype=np.int32)
         raw = self.bodies.build(cache_key, body, ids)
         started = time.monotonic()
-        status, answer = await self._request("POST", url, "/generate", raw=raw, on_sent=on_sent)
+        status, answer = await self._post_raw(url, "/generate", raw, on_sent)
         latency = time.monotonic() - started
         if status != 200:
             raise EngineError("http", error_message(answer), status=status, url=url)
@@ -185,6 +189,32 @@ class EngineClient(EnginePool):
         except EngineError:
             return False
         return status == 200
+
+    async def _post_raw(
+        self, url: str, path: str, raw: bytes, on_sent: Callable[[], None] | None
+    ) -> tuple[int, Any]:
+        """`_request("POST", url, path, raw=raw, on_sent=on_sent)`; over `LeanPool` when
+        the engine speaks plain HTTP (~130 us less CPU a request), with the same errors."""
+        origin = self._lean.origin(url)
+        if origin is None:
+            return await self._request("POST", url, path, raw=raw, on_sent=on_sent)
+        if self._session is None:
+            raise RuntimeError("EngineClient.start() was not called")
+        try:
+            async with asyncio.timeout(self.timeout_s or None):
+                status, data = await self._lean.post(origin, path, raw, on_sent=on_sent)
+        except TimeoutError as exc:
+            raise EngineError("timeout", f"POST {path} timed out", url=url) from exc
+        except CannotConnect as exc:
+            self.mark(url, False)  # refused: the next turn goes elsewhere, before any check
+            raise EngineError("unreachable", f"cannot connect: {exc}", url=url) from exc
+        except ConnectionLost as exc:
+            raise EngineError(
+                "unreachable", f"connection lost: {exc}", url=url, may_be_running=True
+            ) from exc
+        except BadAnswer as exc:
+            raise EngineError("protocol", f"BadAnswer: {exc}", url=url) from exc
+        return status, _decoded(path, status, data, url)
 
     async def _request(
         self,
@@ -227,15 +257,19 @@ class EngineClient(EnginePool):
             ) from exc
         except aiohttp.ClientError as exc:
             raise EngineError("protocol", f"{type(exc).__name__}: {exc}", url=url) from exc
-        try:
-            answer = msgspec.json.decode(raw) if raw else None
-        except msgspec.DecodeError:
-            if status == 200:
-                raise EngineError(
-                    "protocol", f"{path} answered non-JSON: {raw[:200]!r}", url=url
-                ) from None
-            answer = raw.decode(errors="replace")
-        return status, answer
+        return status, _decoded(path, status, raw, url)
+
+
+def _decoded(path: str, status: int, raw: bytes, url: str) -> Any:
+    """The answer's JSON; a non-JSON error answer as text (non-JSON with 200: EngineError)."""
+    try:
+        return msgspec.json.decode(raw) if raw else None
+    except msgspec.DecodeError:
+        if status == 200:
+            raise EngineError(
+                "protocol", f"{path} answered non-JSON: {raw[:200]!r}", url=url
+            ) from None
+        return raw.decode(errors="replace")
 
 
 _JSON_HEADERS = {"Content-Type": "application/json"}

@@ -73,7 +73,8 @@ class SseStream:
         # is due, and a task per turn costs loop iterations to start and cancel.
         self._first_ping: asyncio.TimerHandle | None = None
         self._keepalive: asyncio.Task[None] | None = None
-        self._greeting: bytes | None = None
+        # Encoded when the stream opens: a provisional greeting is usually replaced first.
+        self._greeting: SseFrame | None = None
         self.client_gone = False
 
     @property
@@ -90,7 +91,7 @@ class SseStream:
         """The stream's first event, sent when it opens; False if it already opened."""
         if self._response is not None:
             return False
-        self._greeting = encode_sse(event, data)
+        self._greeting = (event, data)
         return True
 
     def start_keepalive(self) -> None:
@@ -131,7 +132,7 @@ class SseStream:
         payload = b"".join(encode_sse(name, data) for name, data in events)
         async with self._lock:
             if self._response is None and self._greeting is not None:
-                payload, self._greeting = self._greeting + payload, None
+                payload, self._greeting = encode_sse(*self._greeting) + payload, None
             await self._open_locked()
             await self._write_locked(payload, last=True)
         return self.response
@@ -145,7 +146,7 @@ class SseStream:
         self._response = response
         if self._greeting is not None:
             greeting, self._greeting = self._greeting, None
-            await self._write_locked(greeting)
+            await self._write_locked(encode_sse(*greeting))
 
     async def _write_locked(self, payload: bytes, *, last: bool = False) -> None:
         """Write `payload` (`last`: and end the chunked body in the same write)."""

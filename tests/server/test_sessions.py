@@ -260,6 +260,38 @@ async def test_a_cancelled_caller_does_not_cut_a_write_in_half() -> None:
     assert journal.next_seq == 1  # the seq followed the write that did land
 
 
+async def test_finish_even_if_cancelled_hands_back_what_the_work_ended_with() -> None:
+    async def work(result: str, delay: float = 0.0) -> str:
+        await asyncio.sleep(delay)
+        if result == "boom":
+            raise ValueError(result)
+        return result
+
+    assert await finish_even_if_cancelled(work("done")) == "done"
+    with pytest.raises(ValueError, match="boom"):
+        await finish_even_if_cancelled(work("boom"))
+    # Cancelled twice while it works: the work still ends, then the cancel is raised.
+    finished: list[str] = []
+
+    async def slow() -> None:
+        await asyncio.sleep(0.05)
+        finished.append("slow")
+
+    task = asyncio.create_task(finish_even_if_cancelled(slow()))
+    for _ in range(2):
+        await asyncio.sleep(0.01)
+        task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert finished == ["slow"]
+    # A failure of the work wins over the caller's cancel (it must be reported).
+    task = asyncio.create_task(finish_even_if_cancelled(work("boom", 0.03)))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(ValueError, match="boom"):
+        await task
+
+
 async def test_conflict_keeps_the_batch_for_the_caller() -> None:
     store = FakeStore()
     await store.append("s", [NewEvent(event=mark("other writer"))])
