@@ -92,7 +92,7 @@ def _run(
     from replay.parallel import forked_workers
 
     # Set before forking: the workers inherit it (`replay.gcpass`).
-    with pass_gc() if streaming else nullcontext(), forked_workers(fork):
+    with pass_gc() if streaming else nullcontext(), forked_workers(fork, url):
         return asyncio.run(_with_store(url, fn, streaming=streaming))
 
 

@@ -7,7 +7,11 @@ full collection re-scanned those (24 of them, 1.4 s of 14 s CPU for
 `reclassify` of 2,000 sessions x 40 turns) and a young collection ran every
 700 allocations (0.6 s). Freezing what is alive before the pass keeps the full
 collections to the pass's own objects, and a larger young generation lets
-most objects die before any scan: 0.4 s in all.
+most objects die before any scan: 0.4 s in all. A young generation of
+200,000 rather than 20,000 cut one worker's collections (1,000 sessions) from
+0.34 s to 0.07 s of CPU, its peak memory unchanged (125 MB): nearly every
+object of a pass is freed by its reference count, so a rarer scan finds
+little more garbage, and the few cycles wait a little longer.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 # Young-generation size during a pass (Python's default: 700).
-PASS_GC_THRESHOLD = 20_000
+PASS_GC_THRESHOLD = 200_000
 
 _active = False
 

@@ -302,3 +302,16 @@ def test_cli_forks_its_workers_and_the_projection_is_the_serial_one(
     serial = asyncio.run(digest_then_clear())
     assert run(2) == [str(n), "2", "1", "1"]  # the forked pool ran both partitions
     assert asyncio.run(digest_then_clear()) == serial
+
+
+def test_a_store_url_names_the_backend_whose_imports_workers_preload(tmp_path: Path) -> None:
+    """`forked_workers(url=...)` preloads the store backend that URL names (a
+    SQLite run does not import the Postgres driver), and every backend when
+    the URL cannot be told."""
+    from replay.parallel import _backend
+
+    assert _backend(str(tmp_path / "runs.db")) == "sqlite"
+    assert _backend(f"sqlite:///{tmp_path}/runs.db") == "sqlite"
+    assert _backend("postgresql://user@host/db") == "postgresql"
+    assert _backend("mysql://user@host/db") is None
+    assert _backend(None) is None
