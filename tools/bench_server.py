@@ -246,14 +246,16 @@ class Variant:
         return {} if self.inline is None else {INLINE_ENV: "1" if self.inline else "0"}
 
 
-def variants(before_src: Path | None, inline: str) -> list[Variant]:
+def variants(before_src: Path | None, inline: str, before_last: bool = False) -> list[Variant]:
     """The recorders to compare: `before_src` as it is (if given), then this
-    checkout with inline commits as `inline` says (on, off, or both)."""
+    checkout with inline commits as `inline` says (on, off, or both); the
+    other way round with `before_last` (to see what running first does)."""
     if before_src is None and inline == "on":
         return [Variant("this")]
     before = [] if before_src is None else [Variant("before", before_src)]
     settings = {"on": [True], "off": [False], "both": [True, False]}[inline]
-    return before + [Variant(f"this, inline {'on' if on else 'off'}", inline=on) for on in settings]
+    this = [Variant(f"this, inline {'on' if on else 'off'}", inline=on) for on in settings]
+    return this + before if before_last else before + this
 
 
 @contextlib.contextmanager
@@ -444,6 +446,7 @@ def print_results(
     show_default=True,
     help=f"this checkout's SQLite inline commits ({INLINE_ENV}); both: one run each",
 )
+@click.option("--before-last", is_flag=True, help="run the --before-src recorder after this one's")
 @click.option(
     "--single/--no-single",
     default=True,
@@ -458,10 +461,11 @@ def main(
     workers: int,
     before_src: Path | None,
     inline: str,
+    before_last: bool,
     single: bool,
 ) -> None:
     counts = [int(n) for n in sessions.split(",")]
-    compare = variants(before_src.resolve() if before_src else None, inline)
+    compare = variants(before_src.resolve() if before_src else None, inline, before_last)
     with tempfile.TemporaryDirectory() as tmp:
         asyncio.run(bench(counts, turns, db, context, workers, Path(tmp), compare, single))
 
