@@ -15,18 +15,27 @@ turns run at ~N tokens of context. `--workers N` runs `recorder serve
 --workers N` (Postgres `--db` only). Each phase prints per-core utilisation
 (from /proc/stat) and the recorder's CPU (all its processes and threads).
 
+Before/after in one run: `--before-src DIR` (another checkout, e.g. `git
+worktree add --detach DIR main`) runs that recorder beside this one, and
+`--inline on|off|both` sets this checkout's SQLite inline commits
+(`TR_SQLITE_INLINE_WRITES`); `--sessions 64,128` measures each count, the
+recorders taking turns per count, each on a fresh server and database.
+
     python tools/bench_server.py [--sessions 128] [--turns 8] [--db PATH|URL]
-        [--context 100000] [--workers 2]
+        [--context 100000] [--workers 2] [--before-src DIR] [--inline both]
+        [--no-single]
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,16 +49,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python t
 
 from recorder.log import events as ev
 from recorder.log.store import open_store
+from recorder.log.store.sqlite import INLINE_ENV
 from tools.benchkit import wire
 from tools.benchkit.cpu import load_average
 from tools.benchkit.engine import start_test_engine
+from tools.benchkit.procs import REPO
 from tools.benchkit.recorder import ADMIN, RecorderProcess
 from tools.benchkit.stats import pct
 from tools.benchkit.table import Columns
 
 TABLE = Columns(
     [
-        ("sessions x turns", 17, "<"), ("path", 22, "<"), ("turns", 6, ">"), ("err", 5, ">"),
+        ("sessions x turns", 17, "<"), ("path", 28, "<"), ("turns", 6, ">"), ("err", 5, ">"),
         ("turns/s", 9, ">"), ("p50 ms", 8, ">"), ("p99 ms", 8, ">"), ("ovh p50", 9, ">"),
         ("ovh p99", 9, ">"), ("cpu ms/turn", 12, ">"),
     ]
@@ -193,8 +204,10 @@ async def measure(
     turns: int,
     pid: int,
     prelude_words: int = 0,
-) -> tuple[Run, Run]:
-    """(recorder run, engine-direct baseline run) at the same concurrency and token counts.
+    baseline: bool = True,
+) -> tuple[Run, Run | None]:
+    """(recorder run, engine-direct baseline run or None without `baseline`) at the
+    same concurrency and token counts.
 
     With `prelude_words`, every session first takes its long first turn, unmeasured."""
     started_sessions = [Session(i, prelude_words) for i in range(sessions)]
@@ -212,6 +225,8 @@ async def measure(
     rec.wall_s = time.perf_counter() - started
     rec.cpu_s = process_cpu_s(pid) - cpu_before
     rec.cores = utilisation(cores_before, core_ticks())
+    if not baseline:
+        return rec, None
     base = Run()
     started = time.perf_counter()
     await asyncio.gather(*(engine_session(http, engine_url, ls, base) for ls in lengths))
@@ -219,52 +234,164 @@ async def measure(
     return rec, base
 
 
-async def bench(sessions: int, turns: int, db: str, context: int = 0, workers: int = 1) -> None:
-    engine_proc, engine_url = start_test_engine(max(32768, int(context * 1.2) + 8192))
+@dataclass
+class Variant:
+    """One recorder under test: a checkout and its inline-commit setting."""
+
+    label: str
+    root: Path = REPO
+    inline: bool | None = None  # None: the checkout's default (a switch older ones lack)
+
+    def env(self) -> dict[str, str]:
+        return {} if self.inline is None else {INLINE_ENV: "1" if self.inline else "0"}
+
+
+def variants(before_src: Path | None, inline: str, before_last: bool = False) -> list[Variant]:
+    """The recorders to compare: `before_src` as it is (if given), then this
+    checkout with inline commits as `inline` says (on, off, or both); the
+    other way round with `before_last` (to see what running first does)."""
+    if before_src is None and inline == "on":
+        return [Variant("this")]
+    before = [] if before_src is None else [Variant("before", before_src)]
+    settings = {"on": [True], "off": [False], "both": [True, False]}[inline]
+    this = [Variant(f"this, inline {'on' if on else 'off'}", inline=on) for on in settings]
+    return this + before if before_last else before + this
+
+
+@contextlib.contextmanager
+def environment(extra: dict[str, str]) -> Iterator[None]:
+    """`os.environ` with `extra` set while a child process is started."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@dataclass
+class Phase:
+    name: str
+    variant: str
+    rec: Run
+    base: Run | None
+    engine_s: dict[str, float]
+
+
+async def run_variant(
+    variant: Variant,
+    engine_url: str,
+    db: str,
+    phases: list[tuple[int, int]],
+    prelude_words: int,
+    workers: int,
+    baseline: bool,
+) -> tuple[list[Phase], int, int]:
+    """Each (sessions, turns) phase against a fresh `recorder serve` of `variant`;
+    also the number of turns its log has a line for, and the turns it took."""
     extra = ["--workers", str(workers)] if workers > 1 else []
-    recorder = RecorderProcess(engine_url, db, extra, log=True)
-    prelude_words = int(context * 0.75)  # the fixture tokenizer: ~1.3 tokens per "word"
+    with environment(variant.env()):
+        recorder = RecorderProcess(engine_url, db, extra, log=True, root=variant.root)
     url = recorder.url
-    phases: list[tuple[str, Run, Run]] = []
+    runs: list[tuple[str, Run, Run | None]] = []
     try:
         connector = aiohttp.TCPConnector(limit=0)
         timeout = aiohttp.ClientTimeout(total=600)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
             await recorder.wait_healthy(http)
             await recorder_session(http, url, -1, 2, Run())  # warm-up
-            # At least 30 turns per point: the single session's p50 is a median of >= 30.
-            for n, t in ((1, max(30, 3 * turns)), (sessions, turns)):
+            for n, t in phases:
                 rec, base = await measure(
-                    http, url, engine_url, n, t, recorder.proc.pid, prelude_words
+                    http, url, engine_url, n, t, recorder.proc.pid, prelude_words, baseline
                 )
-                phases.append((f"{n} x {t}", rec, base))
+                runs.append((f"{n} x {t}", rec, base))
     finally:
         recorder.terminate()
-        engine_proc.terminate()
-        engine_proc.wait(timeout=30)
-
     engine_s = await engine_latency_by_request(db)
     assert recorder.log_file is not None
     log = recorder.log_file.read_text().splitlines()
     turn_lines = sum(1 for line in log if "turn session=" in line)
+    # Turns taken: the warm-up's, the measured ones, each session's long first turn.
+    taken = 2 + sum(
+        len(rec.latencies) + rec.errors + (n if prelude_words else 0)
+        for (n, _), (_, rec, _) in zip(phases, runs, strict=True)
+    )
+    found = [Phase(name, variant.label, rec, base, engine_s) for name, rec, base in runs]
+    return found, turn_lines, taken
+
+
+async def bench(
+    sessions: list[int],
+    turns: int,
+    db: str | None,
+    context: int = 0,
+    workers: int = 1,
+    tmp: Path = Path("."),
+    compare: list[Variant] | None = None,
+    single: bool = True,
+) -> None:
+    """Every variant at every session count, variants in turn per count, each
+    against a fresh `recorder serve` (and, without `db`, a fresh SQLite file).
+    The engine-direct baseline runs with the first variant of each count."""
+    compare = compare or [Variant("this")]
+    engine_proc, engine_url = start_test_engine(max(32768, int(context * 1.2) + 8192))
+    prelude_words = int(context * 0.75)  # the fixture tokenizer: ~1.3 tokens per "word"
+    results: list[Phase] = []
+    turns_logged = turns_taken = 0
+    try:
+        for k, n in enumerate(sessions):
+            phases = [(n, turns)]
+            if single and k == 0:
+                # At least 30 turns: the single session's p50 is a median of >= 30.
+                phases.insert(0, (1, max(30, 3 * turns)))
+            for i, variant in enumerate(compare):
+                # A given --db is shared by the runs (one at a time; request ids are unique).
+                path = db or str(tmp / f"bench-{n}-{i}.db")
+                found, logged, taken = await run_variant(
+                    variant, engine_url, path, phases, prelude_words, workers, baseline=i == 0
+                )
+                results += found
+                turns_logged += logged
+                turns_taken += taken
+    finally:
+        engine_proc.terminate()
+        engine_proc.wait(timeout=30)
+    print_results(results, db, context, workers, turns_logged, turns_taken)
+
+
+def print_results(
+    results: list[Phase], db: str | None, context: int, workers: int, logged: int, taken: int
+) -> None:
     print()
     print(
-        f"zero-latency scripted engine, db {db}, {os.cpu_count()} cores shared by engine, "
+        f"zero-latency scripted engine, db {db or 'a temp SQLite file per run'}, "
+        f"{os.cpu_count()} cores shared by engine, "
         f"recorder ({workers} worker{'s' if workers > 1 else ''}), clients; "
         f"context ~{context:,} tokens; {load_average()}"
     )
     print(TABLE.header())
-    total, errors = 0, 0
-    for name, rec, base in phases:
+    errors = 0
+    baseline: dict[str, Run] = {}
+    for phase in results:
+        rec, engine_s = phase.rec, phase.engine_s
+        if phase.base is not None:
+            baseline[phase.name] = phase.base
+        base = baseline[phase.name]
         overhead = [
             lat - engine_s[rid]
             for lat, rid in zip(rec.latencies, rec.ids, strict=True)
             if rid in engine_s
         ]
-        for path, run, ovh in (
-            ("engine /generate", base, None),
-            ("recorder /v1/messages", rec, overhead),
-        ):
+        rows: list[tuple[str, Run, list[float] | None]] = [
+            (f"recorder: {phase.variant}", rec, overhead)
+        ]
+        if phase.base is not None:
+            rows.insert(0, ("engine /generate", base, None))
+        for path, run, ovh in rows:
             n = len(run.latencies)
             cpu = f"{run.cpu_s / n * 1000:.2f}" if run is rec else ""
             o50 = f"{pct(ovh, 50):.1f}" if ovh is not None else ""
@@ -272,18 +399,10 @@ async def bench(sessions: int, turns: int, db: str, context: int = 0, workers: i
             rate, p50, p99 = n / run.wall_s, pct(run.latencies, 50), pct(run.latencies, 99)
             print(
                 TABLE.row(
-                    name,
-                    path,
-                    n,
-                    run.errors,
-                    f"{rate:.1f}",
-                    f"{p50:.1f}",
-                    f"{p99:.1f}",
-                    o50,
-                    o99,
-                    cpu,
+                    phase.name, path, n, run.errors, f"{rate:.1f}", f"{p50:.1f}", f"{p99:.1f}",
+                    o50, o99, cpu,
                 )
-            )
+            )  # fmt: skip
         cores = " ".join(f"{u * 100:.0f}%" for u in rec.cores)
         print(f"{'':<17}recorder phase: per-core utilisation {cores} (all processes on the box)")
         throughput = len(rec.latencies) / rec.wall_s / (len(base.latencies) / base.wall_s)
@@ -291,16 +410,19 @@ async def bench(sessions: int, turns: int, db: str, context: int = 0, workers: i
             f"{'':<17}ratio recorder/engine: throughput {throughput:.2f}x, "
             f"p50 latency {pct(rec.latencies, 50) / pct(base.latencies, 50):.1f}x"
         )
-        total += len(rec.latencies)
-        errors += rec.errors + base.errors
-    unmeasured = 2 + (1 + sessions if prelude_words else 0)  # warm-up, long first turns
-    print(f"turn log lines {turn_lines} for {total + unmeasured} turns")
+        errors += rec.errors + (phase.base.errors if phase.base is not None else 0)
+    print(f"turn log lines {logged} for {taken} turns")
     if errors:
         raise SystemExit(f"{errors} errors")
 
 
 @click.command()
-@click.option("--sessions", type=int, default=128, show_default=True)
+@click.option(
+    "--sessions",
+    default="128",
+    show_default=True,
+    help="concurrent sessions; a comma list (64,128) runs each in turn",
+)
 @click.option("--turns", type=int, default=8, show_default=True)
 @click.option(
     "--db", default=None, help="SQLite path or Postgres URL (default: a temp SQLite file)"
@@ -311,9 +433,41 @@ async def bench(sessions: int, turns: int, db: str, context: int = 0, workers: i
 @click.option(
     "--workers", type=int, default=1, show_default=True, help="recorder serve --workers N"
 )
-def main(sessions: int, turns: int, db: str | None, context: int, workers: int) -> None:
+@click.option(
+    "--before-src",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="another checkout (git worktree add --detach DIR main) measured beside this one",
+)
+@click.option(
+    "--inline",
+    type=click.Choice(["on", "off", "both"]),
+    default="on",
+    show_default=True,
+    help=f"this checkout's SQLite inline commits ({INLINE_ENV}); both: one run each",
+)
+@click.option("--before-last", is_flag=True, help="run the --before-src recorder after this one's")
+@click.option(
+    "--single/--no-single",
+    default=True,
+    show_default=True,
+    help="measure one session first (max(30, 3 x turns) turns)",
+)
+def main(
+    sessions: str,
+    turns: int,
+    db: str | None,
+    context: int,
+    workers: int,
+    before_src: Path | None,
+    inline: str,
+    before_last: bool,
+    single: bool,
+) -> None:
+    counts = [int(n) for n in sessions.split(",")]
+    compare = variants(before_src.resolve() if before_src else None, inline, before_last)
     with tempfile.TemporaryDirectory() as tmp:
-        asyncio.run(bench(sessions, turns, db or str(Path(tmp) / "bench.db"), context, workers))
+        asyncio.run(bench(counts, turns, db, context, workers, Path(tmp), compare, single))
 
 
 if __name__ == "__main__":

@@ -1,15 +1,20 @@
 """Benchmark the event store; prints a table of rates and ratios.
 
     python tools/bench_store.py [--pg URL] [--events N] [--rounds R]
+        [--batched-rounds B] [--batched-only]
 
 Every figure is compared with a baseline measured in the same run on the same
 machine, so ratios stay meaningful across hardware:
-  - batched small events vs. the raw driver (sqlite3 / asyncpg executemany)
-    into an equivalent table with the same indexes and durability settings,
-    fed the very same events. Store and raw runs alternate for R rounds and
-    the table shows medians, so load from other processes hits both alike.
-    Ids are time-ordered (UUIDv7, `recorder.log.ids.uuid7`); a second row
-    shows random v4 ids, which scatter inserts over the event_id index;
+  - batched appends (1,000 events a call, 16 sessions in turn) vs. the raw
+    driver (sqlite3 / asyncpg executemany) into an equivalent table with the
+    same indexes and durability settings, fed the very same events, whose
+    payloads are as big as a live server's events (`LIVE_PAYLOAD_BYTES`).
+    Store and raw runs alternate ABBA for B rounds: the table shows median
+    rates, the median per-round ratio with its range, and the CPU per event
+    of this process (all threads; noisy neighbours move it far less than
+    wall time). Ids are time-ordered (UUIDv7, `recorder.log.ids.uuid7`); a
+    second row shows random v4 ids, which scatter inserts over the event_id
+    index;
   - 256 concurrent single-event appenders: group commit vs. one transaction
     per event (the same store with grouping disabled);
   - token storage of a 40-turn session (each prompt extends the previous one)
@@ -96,9 +101,26 @@ def small_event(i: int, new_id: NewId = uuid7) -> NewEvent:
     )
 
 
+# Payload sizes (bytes, msgpack) of a live server's events, one turn's worth by
+# type from each of two recorded logs (tito_verdict, state_snapshot, response_sent,
+# rendered_input, messages_request, generate_result, generate_attempt,
+# chain_decision): batched appends carry events of these sizes in turn, ~260 B
+# on average, not the ~30 B of a bare sandbox event.
+LIVE_PAYLOAD_BYTES = (41, 326, 242, 68, 154, 145, 105, 56, 90, 1448, 435, 147, 277, 279, 329, 112)
+_PAYLOAD_OVERHEAD = 23  # a SandboxEvent with {"i": ..., "pad": ""} and a long pad
+
+
+def live_sized_event(i: int, new_id: NewId = uuid7) -> NewEvent:
+    """The i-th event of a batched append, its payload as big as a live event's."""
+    pad = "a" * max(0, LIVE_PAYLOAD_BYTES[i % len(LIVE_PAYLOAD_BYTES)] - _PAYLOAD_OVERHEAD)
+    return NewEvent(
+        event=SandboxEvent(kind="tool_call", detail={"i": i, "pad": pad}), event_id=new_id()
+    )
+
+
 def make_batches(n: int, new_id: NewId) -> list[list[NewEvent]]:
     """Events are built before the clock starts (for the store and the baselines alike)."""
-    return [[small_event(i, new_id) for i in range(b, b + BATCH)] for b in range(0, n, BATCH)]
+    return [[live_sized_event(i, new_id) for i in range(b, b + BATCH)] for b in range(0, n, BATCH)]
 
 
 async def timed(fn: Callable[[], Awaitable[object]]) -> float:
@@ -110,16 +132,25 @@ async def timed(fn: Callable[[], Awaitable[object]]) -> float:
 # -- batched throughput -------------------------------------------------------
 
 
-async def store_batched(url: str, batches: list[list[NewEvent]]) -> float:
+class Rate(msgspec.Struct, frozen=True):
+    """Events per second (wall clock) and CPU seconds per event (this process, all threads)."""
+
+    per_s: float
+    cpu_s: float
+
+
+def rate_of(n: int, wall_s: float, cpu_s: float) -> Rate:
+    return Rate(n / wall_s, cpu_s / n)
+
+
+async def store_batched(url: str, batches: list[list[NewEvent]]) -> Rate:
     store = await open_store(url, create=True)
     n = sum(map(len, batches))
-
-    async def run() -> None:
+    try:
+        cpu0, t0 = time.process_time(), time.perf_counter()
         for k, batch in enumerate(batches):
             await store.append(f"s{k % 16}", batch)
-
-    try:
-        return n / await timed(run)
+        return rate_of(n, time.perf_counter() - t0, time.process_time() - cpu0)
     finally:
         await store.close()
 
@@ -141,7 +172,7 @@ def raw_rows(
         seqs[sid] = seq0 + BATCH
 
 
-def raw_sqlite_batched(path: Path, batches: list[list[NewEvent]]) -> float:
+def raw_sqlite_batched(path: Path, batches: list[list[NewEvent]]) -> Rate:
     conn = sqlite3.connect(path, isolation_level=None)
     configure_connection(conn, WRITER_CACHE_KIB)  # the store's settings (WAL, fsync, cache)
     conn.execute(
@@ -151,7 +182,7 @@ def raw_sqlite_batched(path: Path, batches: list[list[NewEvent]]) -> float:
         "UNIQUE (session_id, seq))"
     )
     n = sum(map(len, batches))
-    t0 = time.perf_counter()
+    cpu0, t0 = time.process_time(), time.perf_counter()
     for rows in raw_rows(batches, lambda ne: ne.event_id.bytes):
         conn.execute("BEGIN IMMEDIATE")
         conn.executemany(
@@ -160,12 +191,12 @@ def raw_sqlite_batched(path: Path, batches: list[list[NewEvent]]) -> float:
             rows,
         )
         conn.execute("COMMIT")
-    rate = n / (time.perf_counter() - t0)
+    rate = rate_of(n, time.perf_counter() - t0, time.process_time() - cpu0)
     conn.close()
     return rate
 
 
-async def raw_pg_batched(url: str, batches: list[list[NewEvent]]) -> float:
+async def raw_pg_batched(url: str, batches: list[list[NewEvent]]) -> Rate:
     import asyncpg
 
     conn = await asyncpg.connect(url.replace("postgresql+asyncpg", "postgresql"))
@@ -176,7 +207,7 @@ async def raw_pg_batched(url: str, batches: list[list[NewEvent]]) -> float:
         "payload BYTEA NOT NULL, UNIQUE (session_id, seq))"
     )
     n = sum(map(len, batches))
-    t0 = time.perf_counter()
+    cpu0, t0 = time.process_time(), time.perf_counter()
     for rows in raw_rows(batches, lambda ne: ne.event_id):
         async with conn.transaction():
             await conn.executemany(
@@ -184,7 +215,7 @@ async def raw_pg_batched(url: str, batches: list[list[NewEvent]]) -> float:
                 "VALUES ($1, $2, $3, $4, $5, $6, $7)",
                 rows,
             )
-    rate = n / (time.perf_counter() - t0)
+    rate = rate_of(n, time.perf_counter() - t0, time.process_time() - cpu0)
     await conn.close()
     return rate
 
@@ -774,27 +805,70 @@ def fmt_rate(x: float) -> str:
 FreshUrl = Callable[[], AbstractAsyncContextManager[str]]
 
 
+class Batched(msgspec.Struct, frozen=True):
+    """Medians over the rounds of one batched comparison."""
+
+    ours: Rate
+    raw: Rate
+    ratios: list[float]  # per round, ours / raw events per second, sorted
+
+    def row(self, label: str, backend: str, driver: str) -> Row:
+        lo, mid, hi = self.ratios[0], statistics.median(self.ratios), self.ratios[-1]
+        cpu_ratio = self.raw.cpu_s / self.ours.cpu_s
+        return (
+            label,
+            backend,
+            f"{fmt_rate(self.ours.per_s)}, CPU {self.ours.cpu_s * 1e6:.1f} us/event",
+            f"raw {driver} {fmt_rate(self.raw.per_s)}, CPU {self.raw.cpu_s * 1e6:.1f} us/event",
+            f"{mid:.2f}x raw ({lo:.2f}-{hi:.2f}, {len(self.ratios)} rounds), CPU {cpu_ratio:.2f}x",
+        )
+
+
 async def batched_rounds(
     fresh: FreshUrl, is_pg: bool, events: int, rounds: int, new_id: NewId
-) -> tuple[float, float, float]:
-    """Median store rate, median raw rate, median per-round ratio; runs alternate."""
-    ours, raw = [], []
-    for _ in range(rounds):
-        batches = make_batches(events, new_id)
+) -> Batched:
+    """Store and raw driver on the same events, in the order ABBA BAAB ... so
+    drifting load hits both alike; medians of the rates, CPU per event and of
+    the per-round ratios (CPU: this process, all threads, so the raw driver's
+    share of a Postgres server's work is not counted on either side)."""
+    ours: list[Rate] = []
+    raw: list[Rate] = []
+
+    async def run_ours(batches: list[list[NewEvent]]) -> None:
         async with fresh() as url:
             ours.append(await store_batched(url, batches))
+
+    async def run_raw(batches: list[list[NewEvent]]) -> None:
         async with fresh() as url:
             raw.append(
                 await raw_pg_batched(url, batches)
                 if is_pg
                 else raw_sqlite_batched(_path(url), batches)
             )
-    ratio = statistics.median(o / r for o, r in zip(ours, raw, strict=True))
-    return statistics.median(ours), statistics.median(raw), ratio
+
+    for r in range(rounds):
+        batches = make_batches(events, new_id)
+        first, second = (run_ours, run_raw) if r % 2 == 0 else (run_raw, run_ours)
+        await first(batches)
+        await second(batches)
+
+    def median(rates: list[Rate]) -> Rate:
+        return Rate(
+            statistics.median(x.per_s for x in rates), statistics.median(x.cpu_s for x in rates)
+        )
+
+    ratios = sorted(o.per_s / r.per_s for o, r in zip(ours, raw, strict=True))
+    return Batched(median(ours), median(raw), ratios)
 
 
 async def bench_backend(
-    backend: str, fresh: FreshUrl, events: int, rounds: int, per_appender: int
+    backend: str,
+    fresh: FreshUrl,
+    events: int,
+    rounds: int,
+    per_appender: int,
+    batched_rounds_n: int,
+    batched_only: bool = False,
 ) -> list[Row]:
     """The measurements on one backend, each on a fresh database."""
     is_pg = backend == "postgres"
@@ -802,16 +876,11 @@ async def bench_backend(
     target = "15,000" if is_pg else "50,000"
     rows: list[Row] = []
     for kind, new_id in ID_KINDS.items():
-        ours, raw, ratio = await batched_rounds(fresh, is_pg, events, rounds, new_id)
-        rows.append(
-            (
-                f"batched x{BATCH}, {kind} ids (target >= {target}/s)",
-                backend,
-                fmt_rate(ours),
-                f"raw {driver} {fmt_rate(raw)}",
-                f"{ratio:.2f}x raw",
-            )
-        )
+        batched = await batched_rounds(fresh, is_pg, events, batched_rounds_n, new_id)
+        label = f"batched x{BATCH} live-sized events, {kind} ids (>= {target}/s, >= 0.9x raw)"
+        rows.append(batched.row(label, backend, driver))
+    if batched_only:
+        return rows
     async with fresh() as url:
         grouped = await concurrent_singles(url, per_appender, grouped=True)
     async with fresh() as url:
@@ -848,7 +917,18 @@ def _path(url: str) -> Path:
     return Path(url.split(":///", 1)[1])
 
 
-async def bench(events: int, rounds: int, per_appender: int, pg_admin: str | None) -> list[Row]:
+class Args(msgspec.Struct, frozen=True):
+    events: int
+    rounds: int
+    batched_rounds: int
+    per_appender: int
+    batched_only: bool
+    pg: str | None
+
+
+async def bench(args: Args) -> list[Row]:
+    pg_admin = args.pg
+    common = (args.events, args.rounds, args.per_appender, args.batched_rounds, args.batched_only)
     with tempfile.TemporaryDirectory() as d:
         names = iter(range(1_000_000))
 
@@ -856,7 +936,7 @@ async def bench(events: int, rounds: int, per_appender: int, pg_admin: str | Non
         async def fresh_sqlite() -> AsyncIterator[str]:
             yield f"sqlite+aiosqlite:///{Path(d) / f'bench{next(names)}.db'}"
 
-        rows = await bench_backend("sqlite", fresh_sqlite, events, rounds, per_appender)
+        rows = await bench_backend("sqlite", fresh_sqlite, *common)
     if pg_admin:
 
         @asynccontextmanager
@@ -867,7 +947,7 @@ async def bench(events: int, rounds: int, per_appender: int, pg_admin: str | Non
             finally:
                 await drop()
 
-        rows += await bench_backend("postgres", fresh_pg, events, rounds, per_appender)
+        rows += await bench_backend("postgres", fresh_pg, *common)
     return rows
 
 
@@ -883,10 +963,15 @@ def main() -> None:
         "--pg", default=os.environ.get("TR_TEST_POSTGRES_URL"), help="Postgres admin URL"
     )
     ap.add_argument("--events", type=int, default=50_000, help="events per batched run")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating store/raw batched runs")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the latency comparisons")
+    ap.add_argument(
+        "--batched-rounds", type=int, default=10, help="store/raw batched runs, alternating"
+    )
     ap.add_argument("--per-appender", type=int, default=20, help="events per concurrent appender")
-    args = ap.parse_args()
-    print_table(asyncio.run(bench(args.events, args.rounds, args.per_appender, args.pg)))
+    ap.add_argument("--batched-only", action="store_true", help="only the batched comparison")
+    a = ap.parse_args()
+    args = Args(a.events, a.rounds, a.batched_rounds, a.per_appender, a.batched_only, a.pg)
+    print_table(asyncio.run(bench(args)))
 
 
 if __name__ == "__main__":

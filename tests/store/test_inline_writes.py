@@ -13,11 +13,19 @@ import sqlite3
 import threading
 
 import numpy as np
+import pytest
 
 from recorder.log.events import NewEvent, SandboxEvent
 from recorder.log.ids import uuid7
 from recorder.log.store import open_store
-from recorder.log.store.sqlite import INLINE_MAX_BYTES, INLINE_MAX_STREAK, database_path
+from recorder.log.store.sqlite import (
+    INLINE_ENV,
+    INLINE_MAX_BYTES,
+    INLINE_MAX_STREAK,
+    WriterThread,
+    database_path,
+    inline_writes_enabled,
+)
 
 
 def _events(n: int, kind: str = "e") -> list[NewEvent]:
@@ -86,3 +94,41 @@ async def test_a_long_run_of_inline_groups_lets_the_thread_checkpoint(sqlite_url
         assert len(await store.read_session("s")) == INLINE_MAX_STREAK + 1
     finally:
         await store.close()
+
+
+async def test_inline_writes_can_be_switched_off(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`TR_SQLITE_INLINE_WRITES=0`: every group goes to the writer thread (a switch
+    for measuring what inline commits cost under load)."""
+    monkeypatch.setenv(INLINE_ENV, "0")
+    before = _writer_threads()
+    store = await open_store(sqlite_url, create=True)
+    try:
+        await store.append("s", _events(2), expected_seq=0, durable=False)
+        assert _writer_threads() == before + 1
+        assert [e.seq for e in await store.read_session("s")] == [0, 1]
+    finally:
+        await store.close()
+    monkeypatch.setenv(INLINE_ENV, "sometimes")
+    with pytest.raises(ValueError, match=INLINE_ENV):
+        inline_writes_enabled()
+
+
+def test_the_writer_thread_runs_jobs_in_order_and_survives_a_failing_one() -> None:
+    worker = WriterThread("recorder-sqlite-writer-test")
+    seen: list[int] = []
+
+    def fail() -> None:
+        raise RuntimeError("boom")
+
+    try:
+        for i in range(5):
+            worker.post(seen.append, i)
+        worker.post(fail)
+        assert worker.submit(lambda: list(seen)).result(timeout=30) == [0, 1, 2, 3, 4]
+        with pytest.raises(ZeroDivisionError):
+            worker.submit(lambda: 1 / 0).result(timeout=30)
+    finally:
+        worker.shutdown(wait=True)
+    assert not any(t.name == "recorder-sqlite-writer-test" for t in threading.enumerate())

@@ -35,7 +35,9 @@
   commit costs ~0.1 ms of CPU without an fsync, less than the hop's two
   cross-CPU wake-ups (the writer's, then the loop's). It never waits there:
   a busy database or a WAL checkpoint (two fsyncs) is left to the writer
-  thread (busy_timeout 0 and no autocheckpoint for that commit). Through SQLAlchemy
+  thread (busy_timeout 0 and no autocheckpoint for that commit);
+  `TR_SQLITE_INLINE_WRITES=0` turns that off. The writer thread is a plain
+  thread fed by a queue (`WriterThread`), the cheapest hop there is. Through SQLAlchemy
   and aiosqlite the same transaction takes ~6 hops to aiosqlite's thread, and
   each is a GIL handoff that can wait out the 5 ms switch interval while the
   event loop is busy. Anything else rolls back and is redone by the generic
@@ -49,10 +51,12 @@ import contextlib
 import fcntl
 import logging
 import os
+import queue
 import sqlite3
+import threading
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import IO, Any
 
@@ -267,12 +271,80 @@ INLINE_MAX_BYTES = 64 * 1024
 # appends without a flush (a bulk load of pieces) still checkpoints its WAL.
 INLINE_MAX_STREAK = 32
 
+# `TR_SQLITE_INLINE_WRITES=0` in the environment sends every group to the writer
+# thread (read once per store): a switch to measure what inline commits cost or
+# save under a given load (`tools/bench_server.py --inline both`).
+INLINE_ENV = "TR_SQLITE_INLINE_WRITES"
+
+
+def inline_writes_enabled() -> bool:
+    """Whether small unflushed groups commit on the loop's thread (`INLINE_ENV`)."""
+    value = os.environ.get(INLINE_ENV, "1").strip().lower()
+    if value in ("1", "true", "yes", "on", ""):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{INLINE_ENV}={value!r}: set it to 1 (inline commits, the default) or 0")
+
+
 # Digests of pieces a one-hop writer has committed or found stored, remembered so
 # that a group whose pieces extend them need not look them up (rows are never
 # deleted). A turn names ~3 such parents and bases, all recent: ~150 kB.
 KNOWN_DIGESTS = 1024
 
 # -- the one-hop writer -------------------------------------------------------------
+
+
+Job = tuple[Callable[..., None], tuple[Any, ...]]
+
+
+class WriterThread(Executor):
+    """One thread that runs jobs in order, taken from a `queue.SimpleQueue`.
+
+    The writer's hop to its thread was a `ThreadPoolExecutor.submit`: a
+    `concurrent.futures.Future` (a Condition, notified on completion) and a
+    work item per group, an idle-semaphore round trip, and the pool's
+    shutdown lock, all for a result nobody read (the job answers the loop
+    itself). `post` is a queue put; `submit` stays for `run_in_executor`.
+    A daemon thread: a group still queued when the interpreter exits without
+    `close` was never acknowledged, and SQLite rolls back an unfinished one.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def post(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run `fn(*args)` on the thread after every job posted before; no result."""
+        self._jobs.put((fn, args))
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+
+        def job() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as exc:
+                    future.set_exception(exc)
+
+        self.post(job)
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Stop after the jobs already posted (`cancel_futures` is not supported)."""
+        self._jobs.put(None)
+        if wait:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, args = job
+            try:
+                fn(*args)
+            except BaseException:  # a job answers its caller itself; keep serving the rest
+                log.exception("job on %s failed", self._thread.name)
 
 
 class OneHopWriter:
@@ -289,7 +361,9 @@ class OneHopWriter:
         self._path = path
         self._cache_kib = cache_kib
         self._piece_row = piece_row
-        self._executor: ThreadPoolExecutor | None = None
+        # Small unflushed groups commit on the loop's thread (see `INLINE_ENV`).
+        self.inline = inline_writes_enabled()
+        self._executor: WriterThread | None = None
         # Used on the writer thread only:
         self._conn: sqlite3.Connection | None = None
         self._synchronous_full = True  # the connection's synchronous setting
@@ -302,17 +376,22 @@ class OneHopWriter:
         self, group: Sequence[GroupRequest], before_commit: Callable[[], Awaitable[None]] | None
     ) -> list[list[int] | None] | None:
         loop = asyncio.get_running_loop()
-        if before_commit is None and self._inline_streak < INLINE_MAX_STREAK and _inline(group):
+        if (
+            self.inline
+            and before_commit is None
+            and self._inline_streak < INLINE_MAX_STREAK
+            and _inline(group)
+        ):
             self._inline_streak += 1
             return self._write_inline(group, loop)
         self._inline_streak = 0
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="recorder-sqlite-writer")
+            self._executor = WriterThread("recorder-sqlite-writer")
         # The job answers through `call_soon_threadsafe` itself: `run_in_executor`'s
-        # bridge between the executor's future and an asyncio one costs two done
+        # bridge between a concurrent future and an asyncio one costs two done
         # callbacks and a state copy per group, on the loop.
         done: asyncio.Future[list[list[int] | None] | None] = loop.create_future()
-        self._executor.submit(self._job, done, group, before_commit, loop)
+        self._executor.post(self._job, done, group, before_commit, loop)
         return await done
 
     async def close(self) -> None:
@@ -356,7 +435,7 @@ class OneHopWriter:
             result = self._write(group, before_commit, loop)
         except BaseException as exc:  # _write answers None for what it expects
             loop.call_soon_threadsafe(_fail, done, exc)
-            raise
+            return
         loop.call_soon_threadsafe(_resolve, done, result)
 
     def _write(
