@@ -174,6 +174,10 @@ class Journal:
         self._arrays.append(encoded)
         return encoded.ref
 
+    def add_encoded(self, encoded: EncodedArray) -> None:
+        """Buffer an array encoded already (as `add_array` does once it has encoded one)."""
+        self._arrays.append(encoded)
+
     @property
     def arrays(self) -> BufferedArrays:
         """`put_array` whose pieces go with the next append (see the module doc)."""

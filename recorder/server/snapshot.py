@@ -32,6 +32,7 @@ import numpy as np
 
 from recorder.log import events as ev
 from recorder.log.events import ArrayRef
+from recorder.log.store.arrays import encode_array, encode_concat_array, piece_digest
 from recorder.model.tokens import Boundary, Chain, PendingDispatch, SessionChains, token_array
 from recorder.server.deltas import keep_longest
 from recorder.server.overrides import SessionOverrides
@@ -223,17 +224,65 @@ def _tokens_ref(state: SessionState, chain: Chain) -> ArrayRef:
         return known
     start = max((k for k in refs if k <= n), default=0)
     turns = len(chain.boundaries)
+    ref: ArrayRef | None = None
     if turns % SPINE_TURNS == 0:
         # The tokens SPINE_TURNS turns back; the first time, the chain's first input.
         back = chain.boundaries[turns - SPINE_TURNS - 1] if turns > SPINE_TURNS else None
         spine = back.end_len if back is not None else chain.boundaries[0].input_len
-        if spine in refs:
-            start = spine
-    suffix = np.frombuffer(chain.tokens[start:], dtype=np.int32)
-    ref = state.journal.add_array(suffix, extends=refs.get(start), cache=False)
+        if spine in refs and spine < start:
+            ref = _spine_ref(state, chain, refs, spine, start)
+    if ref is None:
+        suffix = np.frombuffer(chain.tokens[start:], dtype=np.int32)
+        ref = state.journal.add_array(suffix, extends=refs.get(start), cache=False)
     refs[n] = ref
     keep_longest(refs)
     return ref
+
+
+def _spine_ref(
+    state: SessionState, chain: Chain, refs: dict[int, ArrayRef], spine: int, start: int
+) -> ArrayRef:
+    """The chain's whole tokens as one piece after its stored prefix `spine`.
+
+    The tokens since `spine` are stored already, as the per-turn pieces
+    between `refs[spine]` and `refs[start]` plus this turn's delta: the spine
+    piece names those pieces (`arrays.CODEC_CONCAT`, 16 bytes each) rather
+    than repeating their tokens (which doubled a session's stored tokens).
+    When the pieces cannot be told from `refs` (a restored session), the
+    tokens are stored again, as before.
+    """
+    n = len(chain.tokens)
+    raw = memoryview(chain.tokens).cast("B")
+    delta = encode_array(np.frombuffer(raw[start * 4 :], np.int32), extends=refs[start])
+    parts = _parts_since(raw, {**refs, n: delta.ref}, spine, n)
+    if parts is None or len(parts) < 2:
+        suffix = np.frombuffer(raw[spine * 4 :], np.int32)
+        return state.journal.add_array(suffix, extends=refs[spine], cache=False)
+    state.journal.add_encoded(msgspec.structs.replace(delta, cache=False))
+    whole = encode_concat_array(bytes(raw[spine * 4 :]), "int32", refs[spine], parts)
+    state.journal.add_encoded(msgspec.structs.replace(whole, cache=False))
+    return whole.ref
+
+
+def _parts_since(
+    raw: memoryview, refs: dict[int, ArrayRef], spine: int, n: int
+) -> list[bytes] | None:
+    """Digests of the pieces that hold tokens [spine, n) after `refs[spine]`, in order,
+    each proven by recomputing its digest from its parent and these tokens; None
+    when some piece on the way is not one of `refs` (not one of this chain's)."""
+    parts: list[bytes] = []
+    end = n
+    while end > spine:
+        digest = refs[end].digest
+        for a in sorted((k for k in refs if spine <= k < end), reverse=True):
+            if piece_digest(refs[a].digest, "int32", raw[a * 4 : end * 4]) == digest:
+                parts.append(digest)
+                end = a
+                break
+        else:
+            return None
+    parts.reverse()
+    return parts
 
 
 def _record_ref(
