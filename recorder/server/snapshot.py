@@ -32,7 +32,12 @@ import numpy as np
 
 from recorder.log import events as ev
 from recorder.log.events import ArrayRef
-from recorder.log.store.arrays import encode_array, encode_concat_array, piece_digest
+from recorder.log.store.arrays import (
+    EncodedArray,
+    encode_array,
+    encode_concat_array,
+    piece_digest,
+)
 from recorder.model.tokens import Boundary, Chain, PendingDispatch, SessionChains, token_array
 from recorder.server.deltas import keep_longest
 from recorder.server.overrides import SessionOverrides
@@ -232,11 +237,38 @@ def _tokens_ref(state: SessionState, chain: Chain) -> ArrayRef:
         if spine in refs and spine < start:
             ref = _spine_ref(state, chain, refs, spine, start)
     if ref is None:
-        suffix = np.frombuffer(chain.tokens[start:], dtype=np.int32)
-        ref = state.journal.add_array(suffix, extends=refs.get(start), cache=False)
+        ref = _delta_ref(state, chain, refs, start)
     refs[n] = ref
     keep_longest(refs)
     return ref
+
+
+def _delta_ref(
+    state: SessionState, chain: Chain, refs: dict[int, ArrayRef], start: int
+) -> ArrayRef:
+    """The chain's tokens after its stored prefix `start` (usually the turn's output)."""
+    delta = _encoded_delta(state, chain, refs, start)
+    state.journal.add_encoded(delta)
+    return delta.ref
+
+
+def _encoded_delta(
+    state: SessionState, chain: Chain, refs: dict[int, ArrayRef], start: int
+) -> EncodedArray:
+    """The chain's tokens after `refs[start]`, encoded, not buffered yet.
+
+    When those tokens are exactly an array this batch stores whole (the
+    output ids of the turn's GenerateResult: one attempt, nothing trimmed),
+    the piece names it (`arrays.CODEC_CONCAT`) instead of storing them twice.
+    """
+    raw = memoryview(chain.tokens).cast("B")[start * 4 :]
+    if start:
+        whole = piece_digest(None, "int32", raw)
+        if state.journal.buffers_piece(whole):
+            piece = encode_concat_array(bytes(raw), "int32", refs[start], [whole])
+            return msgspec.structs.replace(piece, cache=False)
+    delta = encode_array(np.frombuffer(raw, np.int32), extends=refs.get(start))
+    return msgspec.structs.replace(delta, cache=False)
 
 
 def _spine_ref(
@@ -253,12 +285,12 @@ def _spine_ref(
     """
     n = len(chain.tokens)
     raw = memoryview(chain.tokens).cast("B")
-    delta = encode_array(np.frombuffer(raw[start * 4 :], np.int32), extends=refs[start])
+    delta = _encoded_delta(state, chain, refs, start)
     parts = _parts_since(raw, {**refs, n: delta.ref}, spine, n)
     if parts is None or len(parts) < 2:
         suffix = np.frombuffer(raw[spine * 4 :], np.int32)
         return state.journal.add_array(suffix, extends=refs[spine], cache=False)
-    state.journal.add_encoded(msgspec.structs.replace(delta, cache=False))
+    state.journal.add_encoded(delta)
     whole = encode_concat_array(bytes(raw[spine * 4 :]), "int32", refs[spine], parts)
     state.journal.add_encoded(msgspec.structs.replace(whole, cache=False))
     return whole.ref

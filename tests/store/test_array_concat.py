@@ -89,12 +89,25 @@ async def test_a_spine_naming_an_unknown_piece_is_refused(store_url: str) -> Non
         await _append(store_url, [spine])
 
 
-def test_a_concatenation_of_one_piece_or_of_itself_is_refused() -> None:
+def test_a_concatenation_of_nothing_or_of_itself_is_refused() -> None:
     one = codec.encode_piece(B, "int32", None)
-    with pytest.raises(ValueError, match="two or more"):
-        codec.encode_concat_piece(B.tobytes(), "int32", None, [one.digest])
+    with pytest.raises(ValueError, match="one or more"):
+        codec.encode_concat_piece(B.tobytes(), "int32", None, [])
     with pytest.raises(ValueError, match="itself"):
-        codec.encode_concat_piece(B.tobytes(), "int32", None, [one.digest, one.digest])
+        codec.encode_concat_piece(B.tobytes(), "int32", None, [one.digest])
+
+
+async def test_one_part_names_the_same_tokens_after_another_parent(store_url: str) -> None:
+    """A turn's output ids, stored whole, then named as its chain's tokens after its input."""
+    a, _, _ = await _three_pieces(store_url)
+    async with await open_store(store_url) as w:
+        out = await w.put_array(C)
+    after = codec.encode_concat_array(C.tobytes(), "int32", a, [out.digest])
+    await _append(store_url, [after])
+    for cold in (False, True):
+        async with await open_store(store_url, options=COLD) as r:
+            (got,) = await r.get_arrays([after.ref], cold=cold)
+            assert np.array_equal(got, np.concatenate([A, C]))
 
 
 async def test_downgrading_below_0006_refuses_once_a_spine_names_pieces(

@@ -37,7 +37,8 @@ data lists their digests, its raw bytes are their suffixes joined. A chain's
 spine (`recorder.server.snapshot`) repeats tokens whose per-turn pieces are
 stored already: it names them instead of storing them again (16 bytes a
 piece, where the tokens cost ~1 byte each), and a read fetches the named
-pieces alone, not their chains. The digest is over the joined bytes, as for
+pieces alone, not their chains. So does a turn's output after its input,
+naming the output ids its GenerateResult stored. The digest is over the joined bytes, as for
 any piece, so a read verifies the parts it joined.
 """
 
@@ -231,14 +232,16 @@ def encode_concat_piece(
     raw: bytes, dtype: DType, parent: ArrayRef | None, parts: Sequence[bytes]
 ) -> Piece:
     """The piece for `raw` appended to `parent`, stored as the list of the stored
-    pieces (`parts`, by digest) whose suffixes joined are `raw`.
+    pieces (`parts`, by digest) whose suffixes joined are `raw`. One part is
+    the same bytes after another parent (a turn's output ids, stored whole
+    in its GenerateResult, and as its chain's tokens after its input).
 
     The caller proves that they are (`part_digest` of each part's parent and
     bytes equals the digest it names): a read that finds otherwise reports
     the piece as corrupt.
     """
-    if len(parts) < 2:
-        raise ValueError("a concatenated piece joins two or more pieces (one is itself)")
+    if not parts:
+        raise ValueError("a concatenated piece joins one or more pieces")
     parent_digest = parent.digest if parent is not None else None
     n = len(raw) // NUMPY_DTYPES[dtype].itemsize
     total = (parent.length if parent is not None else 0) + n
