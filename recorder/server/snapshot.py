@@ -6,8 +6,9 @@ without replaying it: the chains (digests, boundaries, dispatches, counters)
 and the session's own fields. Chain tokens are not copied: each chain names
 them by an `ArrayRef` stored as a delta on the longest stored prefix it
 already has (its last engine input), so a turn's snapshot adds one array
-piece holding that turn's output tokens, and the next turn's engine input is
-stored as a delta on that piece in turn (`deltas.put_input`).
+piece holding that turn's output tokens (naming the output ids the turn
+stored already), and the next turn's engine input is stored as a delta on
+that piece in turn (`deltas.put_input`).
 
 A chain's message digests and boundaries only grow, turn by turn, so they
 are stored the same way (`_record_ref`): as arrays extending the previous
@@ -212,9 +213,12 @@ def _tokens_ref(state: SessionState, chain: Chain) -> ArrayRef:
     The ref joins the chain's stored prefixes, so the next input extends it.
     Every `SPINE_TURNS` turns of the chain, the delta goes back to the tokens
     stored `SPINE_TURNS` turns earlier instead (the first time, to the
-    chain's first input), so those turns' tokens are stored once more, in one
-    piece: a restart reads a chain's tokens through about turns / SPINE_TURNS
-    + 2 * SPINE_TURNS pieces, not two per turn.
+    chain's first input), as one piece that names those turns' pieces
+    (`_spine_ref`): a chain's tokens are a chain of about turns / SPINE_TURNS
+    + 2 * SPINE_TURNS pieces, not two per turn, so a restart reads them in a
+    few rounds (the spines, then the pieces they name), not one per turn.
+    Each token is stored once: a spine costs 16 bytes per piece it names, a
+    turn's output 16 bytes (`_encoded_delta`).
 
     No piece of it is cached in the store's piece cache: the chain holds its
     tokens, and only a restore or the session's close reads them back, from
