@@ -275,12 +275,25 @@ async def run_server(
             run.rss_end = recorder.rss()
             reached = warm_context + sum(driver.context.values())
             run.log = await asyncio.to_thread(read_log_bytes, Path(db), reached)
+            if args.keep_db and not peer:
+                await asyncio.to_thread(_copy_db, Path(db), Path(args.keep_db))
             await driver.close_all()
             await asyncio.sleep(0.5)
             run.rss_closed = recorder.rss()
     finally:
         await recorder.stop()
     return run
+
+
+def _copy_db(db: Path, to: Path) -> None:
+    """A consistent copy of the live log (its WAL folded in), for a look at its rows."""
+    src = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    dst = sqlite3.connect(to)
+    try:
+        src.backup(dst)
+    finally:
+        dst.close()
+        src.close()
 
 
 def _sample(k: int, driver: Driver, recorder: RecorderProcess) -> tuple[int, int, int, int]:
@@ -456,6 +469,7 @@ def main(argv: list[str] | None = None) -> list[Run]:
     ap.add_argument("--db-dir", default=None, help="where the SQLite files go")
     ap.add_argument("--piece-cache-mb", type=float, default=None, help="recorder serve's")
     ap.add_argument("--sqlite-cache-mb", type=float, default=None, help="recorder serve's")
+    ap.add_argument("--keep-db", default=None, help="copy the measured log here")
     ap.add_argument("--idle-rounds", type=int, default=3, help="idle RSS rounds per backend")
     args = ap.parse_args(argv)
     if not args.context_length:

@@ -193,6 +193,14 @@ class Journal:
         self._arrays.append(encoded)
         return encoded.ref
 
+    def buffers_piece(self, digest: bytes) -> bool:
+        """Whether a piece with this digest goes with the next append (this batch)."""
+        return any(p.digest == digest for a in self._arrays for p in a.pieces)
+
+    def add_encoded(self, encoded: EncodedArray) -> None:
+        """Buffer an array encoded already (as `add_array` does once it has encoded one)."""
+        self._arrays.append(encoded)
+
     @property
     def arrays(self) -> BufferedArrays:
         """`put_array` whose pieces go with the next append (see the module doc)."""

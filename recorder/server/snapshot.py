@@ -6,8 +6,9 @@ without replaying it: the chains (digests, boundaries, dispatches, counters)
 and the session's own fields. Chain tokens are not copied: each chain names
 them by an `ArrayRef` stored as a delta on the longest stored prefix it
 already has (its last engine input), so a turn's snapshot adds one array
-piece holding that turn's output tokens, and the next turn's engine input is
-stored as a delta on that piece in turn (`deltas.put_input`).
+piece holding that turn's output tokens (naming the output ids the turn
+stored already), and the next turn's engine input is stored as a delta on
+that piece in turn (`deltas.put_input`).
 
 A chain's message digests and boundaries only grow, turn by turn, so they
 are stored the same way (`_record_ref`): as arrays extending the previous
@@ -32,6 +33,12 @@ import numpy as np
 
 from recorder.log import events as ev
 from recorder.log.events import ArrayRef
+from recorder.log.store.arrays import (
+    EncodedArray,
+    encode_array,
+    encode_concat_array,
+    piece_digest,
+)
 from recorder.model.tokens import Boundary, Chain, PendingDispatch, SessionChains, token_array
 from recorder.server.deltas import keep_longest
 from recorder.server.overrides import SessionOverrides
@@ -206,9 +213,12 @@ def _tokens_ref(state: SessionState, chain: Chain) -> ArrayRef:
     The ref joins the chain's stored prefixes, so the next input extends it.
     Every `SPINE_TURNS` turns of the chain, the delta goes back to the tokens
     stored `SPINE_TURNS` turns earlier instead (the first time, to the
-    chain's first input), so those turns' tokens are stored once more, in one
-    piece: a restart reads a chain's tokens through about turns / SPINE_TURNS
-    + 2 * SPINE_TURNS pieces, not two per turn.
+    chain's first input), as one piece that names those turns' pieces
+    (`_spine_ref`): a chain's tokens are a chain of about turns / SPINE_TURNS
+    + 2 * SPINE_TURNS pieces, not two per turn, so a restart reads them in a
+    few rounds (the spines, then the pieces they name), not one per turn.
+    Each token is stored once: a spine costs 16 bytes per piece it names, a
+    turn's output 16 bytes (`_encoded_delta`).
 
     No piece of it is cached in the store's piece cache: the chain holds its
     tokens, and only a restore or the session's close reads them back, from
@@ -223,17 +233,92 @@ def _tokens_ref(state: SessionState, chain: Chain) -> ArrayRef:
         return known
     start = max((k for k in refs if k <= n), default=0)
     turns = len(chain.boundaries)
+    ref: ArrayRef | None = None
     if turns % SPINE_TURNS == 0:
         # The tokens SPINE_TURNS turns back; the first time, the chain's first input.
         back = chain.boundaries[turns - SPINE_TURNS - 1] if turns > SPINE_TURNS else None
         spine = back.end_len if back is not None else chain.boundaries[0].input_len
-        if spine in refs:
-            start = spine
-    suffix = np.frombuffer(chain.tokens[start:], dtype=np.int32)
-    ref = state.journal.add_array(suffix, extends=refs.get(start), cache=False)
+        if spine in refs and spine < start:
+            ref = _spine_ref(state, chain, refs, spine, start)
+    if ref is None:
+        ref = _delta_ref(state, chain, refs, start)
     refs[n] = ref
     keep_longest(refs)
     return ref
+
+
+def _delta_ref(
+    state: SessionState, chain: Chain, refs: dict[int, ArrayRef], start: int
+) -> ArrayRef:
+    """The chain's tokens after its stored prefix `start` (usually the turn's output)."""
+    delta = _encoded_delta(state, chain, refs, start)
+    state.journal.add_encoded(delta)
+    return delta.ref
+
+
+def _encoded_delta(
+    state: SessionState, chain: Chain, refs: dict[int, ArrayRef], start: int
+) -> EncodedArray:
+    """The chain's tokens after `refs[start]`, encoded, not buffered yet.
+
+    When those tokens are exactly an array this batch stores whole (the
+    output ids of the turn's GenerateResult: one attempt, nothing trimmed),
+    the piece names it (`arrays.CODEC_CONCAT`) instead of storing them twice.
+    """
+    raw = memoryview(chain.tokens).cast("B")[start * 4 :]
+    if start:
+        whole = piece_digest(None, "int32", raw)
+        if state.journal.buffers_piece(whole):
+            piece = encode_concat_array(bytes(raw), "int32", refs[start], [whole])
+            return msgspec.structs.replace(piece, cache=False)
+    delta = encode_array(np.frombuffer(raw, np.int32), extends=refs.get(start))
+    return msgspec.structs.replace(delta, cache=False)
+
+
+def _spine_ref(
+    state: SessionState, chain: Chain, refs: dict[int, ArrayRef], spine: int, start: int
+) -> ArrayRef:
+    """The chain's whole tokens as one piece after its stored prefix `spine`.
+
+    The tokens since `spine` are stored already, as the per-turn pieces
+    between `refs[spine]` and `refs[start]` plus this turn's delta: the spine
+    piece names those pieces (`arrays.CODEC_CONCAT`, 16 bytes each) rather
+    than repeating their tokens (which doubled a session's stored tokens).
+    When the pieces cannot be told from `refs` (a restored session), the
+    tokens are stored again, as before.
+    """
+    n = len(chain.tokens)
+    raw = memoryview(chain.tokens).cast("B")
+    delta = _encoded_delta(state, chain, refs, start)
+    parts = _parts_since(raw, {**refs, n: delta.ref}, spine, n)
+    if parts is None or len(parts) < 2:
+        suffix = np.frombuffer(raw[spine * 4 :], np.int32)
+        return state.journal.add_array(suffix, extends=refs[spine], cache=False)
+    state.journal.add_encoded(delta)
+    whole = encode_concat_array(bytes(raw[spine * 4 :]), "int32", refs[spine], parts)
+    state.journal.add_encoded(msgspec.structs.replace(whole, cache=False))
+    return whole.ref
+
+
+def _parts_since(
+    raw: memoryview, refs: dict[int, ArrayRef], spine: int, n: int
+) -> list[bytes] | None:
+    """Digests of the pieces that hold tokens [spine, n) after `refs[spine]`, in order,
+    each proven by recomputing its digest from its parent and these tokens; None
+    when some piece on the way is not one of `refs` (not one of this chain's)."""
+    parts: list[bytes] = []
+    end = n
+    while end > spine:
+        digest = refs[end].digest
+        for a in sorted((k for k in refs if spine <= k < end), reverse=True):
+            if piece_digest(refs[a].digest, "int32", raw[a * 4 : end * 4]) == digest:
+                parts.append(digest)
+                end = a
+                break
+        else:
+            return None
+    parts.reverse()
+    return parts
 
 
 def _record_ref(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import sqlite3
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
@@ -24,6 +25,7 @@ import pytest
 from recorder.dialects.translate import parse_request
 from recorder.log import events as ev
 from recorder.log.events import ArrayRef, NewEvent
+from recorder.log.store import arrays as codec
 from recorder.model.tokens import plan_turn
 from recorder.server import restore, snapshot, turn
 from recorder.server.deltas import MAX_CHAIN_REFS
@@ -463,5 +465,31 @@ async def test_spine_pieces_stay_out_of_the_piece_cache(harness: Harness) -> Non
     # The chain's tokens once, the engine's output ids (their own arrays) and each
     # snapshot's boundary record (4 int32 per turn).
     assert sum(len(p.suffix) for p in cached) <= len(main.tokens) + outputs + 4 * turns
+    states = await both_ways(h, sid)
+    assert_same_state(*states)
+
+
+async def test_spines_name_the_per_turn_pieces_instead_of_repeating_their_tokens(
+    harness: Harness, sqlite_url: str
+) -> None:
+    """Every SPINE_TURNS turns a chain's spine piece names the pieces its turns stored
+    (`arrays.CODEC_CONCAT`), and a turn's output after its input names its output ids:
+    each token is stored once, and a restart reads the same."""
+    h = harness
+    turns = 2 * snapshot.SPINE_TURNS + 1
+    sid, _ = await plain_turns(h, turns)
+    db = sqlite3.connect(sqlite_url.split("///", 1)[1])
+    try:
+        spines = db.execute(
+            "SELECT length(data) FROM arrays WHERE dtype = 'int32' AND codec = ?",
+            (codec.CODEC_CONCAT,),
+        ).fetchall()
+    finally:
+        db.close()
+    assert all(n % codec.DIGEST_SIZE == 0 for (n,) in spines)
+    # Two spines of several pieces; each turn's output after its input names the
+    # output ids its GenerateResult stored (one part).
+    assert sum(n >= 2 * codec.DIGEST_SIZE for (n,) in spines) == 2
+    assert sum(n == codec.DIGEST_SIZE for (n,) in spines) == turns
     states = await both_ways(h, sid)
     assert_same_state(*states)

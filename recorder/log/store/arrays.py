@@ -31,6 +31,15 @@ A piece may instead be a *copy* of a range of its basis's bytes
 (`CODEC_COPY_BASIS`): it stores only the offset and the length, no dictionary
 and no compression. A session's request bodies end with the same system prompt
 and tools every turn, so each body's unchanged tail is stored in 16 bytes.
+
+A piece may also be a *concatenation* of stored pieces (`CODEC_CONCAT`): its
+data lists their digests, its raw bytes are their suffixes joined. A chain's
+spine (`recorder.server.snapshot`) repeats tokens whose per-turn pieces are
+stored already: it names them instead of storing them again (16 bytes a
+piece, where the tokens cost ~1 byte each), and a read fetches the named
+pieces alone, not their chains. So does a turn's output after its input,
+naming the output ids its GenerateResult stored. The digest is over the joined bytes, as for
+any piece, so a read verifies the parts it joined.
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ CODEC_ZSTD_SHUFFLED: Final = 2
 CODEC_ZSTD_BASIS: Final = 3  # raw bytes, zstd with the basis array's bytes as dictionary
 CODEC_COPY_BASIS: Final = 4  # raw bytes = the basis array's bytes [offset, offset + n)
 CODEC_F32_SHUFFLED: Final = 5  # float64 raw bytes = the shuffled float32 values, widened
+CODEC_CONCAT: Final = 6  # raw bytes = the suffixes of the pieces whose digests `data` lists
 # int32 suffixes of at least this many bytes are compressed unshuffled (see above).
 RAW_INT32_MIN_BYTES: Final = 4096
 _COPY_RANGE: Final = struct.Struct("<QQ")  # (offset, n): a copy piece's data
@@ -218,11 +228,66 @@ def encode_array(array: np.ndarray, *, extends: ArrayRef | None = None) -> Encod
     return EncodedArray(ArrayRef(piece.digest, piece.total_length, dtype), (piece,), (decoded,))
 
 
+def encode_concat_piece(
+    raw: bytes, dtype: DType, parent: ArrayRef | None, parts: Sequence[bytes]
+) -> Piece:
+    """The piece for `raw` appended to `parent`, stored as the list of the stored
+    pieces (`parts`, by digest) whose suffixes joined are `raw`. One part is
+    the same bytes after another parent (a turn's output ids, stored whole
+    in its GenerateResult, and as its chain's tokens after its input).
+
+    The caller proves that they are (`part_digest` of each part's parent and
+    bytes equals the digest it names): a read that finds otherwise reports
+    the piece as corrupt.
+    """
+    if not parts:
+        raise ValueError("a concatenated piece joins one or more pieces")
+    parent_digest = parent.digest if parent is not None else None
+    n = len(raw) // NUMPY_DTYPES[dtype].itemsize
+    total = (parent.length if parent is not None else 0) + n
+    digest = piece_digest(parent_digest, dtype, raw)
+    if digest in parts:
+        raise ValueError("a concatenated piece cannot name itself as a part")
+    return Piece(digest, parent_digest, dtype, total, CODEC_CONCAT, b"".join(parts), None, 1)
+
+
+def encode_concat_array(
+    raw: bytes, dtype: DType, parent: ArrayRef | None, parts: Sequence[bytes]
+) -> EncodedArray:
+    """`encode_concat_piece` as an `EncodedArray` (`raw` after `parent`), ready to append."""
+    piece = encode_concat_piece(raw, dtype, parent, parts)
+    own = np.frombuffer(raw, NUMPY_DTYPES[dtype])
+    decoded = DecodedPiece(piece.digest, piece.parent, dtype, piece.total_length, own, 1)
+    return EncodedArray(ArrayRef(piece.digest, piece.total_length, dtype), (piece,), (decoded,))
+
+
+def concat_parts(piece: Piece) -> list[bytes]:
+    """The digests a `CODEC_CONCAT` piece joins (none for any other codec)."""
+    if piece.codec != CODEC_CONCAT:
+        return []
+    data = piece.data
+    if not data or len(data) % DIGEST_SIZE:
+        raise _corrupt(piece.digest, "lists parts that are not whole digests")
+    return [data[i : i + DIGEST_SIZE] for i in range(0, len(data), DIGEST_SIZE)]
+
+
+def needs_others(piece: Piece) -> bool:
+    """Whether decoding `piece` needs other pieces decoded first (a basis or parts)."""
+    return piece.basis is not None or piece.codec == CODEC_CONCAT
+
+
+def piece_bases(piece: Piece) -> list[tuple[str, bytes]]:
+    """What `piece` names besides itself: ("extends" | "basis" | "part", digest)."""
+    named = [("extends", piece.parent), ("basis", piece.basis)]
+    named += [("part", d) for d in concat_parts(piece)]
+    return [(what, d) for what, d in named if d is not None]
+
+
 def external_bases(pieces: Iterable[Piece]) -> set[bytes]:
-    """Digests the pieces name (as parent or basis) but do not include themselves."""
+    """Digests the pieces name (as parent, basis or part) but do not include themselves."""
     pieces = list(pieces)
     own = {p.digest for p in pieces}
-    return {d for p in pieces for d in (p.parent, p.basis) if d is not None and d not in own}
+    return {d for p in pieces for _, d in piece_bases(p) if d not in own}
 
 
 def missing_bases(
@@ -242,8 +307,8 @@ def missing_bases(
             if i in errors:
                 continue
             for p in pieces:
-                for what, d in (("extends", p.parent), ("basis", p.basis)):
-                    if d is not None and d not in available:
+                for what, d in piece_bases(p):
+                    if d not in available:
                         found[i] = _unknown_base(what, d)
         if not found:
             return errors
@@ -387,7 +452,8 @@ def decode_piece(piece: Piece, basis_bytes: bytes | None = None) -> DecodedPiece
     """Decompress and verify one stored piece; raise `CorruptArray` on any mismatch.
 
     `basis_bytes`: the raw bytes of the array `piece.basis` names (verified),
-    needed by basis-coded pieces only.
+    needed by basis-coded pieces only; for a concatenated piece, its parts'
+    suffixes joined (`concat_parts`).
     """
     dt = NUMPY_DTYPES.get(piece.dtype)
     try:
@@ -397,7 +463,11 @@ def decode_piece(piece: Piece, basis_bytes: bytes | None = None) -> DecodedPiece
             piece.basis is None or basis_bytes is None
         ):
             raise ValueError("a basis-coded piece needs its basis array")
-        if piece.codec == CODEC_ZSTD_BASIS:
+        if piece.codec == CODEC_CONCAT:
+            if basis_bytes is None:
+                raise ValueError("a concatenated piece needs its parts")
+            body = basis_bytes
+        elif piece.codec == CODEC_ZSTD_BASIS:
             body = _decompressor_for(basis_bytes).decompress(piece.data)  # type: ignore[arg-type]
         elif piece.codec == CODEC_COPY_BASIS:
             body = _copied_range(piece.data, basis_bytes)  # type: ignore[arg-type]
@@ -411,7 +481,7 @@ def decode_piece(piece: Piece, basis_bytes: bytes | None = None) -> DecodedPiece
             if piece.dtype != "float64" or len(body) % 4:
                 raise ValueError("a float32-coded piece is float64 of whole float32s")
             raw = np.frombuffer(_unshuffle(body, 4), "<f4").astype("<f8").tobytes()
-        elif piece.codec in (CODEC_ZSTD, CODEC_ZSTD_BASIS, CODEC_COPY_BASIS):
+        elif piece.codec in (CODEC_ZSTD, CODEC_ZSTD_BASIS, CODEC_COPY_BASIS, CODEC_CONCAT):
             raw = body
         else:
             raise ValueError(f"unknown codec {piece.codec}")

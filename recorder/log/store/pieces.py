@@ -78,6 +78,9 @@ class PieceReader:
                         local[piece.digest] = piece
                         if cache:
                             self._cache.put(piece)
+                # What the chains' basis-coded and concatenated pieces need besides
+                # their chains: fetched in the rounds below.
+                frontier.update(x for p in on_basis.values() for _, x in arr.piece_bases(p))
             while frontier:
                 wanted = []
                 for d in frontier:
@@ -101,7 +104,11 @@ class PieceReader:
                 next_frontier: set[bytes] = set()
                 for d in frontier:
                     stored = on_basis.get(d)
-                    deps = (local[d].parent,) if stored is None else (stored.parent, stored.basis)
+                    deps = (
+                        [local[d].parent]
+                        if stored is None
+                        else [x for _, x in arr.piece_bases(stored)]
+                    )
                     next_frontier.update(
                         x for x in deps if x is not None and x not in local and x not in on_basis
                     )
@@ -143,7 +150,7 @@ def decode_row(row: Any) -> arr.DecodedPiece | arr.Piece:
         None if basis is None else bytes(basis),
         depth,
     )
-    if piece.basis is not None:
+    if arr.needs_others(piece):
         return piece
     return arr.decode_piece(piece)
 
@@ -151,12 +158,13 @@ def decode_row(row: Any) -> arr.DecodedPiece | arr.Piece:
 def decode_on_basis(
     local: dict[bytes, arr.DecodedPiece], pending: dict[bytes, arr.Piece]
 ) -> list[arr.DecodedPiece]:
-    """Decode basis-coded pieces into `local`, each after every piece of its basis.
+    """Decode basis-coded pieces into `local`, each after every piece of its basis
+    (a concatenated piece: after its parts).
 
     Iterative (an explicit stack, not recursion): a basis may itself rest on
     a basis, and a damaged database could even hold a cycle, reported as
-    corruption. Every piece's chain and its basis's chain are in `local` or
-    `pending` (`PieceReader.load` fetched them).
+    corruption. Every piece's chain and its basis's chain (or its parts) are
+    in `local` or `pending` (`PieceReader.load` fetched them).
     """
     decoded: list[arr.DecodedPiece] = []
     basis_bytes: dict[bytes, bytes] = {}
@@ -169,18 +177,27 @@ def decode_on_basis(
                 stack.pop()
                 continue
             piece = pending[d]
-            assert piece.basis is not None
-            waiting = _pending_in_chain(local, pending, piece.basis)
+            parts = arr.concat_parts(piece)
+            if parts:
+                waiting = [p for p in parts if p not in local]
+            else:
+                assert piece.basis is not None
+                waiting = _pending_in_chain(local, pending, piece.basis)
             if d in entered:
                 if waiting:
                     raise CorruptArray(
                         f"stored array piece {d.hex()} depends on itself through its basis "
-                        f"{piece.basis.hex()}: the database is damaged. Restore it from a "
-                        "good copy (`recorder db copy --from GOOD --to NEW`)"
+                        "or parts: the database is damaged. Restore it from a good copy "
+                        "(`recorder db copy --from GOOD --to NEW`)"
                     )
-                content = basis_bytes.get(piece.basis)
-                if content is None:
-                    content = basis_bytes[piece.basis] = arr.chain_bytes(chain(local, piece.basis))
+                if parts:
+                    content = b"".join(local[p].suffix.tobytes() for p in parts)
+                else:
+                    assert piece.basis is not None
+                    content = basis_bytes.get(piece.basis)
+                    if content is None:
+                        content = arr.chain_bytes(chain(local, piece.basis))
+                        basis_bytes[piece.basis] = content
                 local[d] = arr.decode_piece(piece, content)
                 decoded.append(local[d])
                 stack.pop()
