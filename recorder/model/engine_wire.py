@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import base64
 import os
+import time
 import uuid
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -265,6 +266,9 @@ def error_message(body: Any) -> str:
 # --------------------------------------------------------------------------
 
 _IDS_KEY = b'"input_ids":'
+# A kept body unused this long may make room for a session that has none
+# (`GenerateBodies`): longer than an agent's usual gap between turns (tools run).
+BODY_IDLE_S = 120.0
 
 
 class _SentIds(msgspec.Struct):
@@ -275,6 +279,7 @@ class _SentIds(msgspec.Struct):
     end: int  # offset just past its "]"
     n: int  # how many ids it holds
     digest: bytes  # keyed xxh3-128 of those ids as int32
+    used_at: float  # when it was kept (the session's last turn), on the cache's clock
 
 
 class GenerateBodies:
@@ -290,18 +295,35 @@ class GenerateBodies:
     a reset or a retry of a shorter input is encoded whole. Every body is byte
     for byte `orjson.dumps` of the same dict.
 
-    Bodies are kept per key (the session) up to `budget_bytes` in all, least
-    recently used dropped first (0: nothing kept).
+    Bodies are kept per key (the session) up to `budget_bytes` in all (0:
+    nothing kept). When the budget is reached, a session that had a body kept
+    keeps it (the least recently used bodies make room), but a session that
+    had none only takes the room of a body unused for `idle_s`: sessions take
+    turns in rotation, and with more of them than the budget holds, plain LRU
+    drops each body just before its session comes back (no turn would ever
+    find its body). This way the sessions that fit keep theirs; a session
+    that went away without `forget` gives its room up after `idle_s`.
     """
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(
+        self,
+        budget_bytes: int,
+        *,
+        idle_s: float = BODY_IDLE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.budget_bytes = budget_bytes
         self.held_bytes = 0
+        self.idle_s = idle_s
+        self._clock = clock
         self._sent: OrderedDict[str, _SentIds] = OrderedDict()
         self._seed = int.from_bytes(os.urandom(8), "little")
 
     def __len__(self) -> int:
         return len(self._sent)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._sent
 
     def build(self, key: str | None, fields: dict[str, Any], ids: np.ndarray) -> bytes:
         """`orjson.dumps(fields)` with `fields["input_ids"]` = `ids` (int32), kept for `key`.
@@ -315,10 +337,9 @@ class GenerateBodies:
         array = self._array(previous, ids)
         body = b"".join((head, *array, after))
         if key is not None:
-            start = len(head)
-            self._keep(
-                key, _SentIds(body, start, len(body) - len(after), len(ids), self._hash(ids))
-            )
+            end = len(body) - len(after)
+            entry = _SentIds(body, len(head), end, len(ids), self._hash(ids), self._clock())
+            self._keep(key, entry, had_one=previous is not None)
         return body
 
     def forget(self, key: str) -> None:
@@ -350,14 +371,18 @@ class GenerateBodies:
             self.held_bytes -= len(entry.body)
         return entry
 
-    def _keep(self, key: str, entry: _SentIds) -> None:
-        if len(entry.body) > self.budget_bytes:
+    def _keep(self, key: str, entry: _SentIds, *, had_one: bool) -> None:
+        size = len(entry.body)
+        if size > self.budget_bytes:
             return
-        self._sent[key] = entry
-        self.held_bytes += len(entry.body)
-        while self.held_bytes > self.budget_bytes:
+        while self.held_bytes + size > self.budget_bytes:
+            oldest = next(iter(self._sent.values()))
+            if not had_one and entry.used_at - oldest.used_at < self.idle_s:
+                return  # every kept body is in use: a newcomer does not push one out
             _, dropped = self._sent.popitem(last=False)
             self.held_bytes -= len(dropped.body)
+        self._sent[key] = entry
+        self.held_bytes += size
 
 
 def _split_fields(fields: dict[str, Any]) -> tuple[bytes, bytes]:

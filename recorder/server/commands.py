@@ -163,9 +163,9 @@ log = logging.getLogger("recorder.server")
     show_default=True,
     help="Memory for each session's last /generate body (~6 bytes per context token), "
     "whose token ids' JSON its next body reuses instead of encoding them again (~0.6 ms "
-    "of CPU per 100k tokens per turn); least recently used sessions' go first. Per process: "
-    "64 MB holds ~100 sessions at 100k; sessions beyond the cap that take turns in rotation "
-    "find nothing kept, so size it to hold them all, or 0: none.",
+    "of CPU per 100k tokens per turn). Per process: 64 MB holds ~100 sessions at 100k; "
+    "past the cap, the sessions it holds keep theirs and the others encode their ids whole "
+    "(a kept body unused for 2 minutes makes room); 0: none.",
 )
 @click.option(
     "--restore-from",

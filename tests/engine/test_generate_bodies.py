@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -84,18 +85,67 @@ def test_a_session_extending_its_input_reuses_the_previous_array() -> None:
     assert len(bodies) == 2
 
 
-def test_the_budget_drops_the_least_recently_used_sessions() -> None:
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_budget_holds_the_sessions_that_fit_and_frees_idle_ones() -> None:
     ids = np.arange(100, dtype=np.int32)
     one = len(_expected("a" * 32, ids))
-    bodies = GenerateBodies(2 * one)
+    clock = _Clock()
+    bodies = GenerateBodies(2 * one, idle_s=60.0, clock=clock)
     for key in ("a", "b", "c"):
         bodies.build(key, _fields("a" * 32), ids)
-    assert len(bodies) == 2 and bodies.held_bytes == 2 * one
+    # Full of bodies in use: the newcomer is not kept, nothing is pushed out.
+    assert ("a" in bodies, "b" in bodies, "c" in bodies) == (True, True, False)
+    assert bodies.held_bytes == 2 * one
+    clock.now = 61.0
+    bodies.build("c", _fields("a" * 32), ids)  # "a" went idle: its room goes to "c"
+    assert ("a" in bodies, "b" in bodies, "c" in bodies) == (False, True, True)
+    assert bodies.held_bytes == 2 * one
     bodies.forget("c")
     assert len(bodies) == 1 and bodies.held_bytes == one
     nothing = GenerateBodies(0)
     assert nothing.build("a", _fields("a" * 32), ids) == _expected("a" * 32, ids)
     assert len(nothing) == 0 and nothing.held_bytes == 0
+
+
+def test_a_session_with_a_kept_body_pushes_out_the_least_recently_used() -> None:
+    """A session that had a body keeps its (longer) next one: the oldest makes room."""
+    ids = np.arange(100, dtype=np.int32)
+    one = len(_expected("a" * 32, ids))
+    bodies = GenerateBodies(2 * one + 10, idle_s=60.0, clock=_Clock())
+    bodies.build("a", _fields("a" * 32), ids)
+    bodies.build("b", _fields("a" * 32), ids)
+    longer = np.arange(110, dtype=np.int32)
+    assert bodies.build("a", _fields("a" * 32), longer) == _expected("a" * 32, longer)
+    assert ("a" in bodies, "b" in bodies) == (True, False)
+    assert bodies.held_bytes == len(_expected("a" * 32, longer))
+
+
+@pytest.mark.parametrize("sessions", [3, 5, 9])
+def test_sessions_in_rotation_beyond_the_budget_still_find_their_bodies(sessions: int) -> None:
+    """More sessions than the budget holds, taking turns round-robin (many agents at
+    once): the bodies that fit stay kept and are found every round (plain LRU would
+    drop each body just before its session's next turn: no turn would find one)."""
+    clock = _Clock()
+    ids = {k: np.arange(1000, dtype=np.int32) + k for k in range(sessions)}
+    one = len(_expected("a" * 32, ids[0]))
+    bodies = GenerateBodies(2 * one + one // 2, idle_s=60.0, clock=clock)
+    found = 0
+    for _ in range(6):
+        for k in range(sessions):
+            clock.now += 1.0
+            found += str(k) in bodies
+            ids[k] = np.append(ids[k], np.int32(7))  # the next turn extends the input
+            body = bodies.build(str(k), _fields("a" * 32), ids[k])
+            assert body == _expected("a" * 32, ids[k])
+    assert found == 2 * 5  # two sessions fit; each finds its body in rounds 2..6
+    assert bodies.held_bytes <= bodies.budget_bytes
 
 
 def test_no_key_keeps_nothing() -> None:
