@@ -90,17 +90,17 @@ def test_bench_server(tmp_path: Path) -> None:
     lines = run("bench_server.py", "--sessions", "2", "--turns", "1", cwd=tmp_path)
     header = next(i for i, line in enumerate(lines) if line.startswith("sessions x turns"))
     assert lines[header] == (
-        f"{'sessions x turns':<17}{'path':<22}{'turns':>6}{'err':>5}{'turns/s':>9}"
+        f"{'sessions x turns':<17}{'path':<28}{'turns':>6}{'err':>5}{'turns/s':>9}"
         f"{'p50 ms':>8}{'p99 ms':>8}{'ovh p50':>9}{'ovh p99':>9}{'cpu ms/turn':>12}"
     )
     block = lines[header + 1 : header + 9]
     cores = [r for r in block if "recorder phase: per-core utilisation" in r]
     assert len(cores) == 2 and all(r.count("%") == os.cpu_count() for r in cores)
     rows = [r for r in block if r not in cores]
-    assert [r[17:39].strip() for r in rows] == [
-        "engine /generate", "recorder /v1/messages", "ratio recorder/engine:",
-    ] * 2  # fmt: skip
-    recorder_rows = [numbers(r[39:]) for r in rows if "/v1/messages" in r]
+    labels = ["engine /generate", "recorder: this", "ratio recorder/engine:"] * 2
+    assert len(rows) == len(labels)
+    assert all(r[17:].startswith(label) for r, label in zip(rows, labels, strict=True))
+    recorder_rows = [numbers(r[45:]) for r in rows if "recorder: this" in r]
     # turns, errors, turns/s, p50, p99, overhead p50 / p99, CPU per turn
     assert [(r[0], r[1], len(r)) for r in recorder_rows] == [(30, 0, 8), (2, 0, 8)]
     assert lines[header + 9] == "turn log lines 34 for 34 turns"
