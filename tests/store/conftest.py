@@ -7,8 +7,11 @@ import sqlite3
 from collections.abc import Awaitable, Callable
 
 import pytest
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from recorder.log.events import NewEvent, SandboxEvent
+from recorder.log.store.migrations import alembic_config
 
 MakeEvents = Callable[..., list[NewEvent]]
 
@@ -50,3 +53,23 @@ def raw_execute() -> RawExecute:
             await pg.close()
 
     return run
+
+
+async def assert_downgrade_refused(store_url: str, to: str, match: str) -> None:
+    """Alembic's downgrade of `store_url` to revision `to` raises, saying `match`: a
+    log holding rows the older format cannot read stays where it is."""
+    engine = create_async_engine(store_url)
+
+    def downgrade(conn: sa.Connection) -> None:
+        from alembic import command
+
+        cfg = alembic_config(store_url)
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, to)
+
+    try:
+        async with engine.begin() as conn:
+            with pytest.raises(RuntimeError, match=match):
+                await conn.run_sync(downgrade)
+    finally:
+        await engine.dispose()

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import create_async_engine
 
 from recorder.log import events as ev
 from recorder.log.events import ArrayRef
 from recorder.log.store import ArrayNotFound, CorruptArray, StoreOptions, open_store
 from recorder.log.store import arrays as codec
-from recorder.log.store.migrations import alembic_config
-from tests.store.conftest import RawExecute
+from tests.store.conftest import RawExecute, assert_downgrade_refused
 
 A = np.arange(1000, 1300, dtype=np.int32)
 B = np.arange(7, 57, dtype=np.int32)
@@ -116,18 +113,4 @@ async def test_downgrading_below_0006_refuses_once_a_spine_names_pieces(
     a, ab, abc = await _three_pieces(store_url)
     raw = np.concatenate([B, C]).tobytes()
     await _append(store_url, [codec.encode_concat_array(raw, "int32", a, [ab.digest, abc.digest])])
-    engine = create_async_engine(store_url)
-
-    def downgrade(conn: sa.Connection) -> None:
-        from alembic import command
-
-        cfg = alembic_config(store_url)
-        cfg.attributes["connection"] = conn
-        command.downgrade(cfg, "0005")
-
-    try:
-        async with engine.begin() as conn:
-            with pytest.raises(RuntimeError, match="stay at revision 0006"):
-                await conn.run_sync(downgrade)
-    finally:
-        await engine.dispose()
+    await assert_downgrade_refused(store_url, "0005", "stay at revision 0006")

@@ -10,16 +10,13 @@ import uuid
 import msgspec
 import numpy as np
 import pytest
-import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import create_async_engine
 
 from recorder.log import events as ev
 from recorder.log import packing
 from recorder.log.events import ArrayRef
 from recorder.log.store import EventStore, open_store
 from recorder.log.store import arrays as codec
-from recorder.log.store.migrations import alembic_config
-from tests.store.conftest import RawExecute
+from tests.store.conftest import RawExecute, assert_downgrade_refused
 
 REF = ArrayRef(b"\x07" * 16, 5)
 
@@ -188,21 +185,7 @@ async def test_downgrading_below_0005_refuses_once_compact_rows_exist(store_url:
         await store.append("s", [ev.NewEvent(event=ev.SandboxEvent(kind="k"))], expected_seq=0)
     finally:
         await store.close()
-    engine = create_async_engine(store_url)
-
-    def downgrade(conn: sa.Connection) -> None:
-        from alembic import command
-
-        cfg = alembic_config(store_url)
-        cfg.attributes["connection"] = conn
-        command.downgrade(cfg, "0004")
-
-    try:
-        async with engine.begin() as conn:
-            with pytest.raises(RuntimeError, match="stay at revision 0005"):
-                await conn.run_sync(downgrade)
-    finally:
-        await engine.dispose()
+    await assert_downgrade_refused(store_url, "0004", "stay at revision 0005")
 
 
 def test_long_payloads_are_packed_against_the_dictionary_and_read_back() -> None:
