@@ -5,7 +5,7 @@ Part of the pure reducer (see `replay.reducer`): no I/O, no clock.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
@@ -223,37 +223,6 @@ class IdChecks:
     def __init__(self) -> None:
         # id(root) -> (root, no negative id in it); the root is held so its id stays its own.
         self._roots: dict[int, tuple[np.ndarray, bool]] = {}
-        # id(logprobs) -> (logprobs, every value in [-inf < lp <= 0]): `scan_logprobs`.
-        self._logprobs: dict[int, tuple[np.ndarray, bool]] = {}
-
-    def scan_logprobs(self, arrays: Iterable[np.ndarray]) -> None:
-        """Check a session's logprob arrays (as stored: float32 or float64) at once.
-
-        A turn's logprobs are a few hundred values: two reductions per
-        attempt cost more in numpy's per-call overhead than in the data, so
-        the whole session's are concatenated and reduced per array in two
-        `reduceat` calls (float32 widens to float64 exactly, so the verdict is
-        the one on the float64 values). An array not scanned here is checked
-        alone (`logprobs_ok`).
-        """
-        parts = {id(a): a for a in arrays if a.ndim == 1 and a.size and a.dtype in _SCANNED}
-        if not parts:
-            return
-        held = list(parts.values())
-        starts = np.cumsum([0] + [a.size for a in held[:-1]])
-        flat = np.concatenate(held)
-        top = np.maximum.reduceat(flat, starts)
-        bottom = np.minimum.reduceat(flat, starts)
-        ok = (top <= 0.0) & (bottom > -np.inf)  # NaN fails both, as in `_logprobs_ok`
-        for a, good in zip(held, ok.tolist(), strict=True):
-            self._logprobs[id(a)] = (a, good)
-
-    def logprobs_ok(self, stored: np.ndarray, lp: np.ndarray) -> bool:
-        """Are `lp` (`stored` as float64) valid logprobs (see `_logprobs_ok`)?"""
-        seen = self._logprobs.get(id(stored))
-        if seen is not None and seen[0] is stored:
-            return seen[1]
-        return _logprobs_ok(lp)
 
     def non_negative(self, a: np.ndarray) -> bool:
         root = _same_dtype_root(a)
@@ -264,27 +233,6 @@ class IdChecks:
             if seen[1]:
                 return True
         return _min_ok(a)
-
-
-# Logprob dtypes `IdChecks.scan_logprobs` reduces as they are stored.
-_SCANNED = (np.dtype(np.float32), np.dtype(np.float64))
-
-
-def _logprobs_ok(lp: np.ndarray) -> bool:
-    """Each in [-inf < lp <= 0]: NaN fails both comparisons, +inf the first."""
-    return not lp.size or (float(lp.max()) <= 0.0 and float(lp.min()) > -np.inf)
-
-
-def session_checks(turns: Iterable[Turn], arrays: Mapping[bytes, np.ndarray]) -> IdChecks:
-    """An `IdChecks` for one session, its logprob arrays scanned up front."""
-    checks = IdChecks()
-    checks.scan_logprobs(
-        arrays[r.logprobs.digest]
-        for t in turns
-        for r in t.results.values()
-        if r.logprobs is not None and r.logprobs.digest in arrays
-    )
-    return checks
 
 
 def _min_ok(a: np.ndarray) -> bool:
@@ -369,13 +317,13 @@ def _read_turn(
         out = _as_ids(_array(arrays, r.output_ids.digest, "output_ids"), checks)
         if r.logprobs is None:
             raise ValueError(f"attempt {r.attempt}: logprobs missing")
-        stored = _array(arrays, r.logprobs.digest, "logprobs")
-        lp = np.asarray(stored, dtype=np.float64)
+        lp = np.asarray(_array(arrays, r.logprobs.digest, "logprobs"), dtype=np.float64)
         if lp.shape != out.shape:
             raise ValueError(
                 f"attempt {r.attempt}: {lp.size} logprobs for {out.size} output tokens"
             )
-        if not (checks.logprobs_ok(stored, lp) if checks is not None else _logprobs_ok(lp)):
+        # Each in [-inf < lp <= 0]: NaN fails both comparisons, +inf the first.
+        if lp.size and not (float(lp.max()) <= 0.0 and float(lp.min()) > -np.inf):
             raise ValueError(f"attempt {r.attempt}: logprobs not finite or positive")
         outs.append(out)
         lps.append(lp)

@@ -89,32 +89,3 @@ def test_id_checks_find_a_negative_id_in_a_view_of_a_shared_buffer() -> None:
     clean = np.arange(10, dtype=np.int32)
     assert checks.non_negative(clean[:4]) and checks.non_negative(clean[3:].view())
     assert not IdChecks().non_negative(clean.view(np.uint8).view(np.int32) - 20)
-
-
-LOGPROB_VALUES = [0.0, -0.0, -1e-30, -3.5, -1e300, 1e-30, 2.0, float("nan"), float("inf"), -np.inf]
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    st.lists(
-        st.tuples(
-            st.sampled_from(["<f4", "<f8", "<f2"]),
-            st.lists(st.sampled_from(LOGPROB_VALUES), max_size=6),
-        ),
-        max_size=6,
-    )
-)
-def test_scanned_logprob_verdicts_are_the_one_by_one_verdicts(
-    arrays: list[tuple[str, list[float]]],
-) -> None:
-    """`IdChecks.scan_logprobs` (a session's arrays reduced at once) says of
-    each array what checking it alone as float64 says, whatever its dtype."""
-    with np.errstate(over="ignore"):
-        stored = [np.array(values, dtype=dtype) for dtype, values in arrays]
-    checks = IdChecks()
-    checks.scan_logprobs(stored)
-    for a in stored:
-        lp = np.asarray(a, dtype=np.float64)
-        alone = not lp.size or (float(lp.max()) <= 0.0 and float(lp.min()) > -np.inf)
-        assert checks.logprobs_ok(a, lp) == alone
-        assert IdChecks().logprobs_ok(a, lp) == alone
