@@ -136,9 +136,10 @@ log = logging.getLogger("recorder.server")
 @click.option(
     "--sqlite-cache-mb",
     type=float,
-    default=64.0,
+    default=4.0,
     show_default=True,
-    help="SQLite page cache of the writer connection (each reader gets a quarter).",
+    help="SQLite page cache of the writer connection (each reader gets a quarter). The "
+    "writer only appends: a larger cache keeps pages it wrote and grows with the log.",
 )
 @click.option(
     "--engine-health-interval",

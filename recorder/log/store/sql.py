@@ -85,8 +85,13 @@ MAX_BASIS_DEPTH = 16
 BASIS_DICTIONARIES = 8
 # Default cache sizes (see `StoreOptions`).
 PIECE_CACHE_BYTES = 256 * 1024 * 1024
-WRITER_PAGE_CACHE_BYTES = 64 * 1024 * 1024
-READER_PAGE_CACHE_BYTES = 16 * 1024 * 1024
+# SQLite's page cache keeps every page a connection touched until it is full.
+# The writer only appends: what it touched is what it just wrote (never read
+# again by it) plus a few index pages per session. A large cache there grew
+# with the log (~0.35 MB per open 100k session at 64 MiB). Reads of what was
+# just written are served from the OS page cache and the decoded-piece cache.
+WRITER_PAGE_CACHE_BYTES = 4 * 1024 * 1024
+READER_PAGE_CACHE_BYTES = 1024 * 1024
 
 _PIECE_COLUMNS = (
     arrays.c.digest,
@@ -116,8 +121,9 @@ class StoreOptions(msgspec.Struct, frozen=True, kw_only=True):
     """How much memory one open store may spend on caches.
 
     The defaults suit the live server, which reads back arrays it wrote
-    moments ago (each turn's prompt extends the previous one) and writes many
-    small transactions. A one-pass reader (`replay reclassify/export/stats`)
+    moments ago (each turn's prompt extends the previous one: kept decoded in
+    the piece cache) and writes many small transactions (which touch the
+    table's tail and one index page per session). A one-pass reader (`replay reclassify/export/stats`)
     reuses nothing across sessions: `StoreOptions.streaming()` keeps it lean.
 
     - `piece_cache_bytes`: bound on the decoded-array-piece LRU, counting each
@@ -143,8 +149,8 @@ class StoreOptions(msgspec.Struct, frozen=True, kw_only=True):
         """Caches for a one-pass read of the whole log: no piece cache, small page caches."""
         return cls(
             piece_cache_bytes=0,
-            writer_page_cache_bytes=8 * 1024 * 1024,
-            reader_page_cache_bytes=4 * 1024 * 1024,
+            writer_page_cache_bytes=2 * 1024 * 1024,
+            reader_page_cache_bytes=512 * 1024,
         )
 
 
