@@ -262,7 +262,7 @@ async def test_uncached_read_leaves_the_cache_as_it_was(store_url: str) -> None:
 async def test_page_cache_sizes_reach_sqlite(sqlite_url: str) -> None:
     options = StoreOptions(writer_page_cache_bytes=3 * 2**20, reader_page_cache_bytes=5 * 2**20)
     for opts, writer_kib, reader_kib in (
-        (None, 4 * 1024, 1024),
+        (None, 4 * 1024, 16 * 1024),
         (options, 3 * 1024, 5 * 1024),
     ):
         async with await open_store(sqlite_url, create=True, options=opts) as s:

@@ -90,8 +90,9 @@ PIECE_CACHE_BYTES = 256 * 1024 * 1024
 # again by it) plus a few index pages per session. A large cache there grew
 # with the log (~0.35 MB per open 100k session at 64 MiB). Reads of what was
 # just written are served from the OS page cache and the decoded-piece cache.
+# (`recorder serve` gives each reader a quarter of the writer's: --sqlite-cache-mb.)
 WRITER_PAGE_CACHE_BYTES = 4 * 1024 * 1024
-READER_PAGE_CACHE_BYTES = 1024 * 1024
+READER_PAGE_CACHE_BYTES = 16 * 1024 * 1024
 
 _PIECE_COLUMNS = (
     arrays.c.digest,
@@ -150,7 +151,7 @@ class StoreOptions(msgspec.Struct, frozen=True, kw_only=True):
         return cls(
             piece_cache_bytes=0,
             writer_page_cache_bytes=2 * 1024 * 1024,
-            reader_page_cache_bytes=512 * 1024,
+            reader_page_cache_bytes=4 * 1024 * 1024,
         )
 
 
