@@ -57,6 +57,29 @@ def test_bench_dialects(tmp_path: Path) -> None:
     assert all(len(numbers(r)) == 4 and min(numbers(r)) > 0 for r in rows)
 
 
+def test_bench_http_server(tmp_path: Path) -> None:
+    lines = run(
+        "bench_http_server.py", "--requests", "20", "--rounds", "2", "--body-kb", "4,64",
+        "--concurrency", "2", cwd=tmp_path,
+    )  # fmt: skip
+    header = next(i for i, line in enumerate(lines) if "aiohttp (ours)" in line)
+    assert lines[header].split() == [
+        "body",
+        "aiohttp",
+        "(ours)",
+        "bare",
+        "protocol",
+        "aiohttp",
+        "-",
+        "bare",
+    ]
+    rows = lines[header + 1 : header + 3]
+    assert [r.split()[0] for r in rows] == ["4kB", "64kB"]
+    for row in rows:
+        ours, bare, _ = numbers(row.split(maxsplit=1)[1])
+        assert ours > 0 and bare > 0
+
+
 def test_bench_close(tmp_path: Path) -> None:
     lines = run(
         "bench_close.py", "--turns", "4,8", "--context", "2000", "--reps", "2", cwd=tmp_path
