@@ -192,6 +192,9 @@ def decode_on_basis(
                     )
                 if parts:
                     content = b"".join(local[p].suffix.tobytes() for p in parts)
+                elif piece.codec == arr.CODEC_ZSTD_PRIOR:
+                    assert piece.basis is not None
+                    content = arr.chain_tail(chain(local, piece.basis), arr.PRIOR_BYTES)
                 else:
                     assert piece.basis is not None
                     content = basis_bytes.get(piece.basis)
