@@ -84,6 +84,10 @@ CODEC_ZSTD_PRIOR: Final = 7  # raw bytes, zstd with the parent's last PRIOR_BYTE
 # previous turn or two. 32 kB packs ~5% more and costs ~3x the CPU (a zstd
 # dictionary is hashed whole before each compression: ~15 us for 8 kB).
 PRIOR_BYTES: Final = 8192
+PRIOR_DTYPES: Final = ("int32", "uint8")  # text and token ids; not logprobs
+# Shorter suffixes are compressed plainly: loading the dictionary (~15 us) is
+# worth it only for a turn's new messages or tokens, not a few ids.
+PRIOR_MIN_BYTES: Final = 64
 # int32 suffixes of at least this many bytes are compressed unshuffled (see above).
 RAW_INT32_MIN_BYTES: Final = 4096
 _COPY_RANGE: Final = struct.Struct("<QQ")  # (offset, n): a copy piece's data
@@ -186,11 +190,13 @@ def _encode_raw(
     raw: bytes, n: int, dtype: DType, parent: ArrayRef | None, prior: bytes | None = None
 ) -> Piece:
     parent_digest = parent.digest if parent is not None else None
-    codec, data = _compress(raw, dtype)
-    if prior and parent is not None and dtype in ("int32", "uint8"):
-        on_prior = _compress_on_prior(raw, prior)
-        if len(on_prior) < len(data):
-            codec, data = CODEC_ZSTD_PRIOR, on_prior
+    if prior and parent is not None and dtype in PRIOR_DTYPES and len(raw) >= PRIOR_MIN_BYTES:
+        # Not compared with the plain encoding (a second compression per turn):
+        # a dictionary only adds matches, and token ids packed unshuffled on
+        # their prior beat them shuffled alone (16% smaller).
+        codec, data = CODEC_ZSTD_PRIOR, _compress_on_prior(raw, prior)
+    else:
+        codec, data = _compress(raw, dtype)
     total = (parent.length if parent is not None else 0) + n
     digest = piece_digest(parent_digest, dtype, raw)
     basis = parent_digest if codec == CODEC_ZSTD_PRIOR else None
