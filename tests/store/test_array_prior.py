@@ -29,15 +29,17 @@ def _tokens(seed: int, n: int) -> np.ndarray:
 async def test_a_suffix_packed_against_its_parent_reads_back_cold(
     store_url: str, raw_execute: RawExecute, make: object
 ) -> None:
-    """Three suffixes, each packed against the array before it (the first's parent
-    longer than the dictionary, the others' not): smaller than plainly, same refs,
-    and every prefix reads back on a store with nothing cached, cold and not."""
-    parts = [make(s, n) for s, n in ((1, 6000), (2, 400), (3, 400))]  # type: ignore[operator]
+    """Suffixes each packed against the array before it (parents shorter and longer
+    than the dictionary): smaller than plainly, same refs, and every prefix reads
+    back on a store with nothing cached, cold and not."""
+    sizes = ((1, 300), (2, 400), (3, 2000), (4, 400))
+    parts = [make(s, n) for s, n in sizes]  # type: ignore[operator]
     whole = np.concatenate(parts)
+    assert parts[0].nbytes < codec.PRIOR_BYTES < whole[:-400].nbytes
     async with await open_store(store_url, create=True) as w:
         first = await w.put_array(parts[0])
         refs = [first]
-        for i in (1, 2):
+        for i in range(1, len(parts)):
             done = np.concatenate(parts[:i])
             ref = await w.put_array(parts[i], extends=refs[-1], prior=done)
             assert ref == codec.encode_array(parts[i], extends=refs[-1]).ref
@@ -45,8 +47,8 @@ async def test_a_suffix_packed_against_its_parent_reads_back_cold(
     rows = await raw_execute(store_url, "SELECT digest, basis, parent FROM arrays WHERE codec = 7")
     assert {bytes(d) for d, _, _ in rows} == {r.digest for r in refs[1:]}
     assert all(bytes(b) == bytes(p) for _, b, p in rows)
-    plain = codec.encode_piece(parts[2], refs[1].dtype, refs[1]).data
-    packed = codec.encode_array(parts[2], extends=refs[1], prior=np.concatenate(parts[:2]))
+    plain = codec.encode_piece(parts[3], refs[2].dtype, refs[2]).data
+    packed = codec.encode_array(parts[3], extends=refs[2], prior=np.concatenate(parts[:3]))
     assert len(packed.pieces[0].data) < len(plain)
     for cold in (False, True):
         async with await open_store(store_url, options=COLD) as r:
@@ -59,7 +61,7 @@ def test_a_prior_shorter_than_the_dictionary_is_refused() -> None:
     """The dictionary is the parent's last PRIOR_BYTES (or all of it): a caller that
     passes less would store a piece no read could decode."""
     parent = codec.encode_array(_text(1, 5000)).ref
-    with pytest.raises(ValueError, match="last 8192"):
+    with pytest.raises(ValueError, match="last 4096"):
         codec.encode_array(_text(2, 100), extends=parent, prior=_text(1, 5000)[-100:])
 
 

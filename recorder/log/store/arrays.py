@@ -44,7 +44,8 @@ any piece, so a read verifies the parts it joined.
 A piece that extends a parent may be compressed against the parent array's
 last `PRIOR_BYTES` bytes (`CODEC_ZSTD_PRIOR`): a turn's new messages and
 new tokens repeat the words, paths and code of the turns just before them
-(a body's new messages: 20% smaller, an engine input's new tokens: 16%).
+(`tools/bench_training.py`: a body's new messages 40% smaller, an engine
+input's new tokens 26%).
 A read of the piece reads its parent's chain anyway, so the dictionary costs
 no extra piece: `basis` names the parent, and `depth` stays 0. The writer
 has those bytes in memory (the body or the token list it stores a suffix
@@ -81,9 +82,10 @@ CODEC_F32_SHUFFLED: Final = 5  # float64 raw bytes = the shuffled float32 values
 CODEC_CONCAT: Final = 6  # raw bytes = the suffixes of the pieces whose digests `data` lists
 CODEC_ZSTD_PRIOR: Final = 7  # raw bytes, zstd with the parent's last PRIOR_BYTES as dictionary
 # How much of the parent a `CODEC_ZSTD_PRIOR` piece is compressed against: the
-# previous turn or two. 32 kB packs ~5% more and costs ~3x the CPU (a zstd
-# dictionary is hashed whole before each compression: ~15 us for 8 kB).
-PRIOR_BYTES: Final = 8192
+# previous turn or so. A piece costs ~18 us more than plainly (a compressor and
+# its dictionary built per piece); 8 kB packs ~5% more for ~10 us more, 32 kB
+# ~10% more for ~80 us more.
+PRIOR_BYTES: Final = 4096
 PRIOR_DTYPES: Final = ("int32", "uint8")  # text and token ids; not logprobs
 # Shorter suffixes are compressed plainly: loading the dictionary (~15 us) is
 # worth it only for a turn's new messages or tokens, not a few ids.
