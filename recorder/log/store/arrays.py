@@ -602,20 +602,6 @@ def chain_bytes(chain: list[DecodedPiece]) -> bytes:
     return b"".join(p.suffix.tobytes() for p in chain)
 
 
-def chain_tail(chain: Sequence[DecodedPiece], n: int) -> bytes:
-    """The last `n` raw bytes (all, if fewer) of the array a root-first chain makes up,
-    joining only the pieces they span (a body's chain holds ~0.5 MB)."""
-    out: list[bytes] = []
-    have = 0
-    for piece in reversed(chain):
-        if have >= n:
-            break
-        out.append(piece.suffix.tobytes())
-        have += piece.suffix.nbytes
-    joined = b"".join(reversed(out))
-    return joined[len(joined) - min(n, len(joined)) :]
-
-
 def chain_depth(chain: list[DecodedPiece]) -> int:
     """Basis hops a cold read of the array `chain` makes up may take."""
     return max(p.depth for p in chain)
