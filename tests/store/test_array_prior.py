@@ -3,6 +3,8 @@ a turn's new messages and tokens packed with what the turns before them said."""
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 
@@ -55,6 +57,22 @@ async def test_a_suffix_packed_against_its_parent_reads_back_cold(
             got = await r.get_arrays(refs, cold=cold)
             for ref, array in zip(refs, got, strict=True):
                 assert np.array_equal(array, whole[: ref.length])
+
+
+def test_a_piece_stored_by_this_format_still_decodes() -> None:
+    """Bytes of a stored codec-7 piece, pinned: bytes [-3000, -2000) of its parent, one
+    match 3000 bytes back into the dictionary. A reader whose dictionary is shorter
+    (or is not the parent's last bytes) fails here, not on users' logs."""
+    parent = b"".join(hashlib.blake2b(i.to_bytes(4, "little")).digest() for i in range(200))
+    ref = codec.encode_array(np.frombuffer(parent, np.uint8)).ref
+    stored = bytes.fromhex("28b52ffd60e802450000000100e577574120")
+    suffix = parent[-3000:-2000]
+    digest = codec.piece_digest(ref.digest, "uint8", suffix)
+    total = ref.length + len(suffix)
+    piece = codec.Piece(
+        digest, ref.digest, "uint8", total, codec.CODEC_ZSTD_PRIOR, stored, ref.digest
+    )
+    assert codec.decode_piece(piece, parent).suffix.tobytes() == suffix
 
 
 def test_a_prior_shorter_than_the_dictionary_is_refused() -> None:

@@ -85,6 +85,8 @@ CODEC_ZSTD_PRIOR: Final = 7  # raw bytes, zstd with the parent's last PRIOR_BYTE
 # previous turn or so. A piece costs ~18 us more than plainly (a compressor and
 # its dictionary built per piece); 8 kB packs ~5% more for ~10 us more, 32 kB
 # ~10% more for ~80 us more.
+# Part of codec 7's format: stored pieces were compressed against exactly this
+# many bytes, so it never changes (another size is another codec).
 PRIOR_BYTES: Final = 4096
 PRIOR_DTYPES: Final = ("int32", "uint8")  # text and token ids; not logprobs
 # Shorter suffixes are compressed plainly: loading the dictionary (~15 us) is
