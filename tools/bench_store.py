@@ -420,6 +420,7 @@ class WithoutBasis:
         basis_offset: int | None = None,
         cache: bool = True,
         along: list[codec.EncodedArray] | None = None,
+        prior: np.ndarray | bytes | None = None,
     ) -> ArrayRef:
         return await self.store.put_array(array, extends=extends, cache=cache, along=along or ())
 

@@ -38,6 +38,11 @@ as the log grows, up to their bound).
     python -m tools.bench_training [--sessions 16] [--contexts 10000,50000,100000]
         [--turns 100] [--point-turns 30] [--new-tokens 250] [--rss-every 10]
         [--peer-sessions 1] [--peer-turns 30] [--no-peer] [--engine-latency-ms 0]
+        [--before-src DIR]
+
+`--before-src DIR` (another checkout, e.g. `git worktree add --detach DIR main`)
+runs that checkout's `recorder serve` through the same sessions in the same
+run, after this one's, and adds its column to the log table (before/after).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from tools.benchkit import wire
 from tools.benchkit.conversation import FIXED_TOKENS_PER_TURN, Conversation, words_per_token
 from tools.benchkit.engine import EngineProcess, fixture_tokenizer
 from tools.benchkit.memory import MB
+from tools.benchkit.procs import REPO
 from tools.benchkit.recorder import ADMIN, RecorderProcess, idle_rss
 from tools.benchkit.stats import engine_seconds, ints, slope
 from tools.benchkit.table import console, rich_table
@@ -227,17 +233,22 @@ async def _engine_times(engine: EngineProcess, samples: list[Sample]) -> list[fl
 
 
 async def run_server(
-    engine: EngineProcess, args: argparse.Namespace, *, peer: bool, db_dir: str
+    engine: EngineProcess,
+    args: argparse.Namespace,
+    *,
+    peer: bool,
+    db_dir: str,
+    root: Path | None = None,
 ) -> Run:
     sessions = args.peer_sessions if peer else args.sessions
-    run = Run("peer" if peer else "ours", sessions)
+    run = Run("peer" if peer else "before" if root else "ours", sessions)
     db = str(Path(db_dir) / f"{run.name}.db")
     extra = ["--context-length", str(args.context_length), "--log-level", "WARNING"]
     if args.piece_cache_mb is not None:
         extra += ["--piece-cache-mb", str(args.piece_cache_mb)]
     if args.sqlite_cache_mb is not None:
         extra += ["--sqlite-cache-mb", str(args.sqlite_cache_mb)]
-    recorder = RecorderProcess(engine.url, db, extra, peer=peer)
+    recorder = RecorderProcess(engine.url, db, extra, peer=peer, root=root or REPO)
     timeout = aiohttp.ClientTimeout(total=600)
     try:
         async with aiohttp.ClientSession(timeout=timeout) as http:
@@ -275,7 +286,7 @@ async def run_server(
             run.rss_end = recorder.rss()
             reached = warm_context + sum(driver.context.values())
             run.log = await asyncio.to_thread(read_log_bytes, Path(db), reached)
-            if args.keep_db and not peer:
+            if args.keep_db and run.name == "ours":
                 await asyncio.to_thread(_copy_db, Path(db), Path(args.keep_db))
             await driver.close_all()
             await asyncio.sleep(0.5)
@@ -320,6 +331,9 @@ async def run_all(args: argparse.Namespace) -> tuple[list[Run], dict[str, list[i
             runs.append(await run_server(engine, args, peer=False, db_dir=tmp))
             if args.peer:
                 runs.append(await run_server(engine, args, peer=True, db_dir=tmp))
+            if args.before_src:
+                before = Path(args.before_src).resolve()
+                runs.append(await run_server(engine, args, peer=False, db_dir=tmp, root=before))
     finally:
         await engine.stop()
     return runs, idle
@@ -420,14 +434,8 @@ def idle_table(idle: dict[str, list[int]]) -> Table:
     return rich_table(title, cols, rows)
 
 
-def log_table(run: Run) -> Table:
-    log = run.log
-    assert log is not None
+def _log_kinds(log: LogBytes) -> list[tuple[str, int]]:
     n = max(log.context_tokens, 1)
-    title = (
-        f"{run.name}: the live SQLite log after the measured turns, bytes per context token "
-        f"({log.context_tokens:,} tokens: the sum of every session's last context)"
-    )
     kinds = [
         ("token ids (int32 arrays, compressed)", log.ids),
         ("request bodies (uint8 arrays, compressed)", log.bodies),
@@ -445,8 +453,35 @@ def log_table(run: Run) -> Table:
         ("WAL file", log.wal_file),
         ("database file + WAL", log.file),
     ]
-    rows = [(what, f"{size / 1e6:.2f} MB", f"{size / n:.2f}") for what, size in kinds]
-    return rich_table(title, ("kind", "bytes", "bytes / context token"), rows, left=1)
+    return kinds
+
+
+def log_table(run: Run, before: Run | None = None) -> Table:
+    """The log's bytes by kind; with `before`, that checkout's beside them (same traffic)."""
+    log = run.log
+    assert log is not None
+    n = max(log.context_tokens, 1)
+    title = (
+        f"{run.name}: the live SQLite log after the measured turns, bytes per context token "
+        f"({log.context_tokens:,} tokens: the sum of every session's last context)"
+    )
+    cols = ("kind", "bytes", "bytes / context token")
+    kinds = _log_kinds(log)
+    if before is None or before.log is None:
+        rows = [(what, f"{size / 1e6:.2f} MB", f"{size / n:.2f}") for what, size in kinds]
+        return rich_table(title, cols, rows, left=1)
+    # Page rows carry their payload in the label: match on the table name alone.
+    then = {what.split(" (payload")[0]: size for what, size in _log_kinds(before.log)}
+    m = max(before.log.context_tokens, 1)
+    title += f"; before: --before-src, same sessions ({before.log.context_tokens:,} tokens)"
+    cols += ("before B / token", "change")
+    rows = []
+    for what, size in kinds:
+        old = then.get(what.split(" (payload")[0])
+        change = f"{(size / n) / (old / m) - 1:+.0%}" if old else ""
+        old_s = f"{old / m:.2f}" if old is not None else ""
+        rows.append((what, f"{size / 1e6:.2f} MB", f"{size / n:.2f}", old_s, change))
+    return rich_table(title, cols, rows, left=1)
 
 
 def main(argv: list[str] | None = None) -> list[Run]:
@@ -471,6 +506,7 @@ def main(argv: list[str] | None = None) -> list[Run]:
     ap.add_argument("--sqlite-cache-mb", type=float, default=None, help="recorder serve's")
     ap.add_argument("--keep-db", default=None, help="copy the measured log here")
     ap.add_argument("--idle-rounds", type=int, default=3, help="idle RSS rounds per backend")
+    ap.add_argument("--before-src", default=None, help="another checkout, run after this one")
     args = ap.parse_args(argv)
     if not args.context_length:
         top = max(args.contexts) + (args.turns + 2) * args.new_tokens
@@ -479,11 +515,12 @@ def main(argv: list[str] | None = None) -> list[Run]:
     out = console()
     out.print(idle_table(idle))
     ours = runs[0]
-    peer = runs[1] if len(runs) > 1 else None
+    peer = next((r for r in runs if r.name == "peer"), None)
+    before = next((r for r in runs if r.name == "before"), None)
     out.print(overhead_table(ours, peer))
     out.print(rss_table(ours))
     out.print(memory_table(ours, args))
-    out.print(log_table(ours))
+    out.print(log_table(ours, before))
     return runs
 
 

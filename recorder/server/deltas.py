@@ -27,7 +27,7 @@ import numpy as np
 import xxhash
 
 from recorder.log.events import ArrayRef
-from recorder.log.store.arrays import EncodedArray, encode_array
+from recorder.log.store.arrays import PRIOR_BYTES, EncodedArray, encode_array
 
 log = logging.getLogger("recorder.server")
 
@@ -48,6 +48,9 @@ MAX_PREFIX_REFS = 8
 # Bounds a session's state by this, not by its turns (~60 bytes each).
 MAX_CHAIN_REFS = 32
 
+
+# The engine input's tokens its new tokens are compressed against (`put_input`).
+PRIOR_TOKENS = PRIOR_BYTES // 4
 
 # Below this many shared bytes at its end (a copy piece's row costs ~100), a body's tail is stored with its
 # newest messages rather than as a copy.
@@ -223,14 +226,14 @@ async def put_body(
     along: list[EncodedArray] = []  # encoded here, stored with the body's last piece
     if shared > (prefix.length if prefix is not None else 0):
         start = prefix.length if prefix is not None else 0
-        along.append(encode_array(data[start:shared], extends=prefix))
+        along.append(encode_array(data[start:shared], extends=prefix, prior=data[:start]))
         prefix = along[-1].ref
     middle = prefix
     ref: ArrayRef | None = None
     tail: TailSource | None = None
     if copied:
         if end > shared:
-            along.append(encode_array(data[shared:end], extends=prefix))
+            along.append(encode_array(data[shared:end], extends=prefix, prior=data[:shared]))
             middle = along[-1].ref
         assert previous.tail is not None
         source, offset, length = previous.tail
@@ -246,9 +249,13 @@ async def put_body(
         # The rest after the shared prefix (the middle, and the tail if not copied) is
         # one piece: the middle already encoded joins `along`, its tail extends it.
         if middle is not prefix:
-            ref = await store.put_array(data[end:], extends=middle, cache=False, along=along)
+            ref = await store.put_array(
+                data[end:], extends=middle, cache=False, along=along, prior=data[:end]
+            )
         else:
-            ref = await store.put_array(data[shared:], extends=prefix, cache=False, along=along)
+            ref = await store.put_array(
+                data[shared:], extends=prefix, cache=False, along=along, prior=data[:shared]
+            )
             middle = ref
         tail = (ref, shared, len(body) - shared)
     if previous.tail is not None and tail is not None and previous.tail[0] != tail[0]:
@@ -279,9 +286,12 @@ async def put_input(
         base = known[max(usable)] if usable else None
     start = base.length if base is not None else 0
     ids = np.asarray(plan.input_ids[start:], dtype=np.int32)
+    # The tokens just before the new ones, as their compression dictionary: the
+    # stored prefix holds exactly these (it is a prefix of the chain's tokens).
+    prior = np.asarray(plan.input_ids[max(0, start - PRIOR_TOKENS) : start], dtype=np.int32)
     # Not cached: the session's chain holds these tokens already; read back only by
     # its close, from the log (`EventStore.get_arrays`).
-    return await store.put_array(ids, extends=base, cache=False)
+    return await store.put_array(ids, extends=base, cache=False, prior=prior)
 
 
 def remember_refs(

@@ -409,6 +409,7 @@ class BufferedArrays:
         basis_offset: int | None = None,
         cache: bool = True,
         along: Sequence[EncodedArray] = (),
+        prior: np.ndarray | bytes | None = None,
     ) -> ArrayRef:
         encoded: list[EncodedArray] = []
         ref = await self._journal._store.put_array(
@@ -419,6 +420,7 @@ class BufferedArrays:
             cache=cache,
             along=along,
             into=encoded,
+            prior=prior,
         )
         self._journal._arrays.extend(encoded)
         return ref

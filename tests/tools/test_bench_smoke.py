@@ -69,6 +69,24 @@ def test_bench_training_runs_at_toy_sizes(capsys: pytest.CaptureFixture[str]) ->
     assert min(log.ids, log.bodies, log.events) > 0 and log.file > log.ids + log.bodies
 
 
+def test_bench_training_compares_a_before_checkout(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--before-src` runs that checkout's server (here: this one) through the same
+    sessions, and the log table gains its column."""
+    from tools.bench_training import main as training
+    from tools.benchkit.procs import REPO
+
+    ours, before = training(
+        ["--sessions", "1", "--contexts", "1500", "--turns", "2", "--point-turns", "2",
+         "--rss-every", "1", "--instructions-words", "100", "--tools", "1",
+         "--idle-rounds", "1", "--no-peer", "--before-src", str(REPO)]
+    )  # fmt: skip
+    assert (ours.name, before.name) == ("ours", "before")
+    assert ours.log is not None and before.log is not None
+    assert before.log.context_tokens == ours.log.context_tokens  # the same turns
+    out = capsys.readouterr().out
+    assert "before B / token" in out
+
+
 def test_bench_middleware_cpu_section_measures_each_process(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -40,6 +40,16 @@ piece, where the tokens cost ~1 byte each), and a read fetches the named
 pieces alone, not their chains. So does a turn's output after its input,
 naming the output ids its GenerateResult stored. The digest is over the joined bytes, as for
 any piece, so a read verifies the parts it joined.
+
+A piece that extends a parent may be compressed against the parent array's
+last `PRIOR_BYTES` bytes (`CODEC_ZSTD_PRIOR`): a turn's new messages and
+new tokens repeat the words, paths and code of the turns just before them
+(`tools/bench_training.py`'s log: a measured turn's new messages 40% smaller,
+its new tokens 26%; all bodies 13%, all token ids 11%).
+A read of the piece reads its parent's chain anyway, so the dictionary costs
+no extra piece: `basis` names the parent, and `depth` stays 0. The writer
+has those bytes in memory (the body or the token list it stores a suffix
+of) and passes them (`encode_array(prior=)`); nothing is read back.
 """
 
 from __future__ import annotations
@@ -70,6 +80,18 @@ CODEC_ZSTD_BASIS: Final = 3  # raw bytes, zstd with the basis array's bytes as d
 CODEC_COPY_BASIS: Final = 4  # raw bytes = the basis array's bytes [offset, offset + n)
 CODEC_F32_SHUFFLED: Final = 5  # float64 raw bytes = the shuffled float32 values, widened
 CODEC_CONCAT: Final = 6  # raw bytes = the suffixes of the pieces whose digests `data` lists
+CODEC_ZSTD_PRIOR: Final = 7  # raw bytes, zstd with the parent's last PRIOR_BYTES as dictionary
+# How much of the parent a `CODEC_ZSTD_PRIOR` piece is compressed against: the
+# previous turn or so. A piece costs ~18 us more than plainly (a compressor and
+# its dictionary built per piece); 8 kB packs ~5% more for ~10 us more, 32 kB
+# ~10% more for ~80 us more.
+# Part of codec 7's format: stored pieces were compressed against exactly this
+# many bytes, so it never changes (another size is another codec).
+PRIOR_BYTES: Final = 4096
+PRIOR_DTYPES: Final = ("int32", "uint8")  # text and token ids; not logprobs
+# Shorter suffixes are compressed plainly: loading the dictionary (~15 us) is
+# worth it only for a turn's new messages or tokens, not a few ids.
+PRIOR_MIN_BYTES: Final = 64
 # int32 suffixes of at least this many bytes are compressed unshuffled (see above).
 RAW_INT32_MIN_BYTES: Final = 4096
 _COPY_RANGE: Final = struct.Struct("<QQ")  # (offset, n): a copy piece's data
@@ -168,11 +190,42 @@ def encode_piece(suffix: np.ndarray, dtype: DType, parent: ArrayRef | None) -> P
     return _encode_raw(suffix.tobytes(), len(suffix), dtype, parent)
 
 
-def _encode_raw(raw: bytes, n: int, dtype: DType, parent: ArrayRef | None) -> Piece:
+def _encode_raw(
+    raw: bytes, n: int, dtype: DType, parent: ArrayRef | None, prior: bytes | None = None
+) -> Piece:
     parent_digest = parent.digest if parent is not None else None
-    codec, data = _compress(raw, dtype)
+    if prior and parent is not None and dtype in PRIOR_DTYPES and len(raw) >= PRIOR_MIN_BYTES:
+        # Not compared with the plain encoding (a second compression per turn):
+        # a dictionary only adds matches, and token ids packed unshuffled on
+        # their prior beat them shuffled alone (16% smaller).
+        codec, data = CODEC_ZSTD_PRIOR, _compress_on_prior(raw, prior)
+    else:
+        codec, data = _compress(raw, dtype)
     total = (parent.length if parent is not None else 0) + n
-    return Piece(piece_digest(parent_digest, dtype, raw), parent_digest, dtype, total, codec, data)
+    digest = piece_digest(parent_digest, dtype, raw)
+    basis = parent_digest if codec == CODEC_ZSTD_PRIOR else None
+    return Piece(digest, parent_digest, dtype, total, codec, data, basis)
+
+
+def prior_bytes(parent: ArrayRef, content: np.ndarray | bytes) -> bytes:
+    """The dictionary of a `CODEC_ZSTD_PRIOR` piece after `parent`, from the parent's content.
+
+    `content`: the parent array (or any tail of it at least `PRIOR_BYTES`
+    long). Raises ValueError when it is too short to hold the dictionary:
+    a wrong dictionary would make the piece undecodable.
+    """
+    view = memoryview(content).cast("B") if isinstance(content, np.ndarray) else memoryview(content)
+    need = min(PRIOR_BYTES, parent.length * NUMPY_DTYPES[parent.dtype].itemsize)
+    if len(view) < need:
+        raise ValueError(f"prior= holds {len(view)} bytes; the parent's last {need} are needed")
+    return bytes(view[len(view) - need :])
+
+
+def _compress_on_prior(raw: bytes, prior: bytes) -> bytes:
+    dictionary = zstandard.ZstdCompressionDict(prior, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
+    return zstandard.ZstdCompressor(
+        level=_ZSTD_LEVEL, dict_data=dictionary, write_content_size=True, write_dict_id=False
+    ).compress(raw)
 
 
 def _compress(raw: bytes, dtype: DType) -> tuple[int, bytes]:
@@ -210,18 +263,26 @@ class EncodedArray(msgspec.Struct, frozen=True):
     cache: bool = True
 
 
-def encode_array(array: np.ndarray, *, extends: ArrayRef | None = None) -> EncodedArray:
+def encode_array(
+    array: np.ndarray,
+    *,
+    extends: ArrayRef | None = None,
+    prior: np.ndarray | bytes | None = None,
+) -> EncodedArray:
     """Encode a 1-D array (or, with `extends`, the suffix appended to that array).
 
-    Pure: the same content gives the same ref and piece as
-    `put_array(array, extends=extends)` without a basis. Whether `extends`
-    names a stored array is checked when the pieces are written.
+    Pure: the same content gives the same ref as `put_array(array,
+    extends=extends)` without a basis. Whether `extends` names a stored
+    array is checked when the pieces are written. `prior`: the content of
+    `extends` (or its tail, see `prior_bytes`), to compress the suffix
+    against (`CODEC_ZSTD_PRIOR`); the caller vouches that it is that content.
     """
     suffix, dtype = as_suffix(array, extends.dtype if extends is not None else None)
     if extends is not None and len(suffix) == 0:
         return EncodedArray(extends)
     raw = suffix.tobytes()
-    piece = _encode_raw(raw, len(suffix), dtype, extends)
+    dictionary = None if prior is None or extends is None else prior_bytes(extends, prior)
+    piece = _encode_raw(raw, len(suffix), dtype, extends, dictionary)
     # A view of the immutable bytes: read-only, and never aliases the caller's array.
     own = np.frombuffer(raw, NUMPY_DTYPES[dtype])
     decoded = DecodedPiece(piece.digest, piece.parent, dtype, piece.total_length, own)
@@ -459,7 +520,7 @@ def decode_piece(piece: Piece, basis_bytes: bytes | None = None) -> DecodedPiece
     try:
         if dt is None:
             raise ValueError(f"unknown dtype {piece.dtype!r}")
-        if piece.codec in (CODEC_ZSTD_BASIS, CODEC_COPY_BASIS) and (
+        if piece.codec in (CODEC_ZSTD_BASIS, CODEC_COPY_BASIS, CODEC_ZSTD_PRIOR) and (
             piece.basis is None or basis_bytes is None
         ):
             raise ValueError("a basis-coded piece needs its basis array")
@@ -469,6 +530,11 @@ def decode_piece(piece: Piece, basis_bytes: bytes | None = None) -> DecodedPiece
             body = basis_bytes
         elif piece.codec == CODEC_ZSTD_BASIS:
             body = _decompressor_for(basis_bytes).decompress(piece.data)  # type: ignore[arg-type]
+        elif piece.codec == CODEC_ZSTD_PRIOR:
+            if piece.basis != piece.parent:
+                raise ValueError("a prior-coded piece is compressed against its parent")
+            prior = basis_bytes[-PRIOR_BYTES:]  # type: ignore[index]
+            body = _decompressor_for(prior).decompress(piece.data)
         elif piece.codec == CODEC_COPY_BASIS:
             body = _copied_range(piece.data, basis_bytes)  # type: ignore[arg-type]
         else:
@@ -481,7 +547,13 @@ def decode_piece(piece: Piece, basis_bytes: bytes | None = None) -> DecodedPiece
             if piece.dtype != "float64" or len(body) % 4:
                 raise ValueError("a float32-coded piece is float64 of whole float32s")
             raw = np.frombuffer(_unshuffle(body, 4), "<f4").astype("<f8").tobytes()
-        elif piece.codec in (CODEC_ZSTD, CODEC_ZSTD_BASIS, CODEC_COPY_BASIS, CODEC_CONCAT):
+        elif piece.codec in (
+            CODEC_ZSTD,
+            CODEC_ZSTD_BASIS,
+            CODEC_COPY_BASIS,
+            CODEC_CONCAT,
+            CODEC_ZSTD_PRIOR,
+        ):
             raw = body
         else:
             raise ValueError(f"unknown codec {piece.codec}")

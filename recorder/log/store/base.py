@@ -225,6 +225,7 @@ class EventStore(ProjectionStore):
         cache: bool = True,
         along: Sequence[EncodedArray] = (),
         into: list[EncodedArray] | None = None,
+        prior: np.ndarray | bytes | None = None,
     ) -> ArrayRef:
         """Store a 1-D array now; return its ref.
 
@@ -257,6 +258,11 @@ class EventStore(ProjectionStore):
         events that name them: one commit for both. A store that drops a
         basis's cached pieces once the array is stored (`basis` without
         `basis_offset`) keeps them then.
+
+        `prior` (with `extends`, without `basis`): the content of the array
+        `extends` names, or its last `arrays.PRIOR_BYTES` bytes or more, which
+        the caller holds anyway; the suffix may be compressed against them
+        (`arrays.CODEC_ZSTD_PRIOR`). Its ref is the same either way.
         """
 
     def release(self, old: ArrayRef, keep: Sequence[ArrayRef]) -> None:

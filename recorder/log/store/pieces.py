@@ -180,6 +180,9 @@ def decode_on_basis(
             parts = arr.concat_parts(piece)
             if parts:
                 waiting = [p for p in parts if p not in local]
+            elif piece.codec == arr.CODEC_ZSTD_PRIOR:
+                assert piece.basis is not None
+                waiting = _pending_in_tail(local, pending, piece.basis, arr.PRIOR_BYTES)
             else:
                 assert piece.basis is not None
                 waiting = _pending_in_chain(local, pending, piece.basis)
@@ -192,6 +195,9 @@ def decode_on_basis(
                     )
                 if parts:
                     content = b"".join(local[p].suffix.tobytes() for p in parts)
+                elif piece.codec == arr.CODEC_ZSTD_PRIOR:
+                    assert piece.basis is not None
+                    content = tail_bytes(local, piece.basis, arr.PRIOR_BYTES)
                 else:
                     assert piece.basis is not None
                     content = basis_bytes.get(piece.basis)
@@ -221,6 +227,41 @@ def _pending_in_chain(
         else:
             d = piece.parent
     return out
+
+
+def _pending_in_tail(
+    local: dict[bytes, arr.DecodedPiece], pending: dict[bytes, arr.Piece], digest: bytes, n: int
+) -> list[bytes]:
+    """Pieces not decoded yet among those holding the last `n` bytes of the array
+    `digest` names (a pending piece's size is unknown: the walk goes on past it).
+    Walks back only that far: a session's close decodes every turn's input, and
+    a walk to the root for each would cost the square of its turns."""
+    out = []
+    have = 0
+    d: bytes | None = digest
+    while d is not None and have < n:
+        piece = local.get(d)
+        if piece is None:
+            out.append(d)
+            d = pending[d].parent
+        else:
+            have += piece.suffix.nbytes
+            d = piece.parent
+    return out
+
+
+def tail_bytes(local: dict[bytes, arr.DecodedPiece], digest: bytes, n: int) -> bytes:
+    """The last `n` bytes (all, if fewer) of the array `digest` names, from decoded pieces."""
+    parts: list[bytes] = []
+    have = 0
+    d: bytes | None = digest
+    while d is not None and have < n:
+        piece = local[d]
+        parts.append(piece.suffix.tobytes())
+        have += piece.suffix.nbytes
+        d = piece.parent
+    joined = b"".join(reversed(parts))
+    return joined[max(0, len(joined) - n) :]
 
 
 def chain(local: dict[bytes, arr.DecodedPiece], digest: bytes) -> list[arr.DecodedPiece]:

@@ -736,9 +736,10 @@ class SqlEventStore(EventStore):
         cache: bool = True,
         along: Sequence[arr.EncodedArray] = (),
         into: list[arr.EncodedArray] | None = None,
+        prior: np.ndarray | bytes | None = None,
     ) -> ArrayRef:
         if basis is None:
-            encoded = arr.encode_array(array, extends=extends)
+            encoded = arr.encode_array(array, extends=extends, prior=prior)
         else:
             encoded = await self._encode_with_basis(array, extends, basis, basis_offset)
         if into is not None:
