@@ -12,8 +12,7 @@ Create Date: 2026-11-25
 
 from __future__ import annotations
 
-import sqlalchemy as sa
-from alembic import op
+from recorder.log.store.migrations import refuse_downgrade_past_codec
 
 revision = "0004"
 down_revision = "0003"
@@ -28,11 +27,4 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    n = op.get_bind().scalar(
-        sa.text("SELECT COUNT(*) FROM arrays WHERE codec = :c"), {"c": CODEC_COPY_BASIS}
-    )
-    if n:
-        raise RuntimeError(
-            f"{n} array pieces are copies of a basis range, which code at revision 0003 "
-            "cannot read; stay at revision 0004 or newer"
-        )
+    refuse_downgrade_past_codec(CODEC_COPY_BASIS, "are copies of a basis range", "0003", "0004")

@@ -15,8 +15,7 @@ Create Date: 2026-11-28
 
 from __future__ import annotations
 
-import sqlalchemy as sa
-from alembic import op
+from recorder.log.store.migrations import refuse_downgrade_past_codec
 
 revision = "0006"
 down_revision = "0005"
@@ -31,11 +30,4 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    n = op.get_bind().scalar(
-        sa.text("SELECT COUNT(*) FROM arrays WHERE codec = :c"), {"c": CODEC_CONCAT}
-    )
-    if n:
-        raise RuntimeError(
-            f"{n} array pieces join other pieces by digest, which code at revision 0005 "
-            "cannot read; stay at revision 0006 or newer"
-        )
+    refuse_downgrade_past_codec(CODEC_CONCAT, "join other pieces by digest", "0005", "0006")

@@ -16,8 +16,7 @@ Create Date: 2026-11-28
 
 from __future__ import annotations
 
-import sqlalchemy as sa
-from alembic import op
+from recorder.log.store.migrations import refuse_downgrade_past_codec
 
 revision = "0007"
 down_revision = "0006"
@@ -32,11 +31,6 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    n = op.get_bind().scalar(
-        sa.text("SELECT COUNT(*) FROM arrays WHERE codec = :c"), {"c": CODEC_ZSTD_PRIOR}
+    refuse_downgrade_past_codec(
+        CODEC_ZSTD_PRIOR, "are compressed against their parent's last bytes", "0006", "0007"
     )
-    if n:
-        raise RuntimeError(
-            f"{n} array pieces are compressed against their parent's last bytes, which code "
-            "at revision 0006 cannot read; stay at revision 0007 or newer"
-        )

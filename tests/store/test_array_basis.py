@@ -22,6 +22,7 @@ from recorder.log.store import arrays as codec
 from recorder.log.store.copy import copy_store
 from recorder.log.store.pieces import chain
 from recorder.log.store.sql import SqlEventStore
+from tests.store.conftest import assert_downgrade_refused
 
 RawExecute = Callable[..., Awaitable[list[tuple[object, ...]]]]
 
@@ -326,6 +327,18 @@ async def test_copy_pieces_round_trip_and_check_what_they_claim(
         async with await open_store(store_url, options=StoreOptions(piece_cache_bytes=0)) as r:
             with pytest.raises(CorruptArray, match=ref.digest.hex()):
                 await r.get_array(ref)
+
+
+async def test_downgrading_below_0004_refuses_once_a_copy_piece_exists(store_url: str) -> None:
+    first, second = conversation_bodies(2, seed=13)
+    tail = len(first) - first.index(b'"tools"')
+    async with await open_store(store_url, create=True) as w:
+        source = await w.put_array(as_array(first))
+        head = await w.put_array(as_array(second[:-tail]))
+        await w.put_array(
+            as_array(second[-tail:]), extends=head, basis=source, basis_offset=len(first) - tail
+        )
+    await assert_downgrade_refused(store_url, "0003", "copies of a basis range")
 
 
 async def test_copy_pieces_survive_a_copy_to_another_database(

@@ -142,3 +142,22 @@ async def ensure_current(engine: AsyncEngine, url: str) -> None:
     raise SchemaOutOfDate(
         f"{url} {state}, but this code needs {head!r}: run `recorder db upgrade --db {url}`"
     )
+
+
+def refuse_downgrade_past_codec(codec: int, pieces_are: str, older: str, newer: str) -> None:
+    """A revision's `downgrade()` for a new array codec: refuse while any piece uses it.
+
+    A codec-only revision changes no table; it exists so that code at `older`,
+    which cannot decode `codec`, refuses the database ("a newer one wrote
+    it") instead of failing on its first read of such a piece. Going back to
+    `older` is therefore only safe while no piece uses the codec.
+    `pieces_are`: what such pieces are, for the message.
+    """
+    from alembic import op
+
+    n = op.get_bind().scalar(sa.text("SELECT COUNT(*) FROM arrays WHERE codec = :c"), {"c": codec})
+    if n:
+        raise RuntimeError(
+            f"{n} array pieces {pieces_are}, which code at revision {older} cannot read; "
+            f"stay at revision {newer} or newer"
+        )
