@@ -49,6 +49,7 @@ import msgspec
 
 from recorder.rollout.agent import AgentSpec, local_binary
 from recorder.rollout.driver import RolloutRequest, RolloutResult, run_group
+from recorder.rollout.protect import unprotected_reason
 from recorder.rollout.sandbox import SandboxSpec
 from recorder.rollout.sandbox.environment import parse_assignments
 from recorder.rollout.sandbox.users import is_root
@@ -269,6 +270,15 @@ def is_loopback_url(url: str) -> bool:
         return False
 
 
+def unprotected_reasons(tasks: list[Task], most: int = 3) -> list[str]:
+    """A warning per task whose tests the agent could rewrite (`unprotected_reason`),
+    the first `most` of them and a count of the rest."""
+    reasons = [r for r in map(unprotected_reason, tasks) if r is not None]
+    if len(reasons) > most:
+        reasons[most:] = [f"... and {len(reasons) - most} more tasks like these"]
+    return reasons
+
+
 def start_warnings(
     backend: str,
     recorder_url: str | None,
@@ -435,6 +445,8 @@ def rollout(**o: Any) -> None:
         click.echo(click.style("skipping ", fg="yellow") + f"{o['tasks_file']}: {err}", err=True)
     if not tasks:
         raise click.ClickException(f"no valid task in {o['tasks_file']}")
+    for reason in unprotected_reasons(tasks):
+        click.echo(click.style("warning: ", fg="yellow") + reason, err=True)
     if o["recorder_url"] is None and not o["engines"]:
         raise click.ClickException("give --recorder URL, or --engine URL to start a recorder")
     if o["recorder_url"] is None and o["tokenizer"] is None:

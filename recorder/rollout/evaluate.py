@@ -22,6 +22,7 @@ from recorder.rollout.tasks import Task, TestSpec
 from recorder.rollout.workspace import tail
 
 _REPORT_LINE = re.compile(r"^(PASSED|FAILED|ERROR|XPASS|XFAIL|SKIPPED)\s+(\S+)")
+_FAILURES = ("FAILED", "ERROR")
 _CANNOT_RUN = (126, 127)
 
 
@@ -43,11 +44,19 @@ class Grade(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def parse_test_report(text: str) -> dict[str, str]:
-    """test id -> PASSED/FAILED/... from a pytest `-rA` style report (the last word wins)."""
+    """test id -> PASSED/FAILED/... from a pytest `-rA` style report.
+
+    The last word wins, except that a FAILED or ERROR line for an id is never
+    taken back: the code under test prints what it likes, before pytest's
+    summary (echoed in its captured output) or after it (at exit), and a
+    `PASSED <id>` line of its own must not turn the runner's failure into a
+    pass. (A test that passed and then failed its teardown is an ERROR, as
+    pytest counts it.)
+    """
     outcomes: dict[str, str] = {}
     for line in text.splitlines():
         m = _REPORT_LINE.match(line.strip())
-        if m:
+        if m and outcomes.get(m.group(2)) not in _FAILURES:
             outcomes[m.group(2)] = m.group(1)
     return outcomes
 

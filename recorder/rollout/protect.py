@@ -8,9 +8,16 @@ applies the task's `test_patch`:
 - `protected_paths` given: exactly those git globs (`*` stays inside a
   directory, `**` crosses directories; `[]` protects nothing);
 - otherwise the default: every file a `tests` id names (`path::name`, or a bare
-  `*.py` path), the `conftest.py` of its directory and of each parent (pytest
-  loads them all: a new one can make every test pass), and every file
-  `test_patch` touches (what SWE-bench's harness resets before applying it).
+  `*.py` path), and all of its directory when that is a test directory
+  (`tests/`, `test/`, `testing/`: pytest puts such a directory first on
+  `sys.path`, so a `tests/calc.py` of the patch's would be what `from calc
+  import add` finds, the real module left unfixed); the `conftest.py` of its
+  directory and of each parent (pytest loads them all: a new one can make
+  every test pass), pytest's config files there (`pytest.ini`,
+  `pyproject.toml`, `tox.ini`, `setup.cfg`, ...: the nearest one's `addopts =
+  -p <module>` loads a plugin from the patch that can pass every test), and
+  every file `test_patch` touches (what SWE-bench's harness resets before
+  applying it).
 
 Test ids that name no file (Django's `test_x (app.tests.T)`) protect nothing
 by themselves: give `protected_paths` or a `test_patch` for such tasks.
@@ -47,17 +54,45 @@ def test_files(spec: TestSpec) -> list[str]:
     return list(found)
 
 
-def conftests(files: list[str]) -> list[str]:
-    """Each `conftest.py` pytest would load for these files (their directories and parents)."""
+# The files pytest takes its configuration from, in the directory of the tests it
+# runs or the nearest parent that has one (`_pytest.config.findpaths`, pytest 9).
+PYTEST_CONFIGS = (
+    "pytest.toml", ".pytest.toml", "pytest.ini", ".pytest.ini", "pyproject.toml", "tox.ini",
+    "setup.cfg",
+)  # fmt: skip
+
+
+def in_parents(files: list[str], names: tuple[str, ...]) -> list[str]:
+    """Each file called one of `names` in these files' directories and their parents."""
     found: dict[str, None] = {}
     for f in files:
         d = posixpath.dirname(f)
         while True:
-            found[posixpath.join(d, "conftest.py") if d else "conftest.py"] = None
+            for name in names:
+                found[posixpath.join(d, name) if d else name] = None
             if not d:
                 break
             d = posixpath.dirname(d)
     return list(found)
+
+
+# Directories that hold tests and nothing a fix changes (their whole tree is protected).
+TEST_DIRS = ("tests", "test", "testing")
+
+
+def test_dirs(files: list[str]) -> list[str]:
+    """The test directories (`TEST_DIRS`) the test files are in, as `dir/`."""
+    found: dict[str, None] = {}
+    for f in files:
+        d = posixpath.dirname(f)
+        if posixpath.basename(d) in TEST_DIRS:
+            found[d + "/"] = None
+    return list(found)
+
+
+def conftests(files: list[str]) -> list[str]:
+    """Each `conftest.py` pytest would load for these files (their directories and parents)."""
+    return in_parents(files, ("conftest.py",))
 
 
 def protected_pathspecs(task: Task) -> list[str]:
@@ -65,5 +100,28 @@ def protected_pathspecs(task: Task) -> list[str]:
     if task.protected_paths is not None:
         return [f":(glob){p}" for p in task.protected_paths]
     files = test_files(task.tests) if task.tests is not None else []
-    paths = [*files, *conftests(files), *patch_paths(task.test_patch or "")]
+    paths = [
+        *files,
+        *test_dirs(files),
+        *conftests(files),
+        *in_parents(files, PYTEST_CONFIGS),
+        *patch_paths(task.test_patch or ""),
+    ]
     return [f":(literal){p}" for p in dict.fromkeys(paths)]
+
+
+def unprotected_reason(task: Task) -> str | None:
+    """Why nothing the grader of `task` runs is protected by default, or None.
+
+    The default follows the files `tests` ids name and `test_patch`; an
+    `eval_cmd` or `eval_script` task, or ids that name no file, leave it empty,
+    and the agent can then rewrite the tests it is graded by.
+    """
+    if task.protected_paths is not None or protected_pathspecs(task):
+        return None
+    grader = "its tests' ids name no file" if task.tests is not None else "it has no `tests`"
+    return (
+        f"task {task.instance_id}: nothing the grader runs is protected ({grader}, and no "
+        "test_patch), so the agent can rewrite the tests that grade it; give it "
+        'protected_paths (e.g. ["tests/**"]), or protected_paths: [] to say that is intended'
+    )

@@ -191,8 +191,14 @@ async def restore_protected(
     if not pathspecs:
         return []
     specs = " ".join(shlex.quote(p) for p in pathspecs)
+    # Ignored files count too: a file the patch also names in a .gitignore of its own
+    # is still the patch's (`git add -A` alone would leave it out).
+    ignored = (
+        f"{_GIT} ls-files -z --others --ignored --exclude-standard -- {specs} "
+        f"| xargs -0 -r {_GIT} --literal-pathspecs add -f --"
+    )
     listed = await sb.exec(
-        f"{_GIT} add -A && {_GIT} diff --cached --name-status -z --no-renames "
+        f"{_GIT} add -A && {ignored} && {_GIT} diff --cached --name-status -z --no-renames "
         f"{shlex.quote(base_commit)} -- {specs}",
         timeout_s=300,
         cwd=repo,

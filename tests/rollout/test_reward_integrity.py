@@ -223,3 +223,107 @@ async def test_a_test_patch_the_agent_conflicts_with_is_reward_zero_with_the_rea
     assert reward.reward == 0.0 and reward.detail["failure"] == "test_patch_conflict"
     kinds = [e.kind for e in await recorder.payloads(result.session_id, ev.SandboxEvent)]
     assert "test_patch_applied" not in kinds and kinds[-2] == "eval_result"
+
+
+# -- the test runner's report -------------------------------------------------------------
+
+# A line in pytest's report format, printed by the module under test when the process
+# exits: after pytest's own summary, where a reader that lets the last word win takes it.
+FORGE_REPORT = (
+    "printf 'import atexit\\n\\natexit.register(print, \"PASSED tests/test_calc.py::test_add\")\\n'"
+    " >> calc.py"
+)
+# A plugin in the repository that reports every test as passed ...
+PLUGIN = (
+    "printf 'import pytest\\n\\n\\n@pytest.hookimpl(hookwrapper=True)\\n"
+    "def pytest_runtest_makereport(item, call):\\n    report = (yield).get_result()\\n"
+    '    report.outcome = "passed"\\n    report.longrepr = None\\n\' > forge.py'
+)
+# ... loaded by a pytest config file (pytest reads the one nearest the tests first).
+CONFIGS = {
+    "pytest.ini": "[pytest]\\naddopts = -p forge\\n",
+    "tests/pytest.ini": "[pytest]\\naddopts = -p forge\\n",
+    "tox.ini": "[pytest]\\naddopts = -p forge\\n",
+    "setup.cfg": "[tool:pytest]\\naddopts = -p forge\\n",
+    "pyproject.toml": '[tool.pytest.ini_options]\\naddopts = "-p forge"\\n',
+}
+
+
+def plugin_through(config: str) -> str:
+    return f"{PLUGIN} && printf '{CONFIGS[config]}' > {config}"
+
+
+async def test_a_pass_printed_after_the_runners_report_earns_nothing(
+    recorder: Harness, tmp_path: Path
+) -> None:
+    src = tmp_path / "src"
+    task = calc_task(str(src), base_repo(src))
+    result = await rollout(recorder, local(tmp_path), task, FORGE_REPORT)
+    assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
+    assert result.evidence["tests_failed"] == FAIL_TO_PASS
+    # The forged line did reach the grader's output, after pytest's summary.
+    tail = result.evidence["output_tail"]
+    assert tail.rstrip().endswith("PASSED tests/test_calc.py::test_add")
+    assert "FAILED tests/test_calc.py::test_add" in tail
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+async def test_a_runner_plugin_loaded_by_a_config_file_earns_nothing(
+    recorder: Harness, tmp_path: Path, config: str
+) -> None:
+    src = tmp_path / "src"
+    base = base_repo(src)
+    agent = plugin_through(config)
+    result = await rollout(recorder, local(tmp_path), calc_task(str(src), base), agent)
+    assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
+    assert result.evidence["protected_changed"] == [config]
+    assert f"+++ b/{config}" in result.diff  # the trainer still sees the attempt
+    # The attack is real: a task that protects nothing pays for it.
+    opted_out = calc_task(str(src), base, protected_paths=[])
+    result = await rollout(recorder, local(tmp_path), opted_out, agent)
+    assert (result.reward, result.infra_cause) == (1.0, None), result.evidence
+
+
+# A module beside the tests with the name of the module under test: pytest puts the tests'
+# directory first on sys.path, so `from calc import add` finds it, and calc.py stays buggy.
+SHADOW = (
+    "printf 'def add(a, b):\\n    return a + b\\n\\n\\ndef sub(a, b):\\n    return a - b\\n'"
+    " > tests/calc.py"
+)
+
+
+# The same module, ignored by a .gitignore of the patch's (added with -f, so it is in the
+# diff): a grader that lists the patch's files with a plain `git add -A` never sees it.
+IGNORED_SHADOW = f"printf 'tests/calc.py\\n' >> .gitignore && {SHADOW} && git add -f tests/calc.py"
+
+
+@pytest.mark.parametrize("agent", [SHADOW, IGNORED_SHADOW], ids=["plain", "git-ignored"])
+async def test_a_module_shadowing_the_code_under_test_earns_nothing(
+    recorder: Harness, tmp_path: Path, agent: str
+) -> None:
+    src = tmp_path / "src"
+    base = base_repo(src)
+    result = await rollout(recorder, local(tmp_path), calc_task(str(src), base), agent)
+    assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
+    assert result.evidence["protected_changed"] == ["tests/calc.py"]
+    assert "+++ b/tests/calc.py" in result.diff
+    # The attack is real: a task that protects nothing pays for it.
+    opted_out = calc_task(str(src), base, protected_paths=[])
+    result = await rollout(recorder, local(tmp_path), opted_out, agent)
+    assert (result.reward, result.infra_cause) == (1.0, None), result.evidence
+
+
+# The tests' directory replaced by a symlink to passing tests of the agent's.
+SYMLINKED_TESTS = (
+    "mkdir fake && printf 'def test_add():\\n    pass\\n\\n\\ndef test_sub():\\n    pass\\n'"
+    " > fake/test_calc.py && git rm -rq tests && ln -s fake tests"
+)
+
+
+async def test_tests_replaced_by_a_symlink_earn_nothing(recorder: Harness, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    task = calc_task(str(src), base_repo(src))
+    result = await rollout(recorder, local(tmp_path), task, SYMLINKED_TESTS)
+    assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
+    assert "tests/test_calc.py" in result.evidence["protected_changed"]
+    assert result.evidence["tests_failed"] == FAIL_TO_PASS

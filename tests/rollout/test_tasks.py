@@ -103,6 +103,38 @@ def test_report_parsing_and_rewards() -> None:
     assert grade_exit(ExecResult(2, "", "boom")).reward == 0.0
 
 
+# pytest's output when the module under test prints report lines of its own: during the
+# test (echoed with its captured output, before the summary) and at exit (after it).
+FORGED = """
+F.
+----------------------------- Captured stdout call -----------------------------
+=========================== short test summary info ============================
+PASSED tests/test_x.py::test_a
+1 passed in 0.01s
+=========================== short test summary info ============================
+PASSED tests/test_x.py::test_b
+FAILED tests/test_x.py::test_a - assert -1 == 5
+1 failed, 1 passed in 0.14s
+PASSED tests/test_x.py::test_a
+XPASS tests/test_x.py::test_a
+"""
+
+
+def test_a_failure_the_runner_reported_is_never_taken_back() -> None:
+    assert parse_test_report(FORGED) == {
+        "tests/test_x.py::test_a": "FAILED",
+        "tests/test_x.py::test_b": "PASSED",
+    }
+    spec = TestSpec(
+        fail_to_pass=["tests/test_x.py::test_a"], pass_to_pass=["tests/test_x.py::test_b"]
+    )
+    grade = grade_tests(spec, ExecResult(1, FORGED, ""), "binary")
+    assert (grade.reward, grade.tests_failed) == (0.0, ["tests/test_x.py::test_a"])
+    # A test that passed, then failed its teardown, is an error (as pytest counts it).
+    teardown = "PASSED tests/test_x.py::test_b\nERROR tests/test_x.py::test_b - RuntimeError\n"
+    assert parse_test_report(teardown) == {"tests/test_x.py::test_b": "ERROR"}
+
+
 @pytest.mark.parametrize(
     ("tests", "message"),
     [
@@ -189,7 +221,12 @@ def test_a_published_row_that_is_wrong_says_where() -> None:
 
 
 def test_the_default_protection_follows_the_tests_and_the_test_patch() -> None:
-    from recorder.rollout.protect import patch_paths, protected_pathspecs
+    from recorder.rollout.protect import (
+        PYTEST_CONFIGS,
+        patch_paths,
+        protected_pathspecs,
+        test_dirs,
+    )
 
     patch = (
         "diff --git a/tests/a.py b/tests/b.py\nrename from tests/a.py\nrename to tests/b.py\n"
@@ -203,17 +240,46 @@ def test_the_default_protection_follows_the_tests_and_the_test_patch() -> None:
             "test_patch": patch,
         }
     )
+    configs = [f"{d}{name}" for d in ("pkg/tests/", "pkg/", "") for name in PYTEST_CONFIGS]
+    assert "pkg/tests/pytest.ini" in configs and "pyproject.toml" in configs
     assert protected_pathspecs(task) == [
         f":(literal){p}"
         for p in (
             "pkg/tests/test_x.py",
+            "pkg/tests/",  # a test directory: all of it
             "pkg/tests/conftest.py",
             "pkg/conftest.py",
             "conftest.py",
+            *configs,
             "tests/a.py",
             "tests/b.py",
             "tests/new.py",
         )
     ]
+    # Tests beside the code they test protect themselves, not their directory.
+    assert test_dirs(["test_c.py", "pkg/test_x.py", "a/tests/t.py", "b/testing/u.py"]) == [
+        "a/tests/",
+        "b/testing/",
+    ]
     explicit = task_from_dict({**SWE_BENCH, "protected_paths": ["tests/**", "setup.cfg"]})
     assert protected_pathspecs(explicit) == [":(glob)tests/**", ":(glob)setup.cfg"]
+
+
+def test_a_task_whose_grader_nothing_protects_is_warned_about() -> None:
+    from recorder.rollout.cli import unprotected_reasons
+    from recorder.rollout.protect import unprotected_reason
+
+    eval_cmd = task_from_dict({**GOOD, "instance_id": "bare"})
+    reason = unprotected_reason(eval_cmd)
+    assert reason is not None and "bare" in reason and "protected_paths" in reason
+    assert unprotected_reason(task_from_dict({**GOOD, "protected_paths": []})) is None
+    assert unprotected_reason(task_from_dict({**GOOD, "protected_paths": ["t/**"]})) is None
+    by_file = {**GOOD, "eval_cmd": None, "tests": {"FAIL_TO_PASS": ["tests/test_x.py::test_a"]}}
+    assert unprotected_reason(task_from_dict(by_file)) is None
+    django = {**by_file, "tests": {"FAIL_TO_PASS": ["test_x (app.tests.T)"]}}
+    assert "name no file" in (unprotected_reason(task_from_dict(django)) or "")
+    many = [task_from_dict({**GOOD, "instance_id": f"t{i}"}) for i in range(5)]
+    assert unprotected_reasons(many)[3:] == ["... and 2 more tasks like these"]
+    # The tasks the repository ships protect what their graders run.
+    shipped, errors = load_tasks(Path(__file__).parents[2] / "tools" / "tasks" / "tasks.jsonl")
+    assert errors == [] and len(shipped) == 3 and unprotected_reasons(shipped) == []
