@@ -267,21 +267,28 @@ async def test_a_pass_printed_after_the_runners_report_earns_nothing(
     assert "FAILED tests/test_calc.py::test_add" in tail
 
 
+async def assert_restored_and_real(
+    recorder: Harness, tmp_path: Path, agent: str, planted: str
+) -> None:
+    """`agent` earns 0 on the default protection, its `planted` file restored (and still
+    in the diff the trainer sees); on a task that protects nothing it earns 1: the attack
+    is real."""
+    src = tmp_path / "src"
+    base = base_repo(src)
+    result = await rollout(recorder, local(tmp_path), calc_task(str(src), base), agent)
+    assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
+    assert result.evidence["protected_changed"] == [planted]
+    assert f"+++ b/{planted}" in result.diff
+    opted_out = calc_task(str(src), base, protected_paths=[])
+    result = await rollout(recorder, local(tmp_path), opted_out, agent)
+    assert (result.reward, result.infra_cause) == (1.0, None), result.evidence
+
+
 @pytest.mark.parametrize("config", list(CONFIGS))
 async def test_a_runner_plugin_loaded_by_a_config_file_earns_nothing(
     recorder: Harness, tmp_path: Path, config: str
 ) -> None:
-    src = tmp_path / "src"
-    base = base_repo(src)
-    agent = plugin_through(config)
-    result = await rollout(recorder, local(tmp_path), calc_task(str(src), base), agent)
-    assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
-    assert result.evidence["protected_changed"] == [config]
-    assert f"+++ b/{config}" in result.diff  # the trainer still sees the attempt
-    # The attack is real: a task that protects nothing pays for it.
-    opted_out = calc_task(str(src), base, protected_paths=[])
-    result = await rollout(recorder, local(tmp_path), opted_out, agent)
-    assert (result.reward, result.infra_cause) == (1.0, None), result.evidence
+    await assert_restored_and_real(recorder, tmp_path, plugin_through(config), config)
 
 
 # A module beside the tests with the name of the module under test: pytest puts the tests'
@@ -301,16 +308,7 @@ IGNORED_SHADOW = f"printf 'tests/calc.py\\n' >> .gitignore && {SHADOW} && git ad
 async def test_a_module_shadowing_the_code_under_test_earns_nothing(
     recorder: Harness, tmp_path: Path, agent: str
 ) -> None:
-    src = tmp_path / "src"
-    base = base_repo(src)
-    result = await rollout(recorder, local(tmp_path), calc_task(str(src), base), agent)
-    assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
-    assert result.evidence["protected_changed"] == ["tests/calc.py"]
-    assert "+++ b/tests/calc.py" in result.diff
-    # The attack is real: a task that protects nothing pays for it.
-    opted_out = calc_task(str(src), base, protected_paths=[])
-    result = await rollout(recorder, local(tmp_path), opted_out, agent)
-    assert (result.reward, result.infra_cause) == (1.0, None), result.evidence
+    await assert_restored_and_real(recorder, tmp_path, agent, "tests/calc.py")
 
 
 # The tests' directory replaced by a symlink to passing tests of the agent's.
