@@ -23,6 +23,8 @@ from recorder.rollout.workspace import tail
 
 _REPORT_LINE = re.compile(r"^(PASSED|FAILED|ERROR|XPASS|XFAIL|SKIPPED)\s+(\S+)")
 _FAILURES = ("FAILED", "ERROR")
+# pytest's last line: "1 failed, 2 passed, 1 warning in 0.31s" (framed by "=" without -q).
+_COUNTS_LINE = re.compile(r"^=*\s*((?:\d+ [a-z]+(?:, )?)+|no tests ran) in [\d.]+s\b")
 _CANNOT_RUN = (126, 127)
 
 
@@ -34,7 +36,8 @@ class Grade(msgspec.Struct, frozen=True, kw_only=True):
     tests_failed: list[str] = []
     timed_out: bool = False
     output_tail: str = ""
-    # Why the patch was not graded as is: "test_patch_conflict" (reward 0).
+    # Why the patch earned 0 whatever its grader printed: "test_patch_conflict", or
+    # "exit_code_without_pytest_pass" (see `grade_exit`).
     failure: str | None = None
     # Protected paths the agent's patch changed (restored from base_commit before grading).
     protected_changed: list[str] = []
@@ -78,13 +81,41 @@ def grade_tests(spec: TestSpec, result: ExecResult, mode: str) -> Grade:
     )
 
 
-def grade_exit(result: ExecResult) -> Grade:
+def pytest_summaries(text: str) -> list[str]:
+    """pytest's counts lines ("2 passed in 0.12s", "1 failed, 1 passed in 0.3s") in `text`."""
+    return [m.group(1) for m in map(_COUNTS_LINE.match, text.splitlines()) if m]
+
+
+def grade_exit(result: ExecResult, *, runs_pytest: bool = False) -> Grade:
+    """Exit code 0 passes; when the grader runs pytest, pytest must also have said so.
+
+    The code under test runs in the grader's process and can end it with exit
+    code 0 whatever the tests did (`os._exit(0)` on import, before any test
+    ran, or from an atexit hook after pytest counted a failure). pytest's own
+    counts line cannot be printed from inside the run (its output is
+    captured), so a grader that runs pytest passes only if every counts line
+    it printed has tests passed and none failed.
+    """
+    output = result.stdout + result.stderr
     ok = result.exit_code == 0
+    failure = None
+    if ok and runs_pytest:
+        summaries = pytest_summaries(output)
+        if not summaries or not all(_clean(s) for s in summaries):
+            ok, failure = False, "exit_code_without_pytest_pass"
     return Grade(
         reward=float(ok),
         passed=ok,
         exit_code=result.exit_code,
-        output_tail=tail(result.stdout + result.stderr),
+        output_tail=tail(output),
+        failure=failure,
+    )
+
+
+def _clean(summary: str) -> bool:
+    counts = {word: int(n) for n, word in re.findall(r"(\d+) (\w+)", summary)}
+    return counts.get("passed", 0) > 0 and not any(
+        counts.get(bad, 0) for bad in ("failed", "error", "errors")
     )
 
 
@@ -112,4 +143,9 @@ async def run_grader(sb: Sandbox, task: Task, repo: str) -> Grade:
         )
     if task.tests is not None:
         return grade_tests(task.tests, result, task.reward)
-    return grade_exit(result)
+    return grade_exit(result, runs_pytest=runs_pytest(task))
+
+
+def runs_pytest(task: Task) -> bool:
+    """Does the task's exit-code grader (`eval_cmd`, `eval_script`) run pytest?"""
+    return "pytest" in (task.eval_cmd or task.eval_script or "")

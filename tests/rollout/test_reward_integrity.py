@@ -325,3 +325,43 @@ async def test_tests_replaced_by_a_symlink_earn_nothing(recorder: Harness, tmp_p
     assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
     assert "tests/test_calc.py" in result.evidence["protected_changed"]
     assert result.evidence["tests_failed"] == FAIL_TO_PASS
+
+
+# -- the grader's exit code ---------------------------------------------------------------
+
+# The module under test ends the grader's process with exit code 0: on import, before any
+# test ran, or at exit, after pytest counted the failure.
+EXIT_ON_IMPORT = "printf 'import os\\n\\nos._exit(0)\\n' >> calc.py"
+EXIT_AT_EXIT = "printf 'import atexit\\nimport os\\n\\natexit.register(os._exit, 0)\\n' >> calc.py"
+PYTEST_EXIT_CODE = {"tests": None, "eval_cmd": "python -m pytest -q -p no:cacheprovider tests"}
+
+
+@pytest.mark.parametrize("agent", [EXIT_ON_IMPORT, EXIT_AT_EXIT], ids=["on-import", "at-exit"])
+@pytest.mark.parametrize("grader", ["tests", "pytest exit code"])
+async def test_exit_code_zero_from_the_code_under_test_earns_nothing(
+    recorder: Harness, tmp_path: Path, agent: str, grader: str
+) -> None:
+    src = tmp_path / "src"
+    base = base_repo(src)
+    kw = {} if grader == "tests" else {**PYTEST_EXIT_CODE, "protected_paths": ["tests/**"]}
+    result = await rollout(recorder, local(tmp_path), calc_task(str(src), base, **kw), agent)
+    assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
+    assert result.evidence["exit_code"] == 0
+    if grader == "tests":  # not reported (on import), or reported FAILED (at exit)
+        assert FAIL_TO_PASS[0] in result.evidence["tests_failed"]
+    else:
+        assert result.evidence["failure"] == "exit_code_without_pytest_pass"
+    # The fix still passes the same grader.
+    solved = await rollout(recorder, local(tmp_path), calc_task(str(src), base, **kw), FIX)
+    assert (solved.reward, solved.evidence["failure"]) == (1.0, None), solved.evidence
+
+
+async def test_a_grader_outside_pytest_has_only_the_exit_code(
+    recorder: Harness, tmp_path: Path
+) -> None:
+    """The limit README states: a plain exit-code grader trusts the process it runs."""
+    src = tmp_path / "src"
+    check = "python -c 'from calc import add; assert add(2, 3) == 5'"
+    task = calc_task(str(src), base_repo(src), tests=None, eval_cmd=check, protected_paths=[])
+    result = await rollout(recorder, local(tmp_path), task, EXIT_ON_IMPORT)
+    assert (result.reward, result.infra_cause) == (1.0, None), result.evidence

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from recorder.rollout.evaluate import grade_exit, grade_tests, parse_test_report
+from recorder.rollout.evaluate import (
+    grade_exit,
+    grade_tests,
+    parse_test_report,
+    pytest_summaries,
+    runs_pytest,
+)
 from recorder.rollout.sandbox import ExecResult
 from recorder.rollout.tasks import TaskError, TestSpec, load_tasks, task_from_dict
 
@@ -133,6 +139,21 @@ def test_a_failure_the_runner_reported_is_never_taken_back() -> None:
     # A test that passed, then failed its teardown, is an error (as pytest counts it).
     teardown = "PASSED tests/test_x.py::test_b\nERROR tests/test_x.py::test_b - RuntimeError\n"
     assert parse_test_report(teardown) == {"tests/test_x.py::test_b": "ERROR"}
+
+
+def test_an_exit_code_grader_that_runs_pytest_needs_pytests_pass_too() -> None:
+    passed = "..\n==== 2 passed, 1 warning in 0.31s ====\n"
+    failed = "F.\nFAILED tests/t.py::test_a\n1 failed, 1 passed in 0.19s\n"
+    assert pytest_summaries(passed + failed) == ["2 passed, 1 warning", "1 failed, 1 passed"]
+    assert grade_exit(ExecResult(0, passed, ""), runs_pytest=True).reward == 1.0
+    # Exit code 0 from an atexit hook after a failure, or from os._exit(0) on import.
+    for output in (failed, "", passed + failed, "no tests ran in 0.01s\n"):
+        grade = grade_exit(ExecResult(0, output, ""), runs_pytest=True)
+        assert (grade.reward, grade.failure) == (0.0, "exit_code_without_pytest_pass")
+    assert grade_exit(ExecResult(1, passed, ""), runs_pytest=True).reward == 0.0
+    assert grade_exit(ExecResult(0, "", "")).reward == 1.0  # other graders: the exit code
+    assert runs_pytest(task_from_dict({**GOOD, "eval_cmd": "python -m pytest -q t.py"}))
+    assert not runs_pytest(task_from_dict({**GOOD, "eval_cmd": "make check"}))
 
 
 @pytest.mark.parametrize(
