@@ -365,3 +365,18 @@ async def test_a_grader_outside_pytest_has_only_the_exit_code(
     task = calc_task(str(src), base_repo(src), tests=None, eval_cmd=check, protected_paths=[])
     result = await rollout(recorder, local(tmp_path), task, EXIT_ON_IMPORT)
     assert (result.reward, result.infra_cause) == (1.0, None), result.evidence
+    # A script that ends on a line only the grader knows (the agent never sees the task's
+    # grader) is not fooled: the process left before printing it.
+    marked = calc_task(
+        str(src), task.base_commit, tests=None, eval_script=MARKED, protected_paths=[]
+    )
+    result = await rollout(recorder, local(tmp_path), marked, EXIT_ON_IMPORT)
+    assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
+    solved = await rollout(recorder, local(tmp_path), marked, FIX)
+    assert solved.reward == 1.0, solved.evidence
+
+
+MARKED = (
+    "python -c 'from calc import add; assert add(2, 3) == 5; print(\"graded-7d1f\")'"
+    " | grep -qx graded-7d1f\n"
+)
