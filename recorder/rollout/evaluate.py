@@ -23,6 +23,7 @@ from recorder.rollout.workspace import tail
 
 _REPORT_LINE = re.compile(r"^(PASSED|FAILED|ERROR|XPASS|XFAIL|SKIPPED)\s+(\S+)")
 _FAILURES = ("FAILED", "ERROR")
+_COLOR = re.compile(r"\x1b\[[0-9;]*m")  # `--color=yes`: SGR codes inside the lines
 # pytest's last line: "1 failed, 2 passed, 1 warning in 0.31s" (framed by "=" without -q).
 _COUNTS_LINE = re.compile(r"^=*\s*((?:\d+ [a-z]+(?:, )?)+|no tests ran) in [\d.]+s\b")
 _CANNOT_RUN = (126, 127)
@@ -57,7 +58,7 @@ def parse_test_report(text: str) -> dict[str, str]:
     pytest counts it.)
     """
     outcomes: dict[str, str] = {}
-    for line in text.splitlines():
+    for line in _COLOR.sub("", text).splitlines():
         m = _REPORT_LINE.match(line.strip())
         if m and outcomes.get(m.group(2)) not in _FAILURES:
             outcomes[m.group(2)] = m.group(1)
@@ -83,7 +84,8 @@ def grade_tests(spec: TestSpec, result: ExecResult, mode: str) -> Grade:
 
 def pytest_summaries(text: str) -> list[str]:
     """pytest's counts lines ("2 passed in 0.12s", "1 failed, 1 passed in 0.3s") in `text`."""
-    return [m.group(1) for m in map(_COUNTS_LINE.match, text.splitlines()) if m]
+    lines = _COLOR.sub("", text).splitlines()
+    return [m.group(1) for m in map(_COUNTS_LINE.match, lines) if m]
 
 
 def grade_exit(result: ExecResult, *, runs_pytest: bool = False) -> Grade:

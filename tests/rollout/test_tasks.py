@@ -146,6 +146,9 @@ def test_an_exit_code_grader_that_runs_pytest_needs_pytests_pass_too() -> None:
     failed = "F.\nFAILED tests/t.py::test_a\n1 failed, 1 passed in 0.19s\n"
     assert pytest_summaries(passed + failed) == ["2 passed, 1 warning", "1 failed, 1 passed"]
     assert grade_exit(ExecResult(0, passed, ""), runs_pytest=True).reward == 1.0
+    colored = "\x1b[32mPASSED\x1b[0m t.py::\x1b[1mtest_a\x1b[0m\n\x1b[32m\x1b[1m1 passed\x1b[0m\x1b[32m in 0.18s\x1b[0m\n"
+    assert parse_test_report(colored) == {"t.py::test_a": "PASSED"}  # --color=yes
+    assert pytest_summaries(colored) == ["1 passed"]
     # Exit code 0 from an atexit hook after a failure, or from os._exit(0) on import.
     for output in (failed, "", passed + failed, "no tests ran in 0.01s\n"):
         grade = grade_exit(ExecResult(0, output, ""), runs_pytest=True)
