@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import sys
 import tempfile
@@ -43,6 +42,7 @@ from typing import Any
 import aiohttp
 import click
 import numpy as np
+import orjson
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as `python tools/...`
@@ -53,11 +53,16 @@ from recorder.log.store.sqlite import INLINE_ENV
 from tools.benchkit import wire
 from tools.benchkit.cpu import load_average
 from tools.benchkit.engine import start_test_engine
+from tools.benchkit.lean_engine import start_lean_engine
 from tools.benchkit.procs import REPO
 from tools.benchkit.recorder import ADMIN, RecorderProcess
 from tools.benchkit.stats import pct
 from tools.benchkit.table import Columns
 
+ENGINES = {
+    "lean": "lean engine (a canned /generate, tools/benchkit/lean_engine.py)",
+    "scripted": "scripted test engine",
+}
 TABLE = Columns(
     [
         ("sessions x turns", 17, "<"), ("path", 28, "<"), ("turns", 6, ">"), ("err", 5, ">"),
@@ -74,6 +79,8 @@ class Run:
     errors: int = 0
     wall_s: float = 0.0
     cpu_s: float = 0.0
+    engine_cpu_s: float = 0.0  # the engine process's CPU in the same phase
+    client_cpu_s: float = 0.0  # this process's (the load generator's)
     cores: list[float] = field(default_factory=list)  # busy fraction per core
 
 
@@ -100,15 +107,38 @@ def process_cpu_s(pid: int) -> float:
     return sum(sum(p.cpu_times()[:2]) for p in procs)
 
 
+@dataclass(frozen=True)
+class Engine:
+    url: str
+    pid: int
+
+
 class Session:
-    """One session's conversation: `prelude_words` of context in its first message."""
+    """One session's conversation: `prelude_words` of context in its first message.
+
+    Its messages are kept as the JSON they are sent as, so a turn's ~0.5 MB body at
+    100k tokens is one join of bytes (the load generator's CPU is on the same cores
+    as the recorder's: `json=` re-encoding the whole conversation every turn cost
+    more than the recorder did).
+    """
 
     def __init__(self, index: int, prelude_words: int) -> None:
         self.index = index
         self.prelude = " ".join(["word"] * prelude_words)
-        self.messages: list[dict[str, Any]] = []
+        self.messages = b""  # the encoded messages so far, comma-separated
         self.sid = ""
         self.turn = 0
+
+    def with_message(self, message: dict[str, Any]) -> bytes:
+        """The messages with `message` appended (not kept: see `keep`)."""
+        encoded = orjson.dumps(message)
+        return self.messages + b"," + encoded if self.messages else encoded
+
+    def body(self, messages: bytes, *, stream: bool) -> bytes:
+        head = b'{"model":"bench","max_tokens":64,"stream":%s,"messages":[' % (
+            b"true" if stream else b"false"
+        )
+        return b"".join((head, messages, b"]}"))
 
 
 async def recorder_session(
@@ -123,56 +153,69 @@ async def recorder_session(
         session = Session(index, 0)
     if not session.sid:
         session.sid = await wire.open_session(http, url, ADMIN, {"index": index})
-    sid, messages = session.sid, session.messages
-    headers = {"Authorization": f"Bearer {sid}"}
+    headers = {"Authorization": f"Bearer {session.sid}", "Content-Type": "application/json"}
     input_lengths: list[int] = []
     for _ in range(turns):
         k = session.turn
         session.turn += 1
         prelude = session.prelude + " " if k == 0 and session.prelude else ""
-        messages.append(
-            {
-                "role": "user",
-                "content": f"{prelude}Session {index}, step {k}: please continue the task.",
-            }
-        )
-        body = {"model": "bench", "max_tokens": 64, "messages": messages, "stream": k % 2 == 1}
+        content = f"{prelude}Session {index}, step {k}: please continue the task."
+        messages = session.with_message({"role": "user", "content": content})
+        stream = k % 2 == 1
         started = time.perf_counter()
-        async with http.post(url + "/v1/messages", json=body, headers=headers) as resp:
+        async with http.post(
+            url + "/v1/messages", data=session.body(messages, stream=stream), headers=headers
+        ) as resp:
             raw = await resp.read()
             ok = resp.status == 200
         run.latencies.append(time.perf_counter() - started)
         if not ok or b"event: error" in raw:
             run.errors += 1
             run.latencies.pop()  # keep latencies aligned with answered ids
-            messages.pop()
             continue
-        if body["stream"]:
-            msg_id, content, usage = wire.parse_sse(raw)
+        if stream:
+            msg_id, blocks, usage = wire.parse_sse(raw)
         else:
-            data = json.loads(raw)
-            msg_id, content, usage = data["id"], data["content"], data["usage"]
+            data = orjson.loads(raw)
+            msg_id, blocks, usage = data["id"], data["content"], data["usage"]
         run.ids.append(msg_id)
         input_lengths.append(usage["input_tokens"] + usage["cache_read_input_tokens"])
-        text = "".join(b["text"] for b in content if b["type"] == "text")
-        messages.append({"role": "assistant", "content": text})
+        text = "".join(b["text"] for b in blocks if b["type"] == "text")
+        session.messages = messages
+        session.messages = session.with_message({"role": "assistant", "content": text})
     return input_lengths
 
 
+class EngineInputs:
+    """`/generate` bodies whose input ids are the first n of one random array: its JSON
+    is encoded once and each body takes a slice of it (no per-turn encoding)."""
+
+    def __init__(self, longest: int, seed: int) -> None:
+        ids = np.random.default_rng(seed).integers(100, 40000, size=max(1, longest))
+        self._json = orjson.dumps(ids, option=orjson.OPT_SERIALIZE_NUMPY)
+        # Where each id's digits end in the JSON (after "[" and one "," per id before it).
+        self._ends = np.cumsum(np.char.str_len(ids.astype(str))) + np.arange(1, len(ids) + 1)
+
+    def body(self, n: int) -> bytes:
+        rid = os.urandom(16).hex().encode()
+        return b"".join(
+            (
+                b'{"rid":"%s","input_ids":' % rid,
+                self._json[: int(self._ends[n - 1])],
+                b'],"return_logprob":true,"sampling_params":{"max_new_tokens":64,'
+                b'"temperature":1.0}}',
+            )
+        )
+
+
 async def engine_session(
-    http: aiohttp.ClientSession, url: str, lengths: list[int], run: Run
+    http: aiohttp.ClientSession, url: str, lengths: list[int], inputs: EngineInputs, run: Run
 ) -> None:
     """The same turns straight to the engine: inputs of the recorded lengths."""
-    rng = np.random.default_rng(len(lengths))
+    headers = {"Content-Type": "application/json"}
     for n in lengths:
-        body = {
-            "rid": os.urandom(16).hex(),
-            "input_ids": rng.integers(100, 40000, size=n).tolist(),
-            "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 64, "temperature": 1.0},
-        }
         started = time.perf_counter()
-        async with http.post(url + "/generate", json=body) as resp:
+        async with http.post(url + "/generate", data=inputs.body(n), headers=headers) as resp:
             await resp.read()
             ok = resp.status == 200
         run.latencies.append(time.perf_counter() - started)
@@ -199,7 +242,7 @@ async def engine_latency_by_request(db: str) -> dict[str, float]:
 async def measure(
     http: aiohttp.ClientSession,
     url: str,
-    engine_url: str,
+    engine: Engine,
     sessions: int,
     turns: int,
     pid: int,
@@ -216,6 +259,7 @@ async def measure(
             *(recorder_session(http, url, s.index, 1, Run(), s) for s in started_sessions)
         )
     cpu_before = process_cpu_s(pid)
+    engine_before, client_before = process_cpu_s(engine.pid), time.process_time()
     cores_before = core_ticks()
     rec = Run()
     started = time.perf_counter()
@@ -224,13 +268,19 @@ async def measure(
     )
     rec.wall_s = time.perf_counter() - started
     rec.cpu_s = process_cpu_s(pid) - cpu_before
+    rec.engine_cpu_s = process_cpu_s(engine.pid) - engine_before
+    rec.client_cpu_s = time.process_time() - client_before
     rec.cores = utilisation(cores_before, core_ticks())
     if not baseline:
         return rec, None
     base = Run()
+    inputs = EngineInputs(max((max(ls, default=1) for ls in lengths), default=1), seed=sessions)
+    engine_before, client_before = process_cpu_s(engine.pid), time.process_time()
     started = time.perf_counter()
-    await asyncio.gather(*(engine_session(http, engine_url, ls, base) for ls in lengths))
+    await asyncio.gather(*(engine_session(http, engine.url, ls, inputs, base) for ls in lengths))
     base.wall_s = time.perf_counter() - started
+    base.engine_cpu_s = process_cpu_s(engine.pid) - engine_before
+    base.client_cpu_s = time.process_time() - client_before
     return rec, base
 
 
@@ -284,7 +334,7 @@ class Phase:
 
 async def run_variant(
     variant: Variant,
-    engine_url: str,
+    engine: Engine,
     db: str,
     phases: list[tuple[int, int]],
     prelude_words: int,
@@ -295,7 +345,7 @@ async def run_variant(
     also the number of turns its log has a line for, and the turns it took."""
     extra = ["--workers", str(workers)] if workers > 1 else []
     with environment(variant.env()):
-        recorder = RecorderProcess(engine_url, db, extra, log=True, root=variant.root)
+        recorder = RecorderProcess(engine.url, db, extra, log=True, root=variant.root)
     url = recorder.url
     runs: list[tuple[str, Run, Run | None]] = []
     try:
@@ -306,7 +356,7 @@ async def run_variant(
             await recorder_session(http, url, -1, 2, Run())  # warm-up
             for n, t in phases:
                 rec, base = await measure(
-                    http, url, engine_url, n, t, recorder.proc.pid, prelude_words, baseline
+                    http, url, engine, n, t, recorder.proc.pid, prelude_words, baseline
                 )
                 runs.append((f"{n} x {t}", rec, base))
     finally:
@@ -333,12 +383,15 @@ async def bench(
     tmp: Path = Path("."),
     compare: list[Variant] | None = None,
     single: bool = True,
+    engine_kind: str = "lean",
 ) -> None:
     """Every variant at every session count, variants in turn per count, each
     against a fresh `recorder serve` (and, without `db`, a fresh SQLite file).
     The engine-direct baseline runs with the first variant of each count."""
     compare = compare or [Variant("this")]
-    engine_proc, engine_url = start_test_engine(max(32768, int(context * 1.2) + 8192))
+    start = start_lean_engine if engine_kind == "lean" else start_test_engine
+    engine_proc, engine_url = start(max(32768, int(context * 1.2) + 8192))
+    engine = Engine(engine_url, engine_proc.pid)
     prelude_words = int(context * 0.75)  # the fixture tokenizer: ~1.3 tokens per "word"
     results: list[Phase] = []
     turns_logged = turns_taken = 0
@@ -352,7 +405,7 @@ async def bench(
                 # A given --db is shared by the runs (one at a time; request ids are unique).
                 path = db or str(tmp / f"bench-{n}-{i}.db")
                 found, logged, taken = await run_variant(
-                    variant, engine_url, path, phases, prelude_words, workers, baseline=i == 0
+                    variant, engine, path, phases, prelude_words, workers, baseline=i == 0
                 )
                 results += found
                 turns_logged += logged
@@ -360,15 +413,29 @@ async def bench(
     finally:
         engine_proc.terminate()
         engine_proc.wait(timeout=30)
-    print_results(results, db, context, workers, turns_logged, turns_taken)
+    print_results(results, db, context, workers, turns_logged, turns_taken, engine_kind)
+
+
+def cpu_split(run: Run) -> str:
+    """CPU per turn of each process on the box in one phase (the recorder's, when it ran)."""
+    n = max(1, len(run.latencies) + run.errors)
+    parts = [("recorder", run.cpu_s)] if run.cpu_s else []
+    parts += [("engine", run.engine_cpu_s), ("load generator", run.client_cpu_s)]
+    return "CPU ms per turn: " + ", ".join(f"{name} {s / n * 1000:.2f}" for name, s in parts)
 
 
 def print_results(
-    results: list[Phase], db: str | None, context: int, workers: int, logged: int, taken: int
+    results: list[Phase],
+    db: str | None,
+    context: int,
+    workers: int,
+    logged: int,
+    taken: int,
+    engine_kind: str = "lean",
 ) -> None:
     print()
     print(
-        f"zero-latency scripted engine, db {db or 'a temp SQLite file per run'}, "
+        f"zero-latency {ENGINES[engine_kind]}, db {db or 'a temp SQLite file per run'}, "
         f"{os.cpu_count()} cores shared by engine, "
         f"recorder ({workers} worker{'s' if workers > 1 else ''}), clients; "
         f"context ~{context:,} tokens; {load_average()}"
@@ -405,6 +472,9 @@ def print_results(
             )  # fmt: skip
         cores = " ".join(f"{u * 100:.0f}%" for u in rec.cores)
         print(f"{'':<17}recorder phase: per-core utilisation {cores} (all processes on the box)")
+        print(f"{'':<17}{cpu_split(rec)}")
+        if phase.base is not None:
+            print(f"{'':<17}engine /generate phase: {cpu_split(phase.base)}")
         throughput = len(rec.latencies) / rec.wall_s / (len(base.latencies) / base.wall_s)
         print(
             f"{'':<17}ratio recorder/engine: throughput {throughput:.2f}x, "
@@ -448,6 +518,15 @@ def print_results(
 )
 @click.option("--before-last", is_flag=True, help="run the --before-src recorder after this one's")
 @click.option(
+    "--engine",
+    "engine_kind",
+    type=click.Choice(list(ENGINES)),
+    default="lean",
+    show_default=True,
+    help="lean: a canned /generate that costs next to nothing (the recorder is what is "
+    "measured); scripted: the test engine as the tests run it",
+)
+@click.option(
     "--single/--no-single",
     default=True,
     show_default=True,
@@ -463,11 +542,14 @@ def main(
     inline: str,
     before_last: bool,
     single: bool,
+    engine_kind: str,
 ) -> None:
     counts = [int(n) for n in sessions.split(",")]
     compare = variants(before_src.resolve() if before_src else None, inline, before_last)
     with tempfile.TemporaryDirectory() as tmp:
-        asyncio.run(bench(counts, turns, db, context, workers, Path(tmp), compare, single))
+        asyncio.run(
+            bench(counts, turns, db, context, workers, Path(tmp), compare, single, engine_kind)
+        )
 
 
 if __name__ == "__main__":

@@ -97,15 +97,24 @@ def start_subprocess(
         env=env,
     )
     url = f"http://127.0.0.1:{port}"
+    wait_until_healthy(proc, url, timeout_s=timeout_s, what=f"test engine {args}")
+    return proc, url
+
+
+def wait_until_healthy(
+    proc: subprocess.Popen[bytes], url: str, *, timeout_s: float = 180, what: str = "engine"
+) -> None:
+    """Return once `url`/health answers 200; RuntimeError (`proc` terminated) if it
+    exits or takes longer than `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"test engine exited with code {proc.returncode}: {args}")
+            raise RuntimeError(f"{what} exited with code {proc.returncode}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as resp:
                 if resp.status == 200:
-                    return proc, url
+                    return
         except OSError:
             time.sleep(0.2)
     proc.terminate()
-    raise RuntimeError(f"test engine did not become healthy within {timeout_s}s: {args}")
+    raise RuntimeError(f"{what} did not become healthy within {timeout_s}s")
