@@ -140,19 +140,13 @@ class PieceReader:
 def decode_row(row: Any) -> arr.DecodedPiece | arr.Piece:
     """A verified piece, or a basis-coded one as stored (its basis must be decoded first)."""
     digest, parent, dtype, total, codec, data, tail, basis, depth = row
-    piece = arr.Piece(
-        bytes(digest),
-        None if parent is None else bytes(parent),
-        dtype,
-        total,
-        codec,
-        arr.join_blob(bytes(data), None if tail is None else bytes(tail)),
-        None if basis is None else bytes(basis),
-        depth,
-    )
-    if arr.needs_others(piece):
-        return piece
-    return arr.decode_piece(piece)
+    digest = bytes(digest)
+    parent = None if parent is None else bytes(parent)
+    blob = arr.join_blob(bytes(data), None if tail is None else bytes(tail))
+    if basis is None and codec != arr.CODEC_CONCAT:  # `arr.needs_others` is false
+        return arr.decode_plain(digest, parent, dtype, total, codec, blob, depth)
+    basis = None if basis is None else bytes(basis)
+    return arr.Piece(digest, parent, dtype, total, codec, blob, basis, depth)
 
 
 def decode_on_basis(
