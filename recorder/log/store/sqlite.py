@@ -782,7 +782,7 @@ class InlineReader:
             yield self
         finally:
             self._depth -= 1
-            if self._depth == 0:
+            if self._depth == 0 and self._conn.in_transaction:  # an error may have ended it
                 self._conn.execute("ROLLBACK")
 
     async def execute_fetchall(self, sql: str, parameters: Sequence[Any]) -> list[Any]:
