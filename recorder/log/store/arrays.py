@@ -567,6 +567,44 @@ def decode_piece(piece: Piece, basis_bytes: bytes | None = None) -> DecodedPiece
     )
 
 
+def decode_plain(
+    digest: bytes,
+    parent: bytes | None,
+    dtype: str,
+    total_length: int,
+    codec: int,
+    data: bytes,
+    depth: int,
+) -> DecodedPiece:
+    """`decode_piece` of a piece that needs no other (no basis, not concatenated),
+    from its row's fields: a replay decodes every piece it reads, and the
+    shuffled codecs' steps inline cost less. Any other codec, and any piece
+    that fails a check, goes through `decode_piece` (its result, its error).
+    """
+    dt = NUMPY_DTYPES.get(dtype)
+    size = _PLAIN_SHUFFLED.get(codec)
+    if dt is not None and size is not None:
+        try:
+            body = _decompressor().decompress(data)
+        except zstandard.ZstdError:
+            body = b""
+        size = size or dt.itemsize
+        if body and not len(body) % size:
+            raw = np.frombuffer(body, np.uint8).reshape(size, -1).T.tobytes()
+            if codec == CODEC_F32_SHUFFLED:
+                raw = (
+                    np.frombuffer(raw, "<f4").astype("<f8").tobytes() if dtype == "float64" else b""
+                )
+            if raw and piece_digest(parent, dtype, raw) == digest:
+                suffix = np.frombuffer(raw, dt)
+                return DecodedPiece(digest, parent, dtype, total_length, suffix, depth)
+    return decode_piece(Piece(digest, parent, dtype, total_length, codec, data, None, depth))
+
+
+# Codecs `decode_plain` decodes itself -> the shuffle's item size (0: the dtype's).
+_PLAIN_SHUFFLED: Final = {CODEC_ZSTD_SHUFFLED: 0, CODEC_F32_SHUFFLED: 4}
+
+
 def _copied_range(data: bytes, basis_bytes: bytes) -> bytes:
     """The basis bytes a copy piece names; ValueError when the range is not inside them."""
     if len(data) != _COPY_RANGE.size:

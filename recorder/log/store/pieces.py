@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from recorder.log.events import ArrayRef
 from recorder.log.store import arrays as arr
@@ -36,12 +36,12 @@ class PieceReader:
 
     def __init__(
         self,
-        read_engine: AsyncEngine,
+        connect: Callable[[], contextlib.AbstractAsyncContextManager[Any]],
         cache: arr.PieceCache,
         rows: PieceRows,
         chain_rows: PieceRows,
     ) -> None:
-        self._read_engine = read_engine
+        self._connect = connect  # a read connection, handed to `rows`
         self._cache = cache
         self._rows = rows
         self._chain_rows = chain_rows  # rows of the digests and of all their ancestors
@@ -69,7 +69,7 @@ class PieceReader:
             conn: AsyncConnection | None = None
             uncached = [d for d in frontier if self._cache.get(d) is None] if cold else []
             if uncached:
-                conn = await stack.enter_async_context(self._read_engine.connect())
+                conn = await stack.enter_async_context(self._connect())
                 for row in await self._chain_rows(conn, uncached):
                     piece = decode_row(row)
                     if isinstance(piece, arr.Piece):
@@ -93,7 +93,7 @@ class PieceReader:
                         wanted.append(d)
                 if wanted:
                     if conn is None:
-                        conn = await stack.enter_async_context(self._read_engine.connect())
+                        conn = await stack.enter_async_context(self._connect())
                     for piece in await self._fetch(conn, wanted):
                         if isinstance(piece, arr.Piece):
                             on_basis[piece.digest] = piece
@@ -140,19 +140,13 @@ class PieceReader:
 def decode_row(row: Any) -> arr.DecodedPiece | arr.Piece:
     """A verified piece, or a basis-coded one as stored (its basis must be decoded first)."""
     digest, parent, dtype, total, codec, data, tail, basis, depth = row
-    piece = arr.Piece(
-        bytes(digest),
-        None if parent is None else bytes(parent),
-        dtype,
-        total,
-        codec,
-        arr.join_blob(bytes(data), None if tail is None else bytes(tail)),
-        None if basis is None else bytes(basis),
-        depth,
-    )
-    if arr.needs_others(piece):
-        return piece
-    return arr.decode_piece(piece)
+    digest = bytes(digest)
+    parent = None if parent is None else bytes(parent)
+    blob = arr.join_blob(bytes(data), None if tail is None else bytes(tail))
+    if basis is None and codec != arr.CODEC_CONCAT:  # `arr.needs_others` is false
+        return arr.decode_plain(digest, parent, dtype, total, codec, blob, depth)
+    basis = None if basis is None else bytes(basis)
+    return arr.Piece(digest, parent, dtype, total, codec, blob, basis, depth)
 
 
 def decode_on_basis(

@@ -39,6 +39,7 @@ with their events) is one transaction's steps, which must be read together.
 from __future__ import annotations
 
 import abc
+import contextlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -133,17 +134,24 @@ class StoreOptions(msgspec.Struct, frozen=True, kw_only=True):
       cache per connection (one writer connection, up to a dozen readers;
       SQLite's own default is 2 MiB). PostgreSQL caches on the server and
       ignores both.
+    - `inline_reads`: SQLite reads events and arrays on the event loop's
+      thread (it blocks the loop for each query): ~0.3 ms less CPU per page
+      or piece round than aiosqlite's hops. PostgreSQL ignores it.
     """
+
+    def __post_init__(self) -> None:
+        for name in ("piece_cache_bytes", "writer_page_cache_bytes", "reader_page_cache_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"StoreOptions.{name} must be an int >= 0 bytes, got {value!r}")
 
     piece_cache_bytes: int = PIECE_CACHE_BYTES
     writer_page_cache_bytes: int = WRITER_PAGE_CACHE_BYTES
     reader_page_cache_bytes: int = READER_PAGE_CACHE_BYTES
-
-    def __post_init__(self) -> None:
-        for name in self.__struct_fields__:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"StoreOptions.{name} must be an int >= 0 bytes, got {value!r}")
+    # Reads run on the caller's thread, on a connection of their own, where a
+    # backend can (SQLite): for a reader that does nothing but read, in a loop
+    # that has nothing else to do meanwhile (see `SqliteEventStore`).
+    inline_reads: bool = False
 
     @classmethod
     def streaming(cls) -> StoreOptions:
@@ -152,6 +160,7 @@ class StoreOptions(msgspec.Struct, frozen=True, kw_only=True):
             piece_cache_bytes=0,
             writer_page_cache_bytes=2 * 1024 * 1024,
             reader_page_cache_bytes=4 * 1024 * 1024,
+            inline_reads=True,
         )
 
 
@@ -331,7 +340,7 @@ class SqlEventStore(EventStore):
             self._commit_group, max_weight=MAX_GROUP_WEIGHT
         )
         self._pieces = arr.PieceCache(self.options.piece_cache_bytes)
-        self._reader = PieceReader(read_engine, self._pieces, self._piece_rows, self._chain_rows)
+        self._reader = PieceReader(self._reading, self._pieces, self._piece_rows, self._chain_rows)
         # Recently used bases, least recent first: basis digest -> (its prepared
         # zstd dictionary if built yet, its chain depth). A body stored as
         # prefix + suffix encodes both against one basis without reading it twice.
@@ -360,6 +369,11 @@ class SqlEventStore(EventStore):
         self._writer.max_weight = max(1, value)
 
     # -- backend hooks ------------------------------------------------------
+
+    def _reading(self) -> contextlib.AbstractAsyncContextManager[Any]:
+        """A read connection for the read hooks (`_raw_events`, `_piece_rows`, ...):
+        the read engine's; a backend may hand its own (`StoreOptions.inline_reads`)."""
+        return self.read_engine.connect()
 
     @abc.abstractmethod
     async def _lock_writers(self, conn: AsyncConnection) -> None:
@@ -624,7 +638,7 @@ class SqlEventStore(EventStore):
     # -- events: read -------------------------------------------------------
 
     async def read_session(self, session_id: str, *, from_seq: int = 0) -> list[RecordedEvent]:
-        async with self.read_engine.connect() as conn:
+        async with self._reading() as conn:
             return [_record(r) for r in await self._raw_session(conn, session_id, from_seq)]
 
     async def _raw_session(
@@ -646,7 +660,7 @@ class SqlEventStore(EventStore):
     async def read_session_from_last(
         self, session_id: str, types: Sequence[str]
     ) -> list[RecordedEvent]:
-        async with self.read_engine.connect() as conn:
+        async with self._reading() as conn:
             return [_record(r) for r in await self._raw_from_last(conn, session_id, types)]
 
     async def _raw_from_last(
@@ -674,7 +688,7 @@ class SqlEventStore(EventStore):
     async def read_all(
         self, *, after: int = 0, limit: int = 1000, sessions: SessionRange | None = None
     ) -> list[RecordedEvent]:
-        async with self.read_engine.connect() as conn:
+        async with self._reading() as conn:
             return [_record(r) for r in await self._raw_events(conn, after, limit, sessions)]
 
     async def _raw_events(

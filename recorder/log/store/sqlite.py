@@ -44,6 +44,13 @@
   each is a GIL handoff that can wait out the 5 ms switch interval while the
   event loop is busy. Anything else rolls back and is redone by the generic
   path (`SqlEventStore._commit_generic`), where every edge case is handled.
+- Reads of a one-pass reader (`StoreOptions.inline_reads`: `replay
+  reclassify/export/stats` and their workers) run on the event loop's thread
+  on a plain sqlite3 connection of their own (`InlineReader`), each call in
+  one read transaction as through the engine. Such a reader has nothing else
+  for the loop to do while it waits, and it makes thousands of reads (a page
+  of events, a round of array pieces): through aiosqlite each costs a few
+  thread hops and GIL handoffs, more than the query.
 """
 
 from __future__ import annotations
@@ -57,7 +64,7 @@ import queue
 import sqlite3
 import threading
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import IO, Any
@@ -71,7 +78,7 @@ from sqlalchemy.pool import AsyncAdaptedQueuePool
 
 from recorder.log.store import arrays as arr
 from recorder.log.store.base import SessionRange, StoreError
-from recorder.log.store.pieces import IN_CHUNK
+from recorder.log.store.pieces import IN_CHUNK, chunks
 from recorder.log.store.sql import (
     READER_PAGE_CACHE_BYTES,
     WRITER_PAGE_CACHE_BYTES,
@@ -585,6 +592,14 @@ class SqliteEventStore(SqlEventStore):
         self._one_hop = OneHopWriter(
             _file_path(url), _kib(self.options.writer_page_cache_bytes), self.piece_row
         )
+        self._inline = (
+            InlineReader(_file_path(url), _kib(self.options.reader_page_cache_bytes))
+            if self.options.inline_reads
+            else None
+        )
+
+    def _reading(self) -> contextlib.AbstractAsyncContextManager[Any]:
+        return self._inline.reading() if self._inline is not None else super()._reading()
 
     @classmethod
     def connect(cls, url: str, options: StoreOptions | None = None) -> SqliteEventStore:
@@ -604,6 +619,8 @@ class SqliteEventStore(SqlEventStore):
         try:
             await super().close()
         finally:
+            if self._inline is not None:
+                self._inline.close()
             await self._one_hop.close()
 
     async def _lock_writers(self, conn: AsyncConnection) -> None:
@@ -681,11 +698,21 @@ class SqliteEventStore(SqlEventStore):
     async def _piece_rows(self, conn: AsyncConnection, digests: Sequence[bytes]) -> Iterable[Any]:
         raw = await _driver(conn)
         rows: Iterable[Any] = await raw.execute_fetchall(
-            "SELECT digest, parent, dtype, total_length, codec, data, data_tail, basis,"
-            " basis_depth FROM arrays"
-            f" WHERE digest IN ({','.join('?' * len(digests))})",
-            digests,
+            _SELECT_PIECES + f" WHERE digest IN ({','.join('?' * len(digests))})", digests
         )
+        return rows
+
+    async def _chain_rows(self, conn: AsyncConnection, digests: Sequence[bytes]) -> Iterable[Any]:
+        raw = await _driver(conn)
+        rows: list[Any] = []
+        for chunk in chunks(digests):
+            rows += await raw.execute_fetchall(
+                _SELECT_PIECES + " WHERE digest IN (WITH RECURSIVE chain(d) AS (SELECT digest"
+                f" FROM arrays WHERE digest IN ({','.join('?' * len(chunk))}) UNION SELECT"
+                " up.parent FROM arrays AS up, chain WHERE up.digest = chain.d"
+                " AND up.parent IS NOT NULL) SELECT d FROM chain)",
+                chunk,
+            )
         return rows
 
     async def _insert_events(self, conn: AsyncConnection, rows: list[NewRow]) -> None:
@@ -710,6 +737,10 @@ def _kib(n_bytes: int) -> int:
 _SELECT_EVENTS = (
     "SELECT position, session_id, seq, event_id, type, version, ts, payload FROM events"
 )
+_SELECT_PIECES = (
+    "SELECT digest, parent, dtype, total_length, codec, data, data_tail, basis, basis_depth"
+    " FROM arrays"
+)
 
 
 def _with_uuids(rows: Iterable[Any]) -> list[tuple[Any, ...]]:
@@ -724,6 +755,49 @@ def _with_uuids(rows: Iterable[Any]) -> list[tuple[Any, ...]]:
     ]
 
 
-async def _driver(conn: AsyncConnection) -> Any:
-    """The aiosqlite connection under a SQLAlchemy connection (same transaction)."""
+async def _driver(conn: AsyncConnection | InlineReader) -> Any:
+    """The aiosqlite connection under a SQLAlchemy connection (same transaction),
+    or an `InlineReader` itself (it has the one method the read hooks use)."""
+    if isinstance(conn, InlineReader):
+        return conn
     return (await conn.get_raw_connection()).driver_connection
+
+
+class InlineReader:
+    """A read connection used on the caller's thread (`StoreOptions.inline_reads`).
+
+    Opened on first use with the settings of every connection of ours. A
+    `reading()` block is one read transaction, as an engine connection's is
+    (nested blocks share the outer one); `execute_fetchall` is the aiosqlite
+    method of that name, run at once.
+    """
+
+    def __init__(self, path: Path, cache_kib: int) -> None:
+        self._path = path
+        self._cache_kib = cache_kib
+        self._conn: sqlite3.Connection | None = None
+        self._depth = 0
+
+    @contextlib.asynccontextmanager
+    async def reading(self) -> AsyncIterator[InlineReader]:
+        if self._conn is None:
+            self._conn = sqlite3.connect(self._path, timeout=BUSY_TIMEOUT_MS / 1000)
+            configure_connection(self._conn, self._cache_kib)
+        if self._depth == 0:
+            self._conn.execute("BEGIN")
+        self._depth += 1
+        try:
+            yield self
+        finally:
+            self._depth -= 1
+            if self._depth == 0 and self._conn.in_transaction:  # an error may have ended it
+                self._conn.execute("ROLLBACK")
+
+    async def execute_fetchall(self, sql: str, parameters: Sequence[Any]) -> list[Any]:
+        assert self._conn is not None, "execute_fetchall outside reading()"
+        return self._conn.execute(sql, parameters).fetchall()
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
