@@ -416,10 +416,10 @@ async def bench(
     print_results(results, db, context, workers, turns_logged, turns_taken, engine_kind)
 
 
-def cpu_split(run: Run) -> str:
-    """CPU per turn of each process on the box in one phase (the recorder's, when it ran)."""
+def cpu_split(run: Run, *, recorder: bool) -> str:
+    """CPU per turn of each process on the box in one phase (the recorder's, if it ran)."""
     n = max(1, len(run.latencies) + run.errors)
-    parts = [("recorder", run.cpu_s)] if run.cpu_s else []
+    parts = [("recorder", run.cpu_s)] if recorder else []
     parts += [("engine", run.engine_cpu_s), ("load generator", run.client_cpu_s)]
     return "CPU ms per turn: " + ", ".join(f"{name} {s / n * 1000:.2f}" for name, s in parts)
 
@@ -472,9 +472,9 @@ def print_results(
             )  # fmt: skip
         cores = " ".join(f"{u * 100:.0f}%" for u in rec.cores)
         print(f"{'':<17}recorder phase: per-core utilisation {cores} (all processes on the box)")
-        print(f"{'':<17}{cpu_split(rec)}")
+        print(f"{'':<17}{cpu_split(rec, recorder=True)}")
         if phase.base is not None:
-            print(f"{'':<17}engine /generate phase: {cpu_split(phase.base)}")
+            print(f"{'':<17}engine /generate phase: {cpu_split(phase.base, recorder=False)}")
         throughput = len(rec.latencies) / rec.wall_s / (len(base.latencies) / base.wall_s)
         print(
             f"{'':<17}ratio recorder/engine: throughput {throughput:.2f}x, "

@@ -23,6 +23,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -183,10 +184,16 @@ class EngineProcess:
 def serve_engine(port: int, context_length: int, latency_s: float = 0.0) -> None:
     """Run the timed scripted engine on `port` until SIGTERM."""
     tok = fixture_tokenizer()
+    serve_until_sigterm(
+        lambda: engine_app(tok, context_length, [], latency_s, max_spans=100_000), port
+    )
+
+
+def serve_until_sigterm(make_app: Callable[[], web.Application], port: int) -> None:
+    """Serve the app `make_app` builds (inside the loop) on `port` until SIGTERM."""
 
     async def run() -> None:
-        app = engine_app(tok, context_length, [], latency_s, max_spans=100_000)
-        runner, _ = await serve_app(app, port)
+        runner, _ = await serve_app(make_app(), port)
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         try:

@@ -18,9 +18,6 @@ engine's own.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import signal
 import subprocess
 import time
 from typing import Any
@@ -30,7 +27,7 @@ import orjson
 from aiohttp import web
 
 from recorder.model.tokenizer import Tokenizer
-from tools.benchkit.engine import fixture_tokenizer, serve_app
+from tools.benchkit.engine import fixture_tokenizer, serve_until_sigterm
 from tools.benchkit.procs import python_module
 from tools.test_engine.core import EngineCore, build_app
 from tools.test_engine.launch import free_port, wait_until_healthy
@@ -140,18 +137,7 @@ def start_lean_engine(context_length: int) -> tuple[subprocess.Popen[bytes], str
 def serve(port: int, context_length: int) -> None:
     """Run the lean engine on `port` until SIGTERM."""
     tok = fixture_tokenizer()
-
-    async def run() -> None:
-        runner, _ = await serve_app(lean_app(tok, context_length), port)
-        stop = asyncio.Event()
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-        try:
-            await stop.wait()
-        finally:
-            await runner.cleanup()
-
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(run())
+    serve_until_sigterm(lambda: lean_app(tok, context_length), port)
 
 
 if __name__ == "__main__":
