@@ -424,6 +424,27 @@ def cpu_split(run: Run) -> str:
     return "CPU ms per turn: " + ", ".join(f"{name} {s / n * 1000:.2f}" for name, s in parts)
 
 
+def box_share(run: Run, cores: int) -> str:
+    """What the box gave this benchmark in one phase, and the rate its CPU per turn allows.
+
+    The two cores are shared with whatever else runs on the machine: turns/s
+    alone says as much about the neighbours as about the recorder. Our three
+    processes' share of the cores, the rest of the busy time (other processes),
+    and the CPU-bound rate (cores / CPU seconds per turn of all three; the
+    recorder's alone on one core) separate the two. The rates are projections
+    from measured CPU, not measured turns/s.
+    """
+    n = max(1, len(run.latencies) + run.errors)
+    ours_s = run.cpu_s + run.engine_cpu_s + run.client_cpu_s
+    ours = ours_s / max(run.wall_s, 1e-9) / cores
+    others = max(0.0, sum(run.cores) / max(1, len(run.cores)) - ours)
+    return (
+        f"box: our 3 processes {ours * 100:.0f}% of {cores} cores, other processes "
+        f"{others * 100:.0f}%; CPU-bound rate {n * cores / max(ours_s, 1e-9):.0f} turns/s "
+        f"(recorder alone on 1 core: {n / max(run.cpu_s, 1e-9):.0f})"
+    )
+
+
 def print_results(
     results: list[Phase],
     db: str | None,
@@ -473,6 +494,7 @@ def print_results(
         cores = " ".join(f"{u * 100:.0f}%" for u in rec.cores)
         print(f"{'':<17}recorder phase: per-core utilisation {cores} (all processes on the box)")
         print(f"{'':<17}{cpu_split(rec)}")
+        print(f"{'':<17}{box_share(rec, len(rec.cores))}")
         if phase.base is not None:
             print(f"{'':<17}engine /generate phase: {cpu_split(phase.base)}")
         throughput = len(rec.latencies) / rec.wall_s / (len(base.latencies) / base.wall_s)

@@ -117,22 +117,29 @@ def test_bench_server(tmp_path: Path) -> None:
         f"{'sessions x turns':<17}{'path':<28}{'turns':>6}{'err':>5}{'turns/s':>9}"
         f"{'p50 ms':>8}{'p99 ms':>8}{'ovh p50':>9}{'ovh p99':>9}{'cpu ms/turn':>12}"
     )
-    block = lines[header + 1 : header + 13]
+    block = lines[header + 1 : header + 15]
     cores = [r for r in block if "recorder phase: per-core utilisation" in r]
+    # The box's share for our processes and the CPU-bound rates, in each recorder phase.
+    box = [r for r in block if r[17:].startswith("box: our 3 processes")]
+    shape = (
+        r"box: our 3 processes \d+% of \d+ cores, other processes \d+%; CPU-bound rate "
+        r"\d+ turns/s \(recorder alone on 1 core: \d+\)"
+    )
+    assert len(box) == 2 and all(re.fullmatch(shape, r[17:]) for r in box)
     assert len(cores) == 2 and all(r.count("%") == os.cpu_count() for r in cores)
     # Every process's CPU per turn, in the recorder's phase and in the engine-direct one.
     split = [r for r in block if "CPU ms per turn:" in r]
     names = [re.findall(r"(recorder|engine|load generator) [\d.]+", r) for r in split]
     assert names == [["recorder", "engine", "load generator"], ["engine", "load generator"]] * 2
     assert all(r[17:].startswith("engine /generate phase:") for r in split[1::2])
-    rows = [r for r in block if r not in cores and r not in split]
+    rows = [r for r in block if r not in cores and r not in split and r not in box]
     labels = ["engine /generate", "recorder: this", "ratio recorder/engine:"] * 2
     assert len(rows) == len(labels)
     assert all(r[17:].startswith(label) for r, label in zip(rows, labels, strict=True))
     recorder_rows = [numbers(r[45:]) for r in rows if "recorder: this" in r]
     # turns, errors, turns/s, p50, p99, overhead p50 / p99, CPU per turn
     assert [(r[0], r[1], len(r)) for r in recorder_rows] == [(30, 0, 8), (2, 0, 8)]
-    assert lines[header + 13] == "turn log lines 34 for 34 turns"
+    assert lines[header + 15] == "turn log lines 34 for 34 turns"
 
 
 @pytest.mark.postgres
