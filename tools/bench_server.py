@@ -13,7 +13,10 @@ engine time the recorder measured for that turn (GenerateResult.latency_s).
 turn is taken by all sessions before the clock starts), so the measured
 turns run at ~N tokens of context. `--workers N` runs `recorder serve
 --workers N` (Postgres `--db` only). Each phase prints per-core utilisation
-(from /proc/stat) and the recorder's CPU (all its processes and threads).
+(from /proc/stat), the CPU per turn of the recorder (all its processes and
+threads), the engine and this load generator, and (the cores are shared with
+other users' processes) our processes' share of the box beside the others',
+with the rate the measured CPU per turn allows on two cores of our own.
 
 Before/after in one run: `--before-src DIR` (another checkout, e.g. `git
 worktree add --detach DIR main`) runs that recorder beside this one, and
