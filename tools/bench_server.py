@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -397,9 +398,11 @@ async def bench(
     compare: list[Variant] | None = None,
     single: bool = True,
     engine_kind: str = "lean",
+    repeat: int = 1,
 ) -> None:
     """Every variant at every session count, variants in turn per count, each
-    against a fresh `recorder serve` (and, without `db`, a fresh SQLite file).
+    against a fresh `recorder serve` (and, without `db`, a fresh SQLite file);
+    all of it `repeat` times (the single session only the first time).
     The engine-direct baseline runs with the first variant of each count."""
     compare = compare or [Variant("this")]
     start = start_lean_engine if engine_kind == "lean" else start_test_engine
@@ -409,14 +412,14 @@ async def bench(
     results: list[Phase] = []
     turns_logged = turns_taken = 0
     try:
-        for k, n in enumerate(sessions):
+        for rep, k, n in [(r, k, n) for r in range(repeat) for k, n in enumerate(sessions)]:
             phases = [(n, turns)]
-            if single and k == 0:
+            if single and rep == k == 0:
                 # At least 30 turns: the single session's p50 is a median of >= 30.
                 phases.insert(0, (1, max(30, 3 * turns)))
             for i, variant in enumerate(compare):
                 # A given --db is shared by the runs (one at a time; request ids are unique).
-                path = db or str(tmp / f"bench-{n}-{i}.db")
+                path = db or str(tmp / f"bench-{rep}-{k}-{i}.db")
                 found, logged, taken = await run_variant(
                     variant, engine, path, phases, prelude_words, workers, baseline=i == 0
                 )
@@ -427,6 +430,31 @@ async def bench(
         engine_proc.terminate()
         engine_proc.wait(timeout=30)
     print_results(results, db, context, workers, turns_logged, turns_taken, engine_kind)
+    if repeat > 1:
+        print_medians(results, repeat)
+
+
+def print_medians(results: list[Phase], repeat: int) -> None:
+    """Per phase and path, the medians over the `repeat` runs: the box is shared, and
+    one run can lose half of it to other users' processes."""
+    rows: dict[tuple[str, str], list[Run]] = {}
+    for phase in results:
+        rows.setdefault((phase.name, f"recorder: {phase.variant}"), []).append(phase.rec)
+        if phase.base is not None:
+            rows.setdefault((phase.name, "engine /generate"), []).append(phase.base)
+    print(f"medians over {repeat} runs (turns/s; CPU ms per turn: recorder, engine, load gen.)")
+    for (name, path), runs in rows.items():
+        n = [max(1, len(r.latencies) + r.errors) for r in runs]
+        rate = statistics.median(len(r.latencies) / r.wall_s for r in runs)
+        fields = ["engine_cpu_s", "client_cpu_s"]
+        if path.startswith("recorder"):
+            fields.insert(0, "cpu_s")
+        cpu = [
+            statistics.median(getattr(r, f) / k * 1000 for r, k in zip(runs, n, strict=True))
+            for f in fields
+        ]
+        cpus = " ".join(f"{c:.2f}" for c in cpu)
+        print(f"{name:<17}{path:<28}{rate:>9.1f} turns/s   CPU ms/turn {cpus}")
 
 
 def cpu_split(run: Run) -> str:
@@ -567,6 +595,13 @@ def print_results(
     show_default=True,
     help="measure one session first (max(30, 3 x turns) turns)",
 )
+@click.option(
+    "--repeat",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="run everything N times; medians per phase printed after the table",
+)
 def main(
     sessions: str,
     turns: int,
@@ -578,12 +613,15 @@ def main(
     before_last: bool,
     single: bool,
     engine_kind: str,
+    repeat: int,
 ) -> None:
     counts = [int(n) for n in sessions.split(",")]
     compare = variants(before_src.resolve() if before_src else None, inline, before_last)
     with tempfile.TemporaryDirectory() as tmp:
         asyncio.run(
-            bench(counts, turns, db, context, workers, Path(tmp), compare, single, engine_kind)
+            bench(
+                counts, turns, db, context, workers, Path(tmp), compare, single, engine_kind, repeat
+            )
         )
 
 

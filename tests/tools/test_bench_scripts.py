@@ -165,3 +165,21 @@ def test_bench_replica_cache(tmp_path: Path, postgres_url: str) -> None:
     assert sum(served_on) >= 4  # every session had its turn on some replica
     assert [c[6] for c in cells] == [0, 0]  # open, watch on
     assert any(line.strip().startswith("turns/s") for line in lines)
+
+
+def test_bench_server_repeat(tmp_path: Path) -> None:
+    """`--repeat 2`: every phase twice (the single session once), then the medians."""
+    lines = run("bench_server.py", "--sessions", "2", "--turns", "1", "--repeat", "2", cwd=tmp_path)
+    at = lines.index("medians over 2 runs (turns/s; CPU ms per turn: recorder, engine, load gen.)")
+    table = lines[:at]
+    phases = [line[:17].strip() for line in table if line[17:].startswith("recorder: this")]
+    assert phases == ["1 x 30", "2 x 1", "2 x 1"]
+    medians = lines[at + 1 :]
+    assert [(m[:17].strip(), m[17:45].strip()) for m in medians] == [
+        ("1 x 30", "recorder: this"),
+        ("1 x 30", "engine /generate"),
+        ("2 x 1", "recorder: this"),
+        ("2 x 1", "engine /generate"),
+    ]
+    # turns/s, then 3 CPU figures for the recorder's rows, 2 for the engine's.
+    assert [len(numbers(m[45:])) for m in medians] == [4, 3, 4, 3]
