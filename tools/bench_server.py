@@ -13,7 +13,10 @@ engine time the recorder measured for that turn (GenerateResult.latency_s).
 turn is taken by all sessions before the clock starts), so the measured
 turns run at ~N tokens of context. `--workers N` runs `recorder serve
 --workers N` (Postgres `--db` only). Each phase prints per-core utilisation
-(from /proc/stat) and the recorder's CPU (all its processes and threads).
+(from /proc/stat), the CPU per turn of the recorder (all its processes and
+threads), the engine and this load generator, and (the cores are shared with
+other users' processes) our processes' share of the box beside the others',
+with the rate the measured CPU per turn allows on two cores of our own.
 
 Before/after in one run: `--before-src DIR` (another checkout, e.g. `git
 worktree add --detach DIR main`) runs that recorder beside this one, and
@@ -30,7 +33,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -125,20 +130,30 @@ class Session:
     def __init__(self, index: int, prelude_words: int) -> None:
         self.index = index
         self.prelude = " ".join(["word"] * prelude_words)
-        self.messages = b""  # the encoded messages so far, comma-separated
+        self.messages: list[bytes] = []  # each message's JSON, as sent
         self.sid = ""
         self.turn = 0
 
-    def with_message(self, message: dict[str, Any]) -> bytes:
-        """The messages with `message` appended (not kept: see `keep`)."""
-        encoded = orjson.dumps(message)
-        return self.messages + b"," + encoded if self.messages else encoded
+    def body(self, message: bytes, *, stream: bool) -> bytes:
+        """`json.dumps` of the request with `message` (its `json.dumps`) after the messages
+        so far, byte for byte: what `http.post(json=...)` sent before the bodies were
+        pre-encoded. "stream" comes after the messages, as there: turns alternate it, and
+        before the messages it would end every body's shared prefix with the previous
+        one at byte 40 (the recorder would store each ~0.5 MB body whole, not as a delta).
 
-    def body(self, messages: bytes, *, stream: bool) -> bytes:
-        head = b'{"model":"bench","max_tokens":64,"stream":%s,"messages":[' % (
-            b"true" if stream else b"false"
-        )
-        return b"".join((head, messages, b"]}"))
+        One join of the kept pieces, so the ~0.5 MB at 100k tokens is copied once a turn
+        (concatenating the messages, then the body, copied it 4 times: a third of this
+        process's CPU)."""
+        pieces = [b'{"model": "bench", "max_tokens": 64, "messages": [']
+        for encoded in (*self.messages, message):
+            pieces += (encoded, b", ")
+        pieces[-1] = b'], "stream": true}' if stream else b'], "stream": false}'
+        return b"".join(pieces)
+
+
+def encode_message(message: dict[str, Any]) -> bytes:
+    """A message's JSON as `json.dumps` writes it inside the request (see `Session.body`)."""
+    return json.dumps(message).encode()
 
 
 async def recorder_session(
@@ -160,11 +175,11 @@ async def recorder_session(
         session.turn += 1
         prelude = session.prelude + " " if k == 0 and session.prelude else ""
         content = f"{prelude}Session {index}, step {k}: please continue the task."
-        messages = session.with_message({"role": "user", "content": content})
+        message = encode_message({"role": "user", "content": content})
         stream = k % 2 == 1
         started = time.perf_counter()
         async with http.post(
-            url + "/v1/messages", data=session.body(messages, stream=stream), headers=headers
+            url + "/v1/messages", data=session.body(message, stream=stream), headers=headers
         ) as resp:
             raw = await resp.read()
             ok = resp.status == 200
@@ -181,8 +196,7 @@ async def recorder_session(
         run.ids.append(msg_id)
         input_lengths.append(usage["input_tokens"] + usage["cache_read_input_tokens"])
         text = "".join(b["text"] for b in blocks if b["type"] == "text")
-        session.messages = messages
-        session.messages = session.with_message({"role": "assistant", "content": text})
+        session.messages += (message, encode_message({"role": "assistant", "content": text}))
     return input_lengths
 
 
@@ -384,9 +398,11 @@ async def bench(
     compare: list[Variant] | None = None,
     single: bool = True,
     engine_kind: str = "lean",
+    repeat: int = 1,
 ) -> None:
     """Every variant at every session count, variants in turn per count, each
-    against a fresh `recorder serve` (and, without `db`, a fresh SQLite file).
+    against a fresh `recorder serve` (and, without `db`, a fresh SQLite file);
+    all of it `repeat` times (the single session only the first time).
     The engine-direct baseline runs with the first variant of each count."""
     compare = compare or [Variant("this")]
     start = start_lean_engine if engine_kind == "lean" else start_test_engine
@@ -396,14 +412,14 @@ async def bench(
     results: list[Phase] = []
     turns_logged = turns_taken = 0
     try:
-        for k, n in enumerate(sessions):
+        for rep, k, n in [(r, k, n) for r in range(repeat) for k, n in enumerate(sessions)]:
             phases = [(n, turns)]
-            if single and k == 0:
+            if single and rep == k == 0:
                 # At least 30 turns: the single session's p50 is a median of >= 30.
                 phases.insert(0, (1, max(30, 3 * turns)))
             for i, variant in enumerate(compare):
                 # A given --db is shared by the runs (one at a time; request ids are unique).
-                path = db or str(tmp / f"bench-{n}-{i}.db")
+                path = db or str(tmp / f"bench-{rep}-{k}-{i}.db")
                 found, logged, taken = await run_variant(
                     variant, engine, path, phases, prelude_words, workers, baseline=i == 0
                 )
@@ -414,6 +430,31 @@ async def bench(
         engine_proc.terminate()
         engine_proc.wait(timeout=30)
     print_results(results, db, context, workers, turns_logged, turns_taken, engine_kind)
+    if repeat > 1:
+        print_medians(results, repeat)
+
+
+def print_medians(results: list[Phase], repeat: int) -> None:
+    """Per phase and path, the medians over the `repeat` runs: the box is shared, and
+    one run can lose half of it to other users' processes."""
+    rows: dict[tuple[str, str], list[Run]] = {}
+    for phase in results:
+        rows.setdefault((phase.name, f"recorder: {phase.variant}"), []).append(phase.rec)
+        if phase.base is not None:
+            rows.setdefault((phase.name, "engine /generate"), []).append(phase.base)
+    print(f"medians over {repeat} runs (turns/s; CPU ms per turn: recorder, engine, load gen.)")
+    for (name, path), runs in rows.items():
+        n = [max(1, len(r.latencies) + r.errors) for r in runs]
+        rate = statistics.median(len(r.latencies) / r.wall_s for r in runs)
+        fields = ["engine_cpu_s", "client_cpu_s"]
+        if path.startswith("recorder"):
+            fields.insert(0, "cpu_s")
+        cpu = [
+            statistics.median(getattr(r, f) / k * 1000 for r, k in zip(runs, n, strict=True))
+            for f in fields
+        ]
+        cpus = " ".join(f"{c:.2f}" for c in cpu)
+        print(f"{name:<17}{path:<28}{rate:>9.1f} turns/s   CPU ms/turn {cpus}")
 
 
 def cpu_split(run: Run, *, recorder: bool) -> str:
@@ -422,6 +463,27 @@ def cpu_split(run: Run, *, recorder: bool) -> str:
     parts = [("recorder", run.cpu_s)] if recorder else []
     parts += [("engine", run.engine_cpu_s), ("load generator", run.client_cpu_s)]
     return "CPU ms per turn: " + ", ".join(f"{name} {s / n * 1000:.2f}" for name, s in parts)
+
+
+def box_share(run: Run, cores: int) -> str:
+    """What the box gave this benchmark in one phase, and the rate its CPU per turn allows.
+
+    The two cores are shared with whatever else runs on the machine: turns/s
+    alone says as much about the neighbours as about the recorder. Our three
+    processes' share of the cores, the rest of the busy time (other processes),
+    and the CPU-bound rate (cores / CPU seconds per turn of all three; the
+    recorder's alone on one core) separate the two. The rates are projections
+    from measured CPU, not measured turns/s.
+    """
+    n = max(1, len(run.latencies) + run.errors)
+    ours_s = run.cpu_s + run.engine_cpu_s + run.client_cpu_s
+    ours = ours_s / max(run.wall_s, 1e-9) / cores
+    others = max(0.0, sum(run.cores) / max(1, len(run.cores)) - ours)
+    return (
+        f"box: our 3 processes {ours * 100:.0f}% of {cores} cores, other processes "
+        f"{others * 100:.0f}%; CPU-bound rate {n * cores / max(ours_s, 1e-9):.0f} turns/s "
+        f"(recorder alone on 1 core: {n / max(run.cpu_s, 1e-9):.0f})"
+    )
 
 
 def print_results(
@@ -473,6 +535,7 @@ def print_results(
         cores = " ".join(f"{u * 100:.0f}%" for u in rec.cores)
         print(f"{'':<17}recorder phase: per-core utilisation {cores} (all processes on the box)")
         print(f"{'':<17}{cpu_split(rec, recorder=True)}")
+        print(f"{'':<17}{box_share(rec, len(rec.cores))}")
         if phase.base is not None:
             print(f"{'':<17}engine /generate phase: {cpu_split(phase.base, recorder=False)}")
         throughput = len(rec.latencies) / rec.wall_s / (len(base.latencies) / base.wall_s)
@@ -532,6 +595,13 @@ def print_results(
     show_default=True,
     help="measure one session first (max(30, 3 x turns) turns)",
 )
+@click.option(
+    "--repeat",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="run everything N times; medians per phase printed after the table",
+)
 def main(
     sessions: str,
     turns: int,
@@ -543,12 +613,15 @@ def main(
     before_last: bool,
     single: bool,
     engine_kind: str,
+    repeat: int,
 ) -> None:
     counts = [int(n) for n in sessions.split(",")]
     compare = variants(before_src.resolve() if before_src else None, inline, before_last)
     with tempfile.TemporaryDirectory() as tmp:
         asyncio.run(
-            bench(counts, turns, db, context, workers, Path(tmp), compare, single, engine_kind)
+            bench(
+                counts, turns, db, context, workers, Path(tmp), compare, single, engine_kind, repeat
+            )
         )
 
 

@@ -117,22 +117,29 @@ def test_bench_server(tmp_path: Path) -> None:
         f"{'sessions x turns':<17}{'path':<28}{'turns':>6}{'err':>5}{'turns/s':>9}"
         f"{'p50 ms':>8}{'p99 ms':>8}{'ovh p50':>9}{'ovh p99':>9}{'cpu ms/turn':>12}"
     )
-    block = lines[header + 1 : header + 13]
+    block = lines[header + 1 : header + 15]
     cores = [r for r in block if "recorder phase: per-core utilisation" in r]
+    # The box's share for our processes and the CPU-bound rates, in each recorder phase.
+    box = [r for r in block if r[17:].startswith("box: our 3 processes")]
+    shape = (
+        r"box: our 3 processes \d+% of \d+ cores, other processes \d+%; CPU-bound rate "
+        r"\d+ turns/s \(recorder alone on 1 core: \d+\)"
+    )
+    assert len(box) == 2 and all(re.fullmatch(shape, r[17:]) for r in box)
     assert len(cores) == 2 and all(r.count("%") == os.cpu_count() for r in cores)
     # Every process's CPU per turn, in the recorder's phase and in the engine-direct one.
     split = [r for r in block if "CPU ms per turn:" in r]
     names = [re.findall(r"(recorder|engine|load generator) [\d.]+", r) for r in split]
     assert names == [["recorder", "engine", "load generator"], ["engine", "load generator"]] * 2
     assert all(r[17:].startswith("engine /generate phase:") for r in split[1::2])
-    rows = [r for r in block if r not in cores and r not in split]
+    rows = [r for r in block if r not in cores and r not in split and r not in box]
     labels = ["engine /generate", "recorder: this", "ratio recorder/engine:"] * 2
     assert len(rows) == len(labels)
     assert all(r[17:].startswith(label) for r, label in zip(rows, labels, strict=True))
     recorder_rows = [numbers(r[45:]) for r in rows if "recorder: this" in r]
     # turns, errors, turns/s, p50, p99, overhead p50 / p99, CPU per turn
     assert [(r[0], r[1], len(r)) for r in recorder_rows] == [(30, 0, 8), (2, 0, 8)]
-    assert lines[header + 13] == "turn log lines 34 for 34 turns"
+    assert lines[header + 15] == "turn log lines 34 for 34 turns"
 
 
 @pytest.mark.postgres
@@ -158,3 +165,21 @@ def test_bench_replica_cache(tmp_path: Path, postgres_url: str) -> None:
     assert sum(served_on) >= 4  # every session had its turn on some replica
     assert [c[6] for c in cells] == [0, 0]  # open, watch on
     assert any(line.strip().startswith("turns/s") for line in lines)
+
+
+def test_bench_server_repeat(tmp_path: Path) -> None:
+    """`--repeat 2`: every phase twice (the single session once), then the medians."""
+    lines = run("bench_server.py", "--sessions", "2", "--turns", "1", "--repeat", "2", cwd=tmp_path)
+    at = lines.index("medians over 2 runs (turns/s; CPU ms per turn: recorder, engine, load gen.)")
+    table = lines[:at]
+    phases = [line[:17].strip() for line in table if line[17:].startswith("recorder: this")]
+    assert phases == ["1 x 30", "2 x 1", "2 x 1"]
+    medians = lines[at + 1 :]
+    assert [(m[:17].strip(), m[17:45].strip()) for m in medians] == [
+        ("1 x 30", "recorder: this"),
+        ("1 x 30", "engine /generate"),
+        ("2 x 1", "recorder: this"),
+        ("2 x 1", "engine /generate"),
+    ]
+    # turns/s, then 3 CPU figures for the recorder's rows, 2 for the engine's.
+    assert [len(numbers(m[45:])) for m in medians] == [4, 3, 4, 3]

@@ -3,13 +3,16 @@ answer shape, read off a request it never decodes whole."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import msgspec
 import orjson
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from tools.benchkit.engine import fixture_tokenizer
-from tools.benchkit.lean_engine import REPLY, lean_app
+from tools.benchkit.lean_engine import REPLY, lean_app, split_input_ids
 from tools.test_engine.scripted import hashed_logprob
 
 
@@ -58,3 +61,24 @@ async def test_the_lean_engine_answers_as_the_test_engine_does() -> None:
         # Every other route is the test engine's.
         async with client.get("/model_info") as resp:
             assert (await resp.json())["context_length"] == 1000
+
+
+def test_input_ids_are_counted_as_a_decoder_would_count_them() -> None:
+    """The ids are counted off their JSON, never decoded: every spelling a JSON encoder
+    may send counts as `len(json.loads(...)["input_ids"])`; what is no flat array is refused."""
+    for body in (
+        orjson.dumps({"rid": "a", "input_ids": list(range(1000)), "return_logprob": True}),
+        json.dumps({"input_ids": [3, 1, 2], "rid": "b"}, indent=2).encode(),
+        json.dumps({"input_ids": [7]}).encode(),
+        b'{"input_ids": [ ] , "rid": "c"}',
+        b'{"rid": "d"}',
+    ):
+        rest, n = split_input_ids(body)
+        assert n == len(json.loads(body).get("input_ids", []))
+        expected = {k: v for k, v in json.loads(body).items() if k != "input_ids"}
+        assert {k: v for k, v in json.loads(rest).items() if k != "input_ids"} == expected
+    with pytest.raises(ValueError):
+        split_input_ids(b'{"input_ids": null}')
+    rest, _ = split_input_ids(b'{"input_ids": [[1, 2], [3]]}')
+    with pytest.raises(msgspec.DecodeError):
+        msgspec.json.decode(rest)
