@@ -55,24 +55,6 @@ async def test_small_unflushed_groups_take_no_thread_hop(sqlite_url: str) -> Non
         await store.close()
 
 
-async def test_a_group_of_several_sessions_goes_to_the_writer_thread(sqlite_url: str) -> None:
-    """Many sessions in flight: the loop's thread is the bottleneck, so their unflushed
-    appends, gathered into one group, are committed beside it, not on it."""
-    before = _writer_threads()
-    store = await open_store(sqlite_url, create=True)
-    try:
-        await store.append("solo", _events(1), expected_seq=0, durable=False)
-        assert _writer_threads() == before  # alone in its group: on this thread
-        many = [store.append(f"s{i}", _events(2), expected_seq=0, durable=False) for i in range(4)]
-        await asyncio.gather(*many)
-        assert _writer_threads() == before + 1
-        assert store.generic_groups == 0  # type: ignore[attr-defined]
-        for i in range(4):
-            assert [e.seq for e in await store.read_session(f"s{i}")] == [0, 1]
-    finally:
-        await store.close()
-
-
 async def test_a_locked_database_is_left_to_the_generic_path(sqlite_url: str) -> None:
     """The inline attempt does not wait for the lock (that would stall every session):
     it fails at once and the generic path, off the loop, waits for it."""

@@ -33,9 +33,7 @@
   needs no flush (a turn's request and first attempt, written while its engine
   works) is written by that function on the event loop's thread instead: its
   commit costs ~0.1 ms of CPU without an fsync, less than the hop's two
-  cross-CPU wake-ups (the writer's, then the loop's). Only when it is alone in
-  its group: a group of several means many sessions are in flight and the
-  loop's thread is the bottleneck, so the writer thread takes it. It never waits there:
+  cross-CPU wake-ups (the writer's, then the loop's). It never waits there:
   a busy database or a WAL checkpoint (two fsyncs) is left to the writer
   thread (busy_timeout 0 and no autocheckpoint for that commit);
   `TR_SQLITE_INLINE_WRITES=0` turns that off. The writer thread is a plain
@@ -545,14 +543,8 @@ class OneHopWriter:
 
 
 def _inline(group: Sequence[GroupRequest]) -> bool:
-    """Is `group` written on the loop's thread (see `INLINE_MAX_BYTES`)?
-
-    Only a group of one request: more were waiting, so the loop is busy serving
-    sessions, and its thread (which every turn's Python shares) is what limits
-    the turns per second; the writer thread then commits beside it, the GIL
-    released in SQLite, the hop paid once for the whole group.
-    """
-    if len(group) > 1 or needs_flush(group):
+    """Is `group` written on the loop's thread (see `INLINE_MAX_BYTES`)?"""
+    if needs_flush(group):
         return False
     size = 0
     for r in group:
