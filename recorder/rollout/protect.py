@@ -81,11 +81,14 @@ TEST_DIRS = ("tests", "test", "testing")
 
 
 def test_dirs(files: list[str]) -> list[str]:
-    """The test directories (`TEST_DIRS`) the test files are in, as `dir/`."""
+    """The test directory (`TEST_DIRS`) each test file is in, however deep (`tests/` for
+    `tests/unit/test_x.py`: its `unit/` goes on `sys.path` as well), as `dir/`."""
     found: dict[str, None] = {}
     for f in files:
         d = posixpath.dirname(f)
-        if posixpath.basename(d) in TEST_DIRS:
+        while d and posixpath.basename(d) not in TEST_DIRS:
+            d = posixpath.dirname(d)
+        if d:
             found[d + "/"] = None
     return list(found)
 

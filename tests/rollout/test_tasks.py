@@ -285,6 +285,7 @@ def test_the_default_protection_follows_the_tests_and_the_test_patch() -> None:
         "a/tests/",
         "b/testing/",
     ]
+    assert test_dirs(["tests/unit/test_x.py", "src/test/it/deep/t.py"]) == ["tests/", "src/test/"]
     explicit = task_from_dict({**SWE_BENCH, "protected_paths": ["tests/**", "setup.cfg"]})
     assert protected_pathspecs(explicit) == [":(glob)tests/**", ":(glob)setup.cfg"]
 
