@@ -513,7 +513,39 @@ async def body_storage(fresh: FreshUrl, is_pg: bool) -> list[Row]:
                 f"{off / on:.1f}x smaller, put {t_on.put_s / t_off.put_s:.2f}x time",
             )
         )
-    return rows
+    return [*rows, await changing_head_row(fresh, is_pg, bodies)]
+
+
+def sdk_order(bodies: list[bytes], *, changing: bool) -> list[bytes]:
+    """The bodies with the Anthropic SDK's key order (sorted: `max_tokens` first), its
+    value sized to the room left every turn (`changing`) or constant."""
+    out = []
+    for k, body in enumerate(bodies):
+        fields = json.loads(body)
+        fields["max_tokens"] = 128_000 - 3_001 * k if changing else 128_000
+        out.append(json.dumps(dict(sorted(fields.items()))).encode())
+    return out
+
+
+async def changing_head_row(fresh: FreshUrl, is_pg: bool, bodies: list[bytes]) -> Row:
+    """A field before the messages that changes every turn (`recorder.server.deltas`:
+    a body's stream) against the same bodies with it constant, as the server stores them."""
+    measured: dict[bool, tuple[int, BodyTimes]] = {}
+    for changing in (True, False):
+        ordered = sdk_order(bodies, changing=changing)
+        async with fresh() as url:
+            fill = functools.partial(store_bodies, url, ordered, deltas=True, basis=True)
+            measured[changing] = await arrays_on_disk(url, is_pg, fill)
+    (on, t_on), (off, t_off) = measured[True], measured[False]
+    return (
+        f"bodies {TURNS} turns, server deltas, max_tokens first and changing every turn",
+        "postgres" if is_pg else "sqlite",
+        f"{on / 1e3:,.0f} kB; put {t_on.put_s * 1e3:.1f} ms/turn (CPU {t_on.put_cpu_s * 1e3:.2f}); "
+        f"cold read {t_on.cold_read_s * 1e3:.0f} ms",
+        f"max_tokens constant {off / 1e3:,.0f} kB; put {t_off.put_s * 1e3:.1f} ms "
+        f"(CPU {t_off.put_cpu_s * 1e3:.2f}); read {t_off.cold_read_s * 1e3:.0f} ms",
+        f"{on / off:.2f}x the bytes, put CPU {t_on.put_cpu_s / t_off.put_cpu_s:.2f}x",
+    )
 
 
 # -- a live server's per-turn arrays, realistic content ----------------------------

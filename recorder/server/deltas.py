@@ -13,6 +13,22 @@ previous body are stored as a copy of where they were first stored
 the newest messages between them plainly compressed. Readers see no
 difference: `get_array(ref)` returns the whole array. Bodies stored before
 this (compressed against the previous body, `basis=` alone) read the same.
+
+A client may put a field that changes every turn before the conversation: the
+Anthropic SDK sends its keys sorted, `max_tokens` first, and a harness that
+sizes `max_tokens` to the room left changes the body's first bytes every turn.
+A prefix delta would then share nothing and store every body whole (at 100k
+tokens ~0.5 MB compressed and ~3 ms of CPU a turn, growing with the context).
+So when two bodies differ in their first bytes and agree again soon after
+(`stream_origin`), the body is split there: its head (those first bytes) is
+stored as a piece of its own, and the rest, its *stream*, is stored as deltas
+of the previous body's stream exactly as a body is (longest stored prefix, new
+messages, copied tail). The body is then the head, a copy of the stream
+(`arrays.encode_copy_array`: 16 bytes, vouched for since the stream was just
+encoded from these bytes) and the copied tail. The stream's own chain never
+holds a copy, so a cold read of the body decodes one basis more than before.
+The copy's digest is over the stream's bytes: that turn hashes them once more
+(~0.7 ms per 0.5 MB), and nothing is stored twice.
 """
 
 from __future__ import annotations
@@ -27,7 +43,12 @@ import numpy as np
 import xxhash
 
 from recorder.log.events import ArrayRef
-from recorder.log.store.arrays import PRIOR_BYTES, EncodedArray, encode_array
+from recorder.log.store.arrays import (
+    PRIOR_BYTES,
+    EncodedArray,
+    encode_array,
+    encode_copy_array,
+)
 
 log = logging.getLogger("recorder.server")
 
@@ -74,13 +95,27 @@ WINDOW = 32 * 1024
 # client can aim at a collision between two bodies' prefixes.
 _SEED = int.from_bytes(os.urandom(8), "little")
 
+# A body's stream (see the module doc). The previous body's first LEAD_BYTES are
+# kept to find where a body that differs from it early realigns with it: bytes of
+# the previous body PROBE_OFFSETS after the first difference (past a changed
+# number, an id), looked for in the new body up to MAX_SHIFT bytes away (digits
+# gained or lost) and checked over ALIGNED_BYTES (a first message may be short).
+# The next body's stream is found by the stream's first ANCHOR_BYTES, within
+# MAX_SHIFT of where it was.
+LEAD_BYTES = 4096
+PROBE_OFFSETS = (16, 64, 256, 1024)
+PROBE_BYTES = 32
+ANCHOR_BYTES = 64
+MAX_SHIFT = 256
+ALIGNED_BYTES = 256
+
 
 @dataclass
 class BodyPrefixes:
-    """What the next body's delta needs of a session's previous body: its length,
-    digests of its prefixes and its last bytes (`window`, see PREFIX_STEP), its ref,
-    refs of stored prefixes of it (shortest first) and where its last bytes can be
-    copied from.
+    """What the next body's delta needs of a session's previous body (of its stream,
+    see the module doc): its length, digests of its prefixes and its last bytes
+    (`window`, see PREFIX_STEP), its ref, refs of stored prefixes of it (shortest
+    first) and where its last bytes can be copied from.
 
     Empty after a restart: the next body is then stored whole.
     """
@@ -91,6 +126,11 @@ class BodyPrefixes:
     refs: list[ArrayRef] = field(default_factory=list)
     ref: ArrayRef | None = None
     tail: TailSource | None = None
+    # Where the previous body's stream starts (0: the body is its own stream; the
+    # length, digests, window and refs above are then the stream's), and its
+    # first LEAD_BYTES bytes.
+    origin: int = 0
+    lead: bytes = b""
 
     @property
     def start(self) -> int:
@@ -131,18 +171,48 @@ def shared_with_previous(previous: BodyPrefixes, body: bytes) -> tuple[int, list
 
 
 def _next_prefixes(
-    body: bytes,
+    view: bytes | memoryview,
     digests: list[bytes],
     refs: list[ArrayRef],
     ref: ArrayRef,
     tail: TailSource,
     end: int,
 ) -> BodyPrefixes:
-    """What the body after `body` needs of it; `end` is where its newest messages end
-    (its copied tail starts), `tail` what its tail may copy."""
-    start = max(0, min(end - WINDOW, len(body) - tail[2])) // PREFIX_STEP * PREFIX_STEP
+    """What the body after this one needs of its stream `view` (the whole body
+    unless split); `end` is where its newest messages end (its copied tail
+    starts), `tail` what its tail may copy."""
+    start = max(0, min(end - WINDOW, len(view) - tail[2])) // PREFIX_STEP * PREFIX_STEP
     kept = digests[: start // PREFIX_STEP]
-    return BodyPrefixes(len(body), kept, body[len(kept) * PREFIX_STEP :], refs, ref, tail)
+    window = bytes(view[len(kept) * PREFIX_STEP :])  # a copy: never a view into the body
+    return BodyPrefixes(len(view), kept, window, refs, ref, tail)
+
+
+def stream_origin(previous: BodyPrefixes, body: bytes) -> int:
+    """Where `body`'s stream starts: 0 (the whole body) unless its first bytes
+    differ from the previous body's and the two realign soon after (module doc)."""
+    lead = previous.lead
+    if previous.origin:
+        o = previous.origin
+        at = body.find(
+            lead[o : o + ANCHOR_BYTES], max(0, o - MAX_SHIFT), o + MAX_SHIFT + ANCHOR_BYTES
+        )
+        if at >= 0:
+            return at
+    differs = shared_prefix_len(lead, body[: len(lead)])
+    if differs >= MIN_SHARED_BYTES or differs == len(lead):
+        return 0
+    for k in PROBE_OFFSETS:
+        was = differs + k  # in the previous body
+        if was + ALIGNED_BYTES > len(lead):
+            break
+        at = body.find(lead[was : was + PROBE_BYTES], differs, was + MAX_SHIFT + PROBE_BYTES)
+        if (
+            at >= 0
+            and at + ANCHOR_BYTES <= LEAD_BYTES
+            and body[at : at + ALIGNED_BYTES] == lead[was : was + ALIGNED_BYTES]
+        ):
+            return at
+    return 0
 
 
 def _first_difference(x: np.ndarray, y: np.ndarray) -> int:
@@ -205,22 +275,30 @@ async def put_body(
     what it shares with the previous body, its new middle, then its tail (what
     it shares at its end with the previous body) as a copy of the bytes the
     previous tail was copied from, so a tail's source stays the same body turn
-    after turn (one basis hop for a cold read).
+    after turn (one basis hop for a cold read). A body split into a head and a
+    stream (module doc) stores its stream so, then the head and the stream's copy.
     """
-    shared, digests = shared_with_previous(previous, body)
-    if previous.ref is not None and shared == len(body) == previous.length:
+    origin = stream_origin(previous, body)
+    view = memoryview(body)[origin:]
+    shared, digests = shared_with_previous(previous, view)
+    if (
+        previous.ref is not None
+        and shared == len(view) == previous.length
+        and origin == previous.origin
+        and body[:origin] == previous.lead[:origin]
+    ):
         return previous.ref, previous  # a retry: stored already
-    data = np.frombuffer(body, dtype=np.uint8)
-    if shared < MIN_SHARED_BYTES:
-        shared = 0
+    data = np.frombuffer(view, dtype=np.uint8)
+    if shared < MIN_SHARED_BYTES or (origin and not previous.origin):
+        shared = 0  # (a first split: the stream extends nothing; its chain holds no copy)
     copied = 0
     if previous.tail is not None:
         # Never past the previous tail, which the window holds (`_next_prefixes`).
-        limit = min(len(body) - shared, previous.length - shared, previous.tail[2])
+        limit = min(len(view) - shared, previous.length - shared, previous.tail[2])
         copied = shared_suffix_len(previous.window, body, limit)
         if copied < MIN_COPY_BYTES:
             copied = 0
-    end = len(body) - copied
+    end = len(view) - copied
     usable = [r for r in previous.refs if r.length <= shared] if shared else []
     prefix = usable[-1] if usable else None
     along: list[EncodedArray] = []  # encoded here, stored with the body's last piece
@@ -228,46 +306,124 @@ async def put_body(
         start = prefix.length if prefix is not None else 0
         along.append(encode_array(data[start:shared], extends=prefix, prior=data[:start]))
         prefix = along[-1].ref
-    middle = prefix
-    ref: ArrayRef | None = None
-    tail: TailSource | None = None
-    if copied:
-        if end > shared:
-            along.append(encode_array(data[shared:end], extends=prefix, prior=data[:shared]))
-            middle = along[-1].ref
-        assert previous.tail is not None
-        source, offset, length = previous.tail
-        at = offset + length - copied
-        try:
-            ref = await store.put_array(
-                data[end:], extends=middle, basis=source, basis_offset=at, cache=False, along=along
-            )
-            tail = (source, at, copied)
-        except ValueError:  # the source does not hold these bytes: never expected
-            log.warning("a body's tail differs from its recorded source; stored plainly")
-    if ref is None:
-        # The rest after the shared prefix (the middle, and the tail if not copied) is
-        # one piece: the middle already encoded joins `along`, its tail extends it.
-        if middle is not prefix:
-            ref = await store.put_array(
-                data[end:], extends=middle, cache=False, along=along, prior=data[:end]
-            )
-        else:
-            ref = await store.put_array(
-                data[shared:], extends=prefix, cache=False, along=along, prior=data[:shared]
-            )
-            middle = ref
-        tail = (ref, shared, len(body) - shared)
-    if previous.tail is not None and tail is not None and previous.tail[0] != tail[0]:
+    if origin:
+        ref, tail, refs = await _put_split(
+            store, previous, body, origin, (shared, end), prefix, along
+        )
+    else:
+        ref, tail, middle = await _put_whole(store, previous, data, (shared, end), prefix, along)
+        refs = [prefix, middle, ref]
+    if previous.tail is not None and previous.tail[0] != tail[0]:
         # The old source of the tails is read no more (a body's own pieces are
         # never cached: nothing reads them hot; the source is, by each copy).
         store.release(previous.tail[0], [tail[0]])
-    refs = [r for r in usable if r.length < shared]
-    for r in (prefix, middle, ref):
-        if r is not None and (not refs or r.length > refs[-1].length):
-            refs.append(r)
-    assert tail is not None
-    return ref, _next_prefixes(body, digests, refs[-MAX_PREFIX_REFS:], ref, tail, end)
+    kept = [r for r in usable if r.length < shared]
+    for r in refs:
+        if r is not None and (not kept or r.length > kept[-1].length):
+            kept.append(r)
+    following = _next_prefixes(view, digests, kept[-MAX_PREFIX_REFS:], ref, tail, end)
+    following.origin, following.lead = origin, body[:LEAD_BYTES]
+    return ref, following
+
+
+async def _put_whole(
+    store: EventStore | BufferedArrays,
+    previous: BodyPrefixes,
+    data: np.ndarray,
+    span: tuple[int, int],
+    prefix: ArrayRef | None,
+    along: list[EncodedArray],
+) -> tuple[ArrayRef, TailSource, ArrayRef | None]:
+    """A body that is its own stream: its middle `data[shared:end]` after `prefix`,
+    then its tail; (its ref, what its tail may be copied from, its middle's ref)."""
+    shared, end = span
+    middle = prefix
+    if end < len(data):
+        if end > shared:
+            along.append(encode_array(data[shared:end], extends=prefix, prior=data[:shared]))
+            middle = along[-1].ref
+        ref = await _put_copied_tail(store, previous, data, end, middle, along)
+        if ref is not None:
+            assert previous.tail is not None
+            source, offset, length = previous.tail
+            return ref, (source, offset + length - (len(data) - end), len(data) - end), middle
+    # The rest after the shared prefix (the middle, and the tail if not copied) is
+    # one piece: the middle already encoded joins `along`, its tail extends it.
+    if middle is not prefix:
+        ref = await store.put_array(
+            data[end:], extends=middle, cache=False, along=along, prior=data[:end]
+        )
+    else:
+        ref = await store.put_array(
+            data[shared:], extends=prefix, cache=False, along=along, prior=data[:shared]
+        )
+        middle = ref
+    return ref, (ref, shared, len(data) - shared), middle
+
+
+async def _put_split(
+    store: EventStore | BufferedArrays,
+    previous: BodyPrefixes,
+    body: bytes,
+    origin: int,
+    span: tuple[int, int],
+    prefix: ArrayRef | None,
+    along: list[EncodedArray],
+) -> tuple[ArrayRef, TailSource, list[ArrayRef | None]]:
+    """A body split at `origin`: its stream up to its tail (`data[:end]`, after
+    `prefix`), its head, the stream's copy, then its tail; (its ref, what its tail
+    may be copied from, the stream's stored prefixes)."""
+    shared, end = span
+    view = memoryview(body)[origin:]
+    data = np.frombuffer(view, dtype=np.uint8)
+    stream = prefix
+    if end > shared:
+        along.append(encode_array(data[shared:end], extends=prefix, prior=data[:shared]))
+        stream = along[-1].ref
+    head = encode_array(np.frombuffer(body, np.uint8, origin))
+    along.append(head)
+    if stream is None:  # an empty stream: nothing to copy (its tail is the rest)
+        copy_ref = head.ref
+    else:
+        # The stream's chain holds no copy (only its prefixes and middles): depth 0.
+        along.append(encode_copy_array(view[:end], "uint8", head.ref, stream, 0, 0))
+        copy_ref = along[-1].ref
+    if end < len(data):
+        ref = await _put_copied_tail(store, previous, data, end, copy_ref, along)
+        if ref is not None:
+            assert previous.tail is not None
+            source, offset, length = previous.tail
+            tail = (source, offset + length - (len(data) - end), len(data) - end)
+            return ref, tail, [prefix, stream]
+        ref = await store.put_array(
+            data[end:], extends=copy_ref, cache=False, along=along, prior=data[:end]
+        )
+        return ref, (ref, origin + end, len(data) - end), [prefix, stream]
+    ref = await store.put_array(np.empty(0, np.uint8), extends=copy_ref, cache=False, along=along)
+    assert stream is not None  # a body never ends at its head
+    return ref, (stream, shared, len(data) - shared), [prefix, stream]
+
+
+async def _put_copied_tail(
+    store: EventStore | BufferedArrays,
+    previous: BodyPrefixes,
+    data: np.ndarray,
+    end: int,
+    extends: ArrayRef | None,
+    along: list[EncodedArray],
+) -> ArrayRef | None:
+    """`data[end:]` after `extends`, as a copy of where the previous tail was
+    copied from; None (nothing stored) if that source does not hold these bytes."""
+    assert previous.tail is not None
+    source, offset, length = previous.tail
+    at = offset + length - (len(data) - end)
+    try:
+        return await store.put_array(
+            data[end:], extends=extends, basis=source, basis_offset=at, cache=False, along=along
+        )
+    except ValueError:  # the source does not hold these bytes: never expected
+        log.warning("a body's tail differs from its recorded source; stored plainly")
+        return None
 
 
 # Per chain id: stored prefixes of the chain's tokens, by length (SessionState.chain_refs).

@@ -6,6 +6,7 @@ import itertools
 import json
 import random
 import sqlite3
+from typing import Any
 
 import pytest
 
@@ -181,8 +182,8 @@ async def test_a_repeated_body_is_its_previous_ref_and_keeps_the_tail_source(
 async def test_any_sequence_of_bodies_reads_back_and_every_copy_holds(
     sqlite_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, step: int
 ) -> None:
-    """Bodies that grow, shrink, swap their tail or their head, repeat, or share
-    nothing, in random orders: each reads back exactly, hot and cold, and no
+    """Bodies that grow, shrink, swap their tail or their head, repeat, share
+    nothing, or change a field before all that, in random orders: each reads back exactly, hot and cold, and no
     copy ever names bytes its source does not hold (no plain fallback). With a
     small `PREFIX_STEP` and `WINDOW` the bodies span many steps: prefixes found
     by digest, differences before the window."""
@@ -197,8 +198,9 @@ async def test_any_sequence_of_bodies_reads_back_and_every_copy_holds(
     tails = [text(300), text(300), b"", text(40)]
     bodies: list[bytes] = []
     head, middle, tail = text(200), text(100), tails[0]
+    first = b""  # fields before the conversation (see the module doc)
     for _ in range(60):
-        move = rng.randrange(7)
+        move = rng.randrange(9)
         if move == 0:
             middle += text(rng.randrange(1, 80))  # the conversation grows
         elif move == 1:
@@ -211,7 +213,11 @@ async def test_any_sequence_of_bodies_reads_back_and_every_copy_holds(
             tail = tail[rng.randrange(len(tail) + 1) :]  # a tail losing its start
         elif move == 5:
             head, middle, tail = text(rng.randrange(1, 50)), b"", b""  # unrelated and small
-        bodies.append(head + middle + tail)  # move 6: the same body again
+        elif move == 7:
+            first = b'{"max_tokens": %d, ' % rng.randrange(10 ** rng.randrange(1, 7))
+        elif move == 8:
+            first = b""
+        bodies.append(first + head + middle + tail)  # move 6: the same body again
     with caplog.at_level("WARNING", logger="recorder.server"):
         await _store_all(sqlite_url, bodies)
     assert "differs from its recorded source" not in caplog.text
@@ -276,3 +282,113 @@ def test_a_shared_prefix_is_exact_from_the_window_on_and_never_too_long(
             assert shared == truth
         else:
             assert truth - 16 < shared <= truth
+
+
+def _sdk_bodies(turns: int, tools: str, head: list[str]) -> list[bytes]:
+    """The Anthropic SDK's key order (sorted: `max_tokens` before `messages`), with
+    `head[k]` the JSON of turn k's fields before the messages (a number, an id...)."""
+    messages: list[dict[str, str]] = []
+    out = []
+    for k in range(turns):
+        messages.append({"role": "user", "content": f"result {k}: " + "line " * 150})
+        rest = json.dumps({"messages": messages, "system": "be brief", "tools": tools})
+        out.append(("{" + head[k] + ", " + rest[1:]).encode())
+        messages.append({"role": "assistant", "content": f"call {k} " * 30})
+    return out
+
+
+def _stored_data(sqlite_url: str) -> int:
+    """Bytes the arrays table holds (compressed data, copies' 16 bytes)."""
+    db = sqlite3.connect(sqlite_url.split("///", 1)[1])
+    try:
+        return int(db.execute("SELECT SUM(LENGTH(data)) FROM arrays").fetchone()[0])
+    finally:
+        db.close()
+
+
+_TOOLS = json.dumps([{"name": f"T{i}", "description": "does things " * 40} for i in range(8)])
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        # max_tokens sized to the room left, losing digits on the way
+        lambda k: f'"max_tokens": {120_000 - 13_000 * k}',
+        # an id longer than the first probe, and a second changing field
+        lambda k: f'"request_id": "{k:040d}", "max_tokens": {2**k}',
+    ],
+    ids=["max_tokens", "id-and-number"],
+)
+async def test_a_head_that_changes_every_turn_costs_what_a_constant_one_does(
+    tmp_path: pytest.TempPathFactory, head: Any
+) -> None:
+    """A field before the messages that changes every turn (module doc): each body
+    is stored after its first bytes as deltas of the previous body's stream, so the
+    session stores what it would with that field constant, not every body whole."""
+    turns = 16
+    changing = _sdk_bodies(turns, _TOOLS, [head(k) for k in range(turns)])
+    constant = _sdk_bodies(turns, _TOOLS, [head(0)] * turns)
+    urls = {name: f"sqlite:///{tmp_path}/{name}.db" for name in ("changing", "constant")}
+    states = await _store_all(urls["changing"], changing)
+    await _store_all(urls["constant"], constant)
+    assert states[0].origin == 0 and all(s.origin > 0 for s in states[1:])
+    assert all(s.origin < 200 for s in states)  # split right after the changing fields
+    whole = sum(len(b) for b in changing)
+    # A few bytes a turn more (the head piece, two 16-byte copies), never the body.
+    extra = _stored_data(urls["changing"]) - _stored_data(urls["constant"])
+    assert extra < turns * 128 and _stored_data(urls["constant"]) < whole / 20
+    # Per body after the first split: its head, the stream's copy (depth 1), the
+    # tail's copy (one hop from the first body).
+    copies = _copies(urls["changing"])
+    assert copies.count((16, 1)) == len(copies) == 2 * (turns - 1)
+
+
+async def test_a_split_body_repeated_is_its_previous_ref(sqlite_url: str) -> None:
+    heads = [f'"max_tokens": {900 - k}' for k in range(5)]
+    bodies = _sdk_bodies(5, _TOOLS, heads)
+    # A retry (the same body), then the same messages with another max_tokens.
+    again = _sdk_bodies(4, _TOOLS, [*heads[:3], '"max_tokens": 7'])[3]
+    states = await _store_all(sqlite_url, [*bodies[:4], bodies[3], again, bodies[4]])
+    assert states[4] == states[3]
+    assert states[5].ref != states[3].ref and states[5].origin == states[3].origin - 2
+
+
+async def test_a_head_that_stops_changing_or_a_restart_reads_back(sqlite_url: str) -> None:
+    """Splits come and go: the head changes, stays, changes again; the state is lost
+    (a restart stores the next body whole); a compaction replaces the history."""
+    heads = [f'"max_tokens": {n}' for n in (500, 400, 400, 400, 30, 30, 2000, 1, 1)]
+    bodies = _sdk_bodies(len(heads), _TOOLS, heads)
+    async with await open_store(sqlite_url, create=True) as store:
+        prefixes = BodyPrefixes()
+        refs = []
+        for k, body in enumerate(bodies):
+            if k == 5:
+                prefixes = BodyPrefixes()  # a restart
+            ref, prefixes = await put_body(store, prefixes, body)
+            refs.append(ref)
+        compacted = b'{"max_tokens": 3, "messages": [{"role": "user", "content": "summary"}]}'
+        ref, prefixes = await put_body(store, prefixes, compacted)
+        refs.append(ref)
+    async with await open_store(sqlite_url, options=StoreOptions(piece_cache_bytes=0)) as cold:
+        got = [a.tobytes() for a in await cold.get_arrays(refs)]
+    assert got == [*bodies, compacted]
+
+
+async def test_split_bodies_read_back_on_every_backend(store_url: str) -> None:
+    """Heads, stream copies and tail copies written in one commit each, read back
+    hot and cold from either backend."""
+    heads = [f'"max_tokens": {10 ** (k % 6)}, "metadata": {{"turn": {k}}}' for k in range(10)]
+    bodies = _sdk_bodies(10, _TOOLS, heads)
+    refs = []
+    async with await open_store(store_url, create=True) as store:
+        prefixes = BodyPrefixes()
+        for body in bodies:
+            before = store.fast_groups + store.generic_groups
+            ref, prefixes = await put_body(store, prefixes, body)
+            assert store.fast_groups + store.generic_groups == before + 1
+            refs.append(ref)
+        assert prefixes.origin > 0
+        assert [(await store.get_array(r)).tobytes() for r in refs] == bodies
+    async with await open_store(store_url, options=StoreOptions(piece_cache_bytes=0)) as cold:
+        assert [a.tobytes() for a in await cold.get_arrays(refs)] == bodies
+        assert (await cold.get_array(refs[-1])).tobytes() == bodies[-1]

@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import random
+import sqlite3
 from typing import Any
 
 import anthropic
 import pytest
+import zstandard
 
 from recorder.dialects.translate import parse_request
 from recorder.log import events as ev
@@ -844,6 +847,52 @@ async def test_inputs_are_stored_as_deltas(harness: Harness, sqlite_url: str) ->
         if shared_prefix_len(prev, cur) >= MIN_SHARED_BYTES:
             assert rows[r.body.digest][0] is not None
     assert rows[requests[-1].body.digest][0] is not None
+
+
+WORDS = [f"{w}{i}" for i, w in enumerate(["ls", "src", "def", "test", "x"] * 60)]
+
+
+async def test_a_max_tokens_changing_every_turn_does_not_store_every_body_whole(
+    harness: Harness, sqlite_url: str
+) -> None:
+    """The Anthropic SDK sends `max_tokens` first (its keys sorted): a client that
+    sizes it to the room left changes every body's first bytes. Its bodies still
+    cost what they add (`recorder.server.deltas`, a body's stream): measured
+    against the same conversation with `max_tokens` constant, in the same log."""
+    h = harness
+    db = sqlite3.connect(sqlite_url.split("///", 1)[1])
+
+    def body_bytes() -> int:
+        query = "SELECT COALESCE(SUM(LENGTH(data)), 0) FROM arrays WHERE dtype = 'uint8'"
+        return int(db.execute(query).fetchone()[0])
+
+    async def session(max_tokens: Any) -> tuple[int, list[bytes]]:
+        rng = random.Random(5)
+        before = body_bytes()
+        sid = await h.open_session()
+        client = h.client(sid)
+        messages: list[dict[str, Any]] = []
+        for k in range(8):
+            result = " ".join(rng.choice(WORDS) for _ in range(150))  # compresses as prose
+            messages.append({"role": "user", "content": f"step {k}: {result}"})
+            answer = await ask(client, messages, stream=k % 2 == 1, max_tokens=max_tokens(k))
+            messages.append(echo(answer))
+        requests = await h.payloads(sid, ev.MessagesRequest)
+        bodies = [(await h.store.get_array(r.body)).tobytes() for r in requests]
+        for k, body in enumerate(bodies):
+            assert json.loads(body)["max_tokens"] == max_tokens(k)
+            assert list(json.loads(body))[:2] == ["max_tokens", "messages"]  # the SDK's order
+        return body_bytes() - before, bodies
+
+    try:
+        constant, _ = await session(lambda k: 256)
+        changing, bodies = await session(lambda k: 1100 - 123 * k)
+    finally:
+        db.close()
+    # A few bytes a turn more (a head piece, two 16-byte copies); before, every body
+    # was stored whole (compressed) from the second on.
+    whole = sum(len(zstandard.ZstdCompressor().compress(b)) for b in bodies)
+    assert changing < constant + 8 * 128 < 0.7 * whole  # before: changing == whole
 
 
 async def test_sessions_spread_across_engines(tokenizer: Any, sqlite_url: str) -> None:

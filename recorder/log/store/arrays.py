@@ -137,7 +137,7 @@ _HASHER: Final = hashlib.blake2b(digest_size=DIGEST_SIZE, person=_PERSON)
 _DTYPE_TAGS: Final = {name: name.encode("ascii").ljust(8, b"\x00") for name in NUMPY_DTYPES}
 
 
-def piece_digest(parent: bytes | None, dtype: str, raw: bytes) -> bytes:
+def piece_digest(parent: bytes | None, dtype: str, raw: bytes | memoryview) -> bytes:
     h = _HASHER.copy()
     h.update(parent or _NO_PARENT)
     tag = _DTYPE_TAGS.get(dtype)
@@ -441,6 +441,41 @@ def encode_copy_piece(
     """
     if chain_range(basis_chain, offset, offset + len(raw)) != raw:
         raise ValueError(f"bytes [{offset}, {offset + len(raw)}) of the basis differ from the data")
+    return _copy_piece(raw, dtype, parent, basis, chain_depth(list(basis_chain)), offset)
+
+
+def encode_copy_array(
+    raw: bytes | memoryview,
+    dtype: DType,
+    parent: ArrayRef | None,
+    basis: ArrayRef,
+    basis_depth: int,
+    offset: int,
+) -> EncodedArray:
+    """`raw` appended to `parent`, as a copy of the basis array's bytes at `offset`,
+    ready to append (not cached: `cache=False`).
+
+    Pure, and the basis is not read: the caller vouches that those bytes are
+    `raw` and that `basis_depth` is the basis chain's depth, because it has just
+    encoded the basis from these very bytes (`recorder.server.deltas`: a body's
+    stream, copied after the body's own first bytes). A false claim is caught
+    by the first read, as a piece that does not match its digest.
+    """
+    piece = _copy_piece(raw, dtype, parent, basis, basis_depth, offset)
+    own = np.frombuffer(raw, NUMPY_DTYPES[dtype])
+    decoded = DecodedPiece(piece.digest, piece.parent, dtype, piece.total_length, own, piece.depth)
+    ref = ArrayRef(piece.digest, piece.total_length, dtype)
+    return EncodedArray(ref, (piece,), (decoded,), cache=False)
+
+
+def _copy_piece(
+    raw: bytes | memoryview,
+    dtype: DType,
+    parent: ArrayRef | None,
+    basis: ArrayRef,
+    basis_depth: int,
+    offset: int,
+) -> Piece:
     parent_digest = parent.digest if parent is not None else None
     n = len(raw) // NUMPY_DTYPES[dtype].itemsize
     total = (parent.length if parent is not None else 0) + n
@@ -452,7 +487,7 @@ def encode_copy_piece(
         CODEC_COPY_BASIS,
         _COPY_RANGE.pack(offset, len(raw)),
         basis.digest,
-        chain_depth(list(basis_chain)) + 1,
+        basis_depth + 1,
     )
 
 
