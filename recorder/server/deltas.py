@@ -19,16 +19,17 @@ Anthropic SDK sends its keys sorted, `max_tokens` first, and a harness that
 sizes `max_tokens` to the room left changes the body's first bytes every turn.
 A prefix delta would then share nothing and store every body whole (at 100k
 tokens ~0.5 MB compressed and ~3 ms of CPU a turn, growing with the context).
-So when two bodies differ in their first bytes and agree again soon after
-(`stream_origin`), the body is split there: its head (those first bytes) is
-stored as a piece of its own, and the rest, its *stream*, is stored as deltas
-of the previous body's stream exactly as a body is (longest stored prefix, new
-messages, copied tail). The body is then the head, a copy of the stream
-(`arrays.encode_copy_array`: 16 bytes, vouched for since the stream was just
-encoded from these bytes) and the copied tail. The stream's own chain never
-holds a copy, so a cold read of the body decodes one basis more than before.
-The copy's digest is over the stream's bytes: that turn hashes them once more
-(~0.7 ms per 0.5 MB), and nothing is stored twice.
+So when bodies differ from the previous one at the same early place two turns
+in a row and agree again a few bytes on (`stream_origin`), the body is split
+there: its head (those first bytes) is stored as a piece of its own, and the
+rest, its *stream*, as deltas of the previous body's stream exactly as a body
+is (longest stored prefix, new messages, copied tail). The body is then the
+head, a copy of the stream (`arrays.encode_copy_array`: 16 bytes, vouched for
+since the stream was just encoded from these bytes) and the copied tail. The
+stream's own chain never holds a copy, so a cold read of the body decodes one
+basis more. The copy's digest is over the stream's bytes: every split turn
+hashes them once more (~0.7 ms per 0.5 MB), so a split ends once its head
+stops changing; nothing is stored twice.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import logging
 import os
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import xxhash
@@ -98,16 +99,21 @@ _SEED = int.from_bytes(os.urandom(8), "little")
 # A body's stream (see the module doc). The previous body's first LEAD_BYTES are
 # kept to find where a body that differs from it early realigns with it: bytes of
 # the previous body PROBE_OFFSETS after the first difference (past a changed
-# number, an id), looked for in the new body up to MAX_SHIFT bytes away (digits
-# gained or lost) and checked over ALIGNED_BYTES (a first message may be short).
-# The next body's stream is found by the stream's first ANCHOR_BYTES, within
-# MAX_SHIFT of where it was.
+# number, an id), looked for in the new body up to MAX_SHIFT bytes from where they
+# were (a number's digits gained or lost; a field or a cache marker added or
+# removed moves the rest further: not a value that changes) and checked over
+# ALIGNED_BYTES (a first message may be short). The difference must be where it
+# was the turn before, give or take EARLY_SLACK bytes. The next body's stream is
+# found by the stream's first ANCHOR_BYTES, within MAX_SHIFT of where it was.
 LEAD_BYTES = 4096
 PROBE_OFFSETS = (16, 64, 256, 1024)
 PROBE_BYTES = 32
 ANCHOR_BYTES = 64
-MAX_SHIFT = 256
+MAX_SHIFT = 16
+EARLY_SLACK = 32
 ALIGNED_BYTES = 256
+# A split ends after this many turns with the same head (see `stream_origin`).
+STEADY_TURNS = 8
 
 
 @dataclass
@@ -131,6 +137,8 @@ class BodyPrefixes:
     # first LEAD_BYTES bytes.
     origin: int = 0
     lead: bytes = b""
+    early: int = 0  # see `Origin`
+    steady: int = 0
 
     @property
     def start(self) -> int:
@@ -187,9 +195,28 @@ def _next_prefixes(
     return BodyPrefixes(len(view), kept, window, refs, ref, tail)
 
 
-def stream_origin(previous: BodyPrefixes, body: bytes) -> int:
+class Origin(NamedTuple):
+    """Where a body's stream starts (0: the body is its own stream); 1 + where its
+    first bytes differed from the previous body's, if early (`early`, else 0); how
+    many turns in a row a split body's head stayed the same (`steady`)."""
+
+    at: int
+    early: int = 0
+    steady: int = 0
+
+
+def stream_origin(previous: BodyPrefixes, body: bytes) -> Origin:
     """Where `body`'s stream starts: 0 (the whole body) unless its first bytes
-    differ from the previous body's and the two realign soon after (module doc)."""
+    differ from the previous body's where they did the turn before, and the two
+    realign soon after (module doc).
+
+    Twice in a row at one place: a short first message whose cache marker moves
+    on (Claude Code marks the newest message) differs early once, then past it;
+    a title or subagent request between two of the agent's differs early, but
+    elsewhere each time. A split ends once its head has stayed the same `STEADY_TURNS` turns
+    (its stream's copy costs a hash of the stream every turn; going back costs
+    one body stored whole).
+    """
     lead = previous.lead
     if previous.origin:
         o = previous.origin
@@ -197,15 +224,26 @@ def stream_origin(previous: BodyPrefixes, body: bytes) -> int:
             lead[o : o + ANCHOR_BYTES], max(0, o - MAX_SHIFT), o + MAX_SHIFT + ANCHOR_BYTES
         )
         if at >= 0:
-            return at
+            steady = previous.steady + 1 if body[:at] == lead[:o] else 0
+            return Origin(at, steady=steady) if steady < STEADY_TURNS else Origin(0)
     differs = shared_prefix_len(lead, body[: len(lead)])
     if differs >= MIN_SHARED_BYTES or differs == len(lead):
-        return 0
+        return Origin(0)
+    again = previous.early and abs(differs - (previous.early - 1)) <= EARLY_SLACK
+    at = _realigned(lead, body, differs) if again else 0
+    return Origin(at, early=differs + 1)
+
+
+def _realigned(lead: bytes, body: bytes, differs: int) -> int:
+    """Where `body` agrees again with the previous body's first bytes `lead` after
+    their first difference at `differs` (0: nowhere near it)."""
     for k in PROBE_OFFSETS:
         was = differs + k  # in the previous body
         if was + ALIGNED_BYTES > len(lead):
             break
-        at = body.find(lead[was : was + PROBE_BYTES], differs, was + MAX_SHIFT + PROBE_BYTES)
+        at = body.find(
+            lead[was : was + PROBE_BYTES], was - MAX_SHIFT, was + MAX_SHIFT + PROBE_BYTES
+        )
         if (
             at >= 0
             and at + ANCHOR_BYTES <= LEAD_BYTES
@@ -278,7 +316,8 @@ async def put_body(
     after turn (one basis hop for a cold read). A body split into a head and a
     stream (module doc) stores its stream so, then the head and the stream's copy.
     """
-    origin = stream_origin(previous, body)
+    found = stream_origin(previous, body)
+    origin = found.at
     view = memoryview(body)[origin:]
     shared, digests = shared_with_previous(previous, view)
     if (
@@ -323,6 +362,7 @@ async def put_body(
             kept.append(r)
     following = _next_prefixes(view, digests, kept[-MAX_PREFIX_REFS:], ref, tail, end)
     following.origin, following.lead = origin, body[:LEAD_BYTES]
+    following.early, following.steady = found.early, found.steady
     return ref, following
 
 

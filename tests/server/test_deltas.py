@@ -331,7 +331,8 @@ async def test_a_head_that_changes_every_turn_costs_what_a_constant_one_does(
     urls = {name: f"sqlite:///{tmp_path}/{name}.db" for name in ("changing", "constant")}
     states = await _store_all(urls["changing"], changing)
     await _store_all(urls["constant"], constant)
-    assert states[0].origin == 0 and all(s.origin > 0 for s in states[1:])
+    # Split from the second early difference in a row on (see `stream_origin`).
+    assert [s.origin > 0 for s in states] == [False, False] + [True] * (turns - 2)
     assert all(s.origin < 200 for s in states)  # split right after the changing fields
     whole = sum(len(b) for b in changing)
     # A few bytes a turn more (the head piece, two 16-byte copies), never the body.
@@ -340,7 +341,7 @@ async def test_a_head_that_changes_every_turn_costs_what_a_constant_one_does(
     # Per body after the first split: its head, the stream's copy (depth 1), the
     # tail's copy (one hop from the first body).
     copies = _copies(urls["changing"])
-    assert copies.count((16, 1)) == len(copies) == 2 * (turns - 1)
+    assert copies.count((16, 1)) == len(copies) == 2 * (turns - 2) + 1
 
 
 async def test_a_split_body_repeated_is_its_previous_ref(sqlite_url: str) -> None:
@@ -392,3 +393,38 @@ async def test_split_bodies_read_back_on_every_backend(store_url: str) -> None:
     async with await open_store(store_url, options=StoreOptions(piece_cache_bytes=0)) as cold:
         assert [a.tobytes() for a in await cold.get_arrays(refs)] == bodies
         assert (await cold.get_array(refs[-1])).tobytes() == bodies[-1]
+
+
+async def test_a_split_ends_when_its_head_stops_changing(sqlite_url: str) -> None:
+    """The stream's copy hashes the stream every turn: once the head has stayed the
+    same `STEADY_TURNS` turns the body is its own stream again (stored whole once)."""
+    heads = [f'"max_tokens": {900 - k}' for k in range(6)] + ['"max_tokens": 1'] * 14
+    states = await _store_all(sqlite_url, _sdk_bodies(len(heads), _TOOLS, heads))
+    split = [s.origin > 0 for s in states]
+    steady = deltas.STEADY_TURNS
+    # Split from body 2; body 6 is the first with head "1", body 6 + steady the first unsplit.
+    assert split == [False, False] + [True] * (4 + steady) + [False] * (14 - steady)
+
+
+@pytest.mark.parametrize("version", ["2.1.197", "2.1.330"])
+async def test_claude_code_bodies_are_never_split(sqlite_url: str, version: str) -> None:
+    """Real Claude Code request shapes (tests/data/claude_traffic): a first message
+    whose cache marker moves on differs early once, never twice in a row."""
+    import gzip
+    from pathlib import Path
+
+    found = 0
+    for path in sorted(Path(f"tests/data/claude_traffic/{version}").glob("*.json.gz")):
+        records = json.loads(gzip.decompress(path.read_bytes()))
+        bodies = [
+            json.dumps(r["body"]).encode() for r in records if r["path"].startswith("/v1/messages")
+        ]
+        bodies = [b for b in bodies if b != b"null"]
+        found += len(bodies)
+        async with await open_store(sqlite_url, create=True) as store:
+            prefixes = BodyPrefixes()
+            for body in bodies:
+                ref, prefixes = await put_body(store, prefixes, body)
+                assert prefixes.origin == 0
+                assert (await store.get_array(ref)).tobytes() == body
+    assert found > 20
