@@ -134,10 +134,10 @@ def derive_outputs(resent: Sequence[Resent], arrays: dict[bytes, np.ndarray]) ->
         if source.size < at + out.length:
             continue
         piece = source[at : at + out.length]
-        if piece_digest(None, out.dtype, piece.tobytes()) == out.digest:
-            view = piece.view()
-            view.flags.writeable = False  # shared with the input it views
-            arrays[out.digest] = view
+        raw = piece if piece.flags.c_contiguous else piece.tobytes()  # hashed in place
+        if piece_digest(None, out.dtype, raw) == out.digest:
+            piece.flags.writeable = False  # shared with the input it views
+            arrays[out.digest] = piece
 
 
 async def _load_deriving(

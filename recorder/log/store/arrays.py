@@ -137,7 +137,8 @@ _HASHER: Final = hashlib.blake2b(digest_size=DIGEST_SIZE, person=_PERSON)
 _DTYPE_TAGS: Final = {name: name.encode("ascii").ljust(8, b"\x00") for name in NUMPY_DTYPES}
 
 
-def piece_digest(parent: bytes | None, dtype: str, raw: bytes) -> bytes:
+def piece_digest(parent: bytes | None, dtype: str, raw: bytes | np.ndarray) -> bytes:
+    """`raw`: the suffix's bytes, or a C-contiguous array of them (hashed in place)."""
     h = _HASHER.copy()
     h.update(parent or _NO_PARENT)
     tag = _DTYPE_TAGS.get(dtype)
