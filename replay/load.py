@@ -107,7 +107,8 @@ def wanted_arrays(
             here = (ev.turn, ev.request_id)
             if here == key:
                 continue
-            out += [(o, ref, at) for o, at in pending]
+            for o, at in pending:  # a loop: a comprehension per input cost a call
+                out.append((o, ref, at))
             key, start, pending = here, ref.length, []
         elif isinstance(ev, GenerateResult):
             for ref in (ev.output_ids, ev.logprobs, ev.routed_experts if routed_experts else None):
