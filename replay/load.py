@@ -107,7 +107,8 @@ def wanted_arrays(
             here = (ev.turn, ev.request_id)
             if here == key:
                 continue
-            out += [(o, ref, at) for o, at in pending]
+            for o, at in pending:  # a loop: a comprehension per input cost a call
+                out.append((o, ref, at))
             key, start, pending = here, ref.length, []
         elif isinstance(ev, GenerateResult):
             for ref in (ev.output_ids, ev.logprobs, ev.routed_experts if routed_experts else None):
@@ -134,10 +135,10 @@ def derive_outputs(resent: Sequence[Resent], arrays: dict[bytes, np.ndarray]) ->
         if source.size < at + out.length:
             continue
         piece = source[at : at + out.length]
-        if piece_digest(None, out.dtype, piece.tobytes()) == out.digest:
-            view = piece.view()
-            view.flags.writeable = False  # shared with the input it views
-            arrays[out.digest] = view
+        raw = piece if piece.flags.c_contiguous else piece.tobytes()  # hashed in place
+        if piece_digest(None, out.dtype, raw) == out.digest:
+            piece.flags.writeable = False  # shared with the input it views
+            arrays[out.digest] = piece
 
 
 async def _load_deriving(

@@ -66,7 +66,13 @@ from replay.segments import (
     to_sample,
     trim_to,
 )
-from replay.turns import IdChecks, SessionFacts, collect_session, prepare_turn
+from replay.turns import (
+    IdChecks,
+    SessionFacts,
+    collect_session,
+    prepare_turn,
+    session_logprobs,
+)
 
 
 def _pad_id(opened: SessionOpened | None, rules: Rules) -> int:
@@ -94,7 +100,7 @@ def _reduce(
 ) -> SessionResult:
     s = collect_session(events)
     builder = ChainBuilder(rules, s.diagnostics, main_system_digest(s.turns))
-    checks = IdChecks()
+    checks = IdChecks(session_logprobs(s.turns, arrays))
     for t in s.turns:
         prepare_turn(t, arrays, rules, checks)
         if t.unusable is not None:

@@ -210,7 +210,8 @@ def _absorb(t: Turn, ev: Any, diags: list[str]) -> None:
 
 
 class IdChecks:
-    """Which token-id buffers hold no negative id, each scanned once per session.
+    """Which token-id buffers hold no negative id, each scanned once per session
+    (and whether the session's logprobs are all valid: `logprobs_ok`).
 
     A session's inputs (and the outputs found in them) are views of one
     buffer (`replay.load`: the store assembles prefixes once), so checking
@@ -220,9 +221,13 @@ class IdChecks:
     otherwise (a root with one, or no such root) the view itself is scanned.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, logprobs: Sequence[np.ndarray] = ()) -> None:
         # id(root) -> (root, no negative id in it); the root is held so its id stays its own.
         self._roots: dict[int, tuple[np.ndarray, bool]] = {}
+        # The session's float logprob arrays, checked together on first use
+        # (`logprobs_ok`); held so their ids stay their own.
+        self._logprobs = [a for a in logprobs if a.ndim == 1 and a.dtype.kind == "f"]
+        self._clean_logprobs: set[int] | None = None
 
     def non_negative(self, a: np.ndarray) -> bool:
         root = _same_dtype_root(a)
@@ -233,6 +238,27 @@ class IdChecks:
             if seen[1]:
                 return True
         return _min_ok(a)
+
+    def logprobs_ok(self, stored: np.ndarray, lp: np.ndarray) -> bool:
+        """`_logprobs_ok(lp)`, where `lp` is the stored array `stored` as float64.
+
+        A session's logprobs are one small array per attempt, and two
+        reductions each cost more than the few hundred values they scan: all
+        of the session's arrays given at construction are checked in one
+        pass, and when they all pass, any of them passes without a scan.
+        Widening float32 to float64 keeps every value's sign, NaN and
+        infinities, so the stored array passes exactly when `lp` does.
+        """
+        if self._clean_logprobs is None:
+            joined = np.concatenate(self._logprobs) if self._logprobs else np.zeros(0)
+            clean = _logprobs_ok(joined)
+            self._clean_logprobs = {id(a) for a in self._logprobs} if clean else set()
+        return id(stored) in self._clean_logprobs or _logprobs_ok(lp)
+
+
+def _logprobs_ok(lp: np.ndarray) -> bool:
+    """Each logprob in -inf < lp <= 0: NaN fails both comparisons, +inf the first."""
+    return lp.size == 0 or (float(lp.max()) <= 0.0 and float(lp.min()) > -np.inf)
 
 
 def _min_ok(a: np.ndarray) -> bool:
@@ -250,6 +276,18 @@ def _same_dtype_root(a: np.ndarray) -> np.ndarray | None:
             return None
         root = base
     return root if root is not a else None
+
+
+def session_logprobs(turns: Sequence[Turn], arrays: Mapping[bytes, np.ndarray]) -> list[np.ndarray]:
+    """Every stored logprobs array the turns' attempts name (for `IdChecks`)."""
+    out = []
+    for t in turns:
+        for r in t.results.values():
+            if r.logprobs is not None:
+                a = arrays.get(r.logprobs.digest)
+                if a is not None:
+                    out.append(a)
+    return out
 
 
 def _as_ids(arr: Any, checks: IdChecks | None = None) -> np.ndarray:
@@ -317,13 +355,13 @@ def _read_turn(
         out = _as_ids(_array(arrays, r.output_ids.digest, "output_ids"), checks)
         if r.logprobs is None:
             raise ValueError(f"attempt {r.attempt}: logprobs missing")
-        lp = np.asarray(_array(arrays, r.logprobs.digest, "logprobs"), dtype=np.float64)
+        stored = _array(arrays, r.logprobs.digest, "logprobs")
+        lp = np.asarray(stored, dtype=np.float64)
         if lp.shape != out.shape:
             raise ValueError(
                 f"attempt {r.attempt}: {lp.size} logprobs for {out.size} output tokens"
             )
-        # Each in [-inf < lp <= 0]: NaN fails both comparisons, +inf the first.
-        if lp.size and not (float(lp.max()) <= 0.0 and float(lp.min()) > -np.inf):
+        if not (checks.logprobs_ok(stored, lp) if checks is not None else _logprobs_ok(lp)):
             raise ValueError(f"attempt {r.attempt}: logprobs not finite or positive")
         outs.append(out)
         lps.append(lp)

@@ -89,3 +89,21 @@ def test_id_checks_find_a_negative_id_in_a_view_of_a_shared_buffer() -> None:
     clean = np.arange(10, dtype=np.int32)
     assert checks.non_negative(clean[:4]) and checks.non_negative(clean[3:].view())
     assert not IdChecks().non_negative(clean.view(np.uint8).view(np.int32) - 20)
+
+
+def test_id_checks_logprobs_checked_together_fail_only_the_bad_array() -> None:
+    """The session's logprobs are checked in one pass; one bad array fails
+    alone, an array not given at construction is scanned, odd shapes don't raise."""
+    good = np.array([-0.5, 0.0], dtype=np.float32)
+    bad = np.array([-0.5, np.nan], dtype=np.float32)
+    odd = np.zeros((2, 2), dtype=np.float32)
+    clean = IdChecks([good, good[:1], odd])
+    assert clean.logprobs_ok(good, good.astype(np.float64))
+    assert clean.logprobs_ok(good[:1], good[:1].astype(np.float64))
+    assert not clean.logprobs_ok(bad, bad.astype(np.float64))  # not given: scanned
+    mixed = IdChecks([good, bad])
+    assert mixed.logprobs_ok(good, good.astype(np.float64))
+    assert not mixed.logprobs_ok(bad, bad.astype(np.float64))
+    for value in (0.5, np.inf, -np.inf):
+        one = np.array([value], dtype=np.float64)
+        assert not IdChecks([one]).logprobs_ok(one, one)

@@ -70,8 +70,7 @@ class PieceReader:
             uncached = [d for d in frontier if self._cache.get(d) is None] if cold else []
             if uncached:
                 conn = await stack.enter_async_context(self._connect())
-                for row in await self._chain_rows(conn, uncached):
-                    piece = decode_row(row)
+                for piece in arr.decode_rows(await self._chain_rows(conn, uncached)):
                     if isinstance(piece, arr.Piece):
                         on_basis[piece.digest] = piece
                     elif piece.digest not in local:
@@ -129,24 +128,12 @@ class PieceReader:
         """
         out: list[arr.DecodedPiece | arr.Piece] = []
         for chunk in chunks(digests):
-            out.extend(decode_row(row) for row in await self._rows(conn, chunk))
+            out += arr.decode_rows(await self._rows(conn, chunk))
         if len(out) != len(digests):
             missing = set(digests) - {p.digest for p in out}
             if missing:
                 raise arr.missing_piece(min(missing))
         return out
-
-
-def decode_row(row: Any) -> arr.DecodedPiece | arr.Piece:
-    """A verified piece, or a basis-coded one as stored (its basis must be decoded first)."""
-    digest, parent, dtype, total, codec, data, tail, basis, depth = row
-    digest = bytes(digest)
-    parent = None if parent is None else bytes(parent)
-    blob = arr.join_blob(bytes(data), None if tail is None else bytes(tail))
-    if basis is None and codec != arr.CODEC_CONCAT:  # `arr.needs_others` is false
-        return arr.decode_plain(digest, parent, dtype, total, codec, blob, depth)
-    basis = None if basis is None else bytes(basis)
-    return arr.Piece(digest, parent, dtype, total, codec, blob, basis, depth)
 
 
 def decode_on_basis(

@@ -303,17 +303,21 @@ class PlainGroup:
         ]
 
 
-def _record(row: sa.Row[Any]) -> RecordedEvent:
-    position, session_id, seq, event_id, type_, version, ts, payload = row
-    return RecordedEvent(
-        position=position,
-        session_id=session_id,
-        seq=seq,
-        event_id=event_id,
-        ts=ts,
-        version=version,
-        event=decode_event(type_, version, payload),
-    )
+def _records(rows: Iterable[Any]) -> list[RecordedEvent]:
+    """Event rows (`_EVENT_COLUMNS`, event_id as a UUID) as recorded events, in
+    one comprehension: a replay reads every event of the log."""
+    return [
+        RecordedEvent(
+            position=position,
+            session_id=session_id,
+            seq=seq,
+            event_id=event_id,
+            ts=ts,
+            version=version,
+            event=decode_event(type_, version, payload),
+        )
+        for position, session_id, seq, event_id, type_, version, ts, payload in rows
+    ]
 
 
 class SqlEventStore(EventStore):
@@ -639,7 +643,7 @@ class SqlEventStore(EventStore):
 
     async def read_session(self, session_id: str, *, from_seq: int = 0) -> list[RecordedEvent]:
         async with self._reading() as conn:
-            return [_record(r) for r in await self._raw_session(conn, session_id, from_seq)]
+            return _records(await self._raw_session(conn, session_id, from_seq))
 
     async def _raw_session(
         self, conn: AsyncConnection, session_id: str, from_seq: int
@@ -661,7 +665,7 @@ class SqlEventStore(EventStore):
         self, session_id: str, types: Sequence[str]
     ) -> list[RecordedEvent]:
         async with self._reading() as conn:
-            return [_record(r) for r in await self._raw_from_last(conn, session_id, types)]
+            return _records(await self._raw_from_last(conn, session_id, types))
 
     async def _raw_from_last(
         self, conn: AsyncConnection, session_id: str, types: Sequence[str]
@@ -689,7 +693,7 @@ class SqlEventStore(EventStore):
         self, *, after: int = 0, limit: int = 1000, sessions: SessionRange | None = None
     ) -> list[RecordedEvent]:
         async with self._reading() as conn:
-            return [_record(r) for r in await self._raw_events(conn, after, limit, sessions)]
+            return _records(await self._raw_events(conn, after, limit, sessions))
 
     async def _raw_events(
         self, conn: AsyncConnection, after: int, limit: int, sessions: SessionRange | None = None
