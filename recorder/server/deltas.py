@@ -382,11 +382,9 @@ async def _put_whole(
         if end > shared:
             along.append(encode_array(data[shared:end], extends=prefix, prior=data[:shared]))
             middle = along[-1].ref
-        ref = await _put_copied_tail(store, previous, data, end, middle, along)
-        if ref is not None:
-            assert previous.tail is not None
-            source, offset, length = previous.tail
-            return ref, (source, offset + length - (len(data) - end), len(data) - end), middle
+        copied = await _put_copied_tail(store, previous, data, end, middle, along)
+        if copied is not None:
+            return *copied, middle
     # The rest after the shared prefix (the middle, and the tail if not copied) is
     # one piece: the middle already encoded joins `along`, its tail extends it.
     if middle is not prefix:
@@ -429,12 +427,9 @@ async def _put_split(
         along.append(encode_copy_array(view[:end], "uint8", head.ref, stream, 0, 0))
         copy_ref = along[-1].ref
     if end < len(data):
-        ref = await _put_copied_tail(store, previous, data, end, copy_ref, along)
-        if ref is not None:
-            assert previous.tail is not None
-            source, offset, length = previous.tail
-            tail = (source, offset + length - (len(data) - end), len(data) - end)
-            return ref, tail, [prefix, stream]
+        copied = await _put_copied_tail(store, previous, data, end, copy_ref, along)
+        if copied is not None:
+            return *copied, [prefix, stream]
         ref = await store.put_array(
             data[end:], extends=copy_ref, cache=False, along=along, prior=data[:end]
         )
@@ -451,16 +446,18 @@ async def _put_copied_tail(
     end: int,
     extends: ArrayRef | None,
     along: list[EncodedArray],
-) -> ArrayRef | None:
+) -> tuple[ArrayRef, TailSource] | None:
     """`data[end:]` after `extends`, as a copy of where the previous tail was
-    copied from; None (nothing stored) if that source does not hold these bytes."""
+    copied from: (its ref, that source's range of it); None (nothing stored) if
+    that source does not hold these bytes."""
     assert previous.tail is not None
     source, offset, length = previous.tail
     at = offset + length - (len(data) - end)
     try:
-        return await store.put_array(
+        ref = await store.put_array(
             data[end:], extends=extends, basis=source, basis_offset=at, cache=False, along=along
         )
+        return ref, (source, at, len(data) - end)
     except ValueError:  # the source does not hold these bytes: never expected
         log.warning("a body's tail differs from its recorded source; stored plainly")
         return None

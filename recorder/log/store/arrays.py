@@ -442,7 +442,8 @@ def encode_copy_piece(
     """
     if chain_range(basis_chain, offset, offset + len(raw)) != raw:
         raise ValueError(f"bytes [{offset}, {offset + len(raw)}) of the basis differ from the data")
-    return _copy_piece(raw, dtype, parent, basis, chain_depth(list(basis_chain)), offset)
+    depth = chain_depth(list(basis_chain))
+    return encode_copy_array(raw, dtype, parent, basis, depth, offset).pieces[0]
 
 
 def encode_copy_array(
@@ -462,34 +463,17 @@ def encode_copy_array(
     stream, copied after the body's own first bytes). A false claim is caught
     by the first read, as a piece that does not match its digest.
     """
-    piece = _copy_piece(raw, dtype, parent, basis, basis_depth, offset)
+    parent_digest = parent.digest if parent is not None else None
     own = np.frombuffer(raw, NUMPY_DTYPES[dtype])
+    total = (parent.length if parent is not None else 0) + len(own)
+    range_ = _COPY_RANGE.pack(offset, len(raw))
+    digest = piece_digest(parent_digest, dtype, raw)
+    piece = Piece(
+        digest, parent_digest, dtype, total, CODEC_COPY_BASIS, range_, basis.digest, basis_depth + 1
+    )
     decoded = DecodedPiece(piece.digest, piece.parent, dtype, piece.total_length, own, piece.depth)
     ref = ArrayRef(piece.digest, piece.total_length, dtype)
     return EncodedArray(ref, (piece,), (decoded,), cache=False)
-
-
-def _copy_piece(
-    raw: bytes | memoryview,
-    dtype: DType,
-    parent: ArrayRef | None,
-    basis: ArrayRef,
-    basis_depth: int,
-    offset: int,
-) -> Piece:
-    parent_digest = parent.digest if parent is not None else None
-    n = len(raw) // NUMPY_DTYPES[dtype].itemsize
-    total = (parent.length if parent is not None else 0) + n
-    return Piece(
-        piece_digest(parent_digest, dtype, raw),
-        parent_digest,
-        dtype,
-        total,
-        CODEC_COPY_BASIS,
-        _COPY_RANGE.pack(offset, len(raw)),
-        basis.digest,
-        basis_depth + 1,
-    )
 
 
 def chain_range(chain: Sequence[DecodedPiece], start: int, stop: int) -> bytes:
