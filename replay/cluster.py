@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +90,7 @@ def _task(job_bytes: bytes) -> Iterator[bytes]:
 
 async def run_on_ray(
     base: Job,
-    ids: Sequence[str],
+    sizes: Mapping[str, int],
     *,
     workers: int | None,
     part_dir: Path | None,
@@ -98,15 +98,15 @@ async def run_on_ray(
     on_progress: Callable[[int], None] | None,
     cpus: float = 1.0,
 ) -> list[PartResult]:
-    """Split `ids` into ranges (`workers`, default one per CPU of the cluster,
+    """Split the sessions `sizes` weighs into ranges (`workers`, default one per CPU of the cluster,
     fewer for a small log), run each as a Ray task and gather their chunks as
     they stream in."""
     ray = _ray()
     owned = connect(address)
     try:
         if workers is None:
-            workers = auto_workers(len(ids), int(ray.cluster_resources().get("CPU", 1)))
-        jobs = make_jobs(base, ids, workers)
+            workers = auto_workers(len(sizes), int(ray.cluster_resources().get("CPU", 1)))
+        jobs = make_jobs(base, sizes, workers)
         remote = ray.remote(_task).options(
             num_cpus=cpus, scheduling_strategy="SPREAD", num_returns="streaming"
         )

@@ -209,15 +209,15 @@ async def export_samples(
     """
     if workers is not None and workers < 1:
         raise ValueError("workers must be >= 1")
-    ids: list[str] | None = None
+    sizes: dict[str, int] | None = None
     if workers is None and ray is None:
-        from replay.parallel import wanted_ids
+        from replay.parallel import wanted_sizes
 
-        ids = await wanted_ids(store, None)
-        workers = auto_workers(len(ids))
+        sizes = await wanted_sizes(store, None)
+        workers = auto_workers(len(sizes))
     if workers != 1 or ray is not None:
         return await _export_parallel(
-            store, out, fmt, rules, page_size, batch, workers, ray, ids, on_progress
+            store, out, fmt, rules, page_size, batch, workers, ray, sizes, on_progress
         )
     counts = ExportCounts()
     writer = _Writer(out, fmt, batch)
@@ -253,7 +253,7 @@ async def _export_parallel(
     batch: int,
     workers: int | None,
     ray: str | None,
-    ids: list[str] | None,
+    sizes: dict[str, int] | None,
     on_progress: Callable[[int], None] | None,
 ) -> ExportCounts:
     from replay import parallel
@@ -268,12 +268,12 @@ async def _export_parallel(
         page_size=page_size,
         batch=batch,
     )
-    if ids is None:
-        ids = await parallel.wanted_ids(store, None)
+    if sizes is None:
+        sizes = await parallel.wanted_sizes(store, None)
     part_dir = parallel.part_directory(out)
     try:
         results = await parallel.run_jobs(
-            base, ids, workers=workers, ray=ray, part_dir=part_dir, on_progress=on_progress
+            base, sizes, workers=workers, ray=ray, part_dir=part_dir, on_progress=on_progress
         )
         sessions = parallel.merge_export(results, out, fmt, batch)
     finally:

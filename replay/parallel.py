@@ -5,8 +5,9 @@ processes) or a Ray cluster (`replay.cluster`). The work is split so that
 nothing but the database URL, the rules and two session ids travels to a
 worker, and a worker's memory is bounded by the largest session, not the log:
 
-- the driver lists the session ids (ids only), sorts them (code point order)
-  and cuts them into contiguous ranges with equal numbers of sessions;
+- the driver lists the session ids with their numbers of events, sorts the
+  ids (code point order) and cuts them into contiguous ranges of equal weight
+  (`replay.partitions.plan_ranges`: equal counts of sessions are not equal work);
 - a worker opens the store by URL and streams its range with
   `iter_session_logs(sessions=range)`: the store filters the event pages, so a
   worker decodes only its own sessions' events and reads only their arrays;
@@ -39,7 +40,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
@@ -370,18 +371,18 @@ async def _run_on_pool(
 # -------------------------------------------------------------- driver
 
 
-async def wanted_ids(store: EventStore, session_ids: Iterable[str] | None) -> list[str]:
-    """The log's session ids (or those of `session_ids` it holds)."""
-    ids = await store.session_ids()
+async def wanted_sizes(store: EventStore, session_ids: Iterable[str] | None) -> dict[str, int]:
+    """The log's sessions (or those of `session_ids` it holds) -> their number of events."""
+    sizes = await store.session_sizes()
     if session_ids is not None:
         wanted = set(session_ids)
-        ids = [s for s in ids if s in wanted]
-    return ids
+        sizes = {s: n for s, n in sizes.items() if s in wanted}
+    return sizes
 
 
-def make_jobs(base: Job, ids: Sequence[str], parts: int) -> list[Job]:
-    """One job per range of `ids` (at most one per session)."""
-    return [msgspec.structs.replace(base, sessions=r) for r in plan_ranges(ids, parts)]
+def make_jobs(base: Job, sizes: Mapping[str, int], parts: int) -> list[Job]:
+    """One job per range of the sessions `sizes` weighs (at most one per session)."""
+    return [msgspec.structs.replace(base, sessions=r) for r in plan_ranges(sizes, parts, sizes)]
 
 
 def part_paths(part_dir: Path | None, n: int) -> list[Path | None]:
@@ -390,14 +391,14 @@ def part_paths(part_dir: Path | None, n: int) -> list[Path | None]:
 
 async def run_jobs(
     base: Job,
-    ids: Sequence[str],
+    sizes: Mapping[str, int],
     *,
     workers: int | None,
     ray: str | None,
     part_dir: Path | None,
     on_progress: Callable[[int], None] | None,
 ) -> list[PartResult]:
-    """Split `ids` into ranges and run them in local processes, or as Ray tasks
+    """Split the sessions `sizes` weighs into ranges and run them in local processes, or as Ray tasks
     when `ray` is set ("" = `ray.init()`'s default cluster). `workers` None:
     one per core (on Ray: per CPU of the cluster), fewer for a small log."""
     if ray is not None:
@@ -405,13 +406,13 @@ async def run_jobs(
 
         return await run_on_ray(
             base,
-            ids,
+            sizes,
             workers=workers,
             part_dir=part_dir,
             address=ray or None,
             on_progress=on_progress,
         )
-    jobs = make_jobs(base, ids, workers or auto_workers(len(ids)))
+    jobs = make_jobs(base, sizes, workers or auto_workers(len(sizes)))
     return await run_in_processes(jobs, part_paths(part_dir, len(jobs)), on_progress)
 
 

@@ -333,12 +333,12 @@ async def reclassify(
     names = None if dry_run else (name, summary_name)
     previous_name = await previous_summary_name(store, summary_name)
     partitions: list[PartStat] = []
-    ids: list[str] | None = None
+    sizes: dict[str, int] | None = None
     if workers is None and ray is None:
-        from replay.parallel import wanted_ids
+        from replay.parallel import wanted_sizes
 
-        ids = await wanted_ids(store, session_ids)
-        workers = auto_workers(len(ids))
+        sizes = await wanted_sizes(store, session_ids)
+        workers = auto_workers(len(sizes))
     if workers == 1 and ray is None:
         count = 0
 
@@ -373,10 +373,10 @@ async def reclassify(
             page_size=page_size,
             batch=batch,
         )
-        if ids is None:
-            ids = await parallel.wanted_ids(store, base.session_ids)
+        if sizes is None:
+            sizes = await parallel.wanted_sizes(store, base.session_ids)
         results = await parallel.run_jobs(
-            base, ids, workers=workers, ray=ray, part_dir=None, on_progress=on_progress
+            base, sizes, workers=workers, ray=ray, part_dir=None, on_progress=on_progress
         )
         seen = parallel.merge_summaries(results)
         partitions = parallel.partition_stats(results)

@@ -12,6 +12,9 @@ their parameters. As a live server writes it (`--layout interleaved`, the
 default), each turn is its own append and `--concurrency` sessions are open
 at once, so a session's events are spread over the whole log between other
 sessions' turns; `--layout contiguous` writes each session in one piece.
+`--long-first F --long-turns N`: the first F of the sessions in id order run N
+turns (as the rollout driver's ids sort a long task's samples side by side),
+for the parallel split (`bench_replay_parallel.py`).
 
 Each measurement runs in a fresh subprocess on a private copy of the cached
 log, in the product's default configuration (nothing is patched):
@@ -67,7 +70,7 @@ async def generate(path: Path, sessions: int, args: argparse.Namespace) -> None:
             await write_session(
                 store,
                 f"s{i:06d}",
-                args.turns,
+                session_turns(i, sessions, args),
                 args.new_tokens,
                 args.out_tokens,
                 i,
@@ -81,6 +84,19 @@ async def generate(path: Path, sessions: int, args: argparse.Namespace) -> None:
         await asyncio.gather(*(one(i) for i in range(sessions)))
     finally:
         await store.close()
+
+
+def add_skew_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--long-first", type=float, default=0.0, help="the first F of the sessions (id order) ..."
+    )
+    p.add_argument("--long-turns", type=int, default=160, help="... run this many turns")
+
+
+def session_turns(i: int, sessions: int, args: argparse.Namespace) -> int:
+    """Turns of the i-th session (in id order): `--long-turns` for the first `--long-first`."""
+    long_first = getattr(args, "long_first", 0.0)
+    return args.long_turns if i < long_first * sessions else args.turns
 
 
 def cached_log(sessions: int, args: argparse.Namespace) -> Path:
@@ -98,6 +114,8 @@ def cached_log(sessions: int, args: argparse.Namespace) -> Path:
             args.out_tokens,
             args.layout,
             args.concurrency,
+            # Only a skewed log's key names the skew (the uniform logs keep their cache).
+            *([args.long_first, args.long_turns] if getattr(args, "long_first", 0.0) else []),
         ]
     )
     tag = hashlib.sha256(key.encode()).hexdigest()[:12]
@@ -190,6 +208,7 @@ def main() -> None:
     p.add_argument("--page-size", type=int, default=1000)
     p.add_argument("--workers", type=int, default=2, help="processes for the parallel run")
     p.add_argument("--cache-dir", default="/tmp/tr-bench-replay")
+    add_skew_options(p)
     p.add_argument("--measure", nargs=2, metavar=("MODE", "DB"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.measure:

@@ -4,6 +4,8 @@ worker processes vs Ray tasks, in the same run, on the same logs; prints a table
     python tools/bench_replay_parallel.py                         # 2,000 and 20,000 x 40
     python tools/bench_replay_parallel.py --sizes 2000 --repeat 3
     python tools/bench_replay_parallel.py --sizes 200 --turns 10 --jobs reclassify  # quick
+    python tools/bench_replay_parallel.py --sizes 2000 --turns 20 --long-first 0.25 \
+        --long-turns 100 --jobs reclassify --no-ray      # long sessions first in id order
 
 Logs: the 2,000-session log is `tools/bench_replay.py`'s (same generator, same
 cache: per turn MessagesRequest, ChainDecision, RenderedInput, GenerateResult,
@@ -233,6 +235,8 @@ def main() -> None:
     p.add_argument("--no-ray", action="store_true", help="skip the Ray column")
     p.add_argument("--repeat", type=int, default=1, help="runs per cell (median)")
     p.add_argument("--cache-dir", default="/tmp/tr-bench-replay")
+    if hasattr(bench_replay, "add_skew_options"):  # a --src child of an older checkout lacks it
+        bench_replay.add_skew_options(p)
     p.add_argument("--measure", nargs=3, metavar=("JOB", "MODE", "DB"), help=argparse.SUPPRESS)
     p.add_argument("--ray-address", default="", help=argparse.SUPPRESS)
     p.add_argument(
@@ -267,7 +271,13 @@ def main() -> None:
 
     print()
     print(
-        f"replay reclassify / export (JSONL), {args.turns} turns/session, log {args.layout}; "
+        f"replay reclassify / export (JSONL), {args.turns} turns/session"
+        + (
+            f" ({args.long_turns} for the first {args.long_first:.0%} in id order)"
+            if args.long_first
+            else ""
+        )
+        + f", log {args.layout}; "
         f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f} at the end; "
         f"median of {args.repeat}"
     )

@@ -122,6 +122,35 @@ def test_ranges_split_evenly_and_cover_everything() -> None:
     assert plan_ranges([], 4) == [(None, None)]
 
 
+def test_weighted_ranges_give_each_worker_an_equal_share_of_the_events() -> None:
+    """Rollout ids sort a task's samples side by side: equal counts of sessions
+    gave one worker every long task. Weighted by events, the split is even."""
+    ids = [f"ro-task{i // 8:03d}-s{i % 8}" for i in range(64)]
+    sizes = {sid: 400 if n < 16 else 20 for n, sid in enumerate(ids)}  # two long tasks first
+    share = [_weight(r, sizes) for r in plan_ranges(ids, 2, sizes)]
+    assert [_weight(r, sizes) for r in plan_ranges(ids, 2)] == [6400 + 16 * 20, 32 * 20]
+    assert abs(share[0] - share[1]) <= max(sizes.values())
+    assert sum(share) == sum(sizes.values())
+    for parts in (1, 2, 3, 5, 64, 100):
+        ranges = plan_ranges(ids, parts, sizes)
+        assert len(ranges) == min(parts, len(ids))
+        # Contiguous, every id in exactly one range, none empty.
+        assert ranges[0][0] is None and ranges[-1][1] is None
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+        assert all(_weight(r, sizes) > 0 for r in ranges)
+        ideal = sum(sizes.values()) / len(ranges)
+        assert max(_weight(r, sizes) for r in ranges) <= ideal + max(sizes.values())
+    # Equal weights cut as equal counts do; a missing or zero size weighs 1.
+    assert plan_ranges(ids, 4, dict.fromkeys(ids, 7)) == plan_ranges(ids, 4)
+    assert plan_ranges(["a", "b"], 2, {"a": 0}) == [(None, "b"), ("b", None)]
+    assert plan_ranges([], 3, {}) == [(None, None)]
+
+
+def _weight(bounds: tuple[str | None, str | None], sizes: dict[str, int]) -> int:
+    lo, hi = bounds
+    return sum(n for s, n in sizes.items() if (lo is None or s >= lo) and (hi is None or s < hi))
+
+
 def test_auto_workers_uses_every_core_but_not_for_a_small_log() -> None:
     assert auto_workers(2000, cores=2) == 2
     assert auto_workers(100_000, cores=16) == 16
@@ -162,6 +191,32 @@ async def test_reclassify_projection_is_byte_identical_for_1_2_4_workers(
     # The session filter and dry runs work the same in parallel.
     dry = await reclassify(store, Rules(), workers=2, dry_run=True, session_ids=["a-linear"])
     assert dry.sessions == 1 and dry.dry_run
+
+
+async def test_workers_split_the_log_by_events_not_by_sessions(store: EventStore) -> None:
+    """Long sessions sorted first (a long task's samples): the first worker takes
+    fewer of them, and the projection is still the one-process run's."""
+    logs = []
+    for i in range(12):
+        log = Log(f"ro-t{i:02d}").open()
+        ids = [1, 2, 3]
+        for k in range(24 if i < 3 else 2):
+            ids = log.turn(ids, [10 + k, 2]).then([4, 5 + k])
+        logs.append(log.close())
+    await write_interleaved(store, logs)
+    one = await reclassify(store, Rules(), workers=1)
+    digest = await projection_digest(store)
+    await clear_projections(store)
+    two = await reclassify(store, Rules(), workers=2)
+    assert await projection_digest(store) == digest
+    assert two.trainable_after == one.trainable_after
+    # An equal count (6 and 6) gave the first worker 78 of the 90 turns; by
+    # events each worker's share is within one session of half.
+    first, second = (p.sessions for p in two.partitions)
+    assert first + second == 12 and first < 6
+    sizes = [n for _sid, n in sorted((await store.session_sizes()).items())]
+    share = sum(sizes[:first])
+    assert abs(share - (sum(sizes) - share)) <= max(sizes)
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])

@@ -26,6 +26,8 @@ async def test_append_and_read_back(store: EventStore, make_events: MakeEvents) 
     assert [e.position for e in got[:3]] == positions
     assert [e.seq for e in await store.read_session("s1", from_seq=2)] == [2, 3]
     assert await store.session_ids() == ["s1", "s2"]
+    sizes = await store.session_sizes()
+    assert sizes == {"s1": 4, "s2": 2} and list(sizes) == ["s1", "s2"]  # first appearance
     assert await store.last_position() == max(e.position for e in await store.read_all())
     page = await store.read_all(after=positions[0], limit=2)
     assert [e.position for e in page] == positions[1:]
@@ -155,6 +157,7 @@ async def test_empty_append_writes_nothing(store: EventStore) -> None:
     assert await store.append("s", []) == []
     assert await store.last_position() == 0
     assert await store.session_ids() == []
+    assert await store.session_sizes() == {}
 
 
 async def test_batch_with_repeated_event_id_rejected(store: EventStore) -> None:

@@ -209,6 +209,11 @@ class EventStore(ProjectionStore):
         """Every session id in the log, in order of first appearance."""
 
     @abc.abstractmethod
+    async def session_sizes(self) -> dict[str, int]:
+        """Every session id in the log (in order of first appearance) -> its number
+        of events: how a parallel replay weighs sessions when it splits them."""
+
+    @abc.abstractmethod
     async def last_position(self) -> int:
         """The highest committed position (0 for an empty log)."""
 

@@ -737,6 +737,17 @@ class SqlEventStore(EventStore):
         async with self.read_engine.connect() as conn:
             return [r[0] for r in await conn.execute(stmt)]
 
+    async def session_sizes(self) -> dict[str, int]:
+        # The same scan as `session_ids` (the (session_id, seq) index covers it).
+        first = sa.func.min(events.c.position)
+        stmt = (
+            sa.select(events.c.session_id, sa.func.count(), first)
+            .group_by(events.c.session_id)
+            .order_by(first)
+        )
+        async with self.read_engine.connect() as conn:
+            return {r[0]: int(r[1]) for r in await conn.execute(stmt)}
+
     async def last_position(self) -> int:
         async with self.read_engine.connect() as conn:
             value = await conn.scalar(sa.select(sa.func.max(events.c.position)))
