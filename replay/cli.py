@@ -177,13 +177,15 @@ def reclassify(
     page_size: int,
 ) -> None:
     """Re-derive every session's samples and store them as a projection."""
+    from replay.parallel import wanted_sizes
     from replay.reclassify import reclassify as run
 
     rules = _rules(rules_spec)
 
     async def go(store: EventStore) -> Any:
-        total = len(sessions) if sessions else len(await store.session_ids())
-        with _progress("reclassifying", total) as advance:
+        # Listed once: the progress bar's total and the workers' split.
+        sizes = await wanted_sizes(store, sessions or None)
+        with _progress("reclassifying", len(sizes)) as advance:
             return await run(
                 store,
                 rules,
@@ -193,6 +195,7 @@ def reclassify(
                 workers=workers,
                 ray=ray_address,
                 on_progress=advance,
+                sizes=sizes,
             )
 
     fork = _local_workers(workers, ray_address)
@@ -369,11 +372,13 @@ def export(
 ) -> None:
     """Write samples for a trainer (see replay.export for the slime / verl mapping)."""
     from replay.export import export_samples
+    from replay.parallel import wanted_sizes
 
     rules = _rules(rules_spec)
 
     async def go(store: EventStore) -> Any:
-        with _progress("exporting", len(await store.session_ids())) as advance:
+        sizes = await wanted_sizes(store, None)  # the total and the split, listed once
+        with _progress("exporting", len(sizes)) as advance:
             return await export_samples(
                 store,
                 out,
@@ -383,6 +388,7 @@ def export(
                 workers=workers,
                 ray=ray_address,
                 on_progress=advance,
+                sizes=sizes,
             )
 
     fork = _local_workers(workers, ray_address)

@@ -44,7 +44,7 @@ Sample fields; `metadata` is a JSON string, `routed_experts` is split into
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -194,6 +194,7 @@ async def export_samples(
     ray: str | None = None,
     on_session: Callable[[SessionResult], None] | None = None,
     on_progress: Callable[[int], None] | None = None,
+    sizes: Mapping[str, int] | None = None,
 ) -> ExportCounts:
     """Write every session's samples under `rules` to `out`.
 
@@ -206,14 +207,16 @@ async def export_samples(
     "" for Ray's default) in Ray tasks, each over a range of sessions (see
     `replay.parallel`); the file is the same, byte for byte. `on_session` gets
     each result (one process only); `on_progress` the count of sessions done.
+    `sizes`: the log's sessions and their numbers of events if the caller has
+    listed them already (`replay.parallel.wanted_sizes(store, None)`).
     """
     if workers is not None and workers < 1:
         raise ValueError("workers must be >= 1")
-    sizes: dict[str, int] | None = None
     if workers is None and ray is None:
-        from replay.parallel import wanted_sizes
+        if sizes is None:
+            from replay.parallel import wanted_sizes
 
-        sizes = await wanted_sizes(store, None)
+            sizes = await wanted_sizes(store, None)
         workers = auto_workers(len(sizes))
     if workers != 1 or ray is not None:
         return await _export_parallel(
@@ -253,7 +256,7 @@ async def _export_parallel(
     batch: int,
     workers: int | None,
     ray: str | None,
-    sizes: dict[str, int] | None,
+    sizes: Mapping[str, int] | None,
     on_progress: Callable[[int], None] | None,
 ) -> ExportCounts:
     from replay import parallel

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
 
 import msgspec
@@ -315,6 +315,7 @@ async def reclassify(
     ray: str | None = None,
     on_session: Callable[[SessionResult], None] | None = None,
     on_progress: Callable[[int], None] | None = None,
+    sizes: Mapping[str, int] | None = None,
 ) -> ReclassifyReport:
     """Reduce every session (or `session_ids`) and store the projection.
 
@@ -324,7 +325,10 @@ async def reclassify(
     `replay.parallel`; the store must be reachable by URL from every worker:
     a file on a shared path, or a server); the projection is the same as one
     process writes. `on_session` gets each result (one process only);
-    `on_progress` gets the running count of reduced sessions.
+    `on_progress` gets the running count of reduced sessions. `sizes`: the
+    sessions to reduce and their numbers of events if the caller has listed
+    them already (`replay.parallel.wanted_sizes(store, session_ids)`), so the
+    log is not scanned for them twice.
     """
     if workers is not None and workers < 1:
         raise ValueError("workers must be >= 1")
@@ -333,11 +337,11 @@ async def reclassify(
     names = None if dry_run else (name, summary_name)
     previous_name = await previous_summary_name(store, summary_name)
     partitions: list[PartStat] = []
-    sizes: dict[str, int] | None = None
     if workers is None and ray is None:
-        from replay.parallel import wanted_sizes
+        if sizes is None:
+            from replay.parallel import wanted_sizes
 
-        sizes = await wanted_sizes(store, session_ids)
+            sizes = await wanted_sizes(store, session_ids)
         workers = auto_workers(len(sizes))
     if workers == 1 and ray is None:
         count = 0

@@ -5,6 +5,7 @@ without --ray. The Ray runs of the same comparisons are in test_ray.py."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from builders import Log, _rewrite_refs, small_logs
 from recorder.log.events import ArrayRef, NewEvent
 from recorder.log.store import EventStore
 from replay.export import export_samples
+from replay.parallel import wanted_sizes
 from replay.partitions import auto_workers, plan_ranges
 from replay.reclassify import reclassify
 from replay.rules import Rules
@@ -136,7 +138,7 @@ def test_weighted_ranges_give_each_worker_an_equal_share_of_the_events() -> None
         assert len(ranges) == min(parts, len(ids))
         # Contiguous, every id in exactly one range, none empty.
         assert ranges[0][0] is None and ranges[-1][1] is None
-        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
         assert all(_weight(r, sizes) > 0 for r in ranges)
         ideal = sum(sizes.values()) / len(ranges)
         assert max(_weight(r, sizes) for r in ranges) <= ideal + max(sizes.values())
@@ -217,6 +219,33 @@ async def test_workers_split_the_log_by_events_not_by_sessions(store: EventStore
     sizes = [n for _sid, n in sorted((await store.session_sizes()).items())]
     share = sum(sizes[:first])
     assert abs(share - (sum(sizes) - share)) <= max(sizes)
+
+
+async def test_sessions_listed_by_the_caller_are_not_listed_again(
+    store: EventStore, tmp_path: Path
+) -> None:
+    """The command line lists the sessions once (its progress total) and hands
+    them on: the log is not scanned for them a second time."""
+    logs = parallel_logs(4)
+    await write_interleaved(store, logs)
+    sizes = await wanted_sizes(store, None)
+    listed = 0
+    session_sizes = store.session_sizes
+
+    async def counted() -> dict[str, int]:
+        nonlocal listed
+        listed += 1
+        return await session_sizes()
+
+    store.session_sizes = counted  # type: ignore[method-assign]
+    for workers in (None, 2):
+        report = await reclassify(store, Rules(), workers=workers, sizes=sizes)
+        assert report.sessions == len(logs)
+        counts = await export_samples(
+            store, tmp_path / f"{workers}.jsonl", "jsonl", Rules(), workers=workers, sizes=sizes
+        )
+        assert counts.sessions == len(logs)
+    assert listed == 0
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
