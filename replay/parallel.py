@@ -48,7 +48,16 @@ from typing import Any, Literal
 import msgspec
 
 from recorder.log.store.base import EventStore, SessionRange
-from replay.export import Format, ParquetWriter, part_blob, samples_from_blob
+from replay.export import (
+    ExportCounts,
+    Format,
+    ParquetWriter,
+    Tally,
+    counted,
+    part_blob,
+    samples_from_blob,
+    tally,
+)
 from replay.gcpass import pass_gc
 from replay.load import iter_session_logs
 from replay.partitions import PartStat, auto_workers, plan_ranges
@@ -74,8 +83,9 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     batch: int = 256
 
 
-# (yield phase, yield position, session id, offset in the chunk's data, length)
-Entry = tuple[int, int, str, int, int]
+# (yield phase, yield position, session id, offset in the chunk's data, length,
+# then the session's `replay.export.Tally`: samples, placeholders, trainable tokens)
+Entry = tuple[int, int, str, int, int, int, int, int]
 
 
 class Chunk(msgspec.Struct, kw_only=True):
@@ -168,7 +178,7 @@ async def _export_chunks(store: EventStore, job: Job) -> AsyncIterator[Chunk]:
     ):
         result = reduce_session(log.events, log.arrays, job.rules)
         blob = part_blob(result.samples, job.fmt)
-        entries.append((*log.order, log.session_id, len(data), len(blob)))
+        entries.append((*log.order, log.session_id, len(data), len(blob), *tally(result.samples)))
         data += blob
         if len(entries) >= job.batch or len(data) >= FLUSH_BYTES:
             yield Chunk(sessions=len(entries), entries=entries, data=bytes(data))
@@ -192,7 +202,7 @@ class PartSink:
             assert self._fh is not None, "an export chunk needs a part file"
             self._fh.write(chunk.data)
             base = self._size
-            self.result.entries += [(p, q, s, base + o, n) for p, q, s, o, n in chunk.entries]
+            self.result.entries += [(*e[:3], base + e[3], *e[4:]) for e in chunk.entries]
             self._size += len(chunk.data)
         if chunk.node:
             self.result.node, self.result.peak_rss = chunk.node, chunk.peak_rss
@@ -430,15 +440,17 @@ def merge_summaries(results: Sequence[PartResult]) -> dict[str, SessionSummary]:
     return seen
 
 
-def merge_export(results: Sequence[PartResult], out: Path, fmt: Format, batch: int) -> int:
+def merge_export(results: Sequence[PartResult], out: Path, fmt: Format, batch: int) -> ExportCounts:
     """Write the parts' sessions to `out` in the one-process order; return the
-    number of sessions. A session yielded more than once keeps its last yield."""
+    counts of what was written. A session yielded more than once keeps its last yield."""
     final: dict[str, tuple[int, int, int, int, int]] = {}
+    tallies: dict[str, Tally] = {}
     for k, r in enumerate(results):
-        for phase, pos, sid, offset, length in r.entries:
+        for phase, pos, sid, offset, length, *counts in r.entries:
             key = (phase, pos, k, offset, length)
             if sid not in final or final[sid][:2] <= key[:2]:
                 final[sid] = key
+                tallies[sid] = (counts[0], counts[1], counts[2])
     order = sorted(final.values())
     files = [open(r.part, "rb") if r.entries else None for r in results]  # noqa: SIM115
     try:
@@ -464,7 +476,7 @@ def merge_export(results: Sequence[PartResult], out: Path, fmt: Format, batch: i
         for fh in files:
             if fh is not None:
                 fh.close()
-    return len(final)
+    return counted(tallies.values())
 
 
 def part_directory(out: Path) -> Path:
