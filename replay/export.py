@@ -225,7 +225,7 @@ async def export_samples(
     writer = _Writer(out, fmt, batch)
     rows: list[tuple[str, int]] = []  # (session, yield number) per written row
     yields: dict[str, int] = {}
-    kept: dict[str, Tally] = {}  # per session, its last yield's
+    kept: dict[str, Tally] = {}  # per session, the tally of its last yield (the rows kept)
     try:
         async for log in iter_session_logs(
             store, page_size=page_size, routed_experts=rules.routed_experts is not None

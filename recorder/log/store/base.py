@@ -204,9 +204,9 @@ class EventStore(ProjectionStore):
             if len(page) < 1000:
                 return head, closed
 
-    @abc.abstractmethod
     async def session_ids(self) -> list[str]:
         """Every session id in the log, in order of first appearance."""
+        return list(await self.session_sizes())
 
     @abc.abstractmethod
     async def session_sizes(self) -> dict[str, int]:

@@ -731,14 +731,8 @@ class SqlEventStore(EventStore):
             )
             return max(head, after), list(await conn.scalars(stmt))
 
-    async def session_ids(self) -> list[str]:
-        first = sa.func.min(events.c.position)
-        stmt = sa.select(events.c.session_id, first).group_by(events.c.session_id).order_by(first)
-        async with self.read_engine.connect() as conn:
-            return [r[0] for r in await conn.execute(stmt)]
-
     async def session_sizes(self) -> dict[str, int]:
-        # The same scan as `session_ids` (the (session_id, seq) index covers it).
+        # One scan of the (session_id, seq) index, which covers it.
         first = sa.func.min(events.c.position)
         stmt = (
             sa.select(events.c.session_id, sa.func.count(), first)
