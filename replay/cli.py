@@ -406,19 +406,35 @@ def export(
 @main.command()
 @db_option
 @rules_option
+@workers_option
+@ray_option
 @page_option
-def stats(db: str, rules_spec: str | None, page_size: int) -> None:
+def stats(
+    db: str, rules_spec: str | None, workers: int | None, ray_address: str | None, page_size: int
+) -> None:
     """Sessions, turns, tokens, TITO failure rate, aborts, segment kinds, and per session
     where the engine's output tokens went (trained, or untrained and why)."""
+    from replay.parallel import wanted_sizes
     from replay.stats import accounting_table, log_stats, stats_table
 
     rules = _rules(rules_spec)
 
     async def go(store: EventStore) -> Any:
-        with _progress("reading", len(await store.session_ids())) as advance:
-            return await log_stats(store, rules, page_size=page_size, on_session=advance)
+        sizes = await wanted_sizes(store, None)  # the total and the split, listed once
+        with _progress("reading", len(sizes)) as advance:
+            return await log_stats(
+                store,
+                rules,
+                page_size=page_size,
+                workers=workers,
+                ray=ray_address,
+                on_progress=advance,
+                sizes=sizes,
+            )
 
-    st = _run(db, go, streaming=True)
+    fork = _local_workers(workers, ray_address)
+    st = _parallel_errors(lambda: _run(db, go, streaming=True, fork=fork))
+    _print_partitions(st.partitions)
     console.print(stats_table(st))
     console.print(accounting_table(st))
 

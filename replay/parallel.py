@@ -22,7 +22,9 @@ What comes back:
   session's `YieldKey`. The driver spills chunks to a part file per worker,
   then writes the output in yield-key order keeping each session's last yield:
   the order and content of the one-process export, byte for byte (Parquet is
-  re-encoded by the driver with the same row groups).
+  re-encoded by the driver with the same row groups);
+- stats: each worker returns its sessions' `replay.stats.SessionStats`, which
+  the driver combines as one process does.
 
 Ray is never imported here: `replay.cluster` runs the same `worker_chunks`
 as Ray tasks.
@@ -64,8 +66,9 @@ from replay.partitions import PartStat, auto_workers, plan_ranges
 from replay.reclassify import FLUSH_BYTES, SessionSummary, reduce_batches
 from replay.reducer import reduce_session
 from replay.rules import Rules
+from replay.stats import SessionStats, session_stats
 
-Kind = Literal["reclassify", "export"]
+Kind = Literal["reclassify", "export", "stats"]
 
 
 class Job(msgspec.Struct, frozen=True, kw_only=True):
@@ -93,6 +96,7 @@ class Chunk(msgspec.Struct, kw_only=True):
 
     sessions: int
     summaries: dict[str, SessionSummary] = {}
+    stats: dict[str, SessionStats] = {}
     entries: list[Entry] = []
     data: bytes = b""
     # Set on a worker's last chunk: where it ran, its process's peak RSS and
@@ -107,6 +111,7 @@ class PartResult(msgspec.Struct, kw_only=True):
 
     sessions: int = 0
     summaries: dict[str, SessionSummary] = {}
+    stats: dict[str, SessionStats] = {}
     entries: list[Entry] = []
     part: str = ""
     node: str = ""
@@ -133,11 +138,11 @@ async def worker_chunks(job: Job, node: str = "") -> AsyncIterator[Chunk]:
     cpu = time.process_time()
     store = await open_store(job.url, options=StoreOptions.streaming())
     try:
-        chunks = (
-            _reclassify_chunks(store, job)
-            if job.kind == "reclassify"
-            else _export_chunks(store, job)
-        )
+        chunks = {
+            "reclassify": _reclassify_chunks,
+            "export": _export_chunks,
+            "stats": _stats_chunks,
+        }[job.kind](store, job)
         with pass_gc():  # a spawned worker or a Ray task; a forked worker has it already
             async for chunk in chunks:
                 yield chunk
@@ -187,6 +192,24 @@ async def _export_chunks(store: EventStore, job: Job) -> AsyncIterator[Chunk]:
         yield Chunk(sessions=len(entries), entries=entries, data=bytes(data))
 
 
+async def _stats_chunks(store: EventStore, job: Job) -> AsyncIterator[Chunk]:
+    stats: dict[str, SessionStats] = {}
+    async for log in iter_session_logs(
+        store,
+        page_size=job.page_size,
+        until=job.covers,
+        session_ids=job.session_ids,
+        sessions=job.sessions,
+    ):
+        result = reduce_session(log.events, log.arrays, job.rules)
+        stats[log.session_id] = session_stats(log, result)  # a later yield supersedes
+        if len(stats) >= job.batch:
+            yield Chunk(sessions=len(stats), stats=stats)
+            stats = {}
+    if stats:
+        yield Chunk(sessions=len(stats), stats=stats)
+
+
 class PartSink:
     """Gathers one worker's chunks: summaries in memory, export data in a part file."""
 
@@ -198,6 +221,7 @@ class PartSink:
     def add(self, chunk: Chunk) -> None:
         self.result.sessions += chunk.sessions
         self.result.summaries.update(chunk.summaries)
+        self.result.stats.update(chunk.stats)
         if chunk.entries:
             assert self._fh is not None, "an export chunk needs a part file"
             self._fh.write(chunk.data)

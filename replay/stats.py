@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import msgspec
 from rich.table import Table
@@ -21,6 +21,7 @@ from recorder.log.events import (
 )
 from recorder.log.store.base import EventStore
 from replay.load import SessionLog, iter_session_logs
+from replay.partitions import PartStat, auto_workers
 from replay.reducer import reduce_session
 from replay.rules import Rules
 from replay.samples import SessionResult
@@ -71,6 +72,8 @@ class LogStats(msgspec.Struct, kw_only=True):
     token_accounting: dict[str, int] = {}
     # session id -> its accounting (engine output = trained + untrained by reason)
     session_accounting: dict[str, dict[str, int]] = {}
+    # Parallel runs: per worker, where it ran and its peak memory.
+    partitions: list[PartStat] = []
 
     @property
     def tito_failure_rate(self) -> float | None:
@@ -120,7 +123,7 @@ def combine(per_session: dict[str, SessionStats], rules: Rules) -> LogStats:
     kinds: Counter[str] = Counter()
     statuses: Counter[str] = Counter()
     accounting: Counter[str] = Counter()
-    for sid, st in per_session.items():
+    for sid, st in sorted(per_session.items()):  # the same whichever worker read them
         accounting.update(st.token_accounting)
         out.session_accounting[sid] = st.token_accounting
         out.fully_masked_samples += st.fully_masked_samples
@@ -156,15 +159,74 @@ async def log_stats(
     rules: Rules,
     *,
     page_size: int = 1000,
+    batch: int = 256,
+    workers: int | None = 1,
+    ray: str | None = None,
     on_session: Callable[[SessionResult], None] | None = None,
+    on_progress: Callable[[int], None] | None = None,
+    sizes: Mapping[str, int] | None = None,
 ) -> LogStats:
+    """Every session reduced under `rules`, its statistics combined.
+
+    `workers` > 1 (None: one per core, fewer for a small log) reduces in that
+    many local processes, `ray` (an address, "" for Ray's default) in Ray
+    tasks, each over a range of sessions (`replay.parallel`); the statistics
+    are the one-process run's. `on_session` gets each result (one process
+    only), `on_progress` the count of sessions done; `sizes`: the sessions and
+    their numbers of events if the caller has listed them already.
+    """
+    if workers is not None and workers < 1:
+        raise ValueError("workers must be >= 1")
+    if workers is None and ray is None:
+        if sizes is None:
+            from replay.parallel import wanted_sizes
+
+            sizes = await wanted_sizes(store, None)
+        workers = auto_workers(len(sizes))
+    if workers != 1 or ray is not None:
+        return await _parallel_stats(
+            store, rules, page_size, batch, workers, ray, sizes, on_progress
+        )
     per_session: dict[str, SessionStats] = {}
     async for log in iter_session_logs(store, page_size=page_size):
         result = reduce_session(log.events, log.arrays, rules)
         per_session[log.session_id] = session_stats(log, result)  # later yields supersede
         if on_session is not None:
             on_session(result)
+        if on_progress is not None:
+            on_progress(len(per_session))
     return combine(per_session, rules)
+
+
+async def _parallel_stats(
+    store: EventStore,
+    rules: Rules,
+    page_size: int,
+    batch: int,
+    workers: int | None,
+    ray: str | None,
+    sizes: Mapping[str, int] | None,
+    on_progress: Callable[[int], None] | None,
+) -> LogStats:
+    from replay import parallel
+
+    base = parallel.Job(
+        kind="stats",
+        url=store.url,
+        rules=rules,
+        covers=await store.last_position(),
+        sessions=(None, None),
+        page_size=page_size,
+        batch=batch,
+    )
+    if sizes is None:
+        sizes = await parallel.wanted_sizes(store, None)
+    results = await parallel.run_jobs(
+        base, sizes, workers=workers, ray=ray, part_dir=None, on_progress=on_progress
+    )
+    out = combine({sid: st for r in results for sid, st in r.stats.items()}, rules)
+    out.partitions = parallel.partition_stats(results)
+    return out
 
 
 def stats_table(st: LogStats) -> Table:

@@ -1,4 +1,5 @@
-"""Benchmark parallel `replay reclassify` and `replay export`: one process vs N local
+"""Benchmark parallel `replay reclassify`, `replay export` and `replay stats`
+(`--jobs ... stats`): one process vs N local
 worker processes vs Ray tasks, in the same run, on the same logs; prints a table.
 
     python tools/bench_replay_parallel.py                         # 2,000 and 20,000 x 40
@@ -128,10 +129,19 @@ def measure(job: str, mode: str, db: str, ray_address: str) -> None:
             streaming=True,
             **fork,
         )
-    else:
+    elif job == "export":
         result = _run(
             db,
             lambda store: export_samples(store, out, "jsonl", Rules(), workers=workers, ray=ray),
+            streaming=True,
+            **fork,
+        )
+    else:
+        from replay.stats import log_stats
+
+        result = _run(
+            db,
+            lambda store: log_stats(store, Rules(), workers=workers, ray=ray),
             streaming=True,
             **fork,
         )
@@ -231,7 +241,12 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--layout", choices=("interleaved", "contiguous"), default="interleaved")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 2)
-    p.add_argument("--jobs", nargs="+", default=["reclassify", "export"])
+    p.add_argument(
+        "--jobs",
+        nargs="+",
+        choices=("reclassify", "export", "stats"),
+        default=["reclassify", "export"],
+    )
     p.add_argument("--no-ray", action="store_true", help="skip the Ray column")
     p.add_argument("--repeat", type=int, default=1, help="runs per cell (median)")
     p.add_argument("--cache-dir", default="/tmp/tr-bench-replay")

@@ -114,6 +114,11 @@ def test_stats(db: str) -> None:
     assert "MISMATCH" not in out
     # Per session: c-subagent trains every engine token, d-failed none (a placeholder).
     assert "c-subagent" in out and "placeholder session 2" in out
+    # In two worker processes: the same tables, after the line naming the workers.
+    two = run("stats", "--db", db, "--workers", "2")
+    assert two.exit_code == 0, two.output
+    assert "2 workers on 1 node" in two.output
+    assert two.output[two.output.index("log statistics") :] == out[out.index("log statistics") :]
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import msgspec
 import pytest
 import sqlalchemy as sa
 from builders import Log, _rewrite_refs, small_logs
@@ -23,6 +24,7 @@ from replay.parallel import wanted_sizes
 from replay.partitions import auto_workers, plan_ranges
 from replay.reclassify import reclassify
 from replay.rules import Rules
+from replay.stats import log_stats
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -246,6 +248,22 @@ async def test_sessions_listed_by_the_caller_are_not_listed_again(
         )
         assert counts.sessions == len(logs)
     assert listed == 0
+
+
+async def test_stats_are_the_one_process_stats_for_1_2_4_workers(store: EventStore) -> None:
+    """`replay stats` in parallel: the same numbers (the late-rewarded session
+    counted once, by its last yield), whichever worker read each session."""
+    logs = parallel_logs()
+    await write_interleaved(store, logs)
+    stats = {workers: await log_stats(store, Rules(), workers=workers) for workers in (1, 2, 4)}
+    one = stats[1]
+    assert one.sessions == len(logs) and one.turns > 0 and one.trainable_tokens > 0
+    assert one.partitions == []
+    for workers in (2, 4):
+        assert len(stats[workers].partitions) == workers
+        assert msgspec.structs.replace(stats[workers], partitions=[]) == one
+    # Default: one per core, but a log this small runs in one process.
+    assert (await log_stats(store, Rules(), workers=None)).partitions == []
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from test_parallel import (
     ROOT,
@@ -30,6 +31,7 @@ from recorder.log.store import EventStore
 from replay.export import export_samples
 from replay.reclassify import reclassify
 from replay.rules import Rules
+from replay.stats import log_stats
 from tests.conftest import missing
 
 pytestmark = pytest.mark.ray
@@ -111,6 +113,16 @@ async def test_reclassify_on_ray_equals_the_one_process_projection(
     assert len({p.node for p in report.partitions}) >= 2, report.partitions
     assert all(p.peak_rss > 0 for p in report.partitions)
     assert seen and seen[-1] == sum(p.sessions for p in report.partitions)
+
+
+async def test_stats_on_ray_equal_the_one_process_stats(
+    ray_cluster: str, store: EventStore
+) -> None:
+    await write_interleaved(store, parallel_logs())
+    serial = await log_stats(store, Rules())
+    spread = await log_stats(store, Rules(), workers=NODES, ray=ray_cluster)
+    assert msgspec.structs.replace(spread, partitions=[]) == serial
+    assert len({p.node for p in spread.partitions}) >= 2, spread.partitions
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
