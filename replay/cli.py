@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import click
 from rich.console import Console
@@ -17,7 +17,7 @@ from rich.text import Text
 
 from recorder.log.store.base import EventStore, StoreError
 from replay.gcpass import pass_gc
-from replay.partitions import default_workers
+from replay.partitions import PartStat, default_workers
 from replay.rules import PRESETS, Rules, RulesError, load_rules
 
 T = TypeVar("T")
@@ -137,7 +137,7 @@ def _parallel_errors(fn: Callable[[], T]) -> T:
         raise click.ClickException(str(exc)) from None
 
 
-def _print_partitions(partitions: list[Any]) -> None:
+def _print_partitions(partitions: list[PartStat]) -> None:
     if not partitions:
         return
     nodes = {p.node for p in partitions}
@@ -147,6 +147,39 @@ def _print_partitions(partitions: list[Any]) -> None:
         f"sessions per worker {min(p.sessions for p in partitions)}-"
         f"{max(p.sessions for p in partitions)}, largest worker peak RSS {peak / 2**20:.0f} MB"
     )
+
+
+class _Partitioned(Protocol):
+    partitions: list[PartStat]
+
+
+P = TypeVar("P", bound=_Partitioned)
+# (store, the sessions to run and their sizes, the progress callback) -> the run's result
+_LogRun = Callable[[EventStore, Mapping[str, int], Callable[[object], None]], Awaitable[P]]
+
+
+def _run_on_workers(
+    db: str,
+    description: str,
+    workers: int | None,
+    ray_address: str | None,
+    run: _LogRun[P],
+    session_ids: Sequence[str] | None = None,
+) -> P:
+    """`run` over the log at `db` on the workers asked for (reclassify, export,
+    stats): the sessions listed once (the progress bar's total and the
+    workers' split), Ray errors explained, the workers described."""
+    from replay.parallel import wanted_sizes
+
+    async def go(store: EventStore) -> P:
+        sizes = await wanted_sizes(store, session_ids)
+        with _progress(description, len(sizes)) as advance:
+            return await run(store, sizes, advance)
+
+    fork = _local_workers(workers, ray_address)
+    result = _parallel_errors(lambda: _run(db, go, streaming=True, fork=fork))
+    _print_partitions(result.partitions)
+    return result
 
 
 @click.group()
@@ -177,30 +210,27 @@ def reclassify(
     page_size: int,
 ) -> None:
     """Re-derive every session's samples and store them as a projection."""
-    from replay.parallel import wanted_sizes
     from replay.reclassify import reclassify as run
 
     rules = _rules(rules_spec)
-
-    async def go(store: EventStore) -> Any:
-        # Listed once: the progress bar's total and the workers' split.
-        sizes = await wanted_sizes(store, sessions or None)
-        with _progress("reclassifying", len(sizes)) as advance:
-            return await run(
-                store,
-                rules,
-                session_ids=sessions or None,
-                page_size=page_size,
-                dry_run=dry_run,
-                workers=workers,
-                ray=ray_address,
-                on_progress=advance,
-                sizes=sizes,
-            )
-
-    fork = _local_workers(workers, ray_address)
-    report = _parallel_errors(lambda: _run(db, go, streaming=True, fork=fork))
-    _print_partitions(report.partitions)
+    report = _run_on_workers(
+        db,
+        "reclassifying",
+        workers,
+        ray_address,
+        lambda store, sizes, advance: run(
+            store,
+            rules,
+            session_ids=sessions or None,
+            page_size=page_size,
+            dry_run=dry_run,
+            workers=workers,
+            ray=ray_address,
+            on_progress=advance,
+            sizes=sizes,
+        ),
+        session_ids=sessions or None,
+    )
     verb = "would write" if dry_run else "wrote"
     console.print(
         f"rules [bold]{escape(rules.name)}[/] {rules.version}: {verb} [bold]{report.projection}[/] "
@@ -372,28 +402,25 @@ def export(
 ) -> None:
     """Write samples for a trainer (see replay.export for the slime / verl mapping)."""
     from replay.export import export_samples
-    from replay.parallel import wanted_sizes
 
     rules = _rules(rules_spec)
-
-    async def go(store: EventStore) -> Any:
-        sizes = await wanted_sizes(store, None)  # the total and the split, listed once
-        with _progress("exporting", len(sizes)) as advance:
-            return await export_samples(
-                store,
-                out,
-                fmt,
-                rules,
-                page_size=page_size,
-                workers=workers,
-                ray=ray_address,
-                on_progress=advance,
-                sizes=sizes,
-            )
-
-    fork = _local_workers(workers, ray_address)
-    counts = _parallel_errors(lambda: _run(db, go, streaming=True, fork=fork))
-    _print_partitions(counts.partitions)
+    counts = _run_on_workers(
+        db,
+        "exporting",
+        workers,
+        ray_address,
+        lambda store, sizes, advance: export_samples(
+            store,
+            out,
+            fmt,
+            rules,
+            page_size=page_size,
+            workers=workers,
+            ray=ray_address,
+            on_progress=advance,
+            sizes=sizes,
+        ),
+    )
     console.print(
         f"wrote {counts.samples} samples from {counts.sessions} sessions to {escape(str(out))} "
         f"({counts.placeholders} placeholders, {counts.trainable_tokens} trainable tokens)"
@@ -414,27 +441,24 @@ def stats(
 ) -> None:
     """Sessions, turns, tokens, TITO failure rate, aborts, segment kinds, and per session
     where the engine's output tokens went (trained, or untrained and why)."""
-    from replay.parallel import wanted_sizes
     from replay.stats import accounting_table, log_stats, stats_table
 
     rules = _rules(rules_spec)
-
-    async def go(store: EventStore) -> Any:
-        sizes = await wanted_sizes(store, None)  # the total and the split, listed once
-        with _progress("reading", len(sizes)) as advance:
-            return await log_stats(
-                store,
-                rules,
-                page_size=page_size,
-                workers=workers,
-                ray=ray_address,
-                on_progress=advance,
-                sizes=sizes,
-            )
-
-    fork = _local_workers(workers, ray_address)
-    st = _parallel_errors(lambda: _run(db, go, streaming=True, fork=fork))
-    _print_partitions(st.partitions)
+    st = _run_on_workers(
+        db,
+        "reading",
+        workers,
+        ray_address,
+        lambda store, sizes, advance: log_stats(
+            store,
+            rules,
+            page_size=page_size,
+            workers=workers,
+            ray=ray_address,
+            on_progress=advance,
+            sizes=sizes,
+        ),
+    )
     console.print(stats_table(st))
     console.print(accounting_table(st))
 

@@ -52,7 +52,7 @@ import msgspec
 
 from recorder.log.store.base import EventStore
 from replay.load import iter_session_logs
-from replay.partitions import PartStat, auto_workers
+from replay.partitions import PartStat
 from replay.reducer import reduce_session
 from replay.rules import Rules
 from replay.samples import Sample, SessionResult, Tensor
@@ -212,12 +212,9 @@ async def export_samples(
     """
     if workers is not None and workers < 1:
         raise ValueError("workers must be >= 1")
-    if workers is None and ray is None:
-        if sizes is None:
-            from replay.parallel import wanted_sizes
+    from replay.parallel import resolve_workers
 
-            sizes = await wanted_sizes(store, None)
-        workers = auto_workers(len(sizes))
+    workers, sizes = await resolve_workers(store, workers, ray, sizes)
     if workers != 1 or ray is not None:
         return await _export_parallel(
             store, out, fmt, rules, page_size, batch, workers, ray, sizes, on_progress
@@ -262,22 +259,13 @@ async def _export_parallel(
 ) -> ExportCounts:
     from replay import parallel
 
-    base = parallel.Job(
-        kind="export",
-        url=store.url,
-        rules=rules,
-        covers=await store.last_position(),
-        sessions=(None, None),
-        fmt=fmt,
-        page_size=page_size,
-        batch=batch,
+    base = await parallel.whole_log_job(
+        store, "export", rules, page_size=page_size, batch=batch, fmt=fmt
     )
-    if sizes is None:
-        sizes = await parallel.wanted_sizes(store, None)
     part_dir = parallel.part_directory(out)
     try:
         results = await parallel.run_jobs(
-            base, sizes, workers=workers, ray=ray, part_dir=part_dir, on_progress=on_progress
+            base, store, sizes, workers=workers, ray=ray, part_dir=part_dir, on_progress=on_progress
         )
         counts = parallel.merge_export(results, out, fmt, batch)
     finally:

@@ -61,7 +61,7 @@ from replay.export import (
     tally,
 )
 from replay.gcpass import pass_gc
-from replay.load import iter_session_logs
+from replay.load import SessionLog, iter_session_logs
 from replay.partitions import PartStat, auto_workers, plan_ranges
 from replay.reclassify import FLUSH_BYTES, SessionSummary, reduce_batches
 from replay.reducer import reduce_session
@@ -173,14 +173,7 @@ async def _reclassify_chunks(store: EventStore, job: Job) -> AsyncIterator[Chunk
 async def _export_chunks(store: EventStore, job: Job) -> AsyncIterator[Chunk]:
     entries: list[Entry] = []
     data = bytearray()
-    async for log in iter_session_logs(
-        store,
-        page_size=job.page_size,
-        until=job.covers,
-        session_ids=job.session_ids,
-        sessions=job.sessions,
-        routed_experts=job.rules.routed_experts is not None,
-    ):
+    async for log in _logs(store, job, routed_experts=job.rules.routed_experts is not None):
         result = reduce_session(log.events, log.arrays, job.rules)
         blob = part_blob(result.samples, job.fmt)
         entries.append((*log.order, log.session_id, len(data), len(blob), *tally(result.samples)))
@@ -192,15 +185,21 @@ async def _export_chunks(store: EventStore, job: Job) -> AsyncIterator[Chunk]:
         yield Chunk(sessions=len(entries), entries=entries, data=bytes(data))
 
 
-async def _stats_chunks(store: EventStore, job: Job) -> AsyncIterator[Chunk]:
-    stats: dict[str, SessionStats] = {}
-    async for log in iter_session_logs(
+def _logs(store: EventStore, job: Job, *, routed_experts: bool) -> AsyncIterator[SessionLog]:
+    """The sessions of `job`'s range, streamed up to the position it covers."""
+    return iter_session_logs(
         store,
         page_size=job.page_size,
         until=job.covers,
         session_ids=job.session_ids,
         sessions=job.sessions,
-    ):
+        routed_experts=routed_experts,
+    )
+
+
+async def _stats_chunks(store: EventStore, job: Job) -> AsyncIterator[Chunk]:
+    stats: dict[str, SessionStats] = {}
+    async for log in _logs(store, job, routed_experts=False):
         result = reduce_session(log.events, log.arrays, job.rules)
         stats[log.session_id] = session_stats(log, result)  # a later yield supersedes
         if len(stats) >= job.batch:
@@ -423,18 +422,61 @@ def part_paths(part_dir: Path | None, n: int) -> list[Path | None]:
     return [part_dir / f"part-{k:05d}" if part_dir else None for k in range(n)]
 
 
+async def whole_log_job(
+    store: EventStore,
+    kind: Kind,
+    rules: Rules,
+    *,
+    page_size: int,
+    batch: int,
+    fmt: Format = "jsonl",
+) -> Job:
+    """A `kind` job over every session of the log as it stands now (its last position)."""
+    return Job(
+        kind=kind,
+        url=store.url,
+        rules=rules,
+        covers=await store.last_position(),
+        sessions=(None, None),
+        fmt=fmt,
+        page_size=page_size,
+        batch=batch,
+    )
+
+
+async def resolve_workers(
+    store: EventStore,
+    workers: int | None,
+    ray: str | None,
+    sizes: Mapping[str, int] | None,
+    session_ids: Iterable[str] | None = None,
+) -> tuple[int | None, Mapping[str, int] | None]:
+    """(`workers`, `sizes`) as a local run uses them: no count (one per core)
+    becomes one for this log's size, its sessions listed unless `sizes` has
+    them (`replay.partitions.auto_workers`: a small log runs in one process)."""
+    if workers is None and ray is None:
+        if sizes is None:
+            sizes = await wanted_sizes(store, session_ids)
+        workers = auto_workers(len(sizes))
+    return workers, sizes
+
+
 async def run_jobs(
     base: Job,
-    sizes: Mapping[str, int],
+    store: EventStore,
+    sizes: Mapping[str, int] | None,
     *,
     workers: int | None,
     ray: str | None,
     part_dir: Path | None,
     on_progress: Callable[[int], None] | None,
 ) -> list[PartResult]:
-    """Split the sessions `sizes` weighs into ranges and run them in local processes, or as Ray tasks
-    when `ray` is set ("" = `ray.init()`'s default cluster). `workers` None:
+    """Split the sessions `sizes` weighs (None: those of `store`, or of
+    `base.session_ids`) into ranges and run them in local processes, or as Ray
+    tasks when `ray` is set ("" = `ray.init()`'s default cluster). `workers` None:
     one per core (on Ray: per CPU of the cluster), fewer for a small log."""
+    if sizes is None:
+        sizes = await wanted_sizes(store, base.session_ids)
     if ray is not None:
         from replay.cluster import run_on_ray
 

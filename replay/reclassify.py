@@ -24,7 +24,7 @@ import numpy as np
 from recorder.log.store.base import EventStore, SessionRange
 from replay.load import iter_session_logs
 from replay.packed import encode_array, unpacked
-from replay.partitions import PartStat, auto_workers
+from replay.partitions import PartStat
 from replay.reducer import reduce_session
 from replay.rules import Rules
 from replay.samples import Sample, SessionResult, digest_bytes, encode_result
@@ -337,12 +337,9 @@ async def reclassify(
     names = None if dry_run else (name, summary_name)
     previous_name = await previous_summary_name(store, summary_name)
     partitions: list[PartStat] = []
-    if workers is None and ray is None:
-        if sizes is None:
-            from replay.parallel import wanted_sizes
+    from replay.parallel import resolve_workers
 
-            sizes = await wanted_sizes(store, session_ids)
-        workers = auto_workers(len(sizes))
+    workers, sizes = await resolve_workers(store, workers, ray, sizes, session_ids)
     if workers == 1 and ray is None:
         count = 0
 
@@ -377,10 +374,8 @@ async def reclassify(
             page_size=page_size,
             batch=batch,
         )
-        if sizes is None:
-            sizes = await parallel.wanted_sizes(store, base.session_ids)
         results = await parallel.run_jobs(
-            base, sizes, workers=workers, ray=ray, part_dir=None, on_progress=on_progress
+            base, store, sizes, workers=workers, ray=ray, part_dir=None, on_progress=on_progress
         )
         seen = parallel.merge_summaries(results)
         partitions = parallel.partition_stats(results)

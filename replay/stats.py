@@ -21,7 +21,7 @@ from recorder.log.events import (
 )
 from recorder.log.store.base import EventStore
 from replay.load import SessionLog, iter_session_logs
-from replay.partitions import PartStat, auto_workers
+from replay.partitions import PartStat
 from replay.reducer import reduce_session
 from replay.rules import Rules
 from replay.samples import SessionResult
@@ -177,12 +177,9 @@ async def log_stats(
     """
     if workers is not None and workers < 1:
         raise ValueError("workers must be >= 1")
-    if workers is None and ray is None:
-        if sizes is None:
-            from replay.parallel import wanted_sizes
+    from replay.parallel import resolve_workers
 
-            sizes = await wanted_sizes(store, None)
-        workers = auto_workers(len(sizes))
+    workers, sizes = await resolve_workers(store, workers, ray, sizes)
     if workers != 1 or ray is not None:
         return await _parallel_stats(
             store, rules, page_size, batch, workers, ray, sizes, on_progress
@@ -210,19 +207,9 @@ async def _parallel_stats(
 ) -> LogStats:
     from replay import parallel
 
-    base = parallel.Job(
-        kind="stats",
-        url=store.url,
-        rules=rules,
-        covers=await store.last_position(),
-        sessions=(None, None),
-        page_size=page_size,
-        batch=batch,
-    )
-    if sizes is None:
-        sizes = await parallel.wanted_sizes(store, None)
+    base = await parallel.whole_log_job(store, "stats", rules, page_size=page_size, batch=batch)
     results = await parallel.run_jobs(
-        base, sizes, workers=workers, ray=ray, part_dir=None, on_progress=on_progress
+        base, store, sizes, workers=workers, ray=ray, part_dir=None, on_progress=on_progress
     )
     out = combine({sid: st for r in results for sid, st in r.stats.items()}, rules)
     out.partitions = parallel.partition_stats(results)
