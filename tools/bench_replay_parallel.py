@@ -139,9 +139,15 @@ def measure(job: str, mode: str, db: str, ray_address: str) -> None:
     else:
         from replay.stats import log_stats
 
+        # Older code ran stats in one process whatever the cores: its "Nw" row says so.
+        parallel = "workers" in inspect.signature(log_stats).parameters
         result = _run(
             db,
-            lambda store: log_stats(store, Rules(), workers=workers, ray=ray),
+            lambda store: (
+                log_stats(store, Rules(), workers=workers, ray=ray)
+                if parallel
+                else log_stats(store, Rules())
+            ),
             streaming=True,
             **fork,
         )
@@ -151,7 +157,8 @@ def measure(job: str, mode: str, db: str, ray_address: str) -> None:
         resource.getrusage(resource.RUSAGE_CHILDREN),
     )
     peaks = [status_bytes("VmHWM"), kids.ru_maxrss * 1024]
-    peaks += [p.peak_rss for p in result.partitions]
+    partitions = getattr(result, "partitions", [])  # older code's stats had none
+    peaks += [p.peak_rss for p in partitions]
     print(
         "\n"
         + json.dumps(
@@ -162,10 +169,10 @@ def measure(job: str, mode: str, db: str, ray_address: str) -> None:
                 # cores (a worker process counts its start-up; a Ray task its job).
                 "path_cpu": own.ru_utime
                 + own.ru_stime
-                + max([p.cpu_seconds for p in result.partitions], default=0.0),
+                + max([p.cpu_seconds for p in partitions], default=0.0),
                 "peak_rss_mb": max(peaks) / 2**20,
                 "sessions": result.sessions,
-                "nodes": len({p.node for p in result.partitions}) or 1,
+                "nodes": len({p.node for p in partitions}) or 1,
             }
         )
     )
