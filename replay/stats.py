@@ -177,13 +177,17 @@ async def log_stats(
     """
     if workers is not None and workers < 1:
         raise ValueError("workers must be >= 1")
-    from replay.parallel import resolve_workers
+    from replay import parallel
 
-    workers, sizes = await resolve_workers(store, workers, ray, sizes)
+    workers, sizes = await parallel.resolve_workers(store, workers, ray, sizes)
     if workers != 1 or ray is not None:
-        return await _parallel_stats(
-            store, rules, page_size, batch, workers, ray, sizes, on_progress
+        base = await parallel.whole_log_job(store, "stats", rules, page_size=page_size, batch=batch)
+        results = await parallel.run_jobs(
+            base, store, sizes, workers=workers, ray=ray, part_dir=None, on_progress=on_progress
         )
+        combined = combine({sid: st for r in results for sid, st in r.stats.items()}, rules)
+        combined.partitions = parallel.partition_stats(results)
+        return combined
     per_session: dict[str, SessionStats] = {}
     async for log in iter_session_logs(store, page_size=page_size):
         result = reduce_session(log.events, log.arrays, rules)
@@ -193,27 +197,6 @@ async def log_stats(
         if on_progress is not None:
             on_progress(len(per_session))
     return combine(per_session, rules)
-
-
-async def _parallel_stats(
-    store: EventStore,
-    rules: Rules,
-    page_size: int,
-    batch: int,
-    workers: int | None,
-    ray: str | None,
-    sizes: Mapping[str, int] | None,
-    on_progress: Callable[[int], None] | None,
-) -> LogStats:
-    from replay import parallel
-
-    base = await parallel.whole_log_job(store, "stats", rules, page_size=page_size, batch=batch)
-    results = await parallel.run_jobs(
-        base, store, sizes, workers=workers, ray=ray, part_dir=None, on_progress=on_progress
-    )
-    out = combine({sid: st for r in results for sid, st in r.stats.items()}, rules)
-    out.partitions = parallel.partition_stats(results)
-    return out
 
 
 def stats_table(st: LogStats) -> Table:
