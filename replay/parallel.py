@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import importlib
 import multiprocessing
+import pickle
 import shutil
 import socket
 import sys
@@ -131,23 +132,46 @@ def peak_rss_bytes() -> int:
     return 0
 
 
+class WorkerFailed(RuntimeError):
+    """A worker's error that could not travel to the driver as itself."""
+
+
+def portable(exc: Exception) -> Exception:
+    """`exc` if it pickles (it reaches the driver as it is), else a `WorkerFailed`
+    with its type and message.
+
+    A worker's exception travels to the driver pickled. One that does not
+    pickle (a database driver's error holding its statement's parameters as
+    memoryviews) arrived as "cannot pickle 'memoryview' object", hiding what
+    went wrong, e.g. "database disk image is malformed".
+    """
+    try:
+        pickle.dumps(exc)
+    except Exception:
+        return WorkerFailed(f"a replay worker failed: {type(exc).__name__}: {exc}")
+    return exc
+
+
 async def worker_chunks(job: Job, node: str = "") -> AsyncIterator[Chunk]:
     """Run `job` against the store at its URL; yield its output in chunks."""
     from recorder.log.store import StoreOptions, open_store
 
     cpu = time.process_time()
-    store = await open_store(job.url, options=StoreOptions.streaming())
     try:
-        chunks = {
-            "reclassify": _reclassify_chunks,
-            "export": _export_chunks,
-            "stats": _stats_chunks,
-        }[job.kind](store, job)
-        with pass_gc():  # a spawned worker or a Ray task; a forked worker has it already
-            async for chunk in chunks:
-                yield chunk
-    finally:
-        await store.close()
+        store = await open_store(job.url, options=StoreOptions.streaming())
+        try:
+            chunks = {
+                "reclassify": _reclassify_chunks,
+                "export": _export_chunks,
+                "stats": _stats_chunks,
+            }[job.kind](store, job)
+            with pass_gc():  # a spawned worker or a Ray task; a forked worker has it already
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            await store.close()
+    except Exception as exc:
+        raise portable(exc) from None
     yield Chunk(
         sessions=0,
         node=node or socket.gethostname(),

@@ -4,7 +4,7 @@ Two projections are written per run, both named after the rules version and
 the log position the run covers (so re-running on the same log with the same
 rules rewrites identical rows: idempotent):
 - `samples/<rules version>@<position>`: per session, the canonical bytes of
-  its `SessionResult` (digest = blake2b of those bytes);
+  its `SessionResult` (digest: `replay.samples.digest_bytes` of those bytes);
 - `summary/<rules version>@<position>`: a small per-session `SessionSummary`
   used to report what changed against an earlier run without loading every
   sample into memory.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
@@ -122,7 +123,9 @@ def _content_digest(samples: list[Sample], lists: list[tuple[Any, Any, Any]]) ->
         )
         for s, (tokens, mask, logprobs) in zip(samples, lists, strict=True)
     ]
-    return digest_bytes(_summary_encoder.encode(content))
+    # BLAKE2b, not `digest_bytes`: a summary is compared with the summaries of
+    # earlier runs, whose content digests were BLAKE2b's.
+    return hashlib.blake2b(_summary_encoder.encode(content), digest_size=16).hexdigest()
 
 
 def encode_with_content(result: SessionResult) -> tuple[bytes, str]:

@@ -9,11 +9,11 @@ keys, no defaults omitted) so equal results have equal bytes and digests.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Literal
 
 import msgspec
 import numpy as np
+import xxhash
 
 SampleStatus = Literal["completed", "truncated", "aborted", "failed"]
 SegmentKind = Literal["subagent", "wipe", "final", "side"]
@@ -119,7 +119,14 @@ def decode_sample(payload: bytes) -> Sample:
 
 
 def digest_bytes(payload: bytes) -> str:
-    return hashlib.blake2b(payload, digest_size=16).hexdigest()
+    """128-bit XXH3 of `payload`, as hex: what tells two results' bytes apart
+    (a projection row's digest, `result_digest`).
+
+    Not a defence against anyone: nothing here chooses the bytes to collide.
+    `replay reclassify` digests ~140 kB per session; BLAKE2b took ~12% of its
+    instructions, XXH3 reads the bytes about 15 times faster.
+    """
+    return xxhash.xxh3_128_hexdigest(payload)
 
 
 def sample_digest(sample: Sample) -> str:

@@ -66,12 +66,12 @@ async def open_readonly(url_or_path: str) -> EventStore:
         from recorder.log.store.sqlite import SqliteEventStore
 
         engine = _sqlite_engine(url)
-        store = SqliteEventStore(url, engine, engine, options)
+        store = SqliteEventStore(url, engine, engine, options, read_only=True)
     else:
         from recorder.log.store.postgres import PostgresEventStore
 
         engine = _postgres_engine(url)
-        store = PostgresEventStore(url, engine, engine, options)
+        store = PostgresEventStore(url, engine, engine, options, read_only=True)
     try:
         await migrations.ensure_current(engine, url)
     except BaseException:

@@ -13,7 +13,7 @@ from replay.packed import array_header, encode_array, unpacked
 from replay.reclassify import content_digest, encode_with_content, summarize
 from replay.reducer import reduce_session
 from replay.rules import Rules
-from replay.samples import digest_bytes, encode_result
+from replay.samples import Sample, SessionResult, Tensor, digest_bytes, encode_result
 from replay.turns import IdChecks
 
 _encoder = msgspec.msgpack.Encoder(order="deterministic")
@@ -107,3 +107,54 @@ def test_id_checks_logprobs_checked_together_fail_only_the_bad_array() -> None:
     for value in (0.5, np.inf, -np.inf):
         one = np.array([value], dtype=np.float64)
         assert not IdChecks([one]).logprobs_ok(one, one)
+
+
+def test_content_digest_is_the_one_earlier_versions_stored() -> None:
+    """Summaries are compared with those of earlier runs (`_samples_changed`):
+    a content digest computed another way would report every session as
+    changed. The value below was computed by the code of 2026-11-28 (0503dab)."""
+    samples = [
+        Sample(
+            tokens=[1, 2, 300, 70000],
+            prompt_len=2,
+            response_len=2,
+            loss_mask=[1, 0],
+            rollout_logprobs=[-0.5, 0.0],
+            weight_versions=["v1", ""],
+            status="completed",
+            reward=0.75,
+            rollout_id="r",
+            session_id="s",
+            metadata={"segment_kind": "final", "rules_version": "r9-x"},
+            routed_experts=Tensor.from_array(np.array([[1, 2], [3, 4]])),
+        ),
+        Sample(
+            tokens=[5, 6],
+            prompt_len=1,
+            response_len=1,
+            loss_mask=[1],
+            rollout_logprobs=[-1.25],
+            weight_versions=["v2"],
+            status="truncated",
+            reward=0.0,
+            rollout_id="r",
+            session_id="s",
+            metadata={"placeholder": True},
+        ),
+    ]
+    result = SessionResult(
+        session_id="s",
+        rules_version="r9-x",
+        status="completed",
+        reward=0.75,
+        segments=[],
+        samples=samples,
+        placeholder=False,
+        turns_total=2,
+        turns_used=2,
+        tito_failed_turns=0,
+        aborts=0,
+        diagnostics=[],
+    )
+    assert content_digest(result) == "3d4195a183041be2f48cfa8401469b48"
+    assert encode_with_content(result)[1] == "3d4195a183041be2f48cfa8401469b48"

@@ -426,3 +426,42 @@ def test_a_store_url_names_the_backend_whose_imports_workers_preload(tmp_path: P
     assert _backend("postgresql://user@host/db") == "postgresql"
     assert _backend("mysql://user@host/db") is None
     assert _backend(None) is None
+
+
+class _UnpicklableError(Exception):
+    """A driver error as SQLAlchemy raises one: its statement's parameters attached."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.params = memoryview(b"a payload")
+
+
+async def test_a_worker_error_that_does_not_pickle_reaches_the_driver_by_its_message(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """It used to arrive as "cannot pickle 'memoryview' object", the real error lost."""
+    import pickle
+
+    import recorder.log.store as store_module
+    from replay.parallel import Job, WorkerFailed, worker_chunks
+
+    async def broken_store(*_args: object, **_kwargs: object) -> EventStore:
+        raise _UnpicklableError("database disk image is malformed")
+
+    monkeypatch.setattr(store_module, "open_store", broken_store)
+    job = Job(
+        kind="stats", url="sqlite:///nowhere.db", rules=Rules(), covers=0, sessions=(None, None)
+    )
+    with pytest.raises(WorkerFailed) as caught:
+        async for _chunk in worker_chunks(job):
+            pass
+    assert "_UnpicklableError: database disk image is malformed" in str(caught.value)
+    assert str(pickle.loads(pickle.dumps(caught.value))) == str(caught.value)
+
+    async def failing_store(*_args: object, **_kwargs: object) -> EventStore:
+        raise ValueError("bad url")  # pickles: reaches the driver as itself
+
+    monkeypatch.setattr(store_module, "open_store", failing_store)
+    with pytest.raises(ValueError, match="bad url"):
+        async for _chunk in worker_chunks(job):
+            pass

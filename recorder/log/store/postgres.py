@@ -312,9 +312,18 @@ class PostgresEventStore(SqlEventStore):
         write_engine: AsyncEngine,
         read_engine: AsyncEngine,
         options: StoreOptions | None = None,
+        *,
+        read_only: bool = False,
     ) -> None:
+        """`read_only`: the engines cannot write (the viewer's): every write goes
+        through them, to be refused, and none through an asyncpg connection of ours
+        (it would connect without the engines' read-only settings)."""
         super().__init__(url, write_engine, read_engine, options)
-        self._plain = PlainGroupWriter(lambda: connect_params(write_engine), self.piece_row)
+        self._plain = (
+            None
+            if read_only
+            else PlainGroupWriter(lambda: connect_params(write_engine), self.piece_row)
+        )
         self.session_locks = AdvisorySessionLocks(lambda: connect_params(write_engine))
 
     @classmethod
@@ -326,10 +335,13 @@ class PostgresEventStore(SqlEventStore):
         try:
             await super().close()
         finally:
-            await self._plain.close()
+            if self._plain is not None:
+                await self._plain.close()
             await self.session_locks.close()
 
     async def _write_plain_group(self, group: list[GroupRequest]) -> list[list[int] | None] | None:
+        if self._plain is None:
+            return None  # the generic path, where a read-only engine refuses it
         return await self._plain.write(group, self.before_commit)
 
     async def _raw_session(

@@ -17,6 +17,7 @@ import sqlalchemy as sa
 from aiohttp.test_utils import TestClient, TestServer
 from builders import Log, small_logs, write_to
 
+from recorder.log.events import NewEvent, SessionOpened
 from recorder.log.store import EventStore, open_store
 from recorder.log.store.base import StoreError
 from replay import close_session_samples
@@ -76,6 +77,13 @@ async def test_readonly_store_refuses_writes(logged: tuple[EventStore, EventStor
     with pytest.raises((StoreError, sa.exc.DBAPIError)):
         await reader.save_projection("viewer-must-not-write", [])
     assert "viewer-must-not-write" not in await writer.projection_names()
+    before = await writer.last_position()
+    # An append went through a read-write connection of the store's own and was written.
+    with pytest.raises((StoreError, sa.exc.DBAPIError, sqlite3.Error)):
+        await reader.append(
+            "viewer-session", [NewEvent(event=SessionOpened(session_id="viewer-session"))]
+        )
+    assert await writer.last_position() == before
 
 
 async def test_sqlite_viewer_never_blocks_the_writer(sqlite_url: str) -> None:
