@@ -21,6 +21,7 @@ from replay.samples import (
     check_invariants,
     decode_result,
     encode_result,
+    result_bytes,
     result_digest,
 )
 
@@ -55,6 +56,7 @@ __all__ = [
     "load_session",
     "reduce_log",
     "reduce_session",
+    "result_bytes",
     "result_digest",
 ]
 

@@ -4,7 +4,9 @@ Two projections are written per run, both named after the rules version and
 the log position the run covers (so re-running on the same log with the same
 rules rewrites identical rows: idempotent):
 - `samples/<rules version>@<position>`: per session, the canonical bytes of
-  its `SessionResult` (digest: `replay.samples.digest_bytes` of those bytes);
+  its `SessionResult`, zstd-compressed (`replay.samples.stored_result`; read
+  them with `decode_result` or `result_bytes`); the row's digest is
+  `replay.samples.digest_bytes` of the canonical bytes;
 - `summary/<rules version>@<position>`: a small per-session `SessionSummary`
   used to report what changed against an earlier run without loading every
   sample into memory.
@@ -28,7 +30,7 @@ from replay.packed import encode_array, unpacked
 from replay.partitions import PartStat
 from replay.reducer import reduce_session
 from replay.rules import Rules
-from replay.samples import Sample, SessionResult, digest_bytes, encode_result
+from replay.samples import Sample, SessionResult, digest_bytes, encode_result, stored_result
 
 SAMPLES_PREFIX = "samples/"
 # Projection payload gathered before a write (bounds memory whatever the sample sizes).
@@ -254,9 +256,10 @@ async def reduce_batches(
             summary = summarize(result, digest, content)
             sid, last = log.session_id, log.last_position
             summaries[sid] = summary
-            rows[sid] = (sid, last, digest, payload)
+            stored = stored_result(payload)
+            rows[sid] = (sid, last, digest, stored)
             summary_rows[sid] = (sid, last, digest, _summary_encoder.encode(summary))
-            pending_bytes += len(payload)
+            pending_bytes += len(stored)
             if on_session is not None:
                 on_session(unpacked(result))
             if on_reduced is not None:

@@ -9,11 +9,13 @@ keys, no defaults omitted) so equal results have equal bytes and digests.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Literal
 
 import msgspec
 import numpy as np
 import xxhash
+import zstandard
 
 SampleStatus = Literal["completed", "truncated", "aborted", "failed"]
 SegmentKind = Literal["subagent", "wipe", "final", "side"]
@@ -107,7 +109,53 @@ def encode_result(result: SessionResult) -> bytes:
 
 
 def decode_result(payload: bytes) -> SessionResult:
-    return _result_decoder.decode(payload)
+    """A result from its canonical bytes, or from them as a projection stores them
+    (`stored_result`)."""
+    return _result_decoder.decode(result_bytes(payload))
+
+
+# A zstd frame starts with these bytes; a result's msgpack starts with a map header
+# (0x80-0x8f, 0xde, 0xdf), so the two cannot be mistaken for one another.
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_STORED_LEVEL = 1
+
+
+def stored_result(payload: bytes) -> bytes:
+    """A result's canonical bytes as a `samples/` projection row holds them: zstd.
+
+    A session's samples are ~140 kB at 10k tokens, mostly float64 logprobs
+    that came from float32 (half their bytes zero) and token ids: level 1
+    stores ~3.4x fewer bytes. Measured on 2,000 such sessions: 287 -> 85 MB
+    written per `replay reclassify`, and less CPU for the compression and the
+    write (0.6-0.8 s) than for the write alone (1.1 s). The row's digest stays
+    that of the canonical bytes (`digest_bytes(payload)`).
+    """
+    return _compressor().compress(payload)
+
+
+def result_bytes(stored: bytes) -> bytes:
+    """The canonical bytes of a stored result: decompressed if `stored_result`
+    compressed them, as they are if not (rows written before it)."""
+    if stored[:4] == _ZSTD_MAGIC:
+        return _decompressor().decompress(stored)
+    return stored
+
+
+def _compressor() -> zstandard.ZstdCompressor:
+    c: zstandard.ZstdCompressor | None = getattr(_local, "compressor", None)
+    if c is None:  # one per thread: an instance must not be shared between threads
+        c = _local.compressor = zstandard.ZstdCompressor(level=_STORED_LEVEL)
+    return c
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    d: zstandard.ZstdDecompressor | None = getattr(_local, "decompressor", None)
+    if d is None:
+        d = _local.decompressor = zstandard.ZstdDecompressor()
+    return d
+
+
+_local = threading.local()
 
 
 def encode_sample(sample: Sample) -> bytes:

@@ -17,8 +17,9 @@ from replay import close_session_samples, encode_result
 from replay import reducer as reducer_module
 from replay import rules as rules_module
 from replay.reclassify import SAMPLES_PREFIX, SUMMARY_PREFIX, reclassify
+from replay.reducer import reduce_session
 from replay.rules import PRESETS, Rules
-from replay.samples import decode_result, digest_bytes
+from replay.samples import decode_result, digest_bytes, result_bytes, stored_result
 from replay.turns import Turn
 
 
@@ -44,7 +45,9 @@ async def test_reclassify_writes_projection_and_is_idempotent(store: EventStore)
     rows = await store.load_projection(first.projection)
     assert set(rows) == {log.session_id for log in logs}
     for sid, (_pos, digest, payload) in rows.items():
-        assert digest_bytes(payload) == digest
+        assert payload == stored_result(result_bytes(payload))  # stored compressed
+        assert len(payload) < len(result_bytes(payload))
+        assert digest_bytes(result_bytes(payload)) == digest  # of the canonical bytes
         assert decode_result(payload).session_id == sid
 
     again = await reclassify(store, Rules())
@@ -92,7 +95,7 @@ async def test_live_close_path_equals_reclassify(store: EventStore) -> None:
     rows = await store.load_projection(report.projection)
     for log in logs:
         live = await close_session_samples(store, log.session_id, Rules(routed_experts=(2, 2)))
-        assert encode_result(live) == rows[log.session_id][2]
+        assert encode_result(live) == result_bytes(rows[log.session_id][2])
 
 
 async def test_same_samples_for_any_page_size_and_from_a_postgres_copy(
@@ -178,7 +181,8 @@ async def test_workers_give_the_same_projection(store: EventStore) -> None:
     )
     rows = await store.load_projection(two.projection)
     for sid, (_pos, _digest, payload) in rows.items():
-        assert payload == encode_result(await close_session_samples(store, sid, Rules()))
+        live = await close_session_samples(store, sid, Rules())
+        assert result_bytes(payload) == encode_result(live)
 
 
 async def test_the_acted_on_rule_reclassifies_an_old_log(
@@ -244,3 +248,14 @@ async def test_new_side_request_rule_reports_the_sessions_it_changes(
     assert after.changed_segmentation == ["e-no-tools"]
     assert after.changed_samples == ["e-no-tools"]
     assert after.trainable_after == before.trainable_after + 2  # the title's 2 -> the talk's 4
+
+
+def test_stored_results_read_back_and_rows_of_earlier_versions_still_decode() -> None:
+    """A `samples/` row holds the canonical bytes zstd-compressed; rows written
+    before that hold them as they are, and both decode to the same result."""
+    result = reduce_session(small_logs()[0].events, small_logs()[0].arrays, Rules())
+    canonical = encode_result(result)
+    stored = stored_result(canonical)
+    assert stored != canonical and result_bytes(stored) == canonical
+    assert result_bytes(canonical) == canonical  # an earlier version's row
+    assert decode_result(stored) == decode_result(canonical) == result
