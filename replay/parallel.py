@@ -85,6 +85,7 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     fmt: Format = "jsonl"  # export
     page_size: int = 1000
     batch: int = 256
+    blake2b: bool = False  # reclassify: `replay.reclassify.needs_blake2b`
 
 
 # (yield phase, yield position, session id, offset in the chunk's data, length,
@@ -190,6 +191,7 @@ async def _reclassify_chunks(store: EventStore, job: Job) -> AsyncIterator[Chunk
         sessions=job.sessions,
         page_size=job.page_size,
         batch=job.batch,
+        blake2b=job.blake2b,
     ):
         yield Chunk(sessions=len(done), summaries=done)
 

@@ -43,10 +43,13 @@ SUMMARY_PREFIX = "summary/"
 class SessionSummary(msgspec.Struct, frozen=True, kw_only=True):
     """What `reclassify` compares between runs for one session.
 
-    `content_digest` covers what a trainer sees of the samples (tokens,
+    Its content digests cover what a trainer sees of the samples (tokens,
     masks, logprobs, rewards, statuses, kinds) but not the rules version
     stamped into them, so a new rules version changes only the sessions
-    whose samples really change. Empty in summaries written before it.
+    whose samples really change. `content_xxh3` is that digest by
+    `digest_bytes`; `content_digest` is the BLAKE2b that summaries held before
+    it, written only by a run that compares against such summaries (BLAKE2b
+    cost ~5% of a run). Both are empty in summaries written before either.
     """
 
     digest: str
@@ -57,6 +60,7 @@ class SessionSummary(msgspec.Struct, frozen=True, kw_only=True):
     trainable_tokens: int
     placeholder: bool
     content_digest: str = ""
+    content_xxh3: str = ""
 
 
 class ReclassifyReport(msgspec.Struct, kw_only=True):
@@ -87,8 +91,13 @@ _summary_encoder = msgspec.msgpack.Encoder(order="deterministic")
 _summary_decoder = msgspec.msgpack.Decoder(SessionSummary)
 
 
-def summarize(result: SessionResult, digest: str, content: str | None = None) -> SessionSummary:
-    """`content`: the result's `content_digest` if already known (`encode_with_content`)."""
+def summarize(
+    result: SessionResult, digest: str, content: bytes | None = None, *, blake2b: bool = False
+) -> SessionSummary:
+    """`content`: the result's `content_bytes` if already encoded (`encode_with_content`);
+    `blake2b`: also the BLAKE2b content digest, for comparing with older summaries."""
+    if content is None:
+        content = content_bytes(result)
     return SessionSummary(
         digest=digest,
         status=result.status,
@@ -97,7 +106,8 @@ def summarize(result: SessionResult, digest: str, content: str | None = None) ->
         sample_statuses=[s.status for s in result.samples],
         trainable_tokens=sum(_trainable(s) for s in result.samples),
         placeholder=result.placeholder,
-        content_digest=content_digest(result) if content is None else content,
+        content_digest=_blake2b(content) if blake2b else "",
+        content_xxh3=digest_bytes(content),
     )
 
 
@@ -107,12 +117,21 @@ def _trainable(sample: Sample) -> int:
 
 
 def content_digest(result: SessionResult) -> str:
-    """Digest of the samples' training content (see `SessionSummary`)."""
-    return _content_digest(result.samples, [_encoded_lists(s) for s in result.samples])
+    """The BLAKE2b content digest of older summaries (see `SessionSummary`)."""
+    return _blake2b(content_bytes(result))
 
 
-def _content_digest(samples: list[Sample], lists: list[tuple[Any, Any, Any]]) -> str:
-    """`content_digest` with each sample's (tokens, loss_mask, rollout_logprobs)
+def _blake2b(content: bytes) -> str:
+    return hashlib.blake2b(content, digest_size=16).hexdigest()
+
+
+def content_bytes(result: SessionResult) -> bytes:
+    """The bytes the content digests hash: the samples' training content."""
+    return _content_bytes(result.samples, [_encoded_lists(s) for s in result.samples])
+
+
+def _content_bytes(samples: list[Sample], lists: list[tuple[Any, Any, Any]]) -> bytes:
+    """`content_bytes` with each sample's (tokens, loss_mask, rollout_logprobs)
     given as they are to be encoded (the lists, or their bytes as `msgspec.Raw`)."""
     content = [
         (
@@ -127,19 +146,17 @@ def _content_digest(samples: list[Sample], lists: list[tuple[Any, Any, Any]]) ->
         )
         for s, (tokens, mask, logprobs) in zip(samples, lists, strict=True)
     ]
-    # BLAKE2b, not `digest_bytes`: a summary is compared with the summaries of
-    # earlier runs, whose content digests were BLAKE2b's.
-    return hashlib.blake2b(_summary_encoder.encode(content), digest_size=16).hexdigest()
+    return _summary_encoder.encode(content)
 
 
-def encode_with_content(result: SessionResult) -> tuple[bytes, str]:
-    """(`encode_result(result)`, `content_digest(result)`), the samples' long
+def encode_with_content(result: SessionResult) -> tuple[bytes, bytes]:
+    """(`encode_result(result)`, `content_bytes(result)`), the samples' long
     lists encoded once for both.
 
     The lists are most of the bytes and most of the encoding time; a list's
     msgpack is the same wherever it sits, so each is encoded alone and placed
     as `msgspec.Raw` in both documents, which come out byte for byte as
-    `encode_result` and `content_digest` make them. A packed result
+    `encode_result` and `content_bytes` make them. A packed result
     (`reduce_session(packed=True)`) has numpy arrays there, encoded straight
     to the same bytes (`replay.packed.encode_array`).
     """
@@ -151,7 +168,7 @@ def encode_with_content(result: SessionResult) -> tuple[bytes, str]:
             for s, (t, m, lp) in zip(result.samples, lists, strict=True)
         ],
     )
-    return encode_result(shadow), _content_digest(result.samples, lists)
+    return encode_result(shadow), _content_bytes(result.samples, lists)
 
 
 def _encoded_lists(s: Sample) -> tuple[msgspec.Raw, msgspec.Raw, msgspec.Raw]:
@@ -164,9 +181,18 @@ def _encoded_lists(s: Sample) -> tuple[msgspec.Raw, msgspec.Raw, msgspec.Raw]:
 
 
 def _samples_changed(before: SessionSummary, after: SessionSummary) -> bool:
+    """By the newest digest both summaries hold."""
+    if before.content_xxh3 and after.content_xxh3:
+        return before.content_xxh3 != after.content_xxh3
     if before.content_digest and after.content_digest:
         return before.content_digest != after.content_digest
     return before.digest != after.digest
+
+
+def needs_blake2b(previous: Mapping[str, SessionSummary]) -> bool:
+    """Do summaries to compare with hold BLAKE2b content digests only (older runs)?
+    Then this run writes both, and the next one needs BLAKE2b no more."""
+    return any(s.content_digest and not s.content_xxh3 for s in previous.values())
 
 
 def _kind(metadata: dict[str, object]) -> str:
@@ -200,6 +226,7 @@ async def reduce_batches(
     batch: int = 256,
     on_session: Callable[[SessionResult], None] | None = None,
     on_reduced: Callable[[], None] | None = None,
+    blake2b: bool = False,
 ) -> AsyncIterator[dict[str, SessionSummary]]:
     """Reduce (a range of) the log up to `covers`; write projection rows
     unless `names` is None (dry run). Yields each batch's summaries once its
@@ -213,7 +240,8 @@ async def reduce_batches(
     Sessions are reduced packed (`reduce_session(packed=True)`: the samples'
     long lists are only encoded here); `on_session` gets each result with
     lists, as `reduce_session` returns it, and `on_reduced` is called once per
-    session (a counter needs no result).
+    session (a counter needs no result). `blake2b`: summaries carry the
+    BLAKE2b content digest too (`needs_blake2b`).
     """
     # Keyed by session: a session yielded twice in one batch is written once.
     rows: dict[str, _Row] = {}
@@ -255,7 +283,7 @@ async def reduce_batches(
             result = reduce_session(log.events, log.arrays, rules, packed=True)
             payload, content = encode_with_content(result)
             digest = digest_bytes(payload)
-            summary = summarize(result, digest, content)
+            summary = summarize(result, digest, content, blake2b=blake2b)
             sid, last = log.session_id, log.last_position
             summaries[sid] = summary
             stored = stored_result(payload)
@@ -292,6 +320,7 @@ async def reduce_partition(
     batch: int = 256,
     on_session: Callable[[SessionResult], None] | None = None,
     on_reduced: Callable[[], None] | None = None,
+    blake2b: bool = False,
 ) -> dict[str, SessionSummary]:
     """`reduce_batches` to the end: every session's summary (the later yield wins)."""
     seen: dict[str, SessionSummary] = {}
@@ -306,6 +335,7 @@ async def reduce_partition(
         batch=batch,
         on_session=on_session,
         on_reduced=on_reduced,
+        blake2b=blake2b,
     ):
         seen.update(done)
     return seen
@@ -344,6 +374,11 @@ async def reclassify(
     name, summary_name = projection_names_for(rules, covers)
     names = None if dry_run else (name, summary_name)
     previous_name = await previous_summary_name(store, summary_name)
+    previous: dict[str, SessionSummary] = {}
+    if previous_name is not None:  # read first: a re-run overwrites its rows
+        for sid, (_pos, _digest, payload) in (await store.load_projection(previous_name)).items():
+            previous[sid] = _summary_decoder.decode(payload)
+    blake2b = needs_blake2b(previous)
     partitions: list[PartStat] = []
     from replay.parallel import resolve_workers
 
@@ -367,6 +402,7 @@ async def reclassify(
             batch=batch,
             on_session=on_session,
             on_reduced=progress,
+            blake2b=blake2b,
         )
     else:
         from replay import parallel
@@ -381,16 +417,13 @@ async def reclassify(
             names=names,
             page_size=page_size,
             batch=batch,
+            blake2b=blake2b,
         )
         results = await parallel.run_jobs(
             base, store, sizes, workers=workers, ray=ray, part_dir=None, on_progress=on_progress
         )
         seen = parallel.merge_summaries(results)
         partitions = parallel.partition_stats(results)
-    previous: dict[str, SessionSummary] = {}
-    if previous_name is not None:
-        for sid, (_pos, _digest, payload) in (await store.load_projection(previous_name)).items():
-            previous[sid] = _summary_decoder.decode(payload)
     report = _report(seen, previous, name, summary_name, previous_name, covers, dry_run)
     report.partitions = partitions
     return report

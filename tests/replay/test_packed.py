@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from replay.packed import array_header, encode_array, unpacked
-from replay.reclassify import content_digest, encode_with_content, summarize
+from replay.reclassify import content_bytes, content_digest, encode_with_content, summarize
 from replay.reducer import reduce_session
 from replay.rules import Rules
 from replay.samples import Sample, SessionResult, Tensor, digest_bytes, encode_result
@@ -74,7 +74,7 @@ def test_packed_results_encode_and_digest_as_the_list_results(rules: Rules) -> N
         assert any(isinstance(s.tokens, np.ndarray) for s in packed.samples) or packed.placeholder
         payload, content = encode_with_content(packed)
         assert payload == encode_result(lists) == encode_with_content(lists)[0]
-        assert content == content_digest(lists) == content_digest(packed)
+        assert content == content_bytes(lists) == content_bytes(packed)
         assert summarize(packed, digest_bytes(payload)) == summarize(lists, digest_bytes(payload))
         assert encode_result(unpacked(packed)) == encode_result(lists)
         assert unpacked(packed).samples == lists.samples
@@ -110,9 +110,10 @@ def test_id_checks_logprobs_checked_together_fail_only_the_bad_array() -> None:
 
 
 def test_content_digest_is_the_one_earlier_versions_stored() -> None:
-    """Summaries are compared with those of earlier runs (`_samples_changed`):
-    a content digest computed another way would report every session as
-    changed. The value below was computed by the code of 2026-11-28 (0503dab)."""
+    """Summaries are compared with those of earlier runs (`_samples_changed`),
+    whose content digests were BLAKE2b's: a run that compares with them must
+    write that very digest, or it reports every session as changed. The value
+    below was computed by the code of 2026-11-28 (0503dab)."""
     samples = [
         Sample(
             tokens=[1, 2, 300, 70000],
@@ -157,4 +158,6 @@ def test_content_digest_is_the_one_earlier_versions_stored() -> None:
         diagnostics=[],
     )
     assert content_digest(result) == "3d4195a183041be2f48cfa8401469b48"
-    assert encode_with_content(result)[1] == "3d4195a183041be2f48cfa8401469b48"
+    summary = summarize(result, "d", encode_with_content(result)[1], blake2b=True)
+    assert summary.content_digest == "3d4195a183041be2f48cfa8401469b48"
+    assert summarize(result, "d").content_digest == ""  # BLAKE2b only when asked

@@ -259,3 +259,41 @@ def test_stored_results_read_back_and_rows_of_earlier_versions_still_decode() ->
     assert stored != canonical and result_bytes(stored) == canonical
     assert result_bytes(canonical) == canonical  # an earlier version's row
     assert decode_result(stored) == decode_result(canonical) == result
+
+
+async def test_summaries_of_earlier_versions_are_compared_by_their_blake2b(
+    sqlite_store: EventStore,
+) -> None:
+    """Summaries written before `content_xxh3` hold a BLAKE2b content digest only.
+    A run against them writes both digests and reports only what changed; the
+    run after it needs BLAKE2b no more."""
+    import msgspec
+
+    from replay.reclassify import SessionSummary, content_digest
+
+    await fill(sqlite_store)
+    base = await reclassify(sqlite_store, Rules())
+    samples = await sqlite_store.load_projection(base.projection)
+    legacy = []
+    for sid, (pos, digest, payload) in (
+        await sqlite_store.load_projection(base.summary_projection)
+    ).items():
+        summary = msgspec.msgpack.decode(payload, type=SessionSummary)
+        old = msgspec.structs.replace(
+            summary, content_xxh3="", content_digest=content_digest(decode_result(samples[sid][2]))
+        )
+        legacy.append((sid, pos, digest, msgspec.msgpack.encode(old)))
+    await sqlite_store.save_projection(base.summary_projection, legacy)
+
+    masked = await reclassify(sqlite_store, Rules(mask_tito_failed=False))
+    assert masked.previous == base.summary_projection
+    assert masked.changed_samples == ["a-linear"]  # not every session
+    rows = await sqlite_store.load_projection(masked.summary_projection)
+    written = [msgspec.msgpack.decode(p, type=SessionSummary) for _pos, _d, p in rows.values()]
+    assert all(s.content_digest and s.content_xxh3 for s in written)
+
+    collapsed = await reclassify(sqlite_store, PRESETS["collapse-final"])
+    assert sorted(collapsed.changed_samples) == ["a-linear", "b-compact", "c-subagent"]
+    rows = await sqlite_store.load_projection(collapsed.summary_projection)
+    written = [msgspec.msgpack.decode(p, type=SessionSummary) for _pos, _d, p in rows.values()]
+    assert all(s.content_xxh3 and not s.content_digest for s in written)
