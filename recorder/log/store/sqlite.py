@@ -42,6 +42,11 @@
   each is a GIL handoff that can wait out the 5 ms switch interval while the
   event loop is busy. Anything else rolls back and is redone by the generic
   path (`SqlEventStore._commit_generic`), where every edge case is handled.
+- Projection rows (`save_projection`: `replay reclassify`'s samples and
+  summaries, ~140 kB a session) go to the writer thread too, one transaction
+  per batch on a sqlite3 connection of their own, not through SQLAlchemy and
+  aiosqlite. A store opened read-only (the viewer's, `read_only=True`) has no
+  such connection: every write of it goes through its engine, which refuses it.
 - Reads of a one-pass reader (`StoreOptions.inline_reads`: `replay
   reclassify/export/stats` and their workers) run on the event loop's thread
   on a plain sqlite3 connection of their own (`InlineReader`), each call in
