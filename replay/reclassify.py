@@ -286,7 +286,7 @@ async def reduce_batches(
             summary = summarize(result, digest, content, blake2b=blake2b)
             sid, last = log.session_id, log.last_position
             summaries[sid] = summary
-            stored = stored_result(payload)
+            stored = payload if names is None else stored_result(payload)  # a dry run writes none
             rows[sid] = (sid, last, digest, stored)
             summary_rows[sid] = (sid, last, digest, _summary_encoder.encode(summary))
             pending_bytes += len(payload)  # as encoded: a batch's size in sessions as before
