@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -154,27 +154,38 @@ class _Partitioned(Protocol):
 
 
 P = TypeVar("P", bound=_Partitioned)
-# (store, the sessions to run and their sizes, the progress callback) -> the run's result
-_LogRun = Callable[[EventStore, Mapping[str, int], Callable[[object], None]], Awaitable[P]]
+# (store, **the keywords every parallel run takes: page_size, workers, ray,
+# on_progress, sizes) -> the run's result
+_LogRun = Callable[..., Awaitable[P]]
 
 
 def _run_on_workers(
     db: str,
     description: str,
+    run: _LogRun[P],
+    *,
     workers: int | None,
     ray_address: str | None,
-    run: _LogRun[P],
+    page_size: int,
     session_ids: Sequence[str] | None = None,
 ) -> P:
     """`run` over the log at `db` on the workers asked for (reclassify, export,
-    stats): the sessions listed once (the progress bar's total and the
-    workers' split), Ray errors explained, the workers described."""
+    stats), given the keywords they all take: the sessions listed once (the
+    progress bar's total and the workers' split), Ray errors explained, the
+    workers described."""
     from replay.parallel import wanted_sizes
 
     async def go(store: EventStore) -> P:
         sizes = await wanted_sizes(store, session_ids)
         with _progress(description, len(sizes)) as advance:
-            return await run(store, sizes, advance)
+            return await run(
+                store,
+                page_size=page_size,
+                workers=workers,
+                ray=ray_address,
+                on_progress=advance,
+                sizes=sizes,
+            )
 
     fork = _local_workers(workers, ray_address)
     result = _parallel_errors(lambda: _run(db, go, streaming=True, fork=fork))
@@ -216,19 +227,12 @@ def reclassify(
     report = _run_on_workers(
         db,
         "reclassifying",
-        workers,
-        ray_address,
-        lambda store, sizes, advance: run(
-            store,
-            rules,
-            session_ids=sessions or None,
-            page_size=page_size,
-            dry_run=dry_run,
-            workers=workers,
-            ray=ray_address,
-            on_progress=advance,
-            sizes=sizes,
+        lambda store, **common: run(
+            store, rules, session_ids=sessions or None, dry_run=dry_run, **common
         ),
+        workers=workers,
+        ray_address=ray_address,
+        page_size=page_size,
         session_ids=sessions or None,
     )
     verb = "would write" if dry_run else "wrote"
@@ -407,19 +411,10 @@ def export(
     counts = _run_on_workers(
         db,
         "exporting",
-        workers,
-        ray_address,
-        lambda store, sizes, advance: export_samples(
-            store,
-            out,
-            fmt,
-            rules,
-            page_size=page_size,
-            workers=workers,
-            ray=ray_address,
-            on_progress=advance,
-            sizes=sizes,
-        ),
+        lambda store, **common: export_samples(store, out, fmt, rules, **common),
+        workers=workers,
+        ray_address=ray_address,
+        page_size=page_size,
     )
     console.print(
         f"wrote {counts.samples} samples from {counts.sessions} sessions to {escape(str(out))} "
@@ -447,17 +442,10 @@ def stats(
     st = _run_on_workers(
         db,
         "reading",
-        workers,
-        ray_address,
-        lambda store, sizes, advance: log_stats(
-            store,
-            rules,
-            page_size=page_size,
-            workers=workers,
-            ray=ray_address,
-            on_progress=advance,
-            sizes=sizes,
-        ),
+        lambda store, **common: log_stats(store, rules, **common),
+        workers=workers,
+        ray_address=ray_address,
+        page_size=page_size,
     )
     console.print(stats_table(st))
     console.print(accounting_table(st))
