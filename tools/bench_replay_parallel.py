@@ -63,6 +63,7 @@ if str(SRC) not in sys.path:
     sys.path.insert(0, str(SRC))
 
 from tools import bench_replay  # noqa: E402
+from tools.benchkit.cpu import speed_probe_ms  # noqa: E402
 from tools.benchkit.memory import status_bytes  # noqa: E402
 from tools.benchkit.procs import measure_in_child, repo_env  # noqa: E402
 from tools.benchkit.table import Columns  # noqa: E402
@@ -277,6 +278,7 @@ def main() -> None:
     cells = [("before", before, m) for m in ("1", str(n))] if before else []
     cells += [("", None, m) for m in modes]
     logs = {size: scaled_log(size, args) for size in args.sizes}
+    probe_before = speed_probe_ms()
     head, address = (None, "") if args.no_ray else start_ray(n)
     results: dict[tuple[int, str, str], list[dict[str, float]]] = {}
     try:
@@ -301,7 +303,8 @@ def main() -> None:
         )
         + f", log {args.layout}; "
         f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f} at the end; "
-        f"median of {args.repeat}"
+        f"speed probe {probe_before:.0f} ms before, {speed_probe_ms():.0f} ms after "
+        f"(tools/benchkit/cpu.py, lower is faster); median of {args.repeat}"
     )
     table = Columns(
         [

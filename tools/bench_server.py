@@ -56,7 +56,7 @@ from recorder.log import events as ev
 from recorder.log.store import open_store
 from recorder.log.store.sqlite import INLINE_ENV
 from tools.benchkit import wire
-from tools.benchkit.cpu import load_average
+from tools.benchkit.cpu import machine_state
 from tools.benchkit.engine import start_test_engine
 from tools.benchkit.lean_engine import start_lean_engine
 from tools.benchkit.procs import REPO
@@ -500,7 +500,7 @@ def print_results(
         f"zero-latency {ENGINES[engine_kind]}, db {db or 'a temp SQLite file per run'}, "
         f"{os.cpu_count()} cores shared by engine, "
         f"recorder ({workers} worker{'s' if workers > 1 else ''}), clients; "
-        f"context ~{context:,} tokens; {load_average()}"
+        f"context ~{context:,} tokens; {machine_state()}"
     )
     print(TABLE.header())
     errors = 0

@@ -113,6 +113,10 @@ def test_bench_replay(tmp_path: Path) -> None:
 def test_bench_server(tmp_path: Path) -> None:
     lines = run("bench_server.py", "--sessions", "2", "--turns", "1", cwd=tmp_path)
     header = next(i for i, line in enumerate(lines) if line.startswith("sessions x turns"))
+    # The title says how fast the host ran Python during the run (`speed_probe_ms`).
+    assert re.search(
+        r"; load average [\d.]+ [\d.]+ [\d.]+ \(\d+ cores\); speed probe \d+ ms$", lines[header - 1]
+    )
     assert lines[header] == (
         f"{'sessions x turns':<17}{'path':<28}{'turns':>6}{'err':>5}{'turns/s':>9}"
         f"{'p50 ms':>8}{'p99 ms':>8}{'ovh p50':>9}{'ovh p99':>9}{'cpu ms/turn':>12}"

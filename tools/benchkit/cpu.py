@@ -11,6 +11,8 @@ it does, and `stat` ticks over a whole run are printed beside as a check.
 from __future__ import annotations
 
 import os
+import statistics
+import time
 from pathlib import Path
 
 
@@ -35,3 +37,40 @@ def load_average() -> str:
     """`/proc/loadavg`'s three averages, as the table titles print them."""
     one, five, fifteen = Path("/proc/loadavg").read_text().split()[:3]
     return f"load average {one} {five} {fifteen} ({os.cpu_count()} cores)"
+
+
+# Iterations of `_probe_work`: 55-110 ms a round on this 2-core box.
+PROBE_LOOPS = 2_000_000
+
+
+def _probe_work(n: int) -> int:
+    """A fixed interpreter-bound loop (small-int arithmetic, no allocation that
+    grows, no I/O, no C library): the host's speed at running Python bytecode."""
+    total = 0
+    for i in range(n):
+        total += i
+    return total
+
+
+def speed_probe_ms(rounds: int = 5) -> float:
+    """This process's CPU ms for a fixed pure-Python workload, median of `rounds`:
+    how fast the host runs our interpreter right now (lower is faster).
+
+    The load average does not show it: this machine is a guest whose cores
+    ran it in 96-108 ms in one hour and 54-58 ms in another, with the load
+    average below 1.5 in both (a 2-worker `replay reclassify` of the same
+    log took ~7.5 s and ~4.8 s). A table that prints the probe next to
+    its figures says which kind of hour they were measured in, so runs at
+    different times can be compared (same-run columns need no such help).
+    """
+    times = []
+    for _ in range(rounds):
+        t0 = time.process_time()
+        _probe_work(PROBE_LOOPS)
+        times.append(time.process_time() - t0)
+    return statistics.median(times) * 1e3
+
+
+def machine_state() -> str:
+    """The load average and the speed probe, as the benchmarks' titles print them."""
+    return f"{load_average()}; speed probe {speed_probe_ms():.0f} ms"

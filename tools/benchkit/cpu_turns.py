@@ -41,7 +41,7 @@ from recorder.log import events as ev
 from recorder.log.store import open_store
 from tools.benchkit import wire
 from tools.benchkit.conversation import Conversation
-from tools.benchkit.cpu import cpu_ns, cpu_ticks_s, load_average
+from tools.benchkit.cpu import cpu_ns, cpu_ticks_s, machine_state
 from tools.benchkit.engine import EngineProcess, fixture_tokenizer
 from tools.benchkit.floor import FloorProcess
 from tools.benchkit.recorder import RecorderProcess
@@ -118,7 +118,7 @@ async def run_cpu(
     """Every contender through every checkpoint, the load average before and after."""
     if slime_src is not None:
         slime_src = check_slime_src(slime_src)  # before any process starts
-    load_before = load_average()
+    load_before = machine_state()
     engine = EngineProcess(int(max(contexts) * 1.3) + 40_000, engine_latency_s)
     await engine.start()
     with tempfile.TemporaryDirectory() as tmp:
@@ -151,7 +151,7 @@ async def run_cpu(
             for c in contenders:
                 await c.proc.stop()
             await engine.stop()
-    return CpuRun(rows, load_before, load_average(), check)
+    return CpuRun(rows, load_before, machine_state(), check)
 
 
 async def _check_prompt(
