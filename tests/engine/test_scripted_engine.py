@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import struct
 from pathlib import Path
 
 import aiohttp
@@ -152,6 +153,20 @@ async def test_resumed_request_continues_the_same_reply(engine, tokenizer) -> No
     ids = first.output_ids + second.output_ids
     assert tokenizer.decode(ids) == "The quick brown fox jumps over the lazy dog.<|im_end|>"
     assert second.logprobs == [hashed_logprob(2 + i, t) for i, t in enumerate(ids)][3:]
+
+
+async def test_logprobs_are_float32_values_as_sglang_sends_them(engine) -> None:
+    """SGLang's logprobs are float32s sent as JSON doubles (`log_softmax` of
+    float32 logits); so are this engine's, or the log would store them at the
+    bytes of arbitrary doubles (see `recorder.log.store.arrays`, codec 5)."""
+    async with EngineClient([engine.url]) as client:
+        out = await client.generate(
+            engine.url, [1, 5, 9], SamplingParams(max_new_tokens=40), "c" * 32
+        )
+    assert len(out.logprobs) == len(out.output_ids) > 5
+    f32 = struct.Struct("<f")
+    assert all(f32.unpack(f32.pack(lp))[0] == lp for lp in out.logprobs)
+    assert all(-5 <= lp < 0 for lp in out.logprobs)
 
 
 async def test_http_parsers(engine) -> None:

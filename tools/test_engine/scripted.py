@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -74,10 +75,21 @@ class Script(msgspec.Struct, kw_only=True):
     default_words: int = 12
 
 
+_FLOAT32 = struct.Struct("<f")
+
+
 def hashed_logprob(position: int, token: int) -> float:
-    """A deterministic logprob in (-5, 0) for `token` at absolute `position`."""
+    """A deterministic logprob in (-5, 0) for `token` at absolute `position`.
+
+    A float32 value, as SGLang's are: it takes `log_softmax` of float32 logits
+    (`sglang/srt/layers/logits_processor.py`) and sends the tensor's `tolist()`,
+    doubles that are exactly float32s. (Rounded decimals, as this engine sent
+    before, are doubles no engine sends: they made the log store logprobs at
+    twice the bytes real ones take.)
+    """
     h = hashlib.blake2b(f"{position}:{token}".encode(), digest_size=4).digest()
-    return -(int.from_bytes(h, "little") % 5000 + 1) / 1000.0
+    value = -(int.from_bytes(h, "little") % 5000 + 1) / 1000.0
+    return _FLOAT32.unpack(_FLOAT32.pack(value))[0]
 
 
 def default_reply_text(prompt_ids: list[int], words: int) -> str:
