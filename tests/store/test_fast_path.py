@@ -15,7 +15,8 @@ import pytest
 from recorder.log.events import ArrayRef, NewEvent, SandboxEvent
 from recorder.log.store import ArrayNotFound, ConcurrencyConflict, StoreError, open_store
 from recorder.log.store import arrays as codec
-from recorder.log.store.sql import AppendRequest, EventRow, PiecesRequest, PlainGroup, SqlEventStore
+from recorder.log.store.sql import SqlEventStore
+from recorder.log.store.write_requests import AppendRequest, EventRow, PiecesRequest, PlainGroup
 
 MakeEvents = Callable[..., list[NewEvent]]
 RawExecute = Callable[..., Awaitable[list[tuple[object, ...]]]]

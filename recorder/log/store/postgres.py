@@ -29,13 +29,12 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 
 from recorder.log.store import arrays as arr
 from recorder.log.store.session_locks import AdvisorySessionLocks
-from recorder.log.store.sql import (
+from recorder.log.store.sql import SqlEventStore, StoreOptions
+from recorder.log.store.write_requests import (
     EventRow,
     GroupRequest,
     NewRow,
     PlainGroup,
-    SqlEventStore,
-    StoreOptions,
     needs_flush,
 )
 

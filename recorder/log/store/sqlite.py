@@ -85,13 +85,15 @@ from recorder.log.store.pieces import IN_CHUNK, chunks
 from recorder.log.store.sql import (
     READER_PAGE_CACHE_BYTES,
     WRITER_PAGE_CACHE_BYTES,
+    SqlEventStore,
+    StoreOptions,
+)
+from recorder.log.store.write_requests import (
     AppendRequest,
     EventRow,
     GroupRequest,
     NewRow,
     PlainGroup,
-    SqlEventStore,
-    StoreOptions,
     needs_flush,
 )
 
