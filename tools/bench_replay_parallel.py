@@ -63,7 +63,6 @@ if str(SRC) not in sys.path:
     sys.path.insert(0, str(SRC))
 
 from tools import bench_replay  # noqa: E402
-from tools.benchkit.cpu import speed_probe_ms  # noqa: E402
 from tools.benchkit.memory import status_bytes  # noqa: E402
 from tools.benchkit.procs import measure_in_child, repo_env  # noqa: E402
 from tools.benchkit.table import Columns  # noqa: E402
@@ -270,6 +269,9 @@ def main() -> None:
     if args.measure:
         measure(*args.measure, args.ray_address)
         return
+
+    # Here, not at the top: a `--src` child of an older checkout has no probe.
+    from tools.benchkit.cpu import speed_probe_ms
 
     n = args.workers
     modes = ["1", str(n)] + ([] if args.no_ray else [f"ray{n}"])
