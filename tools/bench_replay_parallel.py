@@ -271,7 +271,7 @@ def main() -> None:
         return
 
     # Here, not at the top: a `--src` child of an older checkout has no probe.
-    from tools.benchkit.cpu import speed_probe_ms
+    from tools.benchkit.cpu import probe_span, speed_probe_ms
 
     n = args.workers
     modes = ["1", str(n)] + ([] if args.no_ray else [f"ray{n}"])
@@ -305,8 +305,7 @@ def main() -> None:
         )
         + f", log {args.layout}; "
         f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f} at the end; "
-        f"speed probe {probe_before:.0f} ms before, {speed_probe_ms():.0f} ms after "
-        f"(tools/benchkit/cpu.py, lower is faster); median of {args.repeat}"
+        f"{probe_span(probe_before)}; median of {args.repeat}"
     )
     table = Columns(
         [

@@ -80,7 +80,7 @@ from recorder.log.store.sqlite import (
     configure_connection,
 )
 from recorder.server.deltas import BodyPrefixes, put_body
-from tools.benchkit.cpu import load_average, speed_probe_ms
+from tools.benchkit.cpu import load_average, probe_span, speed_probe_ms
 from tools.benchkit.stats import pct
 from tools.benchkit.table import print_grid
 
@@ -1007,10 +1007,7 @@ def main() -> None:
     args = Args(a.events, a.rounds, a.batched_rounds, a.per_appender, a.batched_only, a.pg)
     probe_before = speed_probe_ms()
     print_table(asyncio.run(bench(args)))
-    print(
-        f"{load_average()}; speed probe {probe_before:.0f} ms before, "
-        f"{speed_probe_ms():.0f} ms after (tools/benchkit/cpu.py, lower is faster)"
-    )
+    print(f"{load_average()}; {probe_span(probe_before)}")
 
 
 if __name__ == "__main__":

@@ -38,3 +38,11 @@ def test_machine_state_line() -> None:
     assert re.fullmatch(
         r"load average [\d.]+ [\d.]+ [\d.]+ \(\d+ cores\); speed probe \d+ ms", line
     ), line
+
+
+def test_probe_span_reads_the_probe_again() -> None:
+    line = cpu.probe_span(123.4)
+    assert re.fullmatch(
+        r"speed probe 123 ms before, \d+ ms after \(tools/benchkit/cpu\.py, lower is faster\)",
+        line,
+    ), line

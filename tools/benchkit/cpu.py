@@ -71,6 +71,14 @@ def speed_probe_ms(rounds: int = 5) -> float:
     return statistics.median(times) * 1e3
 
 
+def probe_span(before_ms: float) -> str:
+    """The probe read before a run (`before_ms`) and now, as a table's footer says it."""
+    return (
+        f"speed probe {before_ms:.0f} ms before, {speed_probe_ms():.0f} ms after "
+        "(tools/benchkit/cpu.py, lower is faster)"
+    )
+
+
 def machine_state() -> str:
     """The load average and the speed probe, as the benchmarks' titles print them."""
     return f"{load_average()}; speed probe {speed_probe_ms():.0f} ms"
