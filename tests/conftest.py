@@ -185,13 +185,21 @@ def sandbox_reachable_tmp_path(name: str) -> Iterator[Path]:
     pytest's are under /tmp/pytest-of-<user>, which every pytest session of that user
     makes 0700 again: a sandbox's unprivileged user (the driver runs as root here)
     could not reach a sandbox made there, nor run a test's agent script. This one is
-    0711 (others may enter, not list) and removed after the test.
+    0711 (others may enter, not list) and removed after the test. As root it is beside
+    the default sandbox root, not in /tmp: a sandbox refuses to start below a directory
+    every user may write (`local.writable_parent`).
     """
     import re
     import tempfile
 
+    from recorder.rollout.sandbox.local import default_root
+
     slug = re.sub(r"[^A-Za-z0-9_-]+", "-", name)[:60]
-    path = Path(tempfile.mkdtemp(prefix=f"tr-test-{slug}-"))
+    base = None
+    if os.geteuid() == 0:
+        base = Path(default_root()).parent / "tests"
+        base.mkdir(mode=0o711, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix=f"tr-test-{slug}-", dir=base))
     path.chmod(0o711)
     try:
         yield path

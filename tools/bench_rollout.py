@@ -44,6 +44,7 @@ from recorder.rollout.cli import own_recorder
 from recorder.rollout.driver import RolloutRequest, RolloutResult, run_group
 from recorder.rollout.evaluate import grader_command
 from recorder.rollout.sandbox import SandboxSpec
+from recorder.rollout.sandbox.local import default_root
 from recorder.rollout.tasks import Task, load_tasks
 from tools.benchkit.procs import python_module
 from tools.benchkit.stats import median
@@ -200,9 +201,10 @@ async def bench(rollouts: int, concurrency: int, skip_bare: bool, ray_nodes: int
     tasks, errors = load_tasks(build_all())
     assert not errors, errors
     scratch = Path(tempfile.mkdtemp(prefix="bench-rollout-"))
-    scratch.chmod(0o711)  # a root driver's sandboxes run as users of their own: let them in
-    root = scratch / "sandboxes"
-    root.mkdir()
+    # A root driver's sandboxes run as users of their own, and only below directories
+    # no other user may write (so not in /tmp): let them into one of their own.
+    root = Path(tempfile.mkdtemp(prefix="bench-rollout-", dir=default_root()))
+    root.chmod(0o711)
     # Started first, in the main thread (Ray sets signal handlers), and not timed.
     cluster = start_cluster(ray_nodes, concurrency) if ray_nodes else None
     engine_log = open(scratch / "engine.log", "wb")  # noqa: SIM115  (closed below)
@@ -257,6 +259,7 @@ async def bench(rollouts: int, concurrency: int, skip_bare: bool, ray_nodes: int
         await asyncio.to_thread(engine.wait)
         engine_log.close()
         shutil.rmtree(scratch, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def report(

@@ -46,7 +46,9 @@ from typing import IO, TYPE_CHECKING, Any
 import aiohttp
 import click
 import msgspec
+from click.core import ParameterSource
 
+from recorder.admin_token import AdminTokenError, read_token_file
 from recorder.rollout.agent import AgentSpec, local_binary
 from recorder.rollout.driver import RolloutRequest, RolloutResult, run_group
 from recorder.rollout.protect import unprotected_reason
@@ -360,6 +362,28 @@ def ray_options(o: dict[str, Any]) -> RayOptions | None:
     )
 
 
+def admin_token(o: dict[str, Any]) -> str | None:
+    """The --recorder's token: refused from the command line for local sandboxes.
+
+    Every user of the machine may read a process's command line
+    (`/proc/<pid>/cmdline`), a local sandbox's own user included: with the
+    driver's token it could close its own session with any reward.
+    """
+    source = click.get_current_context().get_parameter_source("admin_token")
+    if o["admin_token"] and source is ParameterSource.COMMANDLINE and o["sandbox"] == "local":
+        raise click.ClickException(
+            "--admin-token on the command line shows in this process's command line, which "
+            "every local sandbox can read (and close its own session with any reward): set "
+            "TR_ADMIN_TOKEN or pass --admin-token-file"
+        )
+    if o["admin_token_file"] is not None:
+        try:
+            return read_token_file(o["admin_token_file"])
+        except AdminTokenError as exc:
+            raise click.ClickException(str(exc)) from None
+    return o["admin_token"]  # type: ignore[no-any-return]
+
+
 @click.command("rollout")
 @click.option("--tasks", "tasks_file", required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option(
@@ -371,7 +395,19 @@ def ray_options(o: dict[str, Any]) -> RayOptions | None:
 @click.option("--engine", "engines", multiple=True, help="SGLang URL (for its own recorder).")
 @click.option("--recorder", "recorder_url", help="A running recorder (else one starts on --db).")
 @click.option("--db", default="runs.db", show_default=True, help="Event log of its own recorder.")
-@click.option("--admin-token", envvar="TR_ADMIN_TOKEN", help="The --recorder's admin token.")
+@click.option(
+    "--admin-token",
+    envvar="TR_ADMIN_TOKEN",
+    help="The --recorder's admin token; from TR_ADMIN_TOKEN or --admin-token-file with "
+    "local sandboxes: on the command line it shows in the process list they can read.",
+)
+@click.option(
+    "--admin-token-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="A 0600 file holding the --recorder's admin token (default: the file a recorder "
+    "on this machine wrote).",
+)
 @click.option("--agent-base-url", help="The recorder as the sandbox reaches it (e2b: public).")
 @click.option("--sandbox", type=click.Choice(["local", "e2b"]), default="local", show_default=True)
 @click.option("--e2b-template", default=None, help="E2B template (needs node/npm and git).")
@@ -449,6 +485,7 @@ def rollout(**o: Any) -> None:
         click.echo(click.style("warning: ", fg="yellow") + reason, err=True)
     if o["recorder_url"] is None and not o["engines"]:
         raise click.ClickException("give --recorder URL, or --engine URL to start a recorder")
+    o["admin_token"] = admin_token(o)
     if o["recorder_url"] is None and o["tokenizer"] is None:
         raise click.ClickException("its own recorder needs --tokenizer (as recorder serve does)")
     sampling = {

@@ -61,6 +61,7 @@ from recorder.rollout.workspace import (
     apply_patch,
     apply_test_patch,
     checkout,
+    remove_root_shadows,
     restore_protected,
     run_setup,
     tail,
@@ -384,6 +385,7 @@ class _Rollout:
         """Protected paths back to base_commit, the task's test_patch on top, then the grader."""
         task = self.req.task
         changed = await restore_protected(sb, repo, self.base, protected_pathspecs(task))
+        changed += await remove_root_shadows(sb, repo, self.base)
         if changed:
             self.note("protected_restored", paths=changed[:200], count=len(changed))
         if task.test_patch:

@@ -128,3 +128,48 @@ def unprotected_reason(task: Task) -> str | None:
         "test_patch), so the agent can rewrite the tests that grade it; give it "
         'protected_paths (e.g. ["tests/**"]), or protected_paths: [] to say that is intended'
     )
+
+
+# -- what the patch adds at the repository's root -----------------------------------------
+#
+# `python -m pytest` (and `python -c`) run from the repository put its root first on
+# sys.path, before the interpreter's own site-packages. So a patch that adds `pytest.py` or
+# `pytest/` there replaces the test runner itself, and a `*.dist-info` there registers
+# entry points: a `pytest11` one is a plugin pytest loads before any test, which can pass
+# them all. None of that is a fix: such additions are removed before grading, as protected
+# paths are restored. A root entry the repository already has at base_commit is its own and
+# stays (a repository may be the very package that is also installed).
+
+# Package metadata whose entry points the import system reads from any sys.path entry.
+PACKAGE_METADATA = (".dist-info", ".egg-info", ".egg-link")
+# Counted as importable whatever the probe in the eval sandbox finds (a grader may run
+# another interpreter, e.g. a virtualenv's, than the one on PATH).
+RUNNER_MODULES = frozenset(
+    {"pytest", "_pytest", "pluggy", "iniconfig", "py", "packaging", "unittest", "nose", "nose2"}
+)
+_MODULE_FILE = re.compile(
+    r"^([A-Za-z_][A-Za-z0-9_]*)(?:\.py[cw]?|\.[A-Za-z0-9_-]*\.so|\.so|\.pyd)?$"
+)
+
+
+def module_name(entry: str) -> str | None:
+    """The top-level module a root entry imports as (`pytest.py`, `pytest`, `x.cpython-311-
+    x86_64-linux-gnu.so`), or None for a name that cannot be imported."""
+    m = _MODULE_FILE.match(entry.rstrip("/"))
+    return m.group(1) if m else None
+
+
+def shadowing_entries(
+    root_entries: list[str], base_entries: set[str], importable: set[str]
+) -> list[str]:
+    """The root entries (names, not paths) the patch added that shadow the grader's imports:
+    package metadata, or a module whose name the grader's interpreter could import."""
+    modules = importable | RUNNER_MODULES
+    found = []
+    for entry in root_entries:
+        if entry in base_entries:
+            continue
+        name = module_name(entry)
+        if entry.endswith(PACKAGE_METADATA) or (name is not None and name in modules):
+            found.append(entry)
+    return sorted(found)

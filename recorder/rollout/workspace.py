@@ -29,6 +29,7 @@ import shlex
 import msgspec
 
 from recorder.rollout.errors import InfraError
+from recorder.rollout.protect import shadowing_entries
 from recorder.rollout.sandbox import ExecResult, Sandbox
 from recorder.rollout.tasks import Task
 
@@ -221,6 +222,41 @@ async def restore_protected(
                 "eval_crashed", f"cannot restore the protected paths: {tail(done.stderr)}"
             )
     return [path for _, path in changed]
+
+
+# Run in the eval sandbox by the grader's interpreter (isolated: neither the repository
+# nor PYTHON* variables on its path): the entries of the repository's root and every
+# top-level module that interpreter can import.
+_ROOT_PROBE = (
+    "import json, os, pkgutil, sys; print(json.dumps({'entries': os.listdir('.'), 'modules': "
+    "sorted(set(getattr(sys, 'stdlib_module_names', ())) | set(sys.builtin_module_names) "
+    "| {m.name for m in pkgutil.iter_modules()})}))"
+)
+
+
+async def remove_root_shadows(sb: Sandbox, repo: str, base_commit: str) -> list[str]:
+    """Remove what the patch added at the repository's root that would shadow the grader's
+    imports (`protect.shadowing_entries`); returns those entries. Nothing when no Python
+    runs in the sandbox (no Python grader to shadow)."""
+    q = shlex.quote
+    probe = f"python -I -c {q(_ROOT_PROBE)} 2>/dev/null || python3 -I -c {q(_ROOT_PROBE)}"
+    found = await sb.exec(probe, timeout_s=120, cwd=repo)
+    if found.exit_code != 0:
+        return []
+    listing = msgspec.json.decode(found.stdout.strip().splitlines()[-1])
+    base = await sb.exec(f"{_GIT} ls-tree -z --name-only {q(base_commit)}", timeout_s=120, cwd=repo)
+    if base.exit_code != 0:
+        raise InfraError("eval_crashed", f"cannot list base_commit's root: {tail(base.stderr)}")
+    shadows = shadowing_entries(
+        listing["entries"], set(base.stdout.split("\0")), set(listing["modules"])
+    )
+    if shadows:
+        done = await sb.exec(
+            f"rm -rf -- {' '.join(q(e) for e in shadows)}", timeout_s=120, cwd=repo
+        )
+        if done.exit_code != 0:
+            raise InfraError("eval_crashed", f"cannot remove {shadows}: {tail(done.stderr)}")
+    return shadows
 
 
 def _literal(paths: list[str]) -> str:

@@ -7,6 +7,7 @@ The agents are shell scripts run through the real driver, the real git, real san
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,9 @@ from task_repos import FAIL_TO_PASS, MARKER, PASS_TO_PASS, base_repo, git, hide_
 
 from recorder.log import events as ev
 from recorder.rollout.agent import AgentSpec
-from recorder.rollout.driver import RolloutRequest, RolloutResult, run_rollout
+from recorder.rollout.driver import RolloutRequest, RolloutResult, run_group, run_rollout
+from recorder.rollout.sandbox import SandboxSpec
+from recorder.rollout.sandbox import local as local_sandbox
 from recorder.rollout.tasks import Task, task_from_dict
 from tests.server.conftest import Harness
 
@@ -227,6 +230,15 @@ async def test_a_test_patch_the_agent_conflicts_with_is_reward_zero_with_the_rea
 
 # -- the test runner's report -------------------------------------------------------------
 
+PYTEST_EXIT_CODE = {"tests": None, "eval_cmd": "python -m pytest -q -p no:cacheprovider tests"}
+GRADERS = ["tests", "pytest exit code"]
+
+
+def graded_by(grader: str) -> dict[str, Any]:
+    """Task fields for a `tests` grader, or for pytest's exit code (tests protected by glob)."""
+    return {} if grader == "tests" else {**PYTEST_EXIT_CODE, "protected_paths": ["tests/**"]}
+
+
 # A line in pytest's report format, printed by the module under test when the process
 # exits: after pytest's own summary, where a reader that lets the last word win takes it.
 FORGE_REPORT = (
@@ -291,6 +303,86 @@ async def test_a_runner_plugin_loaded_by_a_config_file_earns_nothing(
     await assert_restored_and_real(recorder, tmp_path, plugin_through(config), config)
 
 
+# The runner itself replaced from the repository's root, which `python -m pytest` puts first
+# on sys.path: a `pytest.py` that prints a pass for every id it is given, or package
+# metadata whose pytest11 entry point is a plugin pytest loads before any test.
+FAKE_RUNNER = (
+    'printf \'import sys\\n\\nids = [a for a in sys.argv[1:] if "::" in a]\\n'
+    'for i in ids:\\n    print("PASSED", i)\\n'
+    'print(max(len(ids), 1), "passed in 0.01s")\\n\' > pytest.py'
+)
+ENTRY_POINT = (
+    f"{PLUGIN} && mkdir forge-1.0.dist-info && printf 'Metadata-Version: 2.1\\nName: forge\\n"
+    "Version: 1.0\\n' > forge-1.0.dist-info/METADATA && printf '[pytest11]\\nforge = forge\\n'"
+    " > forge-1.0.dist-info/entry_points.txt"
+)
+ROOT_SHADOWS = {
+    "runner": (FAKE_RUNNER, ["pytest.py"]),
+    "entry point": (ENTRY_POINT, ["forge-1.0.dist-info"]),
+}
+
+
+@pytest.mark.parametrize("agent", list(ROOT_SHADOWS))
+@pytest.mark.parametrize("grader", GRADERS)
+async def test_a_runner_replaced_from_the_repository_root_earns_nothing(
+    recorder: Harness, tmp_path: Path, agent: str, grader: str
+) -> None:
+    src = tmp_path / "src"
+    base = base_repo(src)
+    kw = graded_by(grader)
+    command, removed = ROOT_SHADOWS[agent]
+    result = await rollout(recorder, local(tmp_path), calc_task(str(src), base, **kw), command)
+    assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
+    assert result.evidence["protected_changed"] == removed
+    assert f"+++ b/{removed[0]}" in result.diff  # the trainer still sees the attempt
+    # A fix that also adds them earns its reward: they are removed, the fix stays.
+    fixed = await rollout(
+        recorder, local(tmp_path), calc_task(str(src), base, **kw), f"{command} && {FIX}"
+    )
+    assert (fixed.reward, fixed.evidence["protected_changed"]) == (1.0, removed), fixed.evidence
+
+
+# One rollout of a group plants a pytest config and a conftest that passes every test in
+# each directory above its sandbox that it can write, then keeps working while a sibling is
+# graded: pytest takes the nearest config up to / (with the system's temp dir as the
+# sandboxes' root, /tmp was one: the sibling earned 1 without a fix).
+PLANT_ABOVE = f"""{PLUGIN} && mv forge.py conftest.py
+for d in $(p=$(dirname "$PWD"); while [ "$p" != / ]; do p=$(dirname "$p"); echo "$p"; done); do
+  cp conftest.py "$d/" 2>/dev/null && printf '[pytest]\\n' > "$d/pytest.ini" 2>/dev/null \\
+    && chmod 644 "$d/conftest.py" "$d/pytest.ini" && echo "$d" >> planted.txt
+done
+rm conftest.py; sleep 20"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes share nothing only as users of their own")
+async def test_a_sibling_cannot_plant_a_pass_above_the_other_sandboxes(
+    recorder: Harness, tmp_path: Path
+) -> None:
+    src = tmp_path / "src"
+    task = calc_task(str(src), base_repo(src))
+    commands = [PLANT_ABOVE, "echo '# nothing fixed' >> calc.py"]
+    group = [
+        RolloutRequest(
+            task=task,
+            recorder_url=recorder.url,
+            admin_token=recorder.config.admin_token,
+            sandbox=SandboxSpec(),  # the default root, where a training run's sandboxes go
+            agent=AgentSpec(command=command),
+            sample_index=i,
+        )
+        for i, command in enumerate(commands)
+    ]
+    try:
+        results = await run_group(group, concurrency=2)
+    finally:  # what a failed defence left above the sandboxes (a sandbox user's files)
+        for parent in Path(local_sandbox.ROOT_SANDBOXES, "x").parents:
+            for planted in (parent / "pytest.ini", parent / "conftest.py"):
+                if planted.is_file() and planted.stat().st_uid != 0:
+                    planted.unlink()
+    assert (results[1].reward, results[1].infra_cause) == (0.0, None), results[1].evidence
+    assert "planted.txt" not in results[0].diff  # it could write above itself nowhere
+
+
 # A module beside the tests with the name of the module under test: pytest puts the tests'
 # directory first on sys.path, so `from calc import add` finds it, and calc.py stays buggy.
 SHADOW = (
@@ -333,17 +425,16 @@ async def test_tests_replaced_by_a_symlink_earn_nothing(recorder: Harness, tmp_p
 # test ran, or at exit, after pytest counted the failure.
 EXIT_ON_IMPORT = "printf 'import os\\n\\nos._exit(0)\\n' >> calc.py"
 EXIT_AT_EXIT = "printf 'import atexit\\nimport os\\n\\natexit.register(os._exit, 0)\\n' >> calc.py"
-PYTEST_EXIT_CODE = {"tests": None, "eval_cmd": "python -m pytest -q -p no:cacheprovider tests"}
 
 
 @pytest.mark.parametrize("agent", [EXIT_ON_IMPORT, EXIT_AT_EXIT], ids=["on-import", "at-exit"])
-@pytest.mark.parametrize("grader", ["tests", "pytest exit code"])
+@pytest.mark.parametrize("grader", GRADERS)
 async def test_exit_code_zero_from_the_code_under_test_earns_nothing(
     recorder: Harness, tmp_path: Path, agent: str, grader: str
 ) -> None:
     src = tmp_path / "src"
     base = base_repo(src)
-    kw = {} if grader == "tests" else {**PYTEST_EXIT_CODE, "protected_paths": ["tests/**"]}
+    kw = graded_by(grader)
     result = await rollout(recorder, local(tmp_path), calc_task(str(src), base, **kw), agent)
     assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
     assert result.evidence["exit_code"] == 0

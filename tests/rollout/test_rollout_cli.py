@@ -14,12 +14,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import click
 import pytest
+from click.testing import CliRunner
 from rollout_harness import shipped_tasks
 
 from recorder.log import events as ev
 from recorder.log.store import open_store
-from recorder.rollout.cli import is_loopback_url, start_warnings
+from recorder.rollout.cli import admin_token, is_loopback_url, rollout, start_warnings
 from recorder.rollout.sandbox.local import marked_pids
 from tests.conftest import claude_code_binary, missing
 from tools.tasks.build import TASKS
@@ -352,3 +354,32 @@ class _Any:
 
 
 ANY = _Any()
+
+
+def test_a_token_on_the_command_line_is_refused_with_local_sandboxes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every user may read a process's command line (/proc/<pid>/cmdline): a local
+    sandbox's user would read the driver's token there and close its session with 1.0."""
+    shipped_tasks()
+    monkeypatch.delenv("TR_ADMIN_TOKEN", raising=False)
+    args = ["--tasks", str(TASKS), "--recorder", "http://127.0.0.1:9"]
+    refused = CliRunner().invoke(rollout, [*args, "--admin-token", "s3cret"])
+    assert refused.exit_code == 1
+    assert "every local sandbox can read" in refused.output
+    assert "TR_ADMIN_TOKEN or pass --admin-token-file" in refused.output
+
+    def token(*extra: str) -> str | None:
+        with rollout.make_context("rollout", [*args, *extra]) as ctx:
+            return admin_token(ctx.params)
+
+    assert token("--sandbox", "e2b", "--admin-token", "s3cret") == "s3cret"  # no local sandbox
+    token_file = tmp_path / "admin-token"
+    token_file.write_text("from-file\n")
+    token_file.chmod(0o600)
+    assert token("--admin-token-file", str(token_file)) == "from-file"
+    token_file.chmod(0o644)
+    with pytest.raises(click.ClickException, match="readable by others"):
+        token("--admin-token-file", str(token_file))
+    monkeypatch.setenv("TR_ADMIN_TOKEN", "from-env")
+    assert token() == "from-env"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from recorder.rollout.sandbox import SandboxSpec, open_sandbox
+from recorder.rollout.sandbox import SandboxBootError, SandboxSpec, local, open_sandbox
 from recorder.rollout.sandbox.local import marked_pids
 
 
@@ -67,6 +67,37 @@ async def test_as_root_each_sandbox_runs_as_a_user_of_its_own(tmp_path: Path) ->
         with pytest.raises(PermissionError):
             await a.read_file("leak.txt")
         assert await b.read_file("notes.txt") == b"b's own"
+
+
+# What a sandbox would plant above itself for the others (and the grader): pytest takes the
+# nearest pytest.ini up to / and loads the conftest.py beside it.
+PLANT_ABOVE = """for d in $(p="$PWD"; while [ "$p" != / ]; do p=$(dirname "$p"); echo "$p"; done); do
+  printf '[pytest]\\n' > "$d/pytest.ini" 2>/dev/null && echo "planted $d"
+done; true"""
+
+
+@needs_root
+async def test_by_default_no_directory_above_a_sandbox_is_writable_by_its_user() -> None:
+    async with await open_sandbox(SandboxSpec()) as sb:
+        assert Path(sb.workdir).parent == Path(local.ROOT_SANDBOXES)
+        result = await sb.exec(PLANT_ABOVE)
+        assert (result.exit_code, result.stdout) == (0, "")  # nothing planted anywhere
+        assert local.writable_parent(Path(sb.workdir)) is None
+
+
+@needs_root
+async def test_a_root_below_a_directory_every_user_may_write_is_refused(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # as /tmp is
+    root = shared / "sandboxes"
+    root.mkdir(mode=0o711)
+    with pytest.raises(SandboxBootError, match=f"would share {shared}, which every user may write"):
+        await open_sandbox(SandboxSpec(options={"root": str(root)}))
+    assert list(root.iterdir()) == []  # its directory went again
+    # Its own user only (the driver's user, not root): refused nowhere, nothing to share.
+    async with await open_sandbox(SandboxSpec(options={"root": str(root), "user": "driver"})):
+        pass
 
 
 async def test_commands_get_the_host_basics_not_the_host_environment(

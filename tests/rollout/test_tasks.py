@@ -14,6 +14,7 @@ from recorder.rollout.evaluate import (
     pytest_summaries,
     runs_pytest,
 )
+from recorder.rollout.protect import module_name, shadowing_entries
 from recorder.rollout.sandbox import ExecResult
 from recorder.rollout.tasks import TaskError, TestSpec, load_tasks, task_from_dict
 
@@ -308,3 +309,21 @@ def test_a_task_whose_grader_nothing_protects_is_warned_about() -> None:
     # The tasks the repository ships protect what their graders run.
     shipped, errors = load_tasks(Path(__file__).parents[2] / "tools" / "tasks" / "tasks.jsonl")
     assert errors == [] and len(shipped) == 3 and unprotected_reasons(shipped) == []
+
+
+def test_root_entries_added_with_an_importable_name_or_as_package_metadata_are_shadows() -> None:
+    entries = [
+        "pytest.py", "json", "_pytest", "forge-1.0.dist-info", "old.egg-info", "calc.py",
+        "helpers.py", "README.md", ".git", "x.cpython-311-x86_64-linux-gnu.so", "a-b.py",
+    ]  # fmt: skip
+    base = {"calc.py", "README.md", ".git", "_pytest"}  # a repository that is pytest keeps it
+    importable = {"json", "x", "calc"}
+    assert shadowing_entries(entries, base, importable) == [
+        "forge-1.0.dist-info", "json", "old.egg-info", "pytest.py",
+        "x.cpython-311-x86_64-linux-gnu.so",
+    ]  # fmt: skip
+    # pytest is always counted: the grader may run another interpreter than the probe's.
+    assert shadowing_entries(["pytest"], set(), set()) == ["pytest"]
+    assert [module_name(e) for e in ("pluggy/", "site.pyc", "foo.bar", "README.md")] == [
+        "pluggy", "site", None, None,
+    ]  # fmt: skip

@@ -25,6 +25,15 @@ and writes in the sandbox are done as that user too (a symlink the agent
 plants reaches nothing more). `options["user"] = "driver"` opts out. Not root:
 the commands run as the driver's user and a warning says so once; that is
 isolation by directory and process group only, not a security boundary.
+
+Where: a root driver's sandboxes go under `ROOT_SANDBOXES` (not the system's
+temp dir), and a sandbox refuses to start where any directory above it is
+writable by every user (`/tmp`). Tools read files from every parent of where
+they run: pytest takes the nearest `pytest.ini` (and the `conftest.py` beside
+it) up to `/`, pyenv a `.python-version`, Node a `node_modules`. One sandbox
+writing `/tmp/pytest.ini` and `/tmp/conftest.py` made every other rollout's
+tests pass while it was still running (its own files are swept only when
+its user is released).
 """
 
 from __future__ import annotations
@@ -203,7 +212,7 @@ class LocalSandbox(Sandbox):
 
     @classmethod
     async def create(cls, spec: SandboxSpec) -> LocalSandbox:
-        """A fresh directory under `options["root"]` (default: the system's temp dir), owned
+        """A fresh directory under `options["root"]` (default: `default_root`), owned
         by the sandbox's own user when the driver is root (`options["user"]`: "auto")."""
         mode = str(spec.options.get("user", "auto"))
         if mode not in ("auto", "driver"):
@@ -326,21 +335,46 @@ class LocalSandbox(Sandbox):
 
 HOME_DIR = "home"  # the sandbox's own HOME, inside its directory
 TMP_DIR = "tmp"  # and its TMPDIR
+# A root driver's sandboxes by default: below directories only root may write.
+ROOT_SANDBOXES = "/var/lib/trajectory-recorder/sandboxes"
+
+
+def default_root() -> str:
+    """Where sandboxes go without `options["root"]`: `ROOT_SANDBOXES` for a root driver
+    (made 0711: sandbox users may enter, not list), else the system's temp dir."""
+    if os.geteuid() != 0:
+        return tempfile.gettempdir()
+    path = Path(ROOT_SANDBOXES)
+    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    path.mkdir(mode=0o711, exist_ok=True)
+    return str(path)
 
 
 def _make_workdir(root: str | None, user: SandboxUser | None) -> Path:
     """The sandbox's directory (0700, with `home` and `tmp`), owned by `user` if any."""
     try:
+        if root is None:
+            root = default_root()
         workdir = Path(tempfile.mkdtemp(prefix=f"tr-sbx-{uuid.uuid4().hex[:8]}-", dir=root))
         for sub in (HOME_DIR, TMP_DIR):
             (workdir / sub).mkdir(mode=0o700)
     except OSError as exc:
         raise SandboxBootError(
-            f"cannot create a local sandbox directory under {root or tempfile.gettempdir()}: "
+            f"cannot create a local sandbox directory under {root or ROOT_SANDBOXES}: "
             f"{exc}; set options['root'] to a writable directory"
         ) from exc
     if user is None:
         return workdir
+    shared = writable_parent(workdir)
+    if shared is not None:
+        _remove_tree(workdir)
+        raise SandboxBootError(
+            f"sandboxes under {root} would share {shared}, which every user may write: tools "
+            "read files from every parent directory (pytest.ini and conftest.py, pyproject.toml, "
+            ".python-version, node_modules), so one sandbox could plant them there for the "
+            "others and for the grader; choose options['root'] (--sandbox-option root=DIR) "
+            f"below directories only root may write, or leave it unset ({ROOT_SANDBOXES})"
+        )
     blocked = _unreachable_parent(workdir, user.uid)
     if blocked is not None:
         _remove_tree(workdir)
@@ -352,6 +386,14 @@ def _make_workdir(root: str | None, user: SandboxUser | None) -> Path:
     for path in (workdir, workdir / HOME_DIR, workdir / TMP_DIR):
         os.chown(path, user.uid, user.gid)
     return workdir
+
+
+def writable_parent(path: Path) -> Path | None:
+    """The highest directory above `path` that every user may write (e.g. `/tmp`), or None."""
+    for parent in reversed(path.parents):
+        if parent.stat().st_mode & stat.S_IWOTH:
+            return parent
+    return None
 
 
 def _unreachable_parent(workdir: Path, uid: int) -> Path | None:
