@@ -21,6 +21,10 @@ from typing import Any, NoReturn
 import pytest
 
 from recorder.log.store import EventStore, open_store
+from tools.benchkit.ray_auth import use_token_auth
+
+# Every Ray cluster the tests start authenticates its callers (before `import ray`).
+use_token_auth(os.environ)
 
 POSTGRES_ENV = "TR_TEST_POSTGRES_URL"
 REPO = Path(__file__).resolve().parents[1]

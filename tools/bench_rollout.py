@@ -47,6 +47,7 @@ from recorder.rollout.sandbox import SandboxSpec
 from recorder.rollout.sandbox.local import default_root
 from recorder.rollout.tasks import Task, load_tasks
 from tools.benchkit.procs import python_module
+from tools.benchkit.ray_auth import use_token_auth
 from tools.benchkit.stats import median
 from tools.benchkit.table import console, rich_table
 from tools.tasks.build import build_all
@@ -180,6 +181,7 @@ async def timed_group(
 
 def start_cluster(nodes: int, concurrency: int) -> Any:
     """A Ray cluster of `nodes` nodes on this machine; its workers import this checkout."""
+    use_token_auth(os.environ)  # local sandboxes: `run_group` refuses an open cluster
     from ray.cluster_utils import Cluster
 
     os.environ["PYTHONPATH"] = os.pathsep.join(

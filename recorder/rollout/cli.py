@@ -351,14 +351,14 @@ def ray_options(o: dict[str, Any]) -> RayOptions | None:
     """The --ray* options (None without --ray: Ray is then never imported)."""
     if o["ray_address"] is None:
         return None
-    from recorder.rollout.cluster import DEFAULT_NODE_DIR, RayOptions
+    from recorder.rollout.cluster import RayOptions
 
     return RayOptions(
         address=o["ray_address"] or None,
         cpus=o["ray_cpus"],
         resource=o["ray_resource"],
         recorder_url=o["ray_recorder_url"],
-        node_dir=o["ray_node_dir"] or DEFAULT_NODE_DIR,
+        node_dir=o["ray_node_dir"] or None,
     )
 
 
@@ -472,7 +472,9 @@ def admin_token(o: dict[str, Any]) -> str | None:
 @click.option(
     "--ray-node-dir",
     default=None,
-    help="Node-local dir for repositories and the agent CLI ({node_id}: the Ray node's id).",
+    help="Node-local dir for repositories and the agent CLI ({node_id}: the Ray node's id; "
+    "default /var/lib/trajectory-recorder/node on a root node, else ~/.cache/...). Only root "
+    "or the node's user may write it and every directory above it.",
 )
 def rollout(**o: Any) -> None:
     """Run agent rollouts of a task file through the recorder; write their samples."""
@@ -556,9 +558,13 @@ def rollout(**o: Any) -> None:
         reqs = build_requests(tasks, o["samples_per_task"], base)
         tally = Tally(total=len(reqs))
         if ray is not None:
-            from recorder.rollout.cluster import connect
+            from recorder.rollout.cluster import OpenCluster, connect, refuse_open_cluster
 
-            connect(ray)  # before the signal handlers: ray.init sets its own SIGTERM one
+            ray_module = connect(ray)  # before the signal handlers: ray.init sets a SIGTERM one
+            try:
+                refuse_open_cluster(ray_module, [sandbox.backend])
+            except OpenCluster as exc:
+                raise click.ClickException(str(exc)) from exc
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -25,6 +25,15 @@ worker, which cancels the rollout there (agent killed, sandboxes removed,
 session closed aborted), and the task returns that cancelled result; the
 driver waits for every task's cleanup before it raises CancelledError.
 
+With local sandboxes the agents run on the cluster's own network, and a
+cluster that answers callers without a token lets any of them join it as a
+node of its own and be handed other rollouts' tasks, the admin token
+included (so it could close any session with any reward). `run_group_ray`
+therefore refuses such a cluster for local sandboxes (`refuse_open_cluster`:
+Ray's token authentication, `RAY_AUTH_MODE=token`, must be on). A node keeps
+what it installs under a directory no other user can change
+(`safe_node_dir`), never one another user could have made first.
+
 Ray is imported by this module's functions only: without `--ray` nothing
 imports it.
 """
@@ -38,7 +47,9 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable, Sequence
@@ -63,7 +74,9 @@ from recorder.rollout.errors import InfraError
 from recorder.rollout.workspace import BasePack, base_pack, tail
 
 log = logging.getLogger("recorder.rollout")
-DEFAULT_NODE_DIR = os.path.join(tempfile.gettempdir(), "trajectory-recorder-node")
+# Where a root node keeps repositories and the agent CLI; another user's node: below
+# its home. Never the system's temp dir: any user could make the directory first.
+ROOT_NODE_DIR = "/var/lib/trajectory-recorder/node"
 
 
 class RayOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -78,8 +91,13 @@ class RayOptions(msgspec.Struct, frozen=True, kw_only=True):
     resource: str | None = None
     recorder_url: str | None = None  # the recorder as the nodes reach it
     # Node-local: unpacked repositories and the installed agent CLI. `{node_id}` in it
-    # is the Ray node's id (several nodes on one machine, as in the tests).
-    node_dir: str = DEFAULT_NODE_DIR
+    # is the Ray node's id (several nodes on one machine, as in the tests). None: the
+    # node's default (`default_node_dir`).
+    node_dir: str | None = None
+
+
+class OpenCluster(RuntimeError):
+    """The cluster answers callers without a token: refused for local sandboxes."""
 
 
 class NodeAnswer(msgspec.Struct, frozen=True):
@@ -116,6 +134,7 @@ async def run_group_ray(
     """`driver.run_group` on a Ray cluster: at most `concurrency` tasks submitted at once,
     results in `reqs` order, each reported to `on_result` as it finishes."""
     ray = connect(opts)
+    refuse_open_cluster(ray, [r.sandbox.backend for r in reqs])
     reqs = [for_nodes(msgspec.structs.replace(r, session_id=session_id_for(r))) for r in reqs]
     packs = await _ship_repositories(ray, reqs)
     remote = ray.remote(_node_rollout).options(
@@ -160,6 +179,72 @@ async def run_group_ray(
                 gate.release()
 
     return [r for r in await run_all([one(i, r) for i, r in enumerate(reqs)]) if r is not None]
+
+
+# Run in a fresh interpreter with no token: does the cluster's GCS answer it?
+_STRANGER_PROBE = """
+import sys
+from ray._raylet import GcsClient
+from ray.exceptions import AuthenticationError
+try:
+    GcsClient(address=sys.argv[1])
+except AuthenticationError:
+    print("closed")
+else:
+    print("open")
+"""
+_AUTH_VARIABLES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+_closed_clusters: set[str] = set()
+
+
+def refuse_open_cluster(ray: Any, backends: Sequence[str]) -> None:
+    """Raise OpenCluster if local sandboxes would run on a cluster that answers strangers.
+
+    A local sandbox's agent shares its node's network with Ray. Without token
+    authentication it can start a raylet of its own that joins the cluster and
+    offers the rollouts' resource; Ray then hands it other rollouts, each with the
+    recorder's admin token, and takes back whatever result it makes up. E2B
+    sandboxes run elsewhere, and are not checked. One probe per cluster and process.
+    """
+    if "local" not in backends:
+        return
+    try:
+        address = ray.get_runtime_context().gcs_address
+    except Exception as exc:  # e.g. a ray:// client connection
+        raise OpenCluster(
+            f"cannot check the Ray cluster's authentication ({type(exc).__name__}: {exc}); "
+            "connect --ray to its GCS address (HOST:6379), not a ray:// client address"
+        ) from exc
+    if address in _closed_clusters:
+        return
+    if _stranger_answer(address) == "open":
+        raise OpenCluster(
+            f"the Ray cluster at {address} answers callers without a token. A local "
+            "sandbox's agent on one of its nodes could join it as a node of its own and be "
+            "handed other rollouts, the recorder's admin token with them. Start the cluster "
+            "with token authentication: `export RAY_AUTH_MODE=token`, `ray get-auth-token "
+            "--generate` (~/.ray/auth_token), the same token on every node and for this "
+            "driver (that file, or RAY_AUTH_TOKEN_PATH), then `ray start`; or use --sandbox e2b"
+        )
+    _closed_clusters.add(address)
+
+
+def _stranger_answer(address: str) -> str:
+    """ "open" or "closed": how the GCS at `address` answers a client with no token."""
+    env = {k: v for k, v in os.environ.items() if k not in _AUTH_VARIABLES and k != "HOME"}
+    with tempfile.TemporaryDirectory(prefix="tr-ray-probe-") as home:  # no ~/.ray/auth_token
+        done = subprocess.run(
+            [sys.executable, "-c", _STRANGER_PROBE, address],
+            env={**env, "HOME": home, "RAY_AUTH_MODE": "disabled"},
+            cwd=home, capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+    answer = done.stdout.strip().splitlines()[-1:] or [""]
+    if done.returncode != 0 or answer[0] not in ("open", "closed"):
+        raise OpenCluster(
+            f"cannot check the Ray cluster at {address} for token authentication: the probe "
+            f"exited {done.returncode}: {tail(done.stderr.strip(), 800)}"
+        )
+    return answer[0]
 
 
 def for_nodes(req: RolloutRequest) -> RolloutRequest:
@@ -229,11 +314,14 @@ def _node_rollout(req_data: bytes, pack_data: bytes | None, opts_data: bytes) ->
 
 async def _on_node(req: RolloutRequest, pack: BasePack | None, opts: RayOptions) -> NodeAnswer:
     node = node_identity()
-    root = Path(opts.node_dir.replace("{node_id}", node["node_id"]))
     req = msgspec.structs.replace(
         req, node=node, recorder_url=opts.recorder_url or req.recorder_url
     )
     try:
+        root = await asyncio.to_thread(
+            safe_node_dir,
+            (opts.node_dir or default_node_dir()).replace("{node_id}", node["node_id"]),
+        )
         if pack is not None:
             repo = await asyncio.to_thread(node_repository, root, pack)
             task = msgspec.structs.replace(req.task, repo=repo, base_commit=pack.commit)
@@ -260,6 +348,50 @@ def node_identity() -> dict[str, str]:
         "hostname": socket.gethostname(),
         "node_ip": ray.util.get_node_ip_address(),
     }
+
+
+def default_node_dir() -> str:
+    """`ROOT_NODE_DIR` on a node running as root, else below the node user's home."""
+    if os.geteuid() == 0:
+        return ROOT_NODE_DIR
+    return os.path.join(os.path.expanduser("~"), ".cache", "trajectory-recorder", "node")
+
+
+def safe_node_dir(path: str) -> Path:
+    """`path`, made if missing, once no other user can change what is in it.
+
+    A node runs what it finds there (the agent CLI) and clones the repositories it
+    holds into sandboxes, so the directory and every directory above it must be owned
+    by root or this user and be writable by no one else. The one exception is a
+    sticky parent such as /tmp: others may add to it, not replace what is ours.
+    """
+    try:
+        Path(path).mkdir(mode=0o755, parents=True, exist_ok=True)
+        root = Path(path).resolve()  # a link another user planted leads to their directory
+        unsafe = _unsafe_component(root)
+    except OSError as exc:
+        raise InfraError("sandbox_boot", f"cannot make the node directory {path}: {exc}") from exc
+    if unsafe is not None:
+        raise InfraError(
+            "sandbox_boot",
+            f"the node directory {root} is not safe to run from: {unsafe}; give --ray-node-dir "
+            "a directory below ones only root (or the node's user) may write",
+        )
+    return root
+
+
+def _unsafe_component(root: Path) -> str | None:
+    """What lets another user change `root` (a resolved path), or None."""
+    me = os.geteuid()
+    for part in (root, *root.parents):
+        st = part.stat()
+        if st.st_uid not in (0, me):
+            return f"{part} is owned by uid {st.st_uid}"
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and (
+            part == root or not st.st_mode & stat.S_ISVTX
+        ):
+            return f"{part} is writable by {'every user' if st.st_mode & stat.S_IWOTH else 'its group'}"
+    return None
 
 
 def node_repository(root: Path, pack: BasePack) -> str:

@@ -10,11 +10,13 @@ agent CLI is genuinely missing on each until it installs it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,6 +63,110 @@ def cluster() -> Iterator[Any]:
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = saved
+
+
+# A cluster as Ray starts one by default, without token authentication, in a child
+# process (this one's Ray authenticates: tests/conftest.py); it stops when stdin closes.
+OPEN_CLUSTER = f"""
+import sys
+from ray.cluster_utils import Cluster
+c = Cluster(initialize_head=True, head_node_args={{**{NODE!r}, "include_dashboard": False}})
+print(c.address, flush=True)
+sys.stdin.readline()
+c.shutdown()
+"""
+
+
+def without_token() -> dict[str, str]:
+    """The test environment, as a process that has no Ray token sees it."""
+    e = {k: v for k, v in env().items() if not k.startswith("RAY_AUTH_")}
+    return {**e, "RAY_AUTH_MODE": "disabled"}
+
+
+@pytest.fixture
+def open_cluster() -> Iterator[str]:
+    """The address of a one-node cluster that answers callers without a token."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", OPEN_CLUSTER], env=without_token(), text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        address = proc.stdout.readline().strip()
+        assert address, "the open cluster did not start"
+        yield address
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=120)
+
+
+def join_as_node(address: str) -> tuple[bool, str]:
+    """Whether a raylet started with no token joins `address` offering the rollouts'
+    resource (what a sandbox's agent could do on its node), and its output."""
+    with tempfile.TemporaryDirectory(prefix="tr-rogue-") as temp_dir:  # short: socket paths
+        return _join(address, temp_dir)
+
+
+def _join(address: str, temp_dir: str) -> tuple[bool, str]:
+    proc = subprocess.Popen(
+        ["ray", "start", "--address", address, "--num-cpus", "1", "--resources",
+         '{"sandbox": 8}', "--temp-dir", temp_dir, "--block", "--disable-usage-stats"],
+        env=without_token(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines: list[str] = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "Ray runtime started" in line:
+                return True, "".join(lines)
+        return False, "".join(lines)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)
+
+
+@pytest.mark.ray
+def test_local_sandboxes_refuse_a_cluster_that_answers_callers_without_a_token(
+    tmp_path: Path,
+    task_engine: str,  # noqa: F811
+    open_cluster: str,
+    cluster: Any,
+) -> None:
+    # The attack: with no token, a raylet joins the open cluster as a node offering the
+    # rollouts' resource (Ray would hand it rollouts, admin token included); the
+    # authenticated cluster turns the same raylet away.
+    joined, out = join_as_node(open_cluster)
+    assert joined, out[-2000:]
+    joined, out = join_as_node(cluster.address)
+    assert not joined and "AuthenticationError" in out, out[-2000:]
+    # So local sandboxes are not run on the open cluster: nothing starts, and the
+    # error says how to turn authentication on.
+    (tmp_path / "sbx").mkdir()
+    cmd = cli(tmp_path, task_engine, "--samples-per-task", "1", "--ray", open_cluster)
+    done = subprocess.run(cmd, env=without_token(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "answers callers without a token" in done.stderr
+    assert "RAY_AUTH_MODE=token" in done.stderr
+    assert asyncio.run(sessions(tmp_path / "runs.db")) == {}
+    assert list((tmp_path / "sbx").iterdir()) == []
+
+
+@pytest.mark.ray
+def test_an_authenticated_cluster_is_probed_once(cluster: Any) -> None:
+    import ray
+
+    from recorder.rollout import cluster as c
+
+    c.connect(c.RayOptions(address=cluster.address))
+    address = ray.get_runtime_context().gcs_address
+    c._closed_clusters.discard(address)
+    c.refuse_open_cluster(ray, ["e2b"])  # agents elsewhere: not probed
+    assert address not in c._closed_clusters
+    c.refuse_open_cluster(ray, ["e2b", "local"])
+    assert address in c._closed_clusters
 
 
 def nodes_of(logs: dict[str, list[object]]) -> dict[str, list[dict[str, str]]]:
