@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from recorder.log.events import RecordedEvent, SessionOpened
+from recorder.log.events import GenerateResult, RecordedEvent, SessionOpened
 from replay.chains import ChainBuilder, classify_chains, main_system_digest
 from replay.packed import unpacked_sample
 from replay.placeholders import placeholders_for
@@ -315,4 +315,15 @@ def _failure_result(events: Sequence[RecordedEvent], rules: Rules, exc: Exceptio
         tito_failed_turns=0,
         aborts=0,
         diagnostics=[reason],
+        token_accounting=_failure_accounting(events),
     )
+
+
+def _failure_accounting(events: Sequence[RecordedEvent]) -> dict[str, int]:
+    """Every engine output token of a session the reducer failed on, booked untrained:
+    `replay stats` must not show it as a session that produced nothing."""
+    try:
+        n = sum(r.event.output_ids.length for r in events if isinstance(r.event, GenerateResult))
+    except Exception:
+        return {}
+    return {"engine output": n, "placeholder session": n, "trained": 0}

@@ -372,11 +372,21 @@ class HookFailure(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def is_infra_failure(result: RolloutOutcome) -> bool:
-    """True when the trainer must not learn from this rollout (no usable samples)."""
-    return result.outcome == "infra_error" or not result.samples
+    """True when the trainer must not learn from this rollout (no usable samples).
+
+    That includes a rollout that passed or failed its task but whose samples are
+    all the recorder's placeholders (the reducer found no usable turn, or failed):
+    its reward has no trained token behind it, and must not enter its group."""
+    return (
+        result.outcome == "infra_error"
+        or not result.samples
+        or all("placeholder" in s.metadata for s in result.samples)
+    )
 
 
 def describe_failure(result: RolloutOutcome) -> str:
+    if result.outcome != "infra_error" and result.samples:
+        return f"placeholder samples: {result.samples[0].metadata.get('placeholder')}"
     cause = result.infra_cause or ("no samples" if not result.samples else result.outcome)
     return str(cause)
 

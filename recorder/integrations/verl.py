@@ -174,14 +174,18 @@ class RecorderAgentLoop(AgentLoopBase):
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> Any:
         """One rollout: v1 -> list[AgentLoopOutput] (final last), legacy -> one output."""
+        steps = kwargs.get("global_steps")
+        steps = int(steps) if steps is not None else None
         try:
-            return self._outputs(await self._rollout(sampling_params, kwargs))
+            return self._outputs(await self._rollout(sampling_params, kwargs), steps)
         except Exception as exc:  # never raise into verl's gather
             log.exception("recorder agent loop failed")
             reason = f"{type(exc).__name__}: {exc}"[:500]
             if self.mode == "v1":
                 return []
-            fields = failed_fields(reason, pad_token_id=self.pad_token_id, routing=self.routing)
+            fields = failed_fields(
+                reason, pad_token_id=self.pad_token_id, routing=self.routing, global_steps=steps
+            )
             return self._output(fields)
 
     async def _rollout(self, sampling_params: Mapping[str, Any], kwargs: Mapping[str, Any]) -> Any:
@@ -202,13 +206,14 @@ class RecorderAgentLoop(AgentLoopBase):
             session_metadata={k: v for k, v in metadata.items() if v is not None},
         )
 
-    def _outputs(self, result: Any) -> Any:
+    def _outputs(self, result: Any, global_steps: int | None) -> Any:
         fields = outputs_for(
             result,
             mode=self.mode,
             limits=self.limits,
             pad_token_id=self.pad_token_id,
             routing=self.routing,
+            global_steps=global_steps,
         )
         outputs = [self._output(f) for f in fields]
         return outputs if self.mode == "v1" else outputs[0]

@@ -17,7 +17,11 @@ from these; keeping the conversion here lets it be tested without verl's
     extra_fields      recorder_session_id, recorder_rollout_id, segment_kind,
                       segment_index, segment_count, recorder_status, recorder_outcome,
                       recorder_truncated, recorder_clipped, recorder_failed,
-                      reward_extra_info ({}: verl v1 copies it from the final output)
+                      reward_extra_info ({}: verl v1 copies it from the final output),
+                      min_global_steps / max_global_steps: the weight versions the
+                      segment was sampled with when they are step numbers, else the
+                      trajectory's global step (verl's v1 trainer turns both into int
+                      arrays for its staleness metrics, so None crashes its step)
 
 Clipping: verl's legacy postprocess pads to exactly prompt_length and
 response_length and crashes on anything longer; verl's own prompt cap keeps
@@ -27,8 +31,13 @@ sample says so (`recorder_truncated`, `recorder_clipped`).
 Trainer modes:
 - v1 (`trainer.use_v1`, verl 0.9's default): one output per segment,
   chronological, the final segment LAST: verl copies the last output's reward
-  to every output of the trajectory. An infrastructure failure is `[]` (verl
-  drops the trajectory and keeps the group).
+  to every output of the trajectory, so that one carries the task's reward
+  (whatever the rules' reward_mode split). verl's GRPO also reads the whole
+  trajectory's advantage off the last output's first trainable token: a fully
+  masked final segment (TITO-masked, or clipped) would give every segment
+  advantage 0, so then the last segment that trains anything goes last. An
+  infrastructure failure is `[]` (verl drops the trajectory and keeps the
+  group).
 - legacy: exactly one output, the final segment (pick `collapse-final` rules
   on the recorder so the other segments are not built at all), with the
   task's reward; `recorder_dropped_segments` counts what was left out. An
@@ -91,6 +100,7 @@ def to_fields(
     *,
     reward: float | None = None,
     routing: Routing | None = None,
+    global_steps: int | None = None,
 ) -> OutputFields:
     """One recorder sample as AgentLoopOutput fields, clipped to verl's lengths."""
     p0 = max(0, s.prompt_len - limits.prompt_length)
@@ -126,8 +136,21 @@ def to_fields(
             "recorder_clipped": clipped,
             "recorder_failed": False,
             "reward_extra_info": {},
+            **_steps(s.weight_versions, global_steps),
         },
     )
+
+
+def _steps(versions: list[str], global_steps: int | None) -> dict[str, int | None]:
+    """verl's min/max_global_steps: the sampled weight versions if they are step numbers
+    (the trainer names each weight update by its step), else the trajectory's step."""
+    try:
+        steps = [int(v) for v in dict.fromkeys(versions) if v]
+    except ValueError:
+        steps = []
+    if not steps:
+        return {"min_global_steps": global_steps, "max_global_steps": global_steps}
+    return {"min_global_steps": min(steps), "max_global_steps": max(steps)}
 
 
 def failed_fields(
@@ -136,6 +159,7 @@ def failed_fields(
     pad_token_id: int,
     routing: Routing | None = None,
     session_id: str | None = None,
+    global_steps: int | None = None,
 ) -> OutputFields:
     """Legacy trainer's placeholder: one pad prompt token, one masked pad response token."""
     return OutputFields(
@@ -160,6 +184,7 @@ def failed_fields(
             "recorder_failed": True,
             "recorder_reason": reason,
             "reward_extra_info": {},
+            **_steps([], global_steps),
         },
     )
 
@@ -171,6 +196,7 @@ def outputs_for(
     limits: Limits,
     pad_token_id: int,
     routing: Routing | None = None,
+    global_steps: int | None = None,
 ) -> list[OutputFields]:
     """The outputs verl gets for one rollout: v1 a list (final last), legacy exactly one."""
     problem = routing_problem(result.samples, routing)
@@ -180,11 +206,33 @@ def outputs_for(
         reason = problem or describe_failure(result)
         return [
             failed_fields(
-                reason, pad_token_id=pad_token_id, routing=routing, session_id=result.session_id
+                reason,
+                pad_token_id=pad_token_id,
+                routing=routing,
+                session_id=result.session_id,
+                global_steps=global_steps,
             )
         ]
     if mode == "v1":
-        return [to_fields(s, result, limits, routing=routing) for s in result.samples]
-    final = to_fields(result.samples[-1], result, limits, reward=result.reward, routing=routing)
+        outs = [
+            to_fields(s, result, limits, routing=routing, global_steps=global_steps)
+            for s in result.samples
+        ]
+        return _advantage_carrier_last(outs, result.reward)
+    final = to_fields(
+        result.samples[-1], result, limits, reward=result.reward, routing=routing,
+        global_steps=global_steps,
+    )  # fmt: skip
     final.extra_fields["recorder_dropped_segments"] = len(result.samples) - 1
     return [final]
+
+
+def _advantage_carrier_last(outs: list[OutputFields], reward: float) -> list[OutputFields]:
+    """v1's list with a trainable output last, carrying the task's reward (module doc)."""
+    if not any(outs[-1].response_mask):
+        carriers = [o for o in outs if any(o.response_mask)]
+        if carriers:
+            outs.remove(carriers[-1])
+            outs.append(carriers[-1])
+    outs[-1].reward_score = float(reward)
+    return outs

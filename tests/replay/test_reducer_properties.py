@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 from builders import Attempt, Log, TurnRef
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -158,3 +159,23 @@ def test_arbitrary_logs_reduce_to_valid_samples(data: st.DataObject, rules: Rule
 
     again = reduce_session(list(reversed(events)), arrays, rules)
     assert encode_result(again) == encode_result(result)
+
+
+def test_a_reducer_error_still_accounts_every_engine_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fail-safe's placeholders train nothing, and `replay stats` must say what they
+    leave out: found in an audit, it booked nothing, so a session that produced tokens
+    read as one that produced none, its balance "ok"."""
+    import replay.reducer as reducer
+
+    log = Log("crashy").open()
+    t = log.turn([1, 2, 3], [10, 11, 2], tool_uses=[("tu", "Bash")])
+    log.turn(t.then([4]), [12, 13, 2], tool_results=["tu"])
+    log.reward(1.0).close()
+
+    def boom(*a: object, **k: object) -> None:
+        raise RuntimeError("a reducer bug")
+
+    monkeypatch.setattr(reducer, "_build_segments", boom)
+    result = reducer.reduce_session(log.events, log.arrays, Rules())
+    assert result.placeholder
+    assert result.token_accounting == {"engine output": 6, "placeholder session": 6, "trained": 0}

@@ -312,7 +312,8 @@ def test_an_agent_cannot_forge_its_reward_from_a_local_sandbox(
         assert (found["env_token"], found["env_close"]) == ("[]", "401"), found
         assert found["file_read"] != "0" and "Permission denied" in found["file_said"], found
         assert found["file_close"] == "401", found
-        assert found["proc_read"] != "0" and "Permission denied" in found["proc_said"], found
+        # The recorder's /proc entry is not even listed to a sandbox user (procview.py).
+        assert found["proc_read"] != "0" and "No such file" in found["proc_said"], found
         assert found["proc_close"] == "401", found
         assert found["scan"] == "0", found
         # The real reward is the grader's: the agent changed nothing, so 0.

@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from recorder.rollout.sandbox import SandboxBootError, SandboxSpec, local, open_sandbox
+from recorder.rollout.sandbox import (
+    SandboxBootError,
+    SandboxSpec,
+    local,
+    open_sandbox,
+    procview,
+    users,
+)
 from recorder.rollout.sandbox.local import marked_pids
 
 
@@ -59,14 +66,70 @@ async def test_as_root_each_sandbox_runs_as_a_user_of_its_own(tmp_path: Path) ->
         assert home.stdout == f"{a.workdir}/home\nwritable\n"
         await b.write_file("notes.txt", "b's own")
         # Another sandbox's directory, a root-only file, the driver's environment: closed.
-        for path in (f"{b.workdir}/notes.txt", str(secret), f"/proc/{os.getpid()}/environ"):
+        for path in (f"{b.workdir}/notes.txt", str(secret)):
             denied = await a.exec(f"cat {path}")
             assert denied.exit_code != 0 and "Permission denied" in denied.stderr, path
+        hidden = await a.exec(f"cat /proc/{os.getpid()}/environ")  # not even listed
+        assert hidden.exit_code != 0 and "No such file" in hidden.stderr
         # A symlink the command plants reaches no more through the driver's own reads.
         await a.exec(f"ln -s {secret} leak.txt")
         with pytest.raises(PermissionError):
             await a.read_file("leak.txt")
         assert await b.read_file("notes.txt") == b"b's own"
+
+
+@needs_root
+async def test_a_sandbox_sees_only_its_own_processes(tmp_path: Path) -> None:
+    """Another rollout's running command line (a grader's marker, say) is out of sight,
+    and so are the driver's processes; the command's own pid, status and kill are as
+    before."""
+    assert procview.private_view() is not None, "a private /proc works on this machine"
+    spec = SandboxSpec(options={"root": str(tmp_path)})
+    async with await open_sandbox(spec) as a, await open_sandbox(spec) as b:
+        running = await a.start("sleep 300; echo graded-7d1f")
+        await asyncio.sleep(0.3)
+        assert any(
+            b"graded-7d1f" in Path(f"/proc/{p}/cmdline").read_bytes() for p in marked_pids(a.id)
+        )  # fmt: skip  (the host sees it)
+        looked = await b.exec(
+            "grep -l 'graded-7d[1]f' /proc/[0-9]*/cmdline; "  # the pattern is not the marker
+            "test -e /proc/1 && echo pid-1-seen; ps -e -o user= | sort -u; exit 7"
+        )
+        assert looked.exit_code == 7, looked.stderr
+        user = looked.stdout.split()
+        assert len(user) == 1 and user[0].startswith("tr-sbx-"), looked.stdout
+        own = await a.exec("ps -e -o args=")
+        assert "sleep 300; echo graded-7d1f" in own.stdout  # its own user's processes stay
+        assert running.pid in marked_pids(a.id)
+        await running.kill()
+        assert (await running.wait()).exit_code == -9
+
+
+@needs_root
+async def test_the_root_part_of_a_start_ignores_the_loader_variables(tmp_path: Path) -> None:
+    """The chain that mounts the private /proc runs as root before it drops to the
+    sandbox user: a preload named in the sandbox's environment must reach the command
+    only (one loader complaint: its /bin/sh), not the root programs before it."""
+    env = {"LD_PRELOAD": f"{tmp_path}/nowhere.so", "BASH_ENV": "/x/y", "KEEP": "1"}
+    async with await open_sandbox(SandboxSpec(options={"root": str(tmp_path)}, env=env)) as sb:
+        seen = await sb.exec('echo "$LD_PRELOAD|$BASH_ENV|$KEEP"')
+    assert seen.stdout == f"{tmp_path}/nowhere.so|/x/y|1\n"
+    assert seen.stderr.count("nowhere.so") == 1, seen.stderr
+
+
+@needs_root
+async def test_a_zombie_is_not_a_process_left_to_kill(tmp_path: Path) -> None:
+    """A dead child nobody reaped yet stays in /proc; killing it is impossible and not
+    needed, so releasing the user neither waits for it nor warns about it."""
+    async with await open_sandbox(SandboxSpec(options={"root": str(tmp_path)})) as sb:
+        assert sb.user is not None
+        parent = await sb.start("sleep 0 & exec sleep 300")  # the child is never reaped
+        await asyncio.sleep(0.5)
+        live = users.user_pids(sb.user.uid)
+        assert live == [parent.pid], live
+        children = Path(f"/proc/{parent.pid}/task/{parent.pid}/children").read_text().split()
+        (child,) = children
+        assert Path(f"/proc/{child}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
 
 
 # What a sandbox would plant above itself for the others (and the grader): pytest takes the

@@ -25,6 +25,8 @@ and writes in the sandbox are done as that user too (a symlink the agent
 plants reaches nothing more). `options["user"] = "driver"` opts out. Not root:
 the commands run as the driver's user and a warning says so once; that is
 isolation by directory and process group only, not a security boundary.
+A sandbox user's commands see only that user's processes (`procview.py`: a
+private `/proc` mounted `hidepid=2`), not other rollouts' command lines.
 
 Where: a root driver's sandboxes go under `ROOT_SANDBOXES` (not the system's
 temp dir), and a sandbox refuses to start where any directory above it is
@@ -65,6 +67,7 @@ from recorder.rollout.sandbox.base import (
     SandboxSpec,
 )
 from recorder.rollout.sandbox.environment import host_basics
+from recorder.rollout.sandbox.procview import as_user, launch, private_view
 from recorder.rollout.sandbox.users import SandboxUser, UserPoolError, claim_user
 
 MARK = "TR_SANDBOX_ID"  # in every command's environment; `kill` sweeps for it
@@ -224,6 +227,8 @@ class LocalSandbox(Sandbox):
                 f"cannot give the local sandbox a user of its own: {exc}"
             ) from exc
         try:
+            if user is not None:
+                await asyncio.to_thread(private_view)  # its one probe, off the event loop
             workdir = await asyncio.to_thread(_make_workdir, spec.options.get("root"), user)
         except BaseException:
             if user is not None:
@@ -268,16 +273,18 @@ class LocalSandbox(Sandbox):
         self._check()
         self._commands += 1
         mark = f"{self.id}.{self._commands}"
+        user = self.user
+        how = launch(cmd, self._env(env, mark), *((user.uid, user.gid) if user else (None, None)))
         try:
             proc = subprocess.Popen(
-                ["/bin/sh", "-c", cmd],
+                how.argv,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 cwd=self._cwd(cwd),
-                env=self._env(env, mark),
+                env=how.env,
                 start_new_session=True,
-                **_as_user(self.user),
+                **how.popen,  # type: ignore[arg-type]
             )
         except FileNotFoundError as exc:  # the cwd does not exist
             raise FileNotFoundError(f"cannot run in {self._cwd(cwd)}: {exc}") from exc
@@ -407,9 +414,7 @@ def _unreachable_parent(workdir: Path, uid: int) -> Path | None:
 
 def _as_user(user: SandboxUser | None) -> dict[str, object]:
     """Popen arguments that run the child as `user` with no supplementary groups."""
-    if user is None:
-        return {}
-    return {"user": user.uid, "group": user.gid, "extra_groups": [], "umask": 0o077}
+    return {} if user is None else as_user(user.uid, user.gid)
 
 
 def _write_as(user: SandboxUser, path: Path, raw: bytes) -> None:

@@ -151,15 +151,21 @@ def _ensure_user(name: str) -> pwd.struct_passwd:
 
 
 def user_pids(uid: int) -> list[int]:
-    """Processes whose owner is `uid`."""
+    """Live processes whose owner is `uid`. A zombie is left out: it is already dead and
+    holds nothing, and its reaper (pid 1, once its parent was killed) may take its time."""
     found = []
     with contextlib.suppress(FileNotFoundError):
         for entry in os.scandir("/proc"):
             if entry.name.isdigit():
                 with contextlib.suppress(OSError):
-                    if entry.stat().st_uid == uid:
+                    if entry.stat().st_uid == uid and not _zombie(entry.path):
                         found.append(int(entry.name))
     return found
+
+
+def _zombie(proc_dir: str) -> bool:
+    with open(f"{proc_dir}/stat", "rb") as f:
+        return f.read().rpartition(b")")[2][:2] == b" Z"
 
 
 def kill_user_processes(uid: int) -> None:

@@ -1,0 +1,134 @@
+"""How a local sandbox's command starts: as its user, seeing only that user's processes.
+
+`/proc` shows every process to every user, command line included, so one
+rollout could read what runs in another's sandbox while it runs: a grader's
+command line (a marker line such as `print("graded-7d1f")` earned a sibling
+1.0 in an audit), a sibling's test selection, the driver's own arguments. So
+a command of a sandbox user starts in a mount namespace of its own whose
+`/proc` is a fresh procfs mounted `hidepid=2`: the kernel then lists only the
+processes of the reader's own user there. The rest of the file system is the
+host's.
+
+The start is a chain of execs in one process: `unshare --mount` (root), a
+`/bin/sh` that mounts the procfs, then `setpriv` drops to the sandbox user
+(no supplementary groups) and execs the command's `/bin/sh -c`. The pid,
+process group, exit status and signals stay the command's own, so the
+sandbox's kill and sweep work as before.
+
+The root part must not be steerable by the command's environment: it runs
+with the loader's and shells' start-up variables removed (`ROOT_UNSAFE`), and
+they are put back for the command itself by `env`.
+
+This needs root with CAP_SYS_ADMIN and util-linux (`unshare`, `setpriv`,
+`mount`). `private_view()` probes that once per process; where it is missing
+(an unprivileged container) commands start as the sandbox user directly and
+a warning says, once, that sandboxes can see each other's processes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+log = logging.getLogger("recorder.rollout")
+
+_SYSTEM_PATH = "/usr/bin:/bin:/usr/sbin:/sbin"
+# What the dynamic loader, glibc or a shell would act on in a root process.
+ROOT_UNSAFE = re.compile(
+    r"^(LD_[A-Z_]*|GCONV_PATH|LOCPATH|NLSPATH|MALLOC_TRACE|BASH_ENV|ENV|HOSTALIASES|RES_OPTIONS"
+    r"|LOCALDOMAIN|RESOLV_HOST_CONF|TZDIR|GETCONF_DIR)$"
+)
+# $1 uid, $2 gid; the rest is what setpriv execs. A failed mount never runs the
+# command with the full process table in view: 125 (the command did not run).
+_WRAPPER = (
+    "{mount} -t proc -o hidepid=2,nosuid,nodev,noexec proc /proc || exit 125\n"
+    "uid=$1 gid=$2\nshift 2\n"
+    'exec {setpriv} --reuid="$uid" --regid="$gid" --clear-groups -- "$@"\n'
+)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What `subprocess.Popen` takes to start one command."""
+
+    argv: list[str]
+    env: dict[str, str]
+    popen: dict[str, object]  # user / group / umask arguments
+
+
+@dataclass(frozen=True)
+class _Tools:
+    unshare: str
+    setpriv: str
+    mount: str
+    env: str
+
+    def wrapper(self) -> str:
+        return _WRAPPER.format(mount=self.mount, setpriv=self.setpriv)
+
+
+def launch(cmd: str, env: Mapping[str, str], uid: int | None, gid: int | None) -> Launch:
+    """How to start `/bin/sh -c cmd` with `env`: as the driver (uid None), or as a sandbox
+    user that sees only its own processes (or, where that is not possible, as the user)."""
+    shell = ["/bin/sh", "-c", cmd]
+    if uid is None or gid is None:
+        return Launch(shell, dict(env), {})
+    tools = private_view()
+    if tools is None:
+        return Launch(shell, dict(env), as_user(uid, gid))
+    root_env = {k: v for k, v in env.items() if not ROOT_UNSAFE.match(k)}
+    restored = [f"{k}={v}" for k, v in env.items() if ROOT_UNSAFE.match(k)]
+    tail = [tools.env, *restored, *shell] if restored else shell
+    argv = [tools.unshare, "--mount", "--propagation", "private", "--", "/bin/sh", "-c",
+            tools.wrapper(), "sh", str(uid), str(gid), *tail]  # fmt: skip
+    return Launch(argv, root_env, {"umask": 0o077})
+
+
+def as_user(uid: int, gid: int) -> dict[str, object]:
+    """Popen arguments that run the child as `uid`/`gid` with no supplementary groups."""
+    return {"user": uid, "group": gid, "extra_groups": [], "umask": 0o077}
+
+
+@functools.cache
+def private_view() -> _Tools | None:
+    """The tools, once a probe showed a private `/proc` works here; else None (warned)."""
+    found = {name: shutil.which(name, path=_SYSTEM_PATH) for name in ("unshare", "setpriv")}
+    found |= {"mount": shutil.which("mount", path=_SYSTEM_PATH), "env": "/usr/bin/env"}
+    why = _probe(found) if os.geteuid() == 0 else "the driver is not root"
+    if why is None:
+        return _Tools(**found)  # type: ignore[arg-type]
+    log.warning(
+        "local sandboxes can see each other's processes and command lines (%s); a private "
+        "/proc per command needs root with CAP_SYS_ADMIN and util-linux's unshare, setpriv "
+        "and mount. A grader that passes a secret on its command line is readable by "
+        "other rollouts: use --sandbox e2b, or run the driver where mounts are allowed",
+        why,
+    )
+    return None
+
+
+def _probe(found: Mapping[str, str | None]) -> str | None:
+    """Why a private /proc cannot be had here, or None. Runs as nobody (65534): pid 1
+    must be out of sight."""
+    missing = [name for name, path in found.items() if path is None or not os.access(path, os.X_OK)]
+    if missing:
+        return f"not found: {', '.join(missing)}"
+    tools = _Tools(**found)  # type: ignore[arg-type]
+    argv = [tools.unshare, "--mount", "--propagation", "private", "--", "/bin/sh", "-c",
+            tools.wrapper(), "sh", "65534", "65534", "/bin/sh", "-c", "test ! -e /proc/1"]  # fmt: skip
+    try:
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=30, check=False,
+            env={"PATH": _SYSTEM_PATH}, cwd="/",
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    if done.returncode != 0:
+        return f"the probe exited {done.returncode}: {done.stderr.strip()[-300:]}"
+    return None
