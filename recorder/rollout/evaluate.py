@@ -17,6 +17,8 @@ from typing import Any
 import msgspec
 
 from recorder.rollout.errors import InfraError
+from recorder.rollout.proof import Proof, clean, outcomes, read_proofs
+from recorder.rollout.protect import runs_pytest
 from recorder.rollout.sandbox import CommandTimeout, ExecResult, Sandbox
 from recorder.rollout.tasks import Task, TestSpec
 from recorder.rollout.workspace import tail
@@ -24,8 +26,6 @@ from recorder.rollout.workspace import tail
 _REPORT_LINE = re.compile(r"^(PASSED|FAILED|ERROR|XPASS|XFAIL|SKIPPED)\s+(\S+)")
 _FAILURES = ("FAILED", "ERROR")
 _COLOR = re.compile(r"\x1b\[[0-9;]*m")  # `--color=yes`: SGR codes inside the lines
-# pytest's last line: "1 failed, 2 passed, 1 warning in 0.31s" (framed by "=" without -q).
-_COUNTS_LINE = re.compile(r"^=*\s*((?:\d+ [a-z]+(?:, )?)+|no tests ran) in [\d.]+s\b")
 _CANNOT_RUN = (126, 127)
 
 
@@ -65,10 +65,21 @@ def parse_test_report(text: str) -> dict[str, str]:
     return outcomes
 
 
-def grade_tests(spec: TestSpec, result: ExecResult, mode: str) -> Grade:
-    """Every listed test must be reported PASSED (or XPASS); one not reported has failed."""
-    report = parse_test_report(result.stdout + "\n" + result.stderr)
-    passed = [t for t in spec.all if report.get(t) in ("PASSED", "XPASS")]
+def grade_tests(spec: TestSpec, result: ExecResult, mode: str, proof: Proof | None = None) -> Grade:
+    """Every listed test must have passed (or XPASSed); one not reported has failed.
+
+    With `proof` (the grader runs pytest) only our plugin's reports count
+    (`proof.read_proofs`); without it, the runner's `-rA` lines on the output."""
+    text = result.stdout + "\n" + result.stderr
+    failure = None
+    if proof is None:
+        report = parse_test_report(text)
+        passed = [t for t in spec.all if report.get(t) in ("PASSED", "XPASS")]
+    else:
+        runs = read_proofs(text, proof.nonce)
+        found = outcomes(runs)
+        passed = [t for t in spec.all if found.get(t) == "passed"]
+        failure = None if runs else "pytest_did_not_finish"
     failed = [t for t in spec.all if t not in passed]
     all_passed = not failed
     reward = len(passed) / len(spec.all) if mode == "fraction" else float(all_passed)
@@ -79,45 +90,32 @@ def grade_tests(spec: TestSpec, result: ExecResult, mode: str) -> Grade:
         tests_passed=passed,
         tests_failed=failed,
         output_tail=tail(result.stdout + result.stderr),
+        failure=failure,
     )
 
 
-def pytest_summaries(text: str) -> list[str]:
-    """pytest's counts lines ("2 passed in 0.12s", "1 failed, 1 passed in 0.3s") in `text`."""
-    lines = _COLOR.sub("", text).splitlines()
-    return [m.group(1) for m in map(_COUNTS_LINE.match, lines) if m]
-
-
-def grade_exit(result: ExecResult, *, runs_pytest: bool = False) -> Grade:
-    """Exit code 0 passes; when the grader runs pytest, pytest must also have said so.
+def grade_exit(result: ExecResult, proof: Proof | None = None) -> Grade:
+    """Exit code 0 passes; when the grader runs pytest (`proof`), pytest must have said so.
 
     The code under test runs in the grader's process and can end it with exit
     code 0 whatever the tests did (`os._exit(0)` on import, before any test
-    ran, or from an atexit hook after pytest counted a failure). pytest's own
-    counts line cannot be printed from inside the run (its output is
-    captured), so a grader that runs pytest passes only if every counts line
-    it printed has tests passed and none failed.
+    ran, or from an atexit hook after pytest counted a failure), having printed
+    whatever pytest would. So a grader that runs pytest passes only if each of
+    its pytest runs reported, through our plugin, exit status 0, a test passed
+    and none failed. Any other grader is its exit code: the code under test can
+    end it with 0, and nothing outside that process can tell (see the README).
     """
     output = result.stdout + result.stderr
     ok = result.exit_code == 0
     failure = None
-    if ok and runs_pytest:
-        summaries = pytest_summaries(output)
-        if not summaries or not all(_clean(s) for s in summaries):
-            ok, failure = False, "exit_code_without_pytest_pass"
+    if ok and proof is not None and not clean(read_proofs(output, proof.nonce)):
+        ok, failure = False, "exit_code_without_pytest_pass"
     return Grade(
         reward=float(ok),
         passed=ok,
         exit_code=result.exit_code,
         output_tail=tail(output),
         failure=failure,
-    )
-
-
-def _clean(summary: str) -> bool:
-    counts = {word: int(n) for n, word in re.findall(r"(\d+) (\w+)", summary)}
-    return counts.get("passed", 0) > 0 and not any(
-        counts.get(bad, 0) for bad in ("failed", "error", "errors")
     )
 
 
@@ -134,6 +132,10 @@ async def run_grader(sb: Sandbox, task: Task, repo: str) -> Grade:
     if task.eval_script is not None:
         await sb.write_file(posixpath.join(sb.workdir, "eval.sh"), task.eval_script)
     cmd = grader_command(task, sb.workdir)
+    proof = Proof.new() if runs_pytest(task) else None
+    if proof is not None:
+        await sb.write_file(proof.path(sb.workdir), proof.source())
+        cmd = proof.wrap(cmd, sb.workdir)
     try:
         result = await sb.exec(cmd, timeout_s=task.eval_timeout_s, cwd=repo)
     except CommandTimeout:
@@ -144,10 +146,5 @@ async def run_grader(sb: Sandbox, task: Task, repo: str) -> Grade:
             f"the grader could not run (exit {result.exit_code}): {tail(result.stderr, 500)}",
         )
     if task.tests is not None:
-        return grade_tests(task.tests, result, task.reward)
-    return grade_exit(result, runs_pytest=runs_pytest(task))
-
-
-def runs_pytest(task: Task) -> bool:
-    """Does the task's exit-code grader (`eval_cmd`, `eval_script`) run pytest?"""
-    return "pytest" in (task.eval_cmd or task.eval_script or "")
+        return grade_tests(task.tests, result, task.reward, proof)
+    return grade_exit(result, proof)

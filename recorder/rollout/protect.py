@@ -5,8 +5,11 @@ True` earns the same reward as a fix). So before grading, the eval sandbox
 restores these paths from `base_commit` (`workspace.restore_protected`), then
 applies the task's `test_patch`:
 
-- `protected_paths` given: exactly those git globs (`*` stays inside a
-  directory, `**` crosses directories; `[]` protects nothing);
+- `protected_paths` given: those git globs (`*` stays inside a directory,
+  `**` crosses directories), plus, when the grader runs pytest, pytest's
+  config files and `conftest.py` at the root and above the tests
+  (`pytest_reads`: an audit planted `.pytest.ini` past a list that named
+  `pytest.ini`);
 - otherwise the default: every file a `tests` id names (`path::name`, or a bare
   `*.py` path), and all of its directory when that is a test directory
   (`tests/`, `test/`, `testing/`: pytest puts such a directory first on
@@ -98,8 +101,31 @@ def conftests(files: list[str]) -> list[str]:
     return in_parents(files, ("conftest.py",))
 
 
+def runs_pytest(task: Task) -> bool:
+    """Whether the task's grader runs pytest: its command names it."""
+    command = task.tests.cmd if task.tests is not None else task.eval_cmd or task.eval_script
+    return re.search(r"\bpytest\b", command or "") is not None
+
+
+def pytest_reads(task: Task) -> list[str]:
+    """What pytest takes its configuration and plugins from for this task's grader,
+    protected whatever `protected_paths` says (a config's `addopts = -p <module>` or a
+    root `conftest.py` passes every test, and no fix needs one of its own)."""
+    if not runs_pytest(task):
+        return []
+    files = test_files(task.tests) if task.tests is not None else []
+    at_root = [*PYTEST_CONFIGS, "conftest.py"]  # pytest's rootdir: where the command runs
+    return [*in_parents(files, PYTEST_CONFIGS), *conftests(files), *at_root]
+
+
 def protected_pathspecs(task: Task) -> list[str]:
     """The git pathspecs of the protected files of `task` (see the module docstring)."""
+    reads = [f":(literal){p}" for p in pytest_reads(task)]
+    return list(dict.fromkeys([*_task_pathspecs(task), *reads]))
+
+
+def _task_pathspecs(task: Task) -> list[str]:
+    """What the task's own protection covers: its list, or the default from its tests."""
     if task.protected_paths is not None:
         return [f":(glob){p}" for p in task.protected_paths]
     files = test_files(task.tests) if task.tests is not None else []
@@ -120,7 +146,7 @@ def unprotected_reason(task: Task) -> str | None:
     `eval_cmd` or `eval_script` task, or ids that name no file, leave it empty,
     and the agent can then rewrite the tests it is graded by.
     """
-    if task.protected_paths is not None or protected_pathspecs(task):
+    if task.protected_paths is not None or _task_pathspecs(task):
         return None
     grader = "its tests' ids name no file" if task.tests is not None else "it has no `tests`"
     return (
@@ -163,13 +189,16 @@ def shadowing_entries(
     root_entries: list[str], base_entries: set[str], importable: set[str]
 ) -> list[str]:
     """The root entries (names, not paths) the patch added that shadow the grader's imports:
-    package metadata, or a module whose name the grader's interpreter could import."""
+    package metadata, or a module named like one the grader's interpreter imports or tries
+    to (`importable`: what it can import, and what pytest's start-up asks for in vain,
+    such as the stdlib's optional `org.python.core`)."""
     modules = importable | RUNNER_MODULES
     found = []
     for entry in root_entries:
         if entry in base_entries:
             continue
         name = module_name(entry)
-        if entry.endswith(PACKAGE_METADATA) or (name is not None and name in modules):
+        # The import system matches metadata directories case-blind (`FORGE.DIST-INFO`).
+        if entry.lower().endswith(PACKAGE_METADATA) or (name is not None and name in modules):
             found.append(entry)
     return sorted(found)

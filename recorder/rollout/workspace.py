@@ -172,9 +172,19 @@ async def take_diff(sb: Sandbox, repo: str, base_commit: str) -> bytes:
     return await sb.read_file(out)
 
 
+# Written to the eval repository's `.git/info/attributes` (which overrides every
+# `.gitattributes`) before the patch goes in: git then reads and writes every file's
+# bytes as they are. A patch's own `.gitattributes` naming a test file
+# `working-tree-encoding=UTF-7` had made `git add` decode the rewritten test back
+# to base_commit's text, so the restore saw no change, while Python ran the bytes.
+RAW_ATTRIBUTES = "* -text -eol -ident -filter -working-tree-encoding\n"
+
+
 async def apply_patch(sb: Sandbox, repo: str, patch: bytes) -> None:
     path = posixpath.join(sb.workdir, "agent.patch")
     await sb.write_file(path, patch)
+    attributes = posixpath.join(sb.workdir, repo, ".git", "info", "attributes")
+    await sb.write_file(attributes, RAW_ATTRIBUTES)
     result = await sb.exec(
         f"{_GIT} apply --binary --whitespace=nowarn {shlex.quote(path)}", timeout_s=300, cwd=repo
     )
@@ -225,13 +235,33 @@ async def restore_protected(
 
 
 # Run in the eval sandbox by the grader's interpreter (isolated: neither the repository
-# nor PYTHON* variables on its path): the entries of the repository's root and every
-# top-level module that interpreter can import.
-_ROOT_PROBE = (
-    "import json, os, pkgutil, sys; print(json.dumps({'entries': os.listdir('.'), 'modules': "
-    "sorted(set(getattr(sys, 'stdlib_module_names', ())) | set(sys.builtin_module_names) "
-    "| {m.name for m in pkgutil.iter_modules()})}))"
-)
+# nor PYTHON* variables on its path): the entries of the repository's root, every
+# top-level module that interpreter can import, and every one it tries to import and
+# cannot while pytest starts (in an empty directory: nothing of the repository runs).
+# A name tried in vain is as good a shadow as an importable one: Python 3.11's `copy`
+# tries `org.python.core` (Jython's), and a root `org/` the patch added then ran
+# inside pytest before it read its options.
+_ROOT_PROBE = """
+import json, os, sys
+class Missed:
+    names = set()
+    def find_spec(self, name, path=None, target=None):
+        self.names.add(name.partition(".")[0])
+sys.meta_path.append(Missed())
+import contextlib, pkgutil, tempfile
+entries = os.listdir(".")
+modules = set(getattr(sys, "stdlib_module_names", ())) | set(sys.builtin_module_names)
+modules |= {m.name for m in pkgutil.iter_modules()}
+with tempfile.TemporaryDirectory() as empty, open(os.devnull, "w") as null:
+    os.chdir(empty)
+    with contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
+        try:
+            import pytest
+            pytest.main(["-q", "-p", "no:cacheprovider", "--collect-only", empty])
+        except BaseException:
+            pass
+print(json.dumps({"entries": entries, "modules": sorted(modules | Missed.names)}))
+"""
 
 
 async def remove_root_shadows(sb: Sandbox, repo: str, base_commit: str) -> list[str]:

@@ -18,6 +18,7 @@ from sandbox_backends import Backend
 from task_repos import FAIL_TO_PASS, MARKER, PASS_TO_PASS, base_repo, git, hide_the_fix_everywhere
 
 from recorder.log import events as ev
+from recorder.rollout import protect
 from recorder.rollout.agent import AgentSpec
 from recorder.rollout.driver import RolloutRequest, RolloutResult, run_group, run_rollout
 from recorder.rollout.sandbox import SandboxSpec
@@ -283,8 +284,9 @@ async def assert_restored_and_real(
     recorder: Harness, tmp_path: Path, agent: str, planted: str
 ) -> None:
     """`agent` earns 0 on the default protection, its `planted` file restored (and still
-    in the diff the trainer sees); on a task that protects nothing it earns 1: the attack
-    is real."""
+    in the diff the trainer sees); on a task that protects nothing, with pytest's own
+    files unprotected too (`protect.pytest_reads`, which no task can opt out of), it
+    earns 1: the attack is real."""
     src = tmp_path / "src"
     base = base_repo(src)
     result = await rollout(recorder, local(tmp_path), calc_task(str(src), base), agent)
@@ -292,7 +294,9 @@ async def assert_restored_and_real(
     assert result.evidence["protected_changed"] == [planted]
     assert f"+++ b/{planted}" in result.diff
     opted_out = calc_task(str(src), base, protected_paths=[])
-    result = await rollout(recorder, local(tmp_path), opted_out, agent)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(protect, "pytest_reads", lambda task: [])
+        result = await rollout(recorder, local(tmp_path), opted_out, agent)
     assert (result.reward, result.infra_cause) == (1.0, None), result.evidence
 
 
@@ -450,19 +454,20 @@ async def test_exit_code_zero_from_the_code_under_test_earns_nothing(
 async def test_a_grader_outside_pytest_has_only_the_exit_code(
     recorder: Harness, tmp_path: Path
 ) -> None:
-    """The limit README states: a plain exit-code grader trusts the process it runs."""
+    """The limit README states: a plain exit-code grader trusts the process it runs, and a
+    marker line it prints last is no help (the module under test reads it from its own
+    command line, as an audit showed). A grader that runs the check under pytest is not
+    fooled (test_reward_integrity_tree.py: the shipped wordcount task does so)."""
     src = tmp_path / "src"
     check = "python -c 'from calc import add; assert add(2, 3) == 5'"
     task = calc_task(str(src), base_repo(src), tests=None, eval_cmd=check, protected_paths=[])
     result = await rollout(recorder, local(tmp_path), task, EXIT_ON_IMPORT)
     assert (result.reward, result.infra_cause) == (1.0, None), result.evidence
-    # A script that ends on a line only the grader knows (the agent never sees the task's
-    # grader) is not fooled: the process left before printing it.
     marked = calc_task(
         str(src), task.base_commit, tests=None, eval_script=MARKED, protected_paths=[]
     )
-    result = await rollout(recorder, local(tmp_path), marked, EXIT_ON_IMPORT)
-    assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
+    result = await rollout(recorder, local(tmp_path), marked, PRINT_THE_MARKER)
+    assert (result.reward, result.infra_cause) == (1.0, None), result.evidence
     solved = await rollout(recorder, local(tmp_path), marked, FIX)
     assert solved.reward == 1.0, solved.evidence
 
@@ -470,4 +475,10 @@ async def test_a_grader_outside_pytest_has_only_the_exit_code(
 MARKED = (
     "python -c 'from calc import add; assert add(2, 3) == 5; print(\"graded-7d1f\")'"
     " | grep -qx graded-7d1f\n"
+)
+# Appended to calc.py: print what the grader's command line prints, then leave.
+PRINT_THE_MARKER = (
+    'printf \'import os, re\\n\\nfor _m in re.findall(r"print[(].([a-z0-9-]+).[)]", '
+    'open("/proc/self/cmdline").read()):\\n    print(_m, flush=True)\\nos._exit(0)\\n\''
+    " >> calc.py"
 )

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from recorder.rollout.evaluate import (
     grade_exit,
     grade_tests,
     parse_test_report,
-    pytest_summaries,
-    runs_pytest,
 )
-from recorder.rollout.protect import module_name, shadowing_entries
+from recorder.rollout.proof import Proof
+from recorder.rollout.protect import module_name, runs_pytest, shadowing_entries
 from recorder.rollout.sandbox import ExecResult
 from recorder.rollout.tasks import TaskError, TestSpec, load_tasks, task_from_dict
 
@@ -142,19 +143,48 @@ def test_a_failure_the_runner_reported_is_never_taken_back() -> None:
     assert parse_test_report(teardown) == {"tests/test_x.py::test_b": "ERROR"}
 
 
-def test_an_exit_code_grader_that_runs_pytest_needs_pytests_pass_too() -> None:
-    passed = "..\n==== 2 passed, 1 warning in 0.31s ====\n"
-    failed = "F.\nFAILED tests/t.py::test_a\n1 failed, 1 passed in 0.19s\n"
-    assert pytest_summaries(passed + failed) == ["2 passed, 1 warning", "1 failed, 1 passed"]
-    assert grade_exit(ExecResult(0, passed, ""), runs_pytest=True).reward == 1.0
-    colored = "\x1b[32mPASSED\x1b[0m t.py::\x1b[1mtest_a\x1b[0m\n\x1b[32m\x1b[1m1 passed\x1b[0m\x1b[32m in 0.18s\x1b[0m\n"
-    assert parse_test_report(colored) == {"t.py::test_a": "PASSED"}  # --color=yes
-    assert pytest_summaries(colored) == ["1 passed"]
-    # Exit code 0 from an atexit hook after a failure, or from os._exit(0) on import.
-    for output in (failed, "", passed + failed, "no tests ran in 0.01s\n"):
-        grade = grade_exit(ExecResult(0, output, ""), runs_pytest=True)
-        assert (grade.reward, grade.failure) == (0.0, "exit_code_without_pytest_pass")
-    assert grade_exit(ExecResult(1, passed, ""), runs_pytest=True).reward == 0.0
+def test_a_grader_that_runs_pytest_trusts_only_its_plugins_report() -> None:
+    """Whatever the output says, only `TR-PROOF` lines under this grading's nonce count
+    (recorder/rollout/proof.py); a run that left early has none."""
+    proof, other = Proof.new(), Proof.new()
+    spec = TestSpec(fail_to_pass=["t.py::test_a"], pass_to_pass=["t.py::test_b"])
+
+    def line(p: Proof, tests: dict[str, str], exit: int | None = 0) -> str:
+        body = base64.b64encode(msgspec.json.encode({"tests": tests, "exit": exit})).decode()
+        return f"TR-PROOF {p.nonce} {body}\n"
+
+    both = {"t.py::test_a": "passed", "t.py::test_b": "passed"}
+    forged = "PASSED t.py::test_a\nPASSED t.py::test_b\n2 passed in 0.01s\n"
+    assert grade_tests(spec, ExecResult(0, forged, ""), "binary").reward == 1.0  # no proof asked
+    for output, reward in [
+        (forged, 0.0),  # the runner's lines, printed by anyone
+        (forged + line(other, both), 0.0),  # another nonce
+        (line(proof, both), 1.0),
+        (line(proof, {"t.py::test_a": "passed", "t.py::test_b": "failed"}) + forged, 0.0),
+        # a failure in any run stands
+        (line(proof, both) + line(proof, {"t.py::test_a": "failed"}), 0.0),
+        (line(proof, {"t.py::test_a": "passed"}), 0.0),  # test_b not reported
+        (f"TR-PROOF {proof.nonce} not-base64!\n", 0.0),
+    ]:
+        grade = grade_tests(spec, ExecResult(0, output, ""), "binary", proof)
+        assert grade.reward == reward, output
+    assert grade_tests(spec, ExecResult(0, forged, ""), "binary", proof).failure == (
+        "pytest_did_not_finish"
+    )
+    fraction = grade_tests(spec, ExecResult(1, line(proof, {"t.py::test_a": "passed"}), ""),
+                           "fraction", proof)  # fmt: skip
+    assert fraction.reward == 0.5
+    # An exit-code grader that runs pytest: exit 0, and every run clean.
+    assert grade_exit(ExecResult(0, line(proof, both), ""), proof).reward == 1.0
+    for output in (
+        forged,
+        line(proof, both, exit=1),
+        line(proof, {"t.py::test_a": "skipped"}),
+        line(proof, both) + line(proof, {"t.py::test_a": "failed"}, exit=1),
+    ):
+        grade = grade_exit(ExecResult(0, output, ""), proof)
+        assert (grade.reward, grade.failure) == (0.0, "exit_code_without_pytest_pass"), output
+    assert grade_exit(ExecResult(1, line(proof, both), ""), proof).reward == 0.0
     assert grade_exit(ExecResult(0, "", "")).reward == 1.0  # other graders: the exit code
     assert runs_pytest(task_from_dict({**GOOD, "eval_cmd": "python -m pytest -q t.py"}))
     assert not runs_pytest(task_from_dict({**GOOD, "eval_cmd": "make check"}))
@@ -288,7 +318,13 @@ def test_the_default_protection_follows_the_tests_and_the_test_patch() -> None:
     ]
     assert test_dirs(["tests/unit/test_x.py", "src/test/it/deep/t.py"]) == ["tests/", "src/test/"]
     explicit = task_from_dict({**SWE_BENCH, "protected_paths": ["tests/**", "setup.cfg"]})
-    assert protected_pathspecs(explicit) == [":(glob)tests/**", ":(glob)setup.cfg"]
+    specs = protected_pathspecs(explicit)
+    assert specs[:2] == [":(glob)tests/**", ":(glob)setup.cfg"]
+    # The grader runs pytest: its configs and conftests are protected whatever the list says.
+    for p in (".pytest.ini", "pytest.toml", "conftest.py", "tests/tox.ini", "tests/conftest.py"):
+        assert f":(literal){p}" in specs, p
+    make = task_from_dict({**GOOD, "eval_cmd": "make check", "protected_paths": ["t/**"]})
+    assert protected_pathspecs(make) == [":(glob)t/**"]
 
 
 def test_a_task_whose_grader_nothing_protects_is_warned_about() -> None:

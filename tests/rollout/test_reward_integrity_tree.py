@@ -1,0 +1,204 @@
+"""What a patch can put in the tree to earn a reward without a fix, from a second audit.
+
+Each attack below earned 1.0 through the real driver, git and local sandboxes
+(`add` still subtracting) before its defence; each test asserts 0 now, and a
+real fix still earns 1.0 (the helpers are test_reward_integrity.py's).
+"""
+
+# ruff: noqa: F811  (recorder, the fixture, is imported by name)
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from task_repos import base_repo
+from test_reward_integrity import (  # noqa: F401  (recorder is a fixture)
+    FIX,
+    GRADERS,
+    PLUGIN,
+    calc_task,
+    graded_by,
+    local,
+    recorder,
+    rollout,
+)
+
+from recorder.rollout.tasks import Task, load_tasks
+from tests.server.conftest import Harness
+
+SHIPPED = Path(__file__).resolve().parents[2] / "tools" / "tasks" / "tasks.jsonl"
+
+
+def shipped(instance_id: str) -> Task:
+    tasks, errors = load_tasks(SHIPPED)
+    assert not errors
+    return next(t for t in tasks if t.instance_id == instance_id)
+
+
+# Python 3.11's copy.py tries `from org.python.core import PyStringMap` (Jython's) and
+# pytest imports `copy` after the repository's root is first on sys.path: a root `org/`
+# package ran there, set PYTEST_ADDOPTS to load the patch's plugin, and passed every test.
+ORG = (
+    f"{PLUGIN} && mkdir -p org/python && : > org/__init__.py && : > org/python/__init__.py && "
+    'printf \'import os\\n\\nos.environ["PYTEST_ADDOPTS"] = "-p forge"\\nPyStringMap = None\\n\''
+    " > org/python/core.py"
+)
+# Package metadata in upper case: the import system matches `.dist-info` case-blind.
+UPPER_DIST_INFO = (
+    f"{PLUGIN} && mkdir forge-1.0.DIST-INFO && printf 'Metadata-Version: 2.1\\nName: forge\\n"
+    "Version: 1.0\\n' > forge-1.0.DIST-INFO/METADATA && printf '[pytest11]\\nforge = forge\\n'"
+    " > forge-1.0.DIST-INFO/entry_points.txt"
+)
+SHADOWS = pytest.mark.parametrize(
+    "agent", [ORG, UPPER_DIST_INFO], ids=["optional-import", "DIST-INFO"]
+)
+
+
+@SHADOWS
+@pytest.mark.parametrize("grader", GRADERS)
+async def test_a_root_shadow_of_a_name_pytest_tries_earns_nothing(
+    recorder: Harness, tmp_path: Path, agent: str, grader: str
+) -> None:
+    src = tmp_path / "src"
+    task = calc_task(str(src), base_repo(src), **graded_by(grader))
+    result = await rollout(recorder, local(tmp_path), task, agent)
+    assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
+    assert "forge.py" in result.diff  # the attempt is in what the trainer sees
+
+
+@SHADOWS
+async def test_a_root_shadow_earns_nothing_on_the_shipped_task(
+    recorder: Harness, tmp_path: Path, agent: str
+) -> None:
+    result = await rollout(recorder, local(tmp_path), shipped("calc-add"), agent)
+    assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
+
+
+@pytest.mark.parametrize("config", [".pytest.ini", "pytest.toml"])
+async def test_a_pytest_config_the_tasks_own_list_left_out_is_protected(
+    recorder: Harness, tmp_path: Path, config: str
+) -> None:
+    """The shipped greet task names pytest.ini among its protected_paths, not
+    .pytest.ini: pytest's own config files are protected whatever the list says."""
+    body = (
+        "[pytest]\\naddopts = -p forge\\n"
+        if config.endswith("ini")
+        else ('[pytest]\\naddopts = [\\"-p\\", \\"forge\\"]\\n')
+    )
+    agent = f"{PLUGIN} && printf '{body}' > {config}"
+    task = shipped("greet-punctuation")
+    result = await rollout(recorder, local(tmp_path), task, agent)
+    assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
+    assert config in result.evidence["protected_changed"]
+
+
+# Imported while pytest collects: writes a pass for every test id and pytest's counts
+# line to every pipe the process holds (pytest keeps its real output in one), then ends
+# the process with exit code 0 before pytest could report anything.
+FORGE_AND_LEAVE = """
+
+def _forge():
+    import os
+    import sys
+
+    ids = [a for a in sys.argv if "::" in a]
+    text = "".join(f"PASSED {i}\\\\n" for i in ids) + f"{max(len(ids), 1)} passed in 0.01s\\\\n"
+    for fd in range(3, 1024):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:"):
+                os.write(fd, text.encode())
+        except OSError:
+            pass
+    os._exit(0)
+
+
+if "pytest" in __import__("sys").modules:
+    _forge()
+"""
+
+
+def append_to(module: str, code: str) -> str:
+    """An agent command that appends `code` to `module` (braces doubled: the driver
+    formats agent commands)."""
+    return literal(f"cat >> {module} <<'PAYLOAD'\n{code}\nPAYLOAD")
+
+
+def literal(command: str) -> str:
+    return command.replace("{", "{{").replace("}", "}}")
+
+
+@pytest.mark.parametrize("grader", GRADERS)
+async def test_a_report_forged_past_pytests_capture_earns_nothing(
+    recorder: Harness, tmp_path: Path, grader: str
+) -> None:
+    src = tmp_path / "src"
+    task = calc_task(str(src), base_repo(src), **graded_by(grader))
+    result = await rollout(recorder, local(tmp_path), task, append_to("calc.py", FORGE_AND_LEAVE))
+    assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
+    assert "passed in 0.01s" in result.evidence["output_tail"]  # the forgery was printed
+    assert result.evidence["failure"] in ("pytest_did_not_finish", "exit_code_without_pytest_pass")
+    solved = await rollout(recorder, local(tmp_path), task, FIX)
+    assert solved.reward == 1.0, solved.evidence
+
+
+# The shipped wordcount grader used to be `python -c '...; print("wc-graded-3b9e")' | grep
+# -qx wc-graded-3b9e`: the module under test read the marker from /proc/self/cmdline.
+READ_THE_MARKER = r"""
+
+def _marker():
+    import os
+    import re
+
+    argv = open("/proc/self/cmdline", "rb").read().decode(errors="replace")
+    for line in re.findall(r"print\(\s*['\"]([^'\"]+)['\"]\s*\)", argv):
+        print(line, flush=True)
+    os._exit(0)
+
+
+_marker()
+"""
+
+
+async def test_the_shipped_wordcount_grader_is_not_fooled(
+    recorder: Harness, tmp_path: Path
+) -> None:
+    task = shipped("wordcount-trailing-newline")
+    for agent in (append_to("wc.py", READ_THE_MARKER), append_to("wc.py", FORGE_AND_LEAVE)):
+        result = await rollout(recorder, local(tmp_path), task, agent)
+        assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
+    fix = "sed -i 's/len(text.split(\"\\\\n\"))/len(text.splitlines())/' wc.py"
+    solved = await rollout(recorder, local(tmp_path), task, fix)
+    assert solved.reward == 1.0, solved.evidence
+
+
+# The tests rewritten with `assert` as its UTF-7 form, and a `.gitattributes` of the
+# patch's naming them `working-tree-encoding=UTF-7`: `git add` in the eval sandbox decoded
+# them back to base_commit's text, so the restore saw no change, while Python ran the
+# bytes (`+NAME - add(2, 3) == 5`, a statement; NAME is 0, defined by calc.py).
+UTF7 = r"""
+import pathlib
+
+NAME = "AGEAcwBzAGUAcgB0"
+for test in pathlib.Path("tests").rglob("test_*.py"):
+    test.write_text(test.read_text().replace("assert ", f"+{NAME}- "))
+    with open(".gitattributes", "a") as f:
+        f.write(f"{test.as_posix()} working-tree-encoding=UTF-7\n")
+    with open(".git/info/attributes", "a") as f:  # its own diff: the raw bytes
+        f.write(f"{test.as_posix()} -working-tree-encoding\n")
+with open("calc.py", "a") as f:
+    f.write(f"\nimport builtins\n\nbuiltins.{NAME} = 0\n")
+"""
+
+
+async def test_a_test_hidden_from_the_restore_by_its_encoding_is_restored(
+    recorder: Harness, tmp_path: Path
+) -> None:
+    src = tmp_path / "src"
+    task = calc_task(str(src), base_repo(src))
+    agent = literal(f"python3 - <<'PAYLOAD'\n{UTF7}\nPAYLOAD")
+    result = await rollout(recorder, local(tmp_path), task, agent)
+    assert "+AGEAcwBzAGUAcgB0- add(2, 3) == 5" in result.diff
+    assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
+    assert "tests/test_calc.py" in result.evidence["protected_changed"]
+    shipped_result = await rollout(recorder, local(tmp_path), shipped("calc-add"), agent)
+    assert (shipped_result.reward, shipped_result.infra_cause) == (0.0, None)
