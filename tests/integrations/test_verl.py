@@ -206,9 +206,10 @@ async def test_legacy_routing_replay_rows_land_under_the_tokens(
     assert not experts[0, :start].any() and not experts[1].any()
 
 
-async def test_v1_list_final_last_reward_copied_to_all(
-    verl: Any, tokenizer: Any, rollouts: dict[int, Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def v1_worker(
+    verl: Any, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Any, list[dict[str, Any]]]:
+    """verl's v1 agent-loop worker, and the list its transfer-queue puts land in."""
     _, v1 = verl
     put: list[dict[str, Any]] = []
 
@@ -217,7 +218,13 @@ async def test_v1_list_final_last_reward_copied_to_all(
 
     monkeypatch.setattr(v1.tq, "async_kv_batch_put", async_kv_batch_put)
     cls = v1.AgentLoopWorkerTQ.__ray_metadata__.modified_class
-    w = worker(cls, config(use_v1=True, prompt_length=64, response_length=64), tokenizer)
+    return worker(cls, config(use_v1=True, prompt_length=64, response_length=64), tokenizer), put
+
+
+async def test_v1_list_final_last_reward_copied_to_all(
+    verl: Any, tokenizer: Any, rollouts: dict[int, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w, put = v1_worker(verl, tokenizer, monkeypatch)
     rollouts[3] = result_of(fan_out_log("v1"), reward=1.0, rules=Rules(reward_mode="final_only"))
     rollouts[4] = infra_failure("recorder_unreachable")
     kw = {"uid": "u-3", "global_steps": 1}

@@ -25,7 +25,14 @@ import pytest
 from recorder.integrations.verl_outputs import Limits, outputs_for
 from replay.rules import Rules
 from tests.integrations.results import fan_out_log, result_of
-from tests.integrations.test_verl import ROW, config, rollouts, tokenizer, trajectory, verl, worker  # noqa: F401 (fixtures)
+from tests.integrations.test_verl import (  # noqa: F401 (fixtures)
+    ROW,
+    rollouts,
+    tokenizer,
+    trajectory,
+    v1_worker,
+    verl,
+)
 from tests.replay.builders import Log
 
 pytestmark = pytest.mark.verl
@@ -39,15 +46,7 @@ async def test_v1_tags_carry_the_weight_versions_verls_trainer_reads(
     rollouts: dict[int, Any],  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    _, v1 = verl
-    put: list[dict[str, Any]] = []
-
-    async def async_kv_batch_put(**kw: Any) -> None:
-        put.append(kw)
-
-    monkeypatch.setattr(v1.tq, "async_kv_batch_put", async_kv_batch_put)
-    cls = v1.AgentLoopWorkerTQ.__ray_metadata__.modified_class
-    w = worker(cls, config(use_v1=True, prompt_length=64, response_length=64), tokenizer)
+    w, put = v1_worker(verl, tokenizer, monkeypatch)
     rollouts[3] = result_of(fan_out_log("v1"), reward=1.0)
     await w._run_agent_loop(
         {}, trajectory(0), agent_name="recorder", session_id=0, uid="u-3", global_steps=7, **ROW
