@@ -134,7 +134,8 @@ async def run_grader(sb: Sandbox, task: Task, repo: str) -> Grade:
     cmd = grader_command(task, sb.workdir)
     proof = Proof.new() if runs_pytest(task) else None
     if proof is not None:
-        await sb.write_file(proof.path(sb.workdir), proof.source())
+        for path, text in proof.files(sb.workdir).items():
+            await sb.write_file(path, text)
         cmd = proof.wrap(cmd, sb.workdir)
     try:
         result = await sb.exec(cmd, timeout_s=task.eval_timeout_s, cwd=repo)

@@ -8,18 +8,28 @@ Any text on the grader's output can be printed by the code it runs.
 
 So a grader that runs pytest gets a plugin of ours: a module with a fresh
 random name, written outside the repository and loaded with `-p` (through
-`PYTHONPATH` and `PYTEST_ADDOPTS`, before pytest imports any test). It takes
+`PYTHONPATH` and `PYTEST_ADDOPTS`) before pytest imports any test. It takes
 each test's outcome from pytest's own reports, and when pytest ends normally
 (`pytest_unconfigure`, which `os._exit` skips) writes one line to the output
-pytest had before it captured anything: `TR-PROOF <nonce> <base64 JSON>`, the
-nonce fresh for each grading and written nowhere else. Only such lines count
-(`read_proofs`): a run that left early has none, and a line printed by the
-code under test lacks the nonce.
+pytest had before it captured anything: `TR-PROOF <nonce> <base64 JSON>`.
+Only such lines count (`read_proofs`): a run that left early has none, and a
+line printed by the code under test lacks the nonce.
 
-What it does not stop: code that looks for this plugin in memory, or rewrites
-pytest's report objects, when the tests import it. It stops code that does
-not know of it, which is all a policy can learn from its own sandbox (it never
-sees a grader).
+The nonce is fresh for each grading and sits in a file beside the plugin that
+the plugin reads and deletes when the grader's pytest loads it, before any
+test is imported: a second pytest that the code under test starts (a second
+audit re-ran pytest on passing stubs, with the grader's environment) loads
+the plugin too, finds no nonce and reports nothing. The plugin also notes the
+parts of pytest that run a test and report it (`Function.runtest`,
+`call_and_report`, ...) when it starts, and a run where any of them was
+replaced by its end passes nothing (`tampered`): the same audit replaced
+`Function.runtest` with a no-op. And a test skipped from inside its body (the
+code under test raising unittest's `SkipTest`) does not count as clean for an
+exit-code grader.
+
+What it does not stop: code that looks for this plugin in memory, or tampers
+with pytest somewhere it does not watch, when the tests import it. No grader
+that runs the code under test in its own process can rule that out.
 """
 
 from __future__ import annotations
@@ -41,16 +51,56 @@ import base64
 import json
 import os
 
-NONCE = {nonce!r}
+
+def _take_nonce():
+    # Read once, by the grader's own pytest, and gone before any test is imported: a
+    # pytest the code under test starts loads this plugin too, but has no nonce.
+    path = os.path.splitext(__file__)[0] + ".nonce"
+    try:
+        with open(path) as f:
+            nonce = f.read().strip()
+    except OSError:
+        return None
+    try:
+        os.unlink(path)
+    except OSError:
+        pass  # not ours to remove: it stays readable, and a second pytest could report
+    return nonce
+
+
+NONCE = _take_nonce()
 _out = os.dup(1)  # pytest's own output, before it captures anything
-_seen = {{}}
+_seen = {}
 _exit = None
 _config = None
+_watched = {}
+
+
+def _machinery():
+    # What runs a test and reports it; code under test that replaces any of it (say
+    # Function.runtest with a no-op) makes the run's report worthless.
+    import _pytest.python as python
+    import _pytest.reports as reports
+    import _pytest.runner as runner
+
+    found = {}
+    for owner, names in (
+        (python.Function, ("runtest", "setup")),
+        (python, ("pytest_pyfunc_call",)),
+        (runner, ("call_and_report", "runtestprotocol", "call_runtest_hook",
+                  "pytest_runtest_makereport", "check_interactive_exception")),
+        (runner.CallInfo, ("from_call",)),
+        (reports.TestReport, ("from_item_and_call", "__init__")),
+    ):
+        for name in names:
+            found[f"{owner.__name__}.{name}"] = vars(owner).get(name)
+    return found
 
 
 def pytest_configure(config):
-    global _config
+    global _config, _watched
     _config = config
+    _watched = _machinery()
 
 
 def pytest_runtest_logreport(report):
@@ -60,6 +110,8 @@ def pytest_runtest_logreport(report):
         return  # a failure (a teardown's too) is never taken back
     if report.outcome == "failed":
         _seen[test] = "failed"
+    elif report.when == "call" and report.outcome == "skipped" and not hasattr(report, "wasxfail"):
+        _seen[test] = "skipped in the test"  # raised while it ran: by the code under test?
     elif report.when == "call" or report.outcome == "skipped":
         _seen[test] = report.outcome
 
@@ -70,9 +122,12 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_unconfigure(config):
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        return  # an xdist worker: its output is the channel; the controller reports
-    body = base64.b64encode(json.dumps({{"tests": _seen, "exit": _exit}}).encode())
+    if NONCE is None or os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # not the grader's own pytest, or an xdist worker (the controller reports)
+    now = _machinery()
+    tampered = sorted(k for k, v in _watched.items() if now.get(k) is not v)
+    report = {"tests": _seen, "exit": _exit, "tampered": tampered}
+    body = base64.b64encode(json.dumps(report).encode())
     data = b"\\nTR-PROOF " + NONCE.encode() + b" " + body + b"\\n"
     while data:
         data = data[os.write(_out, data):]
@@ -89,11 +144,10 @@ class Proof(msgspec.Struct, frozen=True):
     def new(cls) -> Proof:
         return cls(module=f"tr_proof_{secrets.token_hex(8)}", nonce=secrets.token_hex(16))
 
-    def source(self) -> str:
-        return _PLUGIN.format(nonce=self.nonce)
-
-    def path(self, workdir: str) -> str:
-        return posixpath.join(workdir, PROOF_DIR, f"{self.module}.py")
+    def files(self, workdir: str) -> dict[str, str]:
+        """What to write in the eval sandbox before the grader runs: path -> text."""
+        base = posixpath.join(workdir, PROOF_DIR, self.module)
+        return {f"{base}.py": _PLUGIN, f"{base}.nonce": self.nonce}
 
     def wrap(self, cmd: str, workdir: str) -> str:
         """`cmd` with pytest told to load the plugin (kept: the sandbox's own settings)."""
@@ -105,10 +159,12 @@ class Proof(msgspec.Struct, frozen=True):
 
 
 class Run(msgspec.Struct, frozen=True):
-    """One pytest run's report: test id -> "passed" / "failed" / "skipped", exit status."""
+    """One pytest run's report: test id -> "passed" / "failed" / "skipped" / "skipped in
+    the test", its exit status, and the parts of pytest found replaced at its end."""
 
     tests: dict[str, str]
     exit: int | None
+    tampered: list[str] = []
 
 
 def read_proofs(text: str, nonce: str) -> list[Run]:
@@ -126,18 +182,26 @@ def read_proofs(text: str, nonce: str) -> list[Run]:
 
 
 def outcomes(runs: list[Run]) -> dict[str, str]:
-    """Each test's outcome over all runs; a failure in any run stands."""
+    """Each test's outcome over all runs; a failure in any run stands, and a run whose
+    pytest was tampered with passes nothing."""
     merged: dict[str, str] = {}
     for run in runs:
         for test, outcome in run.tests.items():
+            if run.tampered:
+                outcome = "failed"
             if merged.get(test) != "failed":
                 merged[test] = outcome
     return merged
 
 
 def clean(runs: list[Run]) -> bool:
-    """At least one run, each ended with exit status 0, a test passed and none failed."""
+    """At least one run; each untampered, ended with exit status 0, a test passed, none
+    failed, and none skipped from inside the test (unittest's SkipTest raised by the code
+    under test turned a failing test into a skip)."""
     return bool(runs) and all(
-        r.exit == 0 and "passed" in r.tests.values() and "failed" not in r.tests.values()
+        r.exit == 0
+        and not r.tampered
+        and "passed" in r.tests.values()
+        and not {"failed", "skipped in the test"} & set(r.tests.values())
         for r in runs
     )

@@ -107,21 +107,50 @@ def runs_pytest(task: Task) -> bool:
     return re.search(r"\bpytest\b", command or "") is not None
 
 
+# Files only pytest reads: protected in every directory for a grader that runs pytest
+# (a `conftest.py` or an `addopts = -p <module>` beside the tests passes every test).
+PYTEST_ONLY = ("conftest.py", "pytest.ini", ".pytest.ini", "pytest.toml", ".pytest.toml")
+# Config files a fix may have reasons to edit: protected where pytest looks for them.
+PYTEST_SHARED = ("pyproject.toml", "tox.ini", "setup.cfg")
+# Compiled Python: a `__pycache__/calc.cpython-311.pyc` of the patch's (unchecked-hash,
+# PEP 552) was loaded instead of the buggy `calc.py` it left alone. No fix needs one.
+BYTECODE = (":(glob)**/__pycache__/**", ":(glob)**/*.pyc", ":(glob)**/*.pyo")
+
+
 def pytest_reads(task: Task) -> list[str]:
-    """What pytest takes its configuration and plugins from for this task's grader,
-    protected whatever `protected_paths` says (a config's `addopts = -p <module>` or a
-    root `conftest.py` passes every test, and no fix needs one of its own)."""
+    """The pathspecs of what pytest takes its configuration and plugins from for this
+    task's grader, protected whatever `protected_paths` says; none for other graders."""
     if not runs_pytest(task):
         return []
-    files = test_files(task.tests) if task.tests is not None else []
-    at_root = [*PYTEST_CONFIGS, "conftest.py"]  # pytest's rootdir: where the command runs
-    return [*in_parents(files, PYTEST_CONFIGS), *conftests(files), *at_root]
+    files = test_files(task.tests) if task.tests is not None else command_paths(task)
+    shared = [*in_parents(files, PYTEST_SHARED), *PYTEST_SHARED]
+    return [
+        *(f":(glob)**/{name}" for name in PYTEST_ONLY),
+        *(f":(literal){p}" for p in dict.fromkeys(shared)),
+    ]
+
+
+_PATHLIKE = re.compile(r"^[\w.][\w./:\[\]-]*$")
+
+
+def command_paths(task: Task) -> list[str]:
+    """The relative paths an `eval_cmd` or `eval_script` names (`tests/test_x.py::t`,
+    `tests/`, `tests`), as files whose directories pytest would search."""
+    found: dict[str, None] = {}
+    for word in re.split(r"[\s;|&()<>'\"]+", f"{task.eval_cmd or ''} {task.eval_script or ''}"):
+        path = word.split("::", 1)[0]
+        if not _PATHLIKE.match(path) or path.startswith(".."):
+            continue
+        if "/" in path or path.endswith(".py"):
+            found[posixpath.normpath(path) if not path.endswith("/") else path] = None
+        elif path in TEST_DIRS:
+            found[path + "/"] = None
+    return list(found)
 
 
 def protected_pathspecs(task: Task) -> list[str]:
     """The git pathspecs of the protected files of `task` (see the module docstring)."""
-    reads = [f":(literal){p}" for p in pytest_reads(task)]
-    return list(dict.fromkeys([*_task_pathspecs(task), *reads]))
+    return list(dict.fromkeys([*_task_pathspecs(task), *pytest_reads(task), *BYTECODE]))
 
 
 def _task_pathspecs(task: Task) -> list[str]:

@@ -253,7 +253,9 @@ class FilesystemService:
         path = self._path(ctx, request.path)
         if path.exists():
             raise ConnectError(Code.ALREADY_EXISTS, f"directory {path} already exists")
+        made = [p for p in (path, *path.parents) if not p.exists()]
         path.mkdir(parents=True)
+        _give(self._doubles.sandboxes[ctx.request_headers["e2b-sandbox-id"]].local, made)
         return filesystem_pb.MakeDirResponse(entry=_entry(path))
 
     async def list_dir(self, request: Any, ctx: RequestContext[Any, Any]) -> Any:
@@ -675,17 +677,28 @@ class E2BDoubles:
 
     async def _upload(self, request: web.Request) -> web.Response:
         written: list[dict[str, str]] = []
+        local = request[SANDBOX].local
         if request.content_type == "application/octet-stream":
-            written.append(_store(self._path(request), await request.read()))
+            written.append(await _store(local, self._path(request), await request.read()))
         else:
             reader = await request.multipart()
             while (part := await reader.next()) is not None:
                 name = request.query.get("path") or part.filename  # type: ignore[union-attr]
-                written.append(_store(self._path(request, name), await part.read()))  # type: ignore[union-attr]
+                data = await part.read()  # type: ignore[union-attr]
+                written.append(await _store(local, self._path(request, name), data))
         return web.json_response(written)
 
 
-def _store(path: Path, data: bytes) -> dict[str, str]:
+async def _store(local: LocalSandbox, path: Path, data: bytes) -> dict[str, str]:
+    """As envd writes: the file, and the directories it makes, are the sandbox user's."""
+    made = [p for p in path.parents if not p.exists()]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
+    _give(local, [path, *made])
     return {"name": path.name, "type": "file", "path": str(path)}
+
+
+def _give(local: LocalSandbox, paths: list[Path]) -> None:
+    if local.user is not None:
+        for p in paths:
+            os.chown(p, local.user.uid, local.user.gid)

@@ -131,7 +131,7 @@ async def test_the_agent_finds_nothing_newer_than_base_commit(
     assert found["packs"] == [str(len(objects))]
     assert not [f for f in found["workdir"] if "pack" in f or "bundle" in f or "tr-" in f]
     assert found["grep"] == []
-    assert cheat.evidence["tests_failed"] == FAIL_TO_PASS
+    assert cheat.evidence["tests_failed"] == FAIL_TO_PASS, cheat.evidence
 
     solved = await rollout(recorder, backend, task, FIX)
     assert (solved.outcome, solved.reward) == ("passed", 1.0), solved.evidence

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from task_repos import base_repo
+from task_repos import FIXED, base_repo
 from test_reward_integrity import (  # noqa: F401  (recorder is a fixture)
     FIX,
     GRADERS,
@@ -202,3 +202,140 @@ async def test_a_test_hidden_from_the_restore_by_its_encoding_is_restored(
     assert "tests/test_calc.py" in result.evidence["protected_changed"]
     shipped_result = await rollout(recorder, local(tmp_path), shipped("calc-add"), agent)
     assert (shipped_result.reward, shipped_result.infra_cause) == (0.0, None)
+
+
+# From a third audit. Imported while pytest collects: every test's body replaced by a
+# no-op (generic pytest internals: pytest's own reports then say "passed"); the plugin
+# sees its machinery replaced (`tampered`).
+NOOP_RUNTEST = """
+
+import sys as _s
+if "_pytest.python" in _s.modules:
+    import _pytest.python as _pp
+    _pp.Function.runtest = lambda self: None
+"""
+
+# Imported while pytest collects: re-run pytest (same interpreter, the inherited
+# environment: PYTHONPATH/PYTEST_ADDOPTS load the recorder's plugin, nonce and all) on
+# passing stubs named like the requested ids, copy its output to every pipe held, and
+# end the real run before it reports. The stub run's plugin finds no nonce.
+RERUN_ON_STUBS = """
+
+def _rerun():
+    import os, subprocess, sys, tempfile
+    if os.environ.get("_RERUN") or "pytest" not in sys.modules:
+        return
+    d = tempfile.mkdtemp()
+    ids = [a for a in sys.argv[1:] if "::" in a] or ["test_ok.py::test_ok"]
+    for i in ids:
+        path, _, name = i.partition("::")
+        p = os.path.join(d, path)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "a") as f:
+            f.write(f"def {name.split('[')[0]}():\\n    pass\\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ids], cwd=d,
+        env={**os.environ, "_RERUN": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    for fd in range(3, 1024):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:"):
+                os.write(fd, done.stdout)
+        except OSError:
+            pass
+    os._exit(done.returncode)
+
+
+_rerun()
+"""
+
+GENERIC = pytest.mark.parametrize(
+    "code", [NOOP_RUNTEST, RERUN_ON_STUBS], ids=["noop-runtest", "rerun-on-stubs"]
+)
+
+
+@GENERIC
+@pytest.mark.parametrize("grader", GRADERS)
+async def test_pytest_subverted_from_the_code_under_test_earns_nothing(
+    recorder: Harness, tmp_path: Path, code: str, grader: str
+) -> None:
+    src = tmp_path / "src"
+    task = calc_task(str(src), base_repo(src), **graded_by(grader))
+    result = await rollout(recorder, local(tmp_path), task, append_to("calc.py", code))
+    assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
+
+
+@GENERIC
+@pytest.mark.parametrize(
+    ("task", "module"),
+    [("calc-add", "calc.py"), ("greet-punctuation", "greet.py"),
+     ("wordcount-trailing-newline", "wc.py")],
+)  # fmt: skip
+async def test_pytest_subverted_earns_nothing_on_the_shipped_tasks(
+    recorder: Harness, tmp_path: Path, code: str, task: str, module: str
+) -> None:
+    result = await rollout(recorder, local(tmp_path), shipped(task), append_to(module, code))
+    assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
+
+
+# An exit-code pytest grader (`clean`) takes "skipped" as fine: the function under test
+# raises unittest's SkipTest (pytest reports a skip), the other test passes, exit 0.
+SKIP_INSTEAD = """
+
+import unittest as _u
+
+
+def add(a, b):
+    raise _u.SkipTest("not today")
+"""
+
+
+async def test_a_skip_raised_by_the_code_under_test_earns_nothing(
+    recorder: Harness, tmp_path: Path
+) -> None:
+    src = tmp_path / "src"
+    task = calc_task(str(src), base_repo(src), **graded_by("pytest exit code"))
+    result = await rollout(recorder, local(tmp_path), task, append_to("calc.py", SKIP_INSTEAD))
+    assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
+
+
+# An eval_cmd grader naming tests in a subdirectory: pytest_reads protects configs and
+# conftest.py only at the root (it reads no paths from eval_cmd), so tests/conftest.py
+# or tests/pytest.ini loads the patch's plugin ("whatever protected_paths says").
+BELOW = {
+    "conftest": f"{PLUGIN} && mv forge.py tests/conftest.py",
+    "ini": f"{PLUGIN} && printf '[pytest]\\naddopts = -p forge\\n' > tests/pytest.ini",
+}
+
+
+@pytest.mark.parametrize("agent", list(BELOW))
+async def test_a_config_beside_an_eval_cmds_tests_is_protected(
+    recorder: Harness, tmp_path: Path, agent: str
+) -> None:
+    src = tmp_path / "src"
+    task = calc_task(
+        str(src), base_repo(src), tests=None,
+        eval_cmd="python -m pytest -q -p no:cacheprovider tests/test_calc.py",
+        protected_paths=["tests/test_calc.py"],
+    )  # fmt: skip
+    result = await rollout(recorder, local(tmp_path), task, BELOW[agent])
+    assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
+
+
+# The fix only as bytecode: an unchecked-hash .pyc in __pycache__ (PEP 552) is loaded
+# without looking at calc.py, which the diff leaves buggy.
+PYC_ONLY = literal(f"""python3 - <<'PAYLOAD'
+import os, py_compile, tempfile
+src = os.path.join(tempfile.mkdtemp(), "calc.py")
+open(src, "w").write({FIXED!r})
+py_compile.compile(src, cfile="__pycache__/calc.cpython-311.pyc", dfile="calc.py",
+                   invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+PAYLOAD""")
+
+
+async def test_a_fix_only_in_bytecode_earns_nothing(recorder: Harness, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    task = calc_task(str(src), base_repo(src))
+    result = await rollout(recorder, local(tmp_path), task, PYC_ONLY)
+    assert "+++ b/calc.py" not in result.diff  # the source is not fixed
+    assert (result.reward, result.infra_cause) == (0.0, None), result.evidence

@@ -109,12 +109,13 @@ async def test_a_sandbox_sees_only_its_own_processes(tmp_path: Path) -> None:
 async def test_the_root_part_of_a_start_ignores_the_loader_variables(tmp_path: Path) -> None:
     """The chain that mounts the private /proc runs as root before it drops to the
     sandbox user: a preload named in the sandbox's environment must reach the command
-    only (one loader complaint: its /bin/sh), not the root programs before it."""
+    only (two loader complaints: the user's shell that enters the directory, then the
+    command's), not the four root programs before them."""
     env = {"LD_PRELOAD": f"{tmp_path}/nowhere.so", "BASH_ENV": "/x/y", "KEEP": "1"}
     async with await open_sandbox(SandboxSpec(options={"root": str(tmp_path)}, env=env)) as sb:
         seen = await sb.exec('echo "$LD_PRELOAD|$BASH_ENV|$KEEP"')
     assert seen.stdout == f"{tmp_path}/nowhere.so|/x/y|1\n"
-    assert seen.stderr.count("nowhere.so") == 1, seen.stderr
+    assert seen.stderr.count("nowhere.so") == 2, seen.stderr
 
 
 @needs_root
@@ -130,6 +131,26 @@ async def test_a_zombie_is_not_a_process_left_to_kill(tmp_path: Path) -> None:
         children = Path(f"/proc/{parent.pid}/task/{parent.pid}/children").read_text().split()
         (child,) = children
         assert Path(f"/proc/{child}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+
+
+@needs_root
+async def test_a_command_enters_its_directory_as_the_sandbox_user(tmp_path: Path) -> None:
+    """Found in an audit: Popen's `cwd` is entered before the user changes, so a sandbox
+    that replaced its `repo` with a link to a directory its user cannot reach made the
+    next command (the driver's diff) start in there, as root had entered it."""
+    hidden = tmp_path / "root-only" / "inner"
+    hidden.mkdir(parents=True)
+    (tmp_path / "root-only").chmod(0o700)
+    hidden.chmod(0o755)
+    (hidden / "canary.txt").write_text("root-only canary\n")
+    async with await open_sandbox(SandboxSpec()) as sb:
+        assert (await sb.exec(f"cat {hidden}/canary.txt")).exit_code != 0
+        await sb.exec(f"ln -s {hidden} repo")
+        via = await sb.exec("cat canary.txt", cwd="repo")
+        assert "canary" not in via.stdout
+        assert via.exit_code == 125 and "can't cd" in via.stderr
+        with pytest.raises(FileNotFoundError, match="cannot run in"):
+            await sb.exec("true", cwd="missing")
 
 
 # What a sandbox would plant above itself for the others (and the grader): pytest takes the

@@ -277,7 +277,9 @@ def test_a_published_row_that_is_wrong_says_where() -> None:
 
 def test_the_default_protection_follows_the_tests_and_the_test_patch() -> None:
     from recorder.rollout.protect import (
+        BYTECODE,
         PYTEST_CONFIGS,
+        command_paths,
         patch_paths,
         protected_pathspecs,
         test_dirs,
@@ -298,19 +300,25 @@ def test_the_default_protection_follows_the_tests_and_the_test_patch() -> None:
     configs = [f"{d}{name}" for d in ("pkg/tests/", "pkg/", "") for name in PYTEST_CONFIGS]
     assert "pkg/tests/pytest.ini" in configs and "pyproject.toml" in configs
     assert protected_pathspecs(task) == [
-        f":(literal){p}"
-        for p in (
-            "pkg/tests/test_x.py",
-            "pkg/tests/",  # a test directory: all of it
-            "pkg/tests/conftest.py",
-            "pkg/conftest.py",
-            "conftest.py",
-            *configs,
-            "tests/a.py",
-            "tests/b.py",
-            "tests/new.py",
-        )
-    ]
+        *(
+            f":(literal){p}"
+            for p in (
+                "pkg/tests/test_x.py",
+                "pkg/tests/",  # a test directory: all of it
+                "pkg/tests/conftest.py",
+                "pkg/conftest.py",
+                "conftest.py",
+                *configs,
+                "tests/a.py",
+                "tests/b.py",
+                "tests/new.py",
+            )
+        ),
+        # pytest runs it: its own files anywhere, and bytecode (for every grader).
+        *(f":(glob)**/{n}" for n in ("conftest.py", "pytest.ini", ".pytest.ini", "pytest.toml",
+                                    ".pytest.toml")),
+        ":(glob)**/__pycache__/**", ":(glob)**/*.pyc", ":(glob)**/*.pyo",
+    ]  # fmt: skip
     # Tests beside the code they test protect themselves, not their directory.
     assert test_dirs(["test_c.py", "pkg/test_x.py", "a/tests/t.py", "b/testing/u.py"]) == [
         "a/tests/",
@@ -321,10 +329,13 @@ def test_the_default_protection_follows_the_tests_and_the_test_patch() -> None:
     specs = protected_pathspecs(explicit)
     assert specs[:2] == [":(glob)tests/**", ":(glob)setup.cfg"]
     # The grader runs pytest: its configs and conftests are protected whatever the list says.
-    for p in (".pytest.ini", "pytest.toml", "conftest.py", "tests/tox.ini", "tests/conftest.py"):
-        assert f":(literal){p}" in specs, p
+    for p in (":(glob)**/.pytest.ini", ":(glob)**/conftest.py", ":(literal)tests/tox.ini"):
+        assert p in specs, p
     make = task_from_dict({**GOOD, "eval_cmd": "make check", "protected_paths": ["t/**"]})
-    assert protected_pathspecs(make) == [":(glob)t/**"]
+    assert protected_pathspecs(make) == [":(glob)t/**", *BYTECODE]
+    named = task_from_dict({**GOOD, "eval_cmd": "python -m pytest -q sub/tests/test_a.py::t"})
+    assert command_paths(named) == ["sub/tests/test_a.py"]
+    assert ":(literal)sub/setup.cfg" in protected_pathspecs(named)
 
 
 def test_a_task_whose_grader_nothing_protects_is_warned_about() -> None:

@@ -273,15 +273,18 @@ class LocalSandbox(Sandbox):
         self._check()
         self._commands += 1
         mark = f"{self.id}.{self._commands}"
-        user = self.user
-        how = launch(cmd, self._env(env, mark), *((user.uid, user.gid) if user else (None, None)))
+        user, where = self.user, self._cwd(cwd)
+        if not os.path.isdir(where):  # what Popen would say; entered as the user below
+            raise FileNotFoundError(f"cannot run in {where}: no such directory")
+        ids = (user.uid, user.gid) if user else (None, None)
+        how = launch(cmd, self._env(env, mark), where, *ids)
         try:
             proc = subprocess.Popen(
                 how.argv,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                cwd=self._cwd(cwd),
+                cwd=how.cwd,
                 env=how.env,
                 start_new_session=True,
                 **how.popen,  # type: ignore[arg-type]

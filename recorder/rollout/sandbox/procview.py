@@ -41,8 +41,8 @@ log = logging.getLogger("recorder.rollout")
 _SYSTEM_PATH = "/usr/bin:/bin:/usr/sbin:/sbin"
 # What the dynamic loader, glibc or a shell would act on in a root process.
 ROOT_UNSAFE = re.compile(
-    r"^(LD_[A-Z_]*|GCONV_PATH|LOCPATH|NLSPATH|MALLOC_TRACE|BASH_ENV|ENV|HOSTALIASES|RES_OPTIONS"
-    r"|LOCALDOMAIN|RESOLV_HOST_CONF|TZDIR|GETCONF_DIR)$"
+    r"^(LD_[A-Z_]*|GLIBC_TUNABLES|GCONV_PATH|LOCPATH|NLSPATH|NIS_PATH|MALLOC_[A-Z_]*|BASH_ENV"
+    r"|ENV|HOSTALIASES|RES_OPTIONS|LOCALDOMAIN|RESOLV_HOST_CONF|TZDIR|GETCONF_DIR|TMPDIR)$"
 )
 # $1 uid, $2 gid; the rest is what setpriv execs. A failed mount never runs the
 # command with the full process table in view: 125 (the command did not run).
@@ -51,6 +51,10 @@ _WRAPPER = (
     "uid=$1 gid=$2\nshift 2\n"
     'exec {setpriv} --reuid="$uid" --regid="$gid" --clear-groups -- "$@"\n'
 )
+# The command's own shell enters its directory, as the sandbox user: entered by root
+# (Popen's `cwd` is, before any user change), a `repo` the sandbox had replaced with a
+# link to a directory its user cannot reach let the next command read it.
+_ENTER = 'cd -- "$1" || exit 125\nshift\nexec /bin/sh -c "$@"'
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ class Launch:
 
     argv: list[str]
     env: dict[str, str]
+    cwd: str  # where the process starts (the command's own directory is entered in it)
     popen: dict[str, object]  # user / group / umask arguments
 
 
@@ -73,21 +78,22 @@ class _Tools:
         return _WRAPPER.format(mount=self.mount, setpriv=self.setpriv)
 
 
-def launch(cmd: str, env: Mapping[str, str], uid: int | None, gid: int | None) -> Launch:
-    """How to start `/bin/sh -c cmd` with `env`: as the driver (uid None), or as a sandbox
-    user that sees only its own processes (or, where that is not possible, as the user)."""
-    shell = ["/bin/sh", "-c", cmd]
+def launch(cmd: str, env: Mapping[str, str], cwd: str, uid: int | None, gid: int | None) -> Launch:
+    """How to start `/bin/sh -c cmd` in `cwd` with `env`: as the driver (uid None), or as
+    a sandbox user that sees only its own processes (or, where that is not possible, as
+    the user), entering `cwd` with that user's rights."""
     if uid is None or gid is None:
-        return Launch(shell, dict(env), {})
+        return Launch(["/bin/sh", "-c", cmd], dict(env), cwd, {})
+    shell = ["/bin/sh", "-c", _ENTER, "sh", cwd, cmd]
     tools = private_view()
     if tools is None:
-        return Launch(shell, dict(env), as_user(uid, gid))
+        return Launch(shell, dict(env), "/", as_user(uid, gid))
     root_env = {k: v for k, v in env.items() if not ROOT_UNSAFE.match(k)}
     restored = [f"{k}={v}" for k, v in env.items() if ROOT_UNSAFE.match(k)]
     tail = [tools.env, *restored, *shell] if restored else shell
     argv = [tools.unshare, "--mount", "--propagation", "private", "--", "/bin/sh", "-c",
             tools.wrapper(), "sh", str(uid), str(gid), *tail]  # fmt: skip
-    return Launch(argv, root_env, {"umask": 0o077})
+    return Launch(argv, root_env, "/", {"umask": 0o077})
 
 
 def as_user(uid: int, gid: int) -> dict[str, object]:
