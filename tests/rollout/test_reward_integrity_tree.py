@@ -9,6 +9,7 @@ real fix still earns 1.0 (the helpers are test_reward_integrity.py's).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from task_repos import FIXED, base_repo
@@ -23,10 +24,19 @@ from test_reward_integrity import (  # noqa: F401  (recorder is a fixture)
     rollout,
 )
 
+from recorder.rollout.driver import RolloutResult
 from recorder.rollout.tasks import Task, load_tasks
 from tests.server.conftest import Harness
 
 SHIPPED = Path(__file__).resolve().parents[2] / "tools" / "tasks" / "tasks.jsonl"
+
+
+async def on_calc(recorder: Harness, tmp_path: Path, agent: str, **task: Any) -> RolloutResult:
+    """`agent`'s rollout on a fresh calc task (`add` subtracts; `task` overrides fields)."""
+    src = tmp_path / "src"
+    return await rollout(
+        recorder, local(tmp_path), calc_task(str(src), base_repo(src), **task), agent
+    )
 
 
 def shipped(instance_id: str) -> Task:
@@ -59,9 +69,7 @@ SHADOWS = pytest.mark.parametrize(
 async def test_a_root_shadow_of_a_name_pytest_tries_earns_nothing(
     recorder: Harness, tmp_path: Path, agent: str, grader: str
 ) -> None:
-    src = tmp_path / "src"
-    task = calc_task(str(src), base_repo(src), **graded_by(grader))
-    result = await rollout(recorder, local(tmp_path), task, agent)
+    result = await on_calc(recorder, tmp_path, agent, **graded_by(grader))
     assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
     assert "forge.py" in result.diff  # the attempt is in what the trainer sees
 
@@ -131,13 +139,14 @@ def literal(command: str) -> str:
 async def test_a_report_forged_past_pytests_capture_earns_nothing(
     recorder: Harness, tmp_path: Path, grader: str
 ) -> None:
-    src = tmp_path / "src"
-    task = calc_task(str(src), base_repo(src), **graded_by(grader))
-    result = await rollout(recorder, local(tmp_path), task, append_to("calc.py", FORGE_AND_LEAVE))
+    result = await on_calc(
+        recorder, tmp_path, append_to("calc.py", FORGE_AND_LEAVE), **graded_by(grader)
+    )
     assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
     assert "passed in 0.01s" in result.evidence["output_tail"]  # the forgery was printed
     assert result.evidence["failure"] in ("pytest_did_not_finish", "exit_code_without_pytest_pass")
-    solved = await rollout(recorder, local(tmp_path), task, FIX)
+    (tmp_path / "fix").mkdir()
+    solved = await on_calc(recorder, tmp_path / "fix", FIX, **graded_by(grader))
     assert solved.reward == 1.0, solved.evidence
 
 
@@ -259,9 +268,7 @@ GENERIC = pytest.mark.parametrize(
 async def test_pytest_subverted_from_the_code_under_test_earns_nothing(
     recorder: Harness, tmp_path: Path, code: str, grader: str
 ) -> None:
-    src = tmp_path / "src"
-    task = calc_task(str(src), base_repo(src), **graded_by(grader))
-    result = await rollout(recorder, local(tmp_path), task, append_to("calc.py", code))
+    result = await on_calc(recorder, tmp_path, append_to("calc.py", code), **graded_by(grader))
     assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
 
 
@@ -293,9 +300,9 @@ def add(a, b):
 async def test_a_skip_raised_by_the_code_under_test_earns_nothing(
     recorder: Harness, tmp_path: Path
 ) -> None:
-    src = tmp_path / "src"
-    task = calc_task(str(src), base_repo(src), **graded_by("pytest exit code"))
-    result = await rollout(recorder, local(tmp_path), task, append_to("calc.py", SKIP_INSTEAD))
+    result = await on_calc(
+        recorder, tmp_path, append_to("calc.py", SKIP_INSTEAD), **graded_by("pytest exit code")
+    )
     assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
 
 
@@ -334,8 +341,6 @@ PAYLOAD""")
 
 
 async def test_a_fix_only_in_bytecode_earns_nothing(recorder: Harness, tmp_path: Path) -> None:
-    src = tmp_path / "src"
-    task = calc_task(str(src), base_repo(src))
-    result = await rollout(recorder, local(tmp_path), task, PYC_ONLY)
+    result = await on_calc(recorder, tmp_path, PYC_ONLY)
     assert "+++ b/calc.py" not in result.diff  # the source is not fixed
     assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
