@@ -490,7 +490,7 @@ def view(
 ) -> None:
     """A read-only web page over the log: runs, sessions, turns, samples, rules."""
     from recorder.admin_token import AdminTokenError
-    from replay.view.serve import serve, view_token
+    from replay.view.serve import FRESH, serve, view_token
 
     rules = _rules(rules_spec)
     try:
@@ -499,7 +499,7 @@ def view(
         raise click.ClickException(str(exc)) from None
 
     def ready(url: str) -> None:
-        link = url if secret is None else f"{url}?token=<the token {where}>"
+        link = f"{url}?token={secret}" if where == FRESH else f"{url}?token=<the token {where}>"
         console.print(f"replay view on [bold]{escape(link)}[/] (read-only; Ctrl-C stops it)")
 
     try:

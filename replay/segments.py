@@ -238,5 +238,7 @@ def _account_kept(out: Counter[str], t: Turn, b: BuiltSegment, n: int) -> None:
         out["truncated (segment cap or context budget)"] += n - int(kept.size)
     if masked and t.tito_masked:
         out["masked: TITO failed"] += masked
+    elif masked and t.constrained:
+        out["masked: constrained decoding (a grammar: json_schema, regex, ...)"] += masked
     elif masked:
         out["masked: stale weight version"] += masked

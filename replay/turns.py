@@ -16,6 +16,7 @@ from recorder.log.events import (
     ChainDecision,
     ClientDisconnected,
     EngineError,
+    GenerateAttempt,
     GenerateResult,
     MessagesRequest,
     RecordedEvent,
@@ -58,6 +59,9 @@ class Turn:
     finish_reason: str = "unknown"
     tito_masked: bool = False
     stale_masked: int = 0
+    # An attempt sampled under a grammar (a JSON schema, regex, EBNF): its tokens came
+    # from a constrained distribution, not the policy's, and are not trained.
+    constrained: bool = False
 
     @property
     def system_digest(self) -> str | None:
@@ -162,6 +166,15 @@ def _result(t: Turn, ev: GenerateResult, diags: list[str]) -> None:
         t.results[ev.attempt] = ev
 
 
+# SGLang's sampling parameters that constrain decoding to a grammar.
+CONSTRAINTS = ("json_schema", "regex", "ebnf", "structural_tag")
+
+
+def _attempt(t: Turn, ev: GenerateAttempt, diags: list[str]) -> None:
+    if any(ev.sampling_params.get(k) is not None for k in CONSTRAINTS):
+        t.constrained = True
+
+
 def _aborted(t: Turn, ev: TurnAborted, diags: list[str]) -> None:
     t.aborts += 1
 
@@ -193,6 +206,7 @@ _ABSORB: dict[type, Callable[[Turn, Any, list[str]], None]] = {
     ChainDecision: _decision,
     RenderedInput: _rendered,
     GenerateResult: _result,
+    GenerateAttempt: _attempt,
     TurnAborted: _aborted,
     TitoVerdict: _tito,
     ResponseSent: _response,
@@ -395,6 +409,8 @@ def _turn_mask(
     if t.tito is not None and not t.tito.ok and rules.mask_tito_failed:
         mask[:] = 0
         t.tito_masked = True
+    if t.constrained:
+        mask[:] = 0
     return mask
 
 

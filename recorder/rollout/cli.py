@@ -347,6 +347,18 @@ def summary(tally: Tally, interrupted: bool) -> Any:
     return table
 
 
+def private_append(path: str | Path) -> IO[bytes]:
+    """`path` opened to append, readable by its owner only (made 0600, or made so).
+
+    `--out` holds every rollout's session id, reward and diff, and the recorder's log
+    names every session id, an agent's bearer key: world-readable, they let a local
+    sandbox's agent run turns in its siblings' sessions or copy a passing diff (an
+    audit did both)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "ab")
+
+
 def ray_options(o: dict[str, Any]) -> RayOptions | None:
     """The --ray* options (None without --ray: Ray is then never imported)."""
     if o["ray_address"] is None:
@@ -532,12 +544,12 @@ def rollout(**o: Any) -> None:
         ]
         if o["context_length"]:
             serve_args += ["--context-length", str(o["context_length"])]
-        with open(o["out"], "ab") as out, contextlib.ExitStack() as stack:
+        with private_append(o["out"]) as out, contextlib.ExitStack() as stack:
             if o["recorder_url"]:
                 url, token = o["recorder_url"], o["admin_token"]
                 return await _run(url, token, out)
             log_path = Path(o["db"]).with_suffix(".serve.log")
-            log_file = stack.enter_context(open(log_path, "ab"))
+            log_file = stack.enter_context(private_append(log_path))
             click.echo(f"starting recorder serve on {o['db']} (log: {log_path})", err=True)
             async with own_recorder(o["db"], o["engines"], serve_args, log_file) as (url, token):
                 return await _run(url, token, out)

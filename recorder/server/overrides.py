@@ -44,6 +44,12 @@ class SamplingOverride(
     # Added to the stop tokens the tokenizer already knows (never replaces them).
     stop_token_ids: list[Annotated[int, msgspec.Meta(ge=0)]] | None = None
 
+    @property
+    def owns_distribution(self) -> bool:
+        """Whether the trainer set any field that shapes the sampling distribution: then
+        the request's own temperature, top_p and top_k are not taken (`turn`)."""
+        return any(getattr(self, name) is not None for name in _FORCED)
+
     def apply(self, params: SamplingParams) -> SamplingParams:
         """`params` with the forced fields; max_new_tokens only ever lowers the clamped value."""
         changes: dict[str, Any] = {

@@ -181,7 +181,8 @@ async def _run(
     )
     model = chat.model or ctx.config.model_name
     await responder.started(record.request_id, model, usage_for(len(plan.input_ids), 0, 0))
-    params = state.overrides.sampling.apply(_sampling_params(ctx, chat, max_new))
+    forced = state.overrides.sampling
+    params = forced.apply(_sampling_params(ctx, chat, max_new, forced.owns_distribution))
     stop = ctx.registry.turn_started(state.session_id)
     try:
         output = await _unless_claim_lost(
@@ -465,14 +466,23 @@ def _request_events(
 # --------------------------------------------------------------------------
 
 
-def _sampling_params(ctx: ServerContext, chat: ChatRequest, max_new: int) -> SamplingParams:
+def _sampling_params(
+    ctx: ServerContext, chat: ChatRequest, max_new: int, trainer_owned: bool
+) -> SamplingParams:
+    """The engine's parameters for `chat`. In a session whose trainer forces the sampling
+    distribution (`trainer_owned`), the request's temperature, top_p and top_k are not
+    taken: an agent that asked for `top_k: 1` had its tokens sampled greedily and trained
+    as the policy's (an audit); the fields the trainer left unset stay neutral. A grammar
+    (`json_schema`) is kept, for the client's sake, and its turn is not trained
+    (`replay.turns.CONSTRAINTS`)."""
+    own = not trainer_owned
     return SamplingParams(
         max_new_tokens=max_new,
         temperature=chat.temperature
-        if chat.temperature is not None
+        if own and chat.temperature is not None
         else ctx.config.default_temperature,
-        top_p=chat.top_p if chat.top_p is not None else 1.0,
-        top_k=chat.top_k if chat.top_k is not None else -1,
+        top_p=chat.top_p if own and chat.top_p is not None else 1.0,
+        top_k=chat.top_k if own and chat.top_k is not None else -1,
         stop=chat.stop_sequences,
         stop_token_ids=ctx.tokenizer.eos_token_ids,
         json_schema=None if chat.json_schema is None else json.dumps(chat.json_schema),

@@ -1,9 +1,10 @@
-"""Run the viewer: bind loopback by default; any other bind needs a token."""
+"""Run the viewer: bind loopback by default; every bind needs a token (a fresh one on loopback)."""
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
+import secrets
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -26,11 +27,18 @@ def is_loopback(host: str) -> bool:
     return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
 
 
-def view_token(host: str, token: str | None, token_file: Path | None) -> tuple[str | None, str]:
-    """(token or None, where from): loopback needs none; any other bind takes the
-    admin token rules (given, else the token file, else one generated into it)."""
+# Where a loopback view's own token is: only in the URL it prints.
+FRESH = "in the URL above"
+
+
+def view_token(host: str, token: str | None, token_file: Path | None) -> tuple[str, str]:
+    """(token, where from). A loopback bind without one gets a fresh token of its own,
+    shown only in the URL it prints: local sandboxes share this machine's loopback, and
+    an audit's agent listed every session id (an agent's key) and prompt through a
+    tokenless view. Any other bind takes the admin token rules (given, else the token
+    file, else one generated into it)."""
     if is_loopback(host) and token is None and token_file is None:
-        return None, "none (loopback only)"
+        return secrets.token_urlsafe(24), FRESH
     return resolve_admin_token(token, token_file)
 
 

@@ -243,7 +243,7 @@ async def test_new_side_request_rule_reports_the_sessions_it_changes(
         before = await reclassify(sqlite_store, Rules())
     after = await reclassify(sqlite_store, Rules())
     assert before.projection.startswith(f"{SAMPLES_PREFIX}r3-")
-    assert after.projection.startswith(f"{SAMPLES_PREFIX}r4-")
+    assert after.projection.startswith(f"{SAMPLES_PREFIX}r{rules_module.REDUCER_VERSION}-")
     assert after.previous == before.summary_projection
     assert after.changed_segmentation == ["e-no-tools"]
     assert after.changed_samples == ["e-no-tools"]

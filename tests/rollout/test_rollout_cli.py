@@ -8,6 +8,7 @@ import json
 import os
 import secrets
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -101,6 +102,11 @@ def test_rollout_cli_runs_the_shipped_tasks(tmp_path: Path, task_engine: str) ->
     assert sorted(x["group_index"] for x in lines) == [0, 1, 2]
     assert all(sum(s["loss_mask"]) > 0 for x in lines for s in x["result"]["samples"])
     assert list((tmp_path / "sbx").iterdir()) == []
+    # Session ids (an agent's key) and passing diffs: for the driver's user alone (an
+    # audit's agents read them from world-readable files and ran turns in siblings').
+    assert " opened (attempt" in (tmp_path / "runs.serve.log").read_text()
+    for name in ("runs.db", "runs.serve.log", "samples.jsonl"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o600, name
 
 
 def test_ctrl_c_kills_agents_removes_sandboxes_and_aborts_sessions(
@@ -157,13 +163,13 @@ def test_quickstart_rollout_runs_real_rollouts() -> None:
 def children(pid: int) -> list[int]:
     """The processes whose parent is `pid`."""
     found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            fields = stat_file.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
         if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
+            found.append(int(stat_file.parent.name))
     return found
 
 

@@ -27,7 +27,7 @@ from replay.view import charts
 from replay.view.app import INDEX, make_app
 from replay.view.index import Query, RunIndex, select
 from replay.view.readonly import open_readonly
-from replay.view.serve import is_loopback, view_token
+from replay.view.serve import FRESH, is_loopback, view_token
 
 EVIL = '<script>window.__pwned=1</script><img src=x onerror="window.__pwned=2">'
 
@@ -215,7 +215,8 @@ async def test_token_required_when_configured(logged: tuple[EventStore, EventSto
 def test_non_loopback_bind_needs_a_token(tmp_path: Path) -> None:
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
     assert not is_loopback("0.0.0.0") and not is_loopback("192.0.2.1")
-    assert view_token("127.0.0.1", None, None) == (None, "none (loopback only)")
+    fresh, where = view_token("127.0.0.1", None, None)  # loopback: a token of its own
+    assert where == FRESH and len(fresh) >= 32 and fresh != view_token("::1", None, None)[0]
     token, where = view_token("0.0.0.0", None, tmp_path / "tok")
     assert token and "generated" in where and (tmp_path / "tok").stat().st_mode & 0o077 == 0
     assert view_token("0.0.0.0", "given", None)[0] == "given"

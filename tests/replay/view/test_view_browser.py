@@ -18,6 +18,8 @@ import re
 import shutil
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -87,11 +89,16 @@ class Viewer:
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
-        found = re.search(r"http://\S+/", line)
+        # Loopback too needs the token: the view prints a fresh one in its URL.
+        found = re.search(r"(http://\S+/)\?token=(\S+)", line)
         if found is None:
             self.proc.kill()
             raise AssertionError(f"replay view did not start: {line}{self.proc.stdout.read()}")
-        self.url = found.group(0).rstrip("/")
+        self.url = found.group(1).rstrip("/")
+        self.token = found.group(2)
+
+    def page(self, browser: Any) -> Page:
+        return Page(browser, self.url, self.token)
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -204,8 +211,10 @@ def _dry_run_counts(db: Path) -> list[str]:
 class Page:
     """A Playwright page that records console errors and page errors."""
 
-    def __init__(self, browser: Any, base: str) -> None:
+    def __init__(self, browser: Any, base: str, token: str | None = None) -> None:
         self.page = browser.new_page(viewport={"width": 1300, "height": 900})
+        if token is not None:  # an app made without one (in process) needs none
+            self.page.set_extra_http_headers({"Authorization": f"Bearer {token}"})
         # Generous: the first turn page loads the tokenizer, on a shared 2-core machine.
         self.page.set_default_timeout(120_000)
         self.base = base
@@ -277,7 +286,12 @@ def test_quickstart_log_click_through(browser: Any, quickstart_db: Path, tmp_pat
     exported = _export(quickstart_db, tmp_path)
     viewer = Viewer(quickstart_db)
     try:
-        pg = Page(browser, viewer.url)
+        # On loopback too: local sandboxes share it, so no page without the token.
+        for path in ("/", f"/session/{next(iter(exported))}"):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(viewer.url + path, timeout=30)
+            assert refused.value.code == 401, path
+        pg = viewer.page(browser)
         p = pg.goto("/")
         assert p.locator("tr.run").count() == len(exported) == 1
         assert p.locator("svg.chart").count() == 5
@@ -310,7 +324,7 @@ def test_rollout_log_click_through(browser: Any, rollout_db: Path, tmp_path: Pat
     exported = _export(rollout_db, tmp_path)
     viewer = Viewer(rollout_db)
     try:
-        pg = Page(browser, viewer.url)
+        pg = viewer.page(browser)
         p = pg.goto("/?sort=group")
         assert p.locator("tr.run").count() == len(exported) == 3
         assert p.locator("td.oc").all_inner_texts() == ["passed"] * 3
@@ -365,7 +379,7 @@ def test_nothing_from_the_log_runs(browser: Any, tmp_path: Path) -> None:
     _run(write())
     viewer = Viewer(db, "--tokenizer", str(TOKENIZER))
     try:
-        pg = Page(browser, viewer.url)
+        pg = viewer.page(browser)
         for path in ("/", "/session/evil-session", "/session/evil-session/turn/0"):
             p = pg.goto(path)
             p.wait_for_timeout(300)
@@ -410,9 +424,9 @@ def test_open_pages_follow_a_live_log(browser: Any, tmp_path: Path) -> None:
     _run(write(live))
     viewer = Viewer(db)
     try:
-        runs = Page(browser, viewer.url)
+        runs = viewer.page(browser)
         runs.goto("/")
-        session = Page(browser, viewer.url)
+        session = viewer.page(browser)
         s = session.goto("/session/live-1")
         assert s.locator("#turn-links a").count() == 1
         seen = len(live.events)
