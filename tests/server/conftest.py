@@ -248,3 +248,13 @@ async def any_harness(tokenizer: Tokenizer, store_url: str) -> AsyncIterator[Har
         yield h
     finally:
         await h.close()
+
+
+@pytest.fixture
+async def guarded(tokenizer: Any, sqlite_url: str) -> AsyncIterator[Harness]:
+    """A recorder whose admin API takes the token "s3cret"."""
+    h = await make_harness(tokenizer, sqlite_url, admin_token="s3cret")
+    try:
+        yield h
+    finally:
+        await h.close()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anthropic
@@ -12,15 +11,6 @@ from recorder.log import events as ev
 from replay import check_invariants, close_session_samples
 from tests.server.conftest import Harness, make_harness, tool_call_text
 from tests.server.test_e2e import ask, echo, tool_result
-
-
-@pytest.fixture
-async def guarded(tokenizer: Any, sqlite_url: str) -> AsyncIterator[Harness]:
-    h = await make_harness(tokenizer, sqlite_url, admin_token="s3cret")
-    try:
-        yield h
-    finally:
-        await h.close()
 
 
 async def test_open_with_trainer_metadata(guarded: Harness) -> None:

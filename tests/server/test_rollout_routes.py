@@ -2,23 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from recorder.log import events as ev
-from tests.server.conftest import Harness, make_harness
+from tests.server.conftest import Harness
 from tests.server.test_e2e import ask
-
-
-@pytest.fixture
-async def guarded(tokenizer: Any, sqlite_url: str) -> AsyncIterator[Harness]:
-    h = await make_harness(tokenizer, sqlite_url, admin_token="s3cret")
-    try:
-        yield h
-    finally:
-        await h.close()
 
 
 async def test_rollout_events_join_the_log(guarded: Harness) -> None:

@@ -11,25 +11,15 @@ grammar is kept for the client but never trained, in any session.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from recorder.log import events as ev
-from tests.server.conftest import Harness, make_harness
+from tests.server.conftest import Harness
 from tests.server.test_e2e import ask
 
 SCHEMA = {"type": "object", "properties": {"a": {"const": "chosen by the agent"}}}
-
-
-@pytest.fixture
-async def guarded(tokenizer: Any, sqlite_url: str) -> AsyncIterator[Harness]:
-    h = await make_harness(tokenizer, sqlite_url, admin_token="s3cret")
-    try:
-        yield h
-    finally:
-        await h.close()
 
 
 async def closed(h: Harness, sid: str) -> dict[str, Any]:
