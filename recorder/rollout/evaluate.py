@@ -37,8 +37,9 @@ class Grade(msgspec.Struct, frozen=True, kw_only=True):
     tests_failed: list[str] = []
     timed_out: bool = False
     output_tail: str = ""
-    # Why the patch earned 0 whatever its grader printed: "test_patch_conflict", or
-    # "exit_code_without_pytest_pass" (see `grade_exit`).
+    # Why the patch earned 0 whatever its grader printed: "test_patch_conflict",
+    # "pytest_did_not_finish" (`grade_tests`: no report of our plugin's), or
+    # "exit_code_without_pytest_pass" (`grade_exit`).
     failure: str | None = None
     # Protected paths the agent's patch changed (restored from base_commit before grading).
     protected_changed: list[str] = []
