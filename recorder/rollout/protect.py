@@ -6,10 +6,10 @@ restores these paths from `base_commit` (`workspace.restore_protected`), then
 applies the task's `test_patch`:
 
 - `protected_paths` given: those git globs (`*` stays inside a directory,
-  `**` crosses directories), plus, when the grader runs pytest, pytest's
-  config files and `conftest.py` at the root and above the tests
-  (`pytest_reads`: an audit planted `.pytest.ini` past a list that named
-  `pytest.ini`);
+  `**` crosses directories), plus, when the grader runs pytest, what pytest
+  reads (`pytest_reads`: its own files in every directory, the shared config
+  files at the root and above the tests; an audit planted `.pytest.ini` past a
+  list that named `pytest.ini`), and for every grader bytecode (`BYTECODE`);
 - otherwise the default: every file a `tests` id names (`path::name`, or a bare
   `*.py` path), and all of its directory when that is a test directory
   (`tests/`, `test/`, `testing/`: pytest puts such a directory first on

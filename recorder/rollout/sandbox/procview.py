@@ -74,8 +74,11 @@ class _Tools:
     mount: str
     env: str
 
-    def wrapper(self) -> str:
-        return _WRAPPER.format(mount=self.mount, setpriv=self.setpriv)
+    def argv(self, uid: int, gid: int, tail: list[str]) -> list[str]:
+        """unshare -> mount a private /proc -> setpriv to uid/gid -> exec `tail`."""
+        wrapper = _WRAPPER.format(mount=self.mount, setpriv=self.setpriv)
+        return [self.unshare, "--mount", "--propagation", "private", "--", "/bin/sh", "-c",
+                wrapper, "sh", str(uid), str(gid), *tail]  # fmt: skip
 
 
 def launch(cmd: str, env: Mapping[str, str], cwd: str, uid: int | None, gid: int | None) -> Launch:
@@ -91,9 +94,7 @@ def launch(cmd: str, env: Mapping[str, str], cwd: str, uid: int | None, gid: int
     root_env = {k: v for k, v in env.items() if not ROOT_UNSAFE.match(k)}
     restored = [f"{k}={v}" for k, v in env.items() if ROOT_UNSAFE.match(k)]
     tail = [tools.env, *restored, *shell] if restored else shell
-    argv = [tools.unshare, "--mount", "--propagation", "private", "--", "/bin/sh", "-c",
-            tools.wrapper(), "sh", str(uid), str(gid), *tail]  # fmt: skip
-    return Launch(argv, root_env, "/", {"umask": 0o077})
+    return Launch(tools.argv(uid, gid, tail), root_env, "/", {"umask": 0o077})
 
 
 def as_user(uid: int, gid: int) -> dict[str, object]:
@@ -126,8 +127,7 @@ def _probe(found: Mapping[str, str | None]) -> str | None:
     if missing:
         return f"not found: {', '.join(missing)}"
     tools = _Tools(**found)  # type: ignore[arg-type]
-    argv = [tools.unshare, "--mount", "--propagation", "private", "--", "/bin/sh", "-c",
-            tools.wrapper(), "sh", "65534", "65534", "/bin/sh", "-c", "test ! -e /proc/1"]  # fmt: skip
+    argv = tools.argv(65534, 65534, ["/bin/sh", "-c", "test ! -e /proc/1"])
     try:
         done = subprocess.run(
             argv, capture_output=True, text=True, timeout=30, check=False,
