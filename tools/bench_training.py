@@ -505,7 +505,12 @@ def main(argv: list[str] | None = None) -> list[Run]:
     ap.add_argument("--piece-cache-mb", type=float, default=None, help="recorder serve's")
     ap.add_argument("--sqlite-cache-mb", type=float, default=None, help="recorder serve's")
     ap.add_argument("--keep-db", default=None, help="copy the measured log here")
-    ap.add_argument("--idle-rounds", type=int, default=3, help="idle RSS rounds per backend")
+    ap.add_argument(
+        "--idle-rounds",
+        type=int,
+        default=3,
+        help="idle RSS rounds per backend (0: leave the idle table out)",
+    )
     ap.add_argument("--before-src", default=None, help="another checkout, run after this one")
     args = ap.parse_args(argv)
     if not args.context_length:
@@ -513,7 +518,8 @@ def main(argv: list[str] | None = None) -> list[Run]:
         args.context_length = int(top * 1.3) + 8192
     runs, idle = asyncio.run(run_all(args))
     out = console()
-    out.print(idle_table(idle))
+    if args.idle_rounds > 0:
+        out.print(idle_table(idle))
     ours = runs[0]
     peer = next((r for r in runs if r.name == "peer"), None)
     before = next((r for r in runs if r.name == "before"), None)

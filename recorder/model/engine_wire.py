@@ -14,6 +14,7 @@ import uuid
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import Any, Literal
 
 import msgspec
@@ -163,7 +164,7 @@ def parse_generate_response(
         raise EngineError(
             "protocol", "response lacks output_ids/meta_info (is this SGLang /generate?)", url=url
         )
-    if not all(isinstance(i, int) for i in ids):
+    if not all(map(isinstance, ids, repeat(int))):
         raise EngineError("protocol", "output_ids must be integers", url=url)
     reason, detail = _finish(meta.get("finish_reason"))
     return GenerateOutput(
@@ -196,11 +197,32 @@ def _finish(raw: Any) -> tuple[FinishReason, str]:
 
 
 def _logprobs(raw: Any, ids: list[int], url: str) -> list[float] | None:
-    """Logprob triples `[logprob, token_id, text]`, one per output id, or None."""
+    """Logprob triples `[logprob, token_id, text]`, one per output id, or None.
+
+    A thinking model answers with thousands of tokens a turn, so the usual
+    answer (well-formed triples, the same ids, float logprobs) is read with
+    comprehensions and compared whole; anything else takes `_checked_logprobs`,
+    which finds the first bad entry and decides as before.
+    """
     if not ids:
         return []
     if not isinstance(raw, list) or len(raw) < len(ids):
         return None
+    triples = raw if len(raw) == len(ids) else raw[: len(ids)]
+    if all(map(isinstance, triples, repeat(list))):
+        try:
+            tokens = [t[1] for t in triples]
+        except IndexError:
+            tokens = None
+        if tokens == ids:
+            values = [t[0] for t in triples]
+            if all(map(isinstance, values, repeat(float))):
+                return values
+    return _checked_logprobs(raw, ids, url)
+
+
+def _checked_logprobs(raw: list[Any], ids: list[int], url: str) -> list[float] | None:
+    """`_logprobs` entry by entry: the first malformed entry, None or other id decides."""
     out: list[float] = []
     for i, (entry, token) in enumerate(zip(raw, ids, strict=False)):
         if not isinstance(entry, list | tuple) or len(entry) < 2:

@@ -25,9 +25,11 @@ the Rust tokenizer whole.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
+from itertools import chain
 from typing import Any
 
 from tokenizers import Tokenizer as RawTokenizer
@@ -135,8 +137,7 @@ class WordCache:
             parts = list(map(self._words.__getitem__, words))  # the usual case: all cached
         except KeyError:
             parts = self._fill(words)
-        for ids in parts:
-            out.extend(ids)
+        out.extend(chain.from_iterable(parts))
 
     def _fill(self, words: list[str]) -> list[list[int]]:
         """Each word's ids, tokenizing (in one call) and caching those not cached.
@@ -149,6 +150,8 @@ class WordCache:
         if len(cache) + len(fresh) > _MAX_WORDS:
             cache.clear()
         cache.update((w, ids) for w, ids in fresh.items() if len(w) <= _MAX_WORD_CHARS)
+        with contextlib.suppress(KeyError):  # all cached now, unless too long or emptied
+            return list(map(cache.__getitem__, words))
         parts = []
         for word in words:
             ids = fresh.get(word) or cache.get(word)

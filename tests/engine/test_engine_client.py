@@ -7,7 +7,10 @@ import base64
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from recorder.model import engine_wire
 from recorder.model.engine import EngineClient
 from recorder.model.engine_wire import (
     EngineError,
@@ -440,3 +443,45 @@ async def test_without_a_session_a_gone_engine_fails_the_turn(tokenizer, prompt)
                 client, client.urls[0], prompt, SamplingParams(max_new_tokens=8), Recorder()
             )
     assert failed.value.kind == "unreachable" and b.requests == []
+
+
+_ENTRY = st.one_of(
+    st.lists(
+        st.one_of(st.floats(allow_nan=False), st.integers(-3, 9), st.none(), st.text(max_size=2)),
+        max_size=3,
+    ),
+    st.integers(0, 9),
+    st.none(),
+    st.text(max_size=3),
+    st.dictionaries(st.text(max_size=1), st.integers(), max_size=1),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    ids=st.lists(st.integers(0, 9), max_size=6),
+    entries=st.lists(_ENTRY, max_size=7),
+    well_formed=st.booleans(),
+)
+def test_logprobs_fast_path_decides_as_the_entry_by_entry_check(
+    ids: list[int], entries: list[object], well_formed: bool
+) -> None:
+    """Whatever the engine sends, reading the logprob triples whole gives the same
+    logprobs, None, or protocol error as checking them one by one."""
+    if well_formed:  # mostly valid answers, so the fast path is taken too
+        entries = [[-0.25 * i, t, None] for i, t in enumerate(ids)] + entries[:1]
+
+    def outcome(read: object) -> object:
+        try:
+            return ("ok", read(entries, ids, "u"))  # type: ignore[operator]
+        except EngineError as exc:
+            return ("error", exc.kind, str(exc))
+        except (TypeError, ValueError) as exc:
+            return ("raised", type(exc))
+
+    def one_by_one(raw: list[object], want: list[int], url: str) -> list[float] | None:
+        if not want:
+            return []
+        return None if len(raw) < len(want) else engine_wire._checked_logprobs(raw, want, url)
+
+    assert outcome(engine_wire._logprobs) == outcome(one_by_one)

@@ -71,20 +71,21 @@ def test_bench_training_runs_at_toy_sizes(capsys: pytest.CaptureFixture[str]) ->
 
 def test_bench_training_compares_a_before_checkout(capsys: pytest.CaptureFixture[str]) -> None:
     """`--before-src` runs that checkout's server (here: this one) through the same
-    sessions, and the log table gains its column."""
+    sessions, and the log table gains its column; `--idle-rounds 0` leaves out the
+    idle table."""
     from tools.bench_training import main as training
     from tools.benchkit.procs import REPO
 
     ours, before = training(
         ["--sessions", "1", "--contexts", "1500", "--turns", "2", "--point-turns", "2",
          "--rss-every", "1", "--instructions-words", "100", "--tools", "1",
-         "--idle-rounds", "1", "--no-peer", "--before-src", str(REPO)]
+         "--idle-rounds", "0", "--no-peer", "--before-src", str(REPO)]
     )  # fmt: skip
     assert (ours.name, before.name) == ("ours", "before")
     assert ours.log is not None and before.log is not None
     assert before.log.context_tokens == ours.log.context_tokens  # the same turns
     out = capsys.readouterr().out
-    assert "before B / token" in out
+    assert "before B / token" in out and "idle RSS" not in out
 
 
 def test_bench_middleware_cpu_section_measures_each_process(
