@@ -55,6 +55,9 @@ a line comparing its prompt ids with our chain's. CI runs it without. The
 "floor" column (`--no-floor` leaves it out) is the I/O any aiohttp middleware
 must do per turn and nothing else (tools/benchkit/floor.py): what our CPU per
 turn cannot go below without leaving aiohttp and asyncio's transports.
+`--answer-words N` makes every answer N words of text and then its call
+(~1.3 tokens a word): a thinking model's turn, where what a middleware pays
+per output token (logprobs, the TITO check, the parser) shows.
 
 Section 2, pure (no HTTP, no store, no engine): parse + plan in-process, the
 chain path against parse + full render + full encode, median of repeats
@@ -64,7 +67,7 @@ chain path against parse + full render + full encode, median of repeats
         [--section both|e2e|pure] [--engine-thread] [--engine-latency-ms 50]
         [--db-dir DIR] [--per-turn] [--repeat 30] [--dialect anthropic|openai-chat]
     python -m tools.bench_middleware --section cpu [--cpu-contexts 1000,10000,100000,200000]
-        [--before-src DIR] [--no-peer] [--no-floor] [--slime-src DIR]
+        [--before-src DIR] [--no-peer] [--no-floor] [--slime-src DIR] [--answer-words N]
 """
 
 from __future__ import annotations
@@ -511,6 +514,13 @@ def main(argv: list[str] | None = None) -> Results:
         default=None,
         help="cpu: a THUDM/slime checkout; adds slime's agent middleware (its real code)",
     )
+    ap.add_argument(
+        "--answer-words",
+        type=int,
+        default=0,
+        help="cpu: words of text before each answer's tool call (a thinking model's long "
+        "turn; 0: the usual ~50-token answer)",
+    )
     ap.add_argument("--contexts", default="1000,10000,100000", help="checkpoints, tokens")
     ap.add_argument("--turns", type=int, default=30, help="e2e: measured turns per mode")
     ap.add_argument("--new-tokens", type=int, default=200, help="e2e: context growth per turn")
@@ -575,10 +585,12 @@ def main(argv: list[str] | None = None) -> Results:
                 not args.no_peer,
                 args.slime_src,
                 not args.no_floor,
+                args.answer_words,
             )
         )
         results.cpu, results.slime_prompt = run.rows, run.slime_prompt
-        out.print(cpu_table(run.rows, args.engine_latency_ms, (run.load_before, run.load_after)))
+        loads = (run.load_before, run.load_after)
+        out.print(cpu_table(run.rows, args.engine_latency_ms, loads, args.answer_words))
         if run.slime_prompt is not None:
             out.print(prompt_note(run.slime_prompt))
     if args.section in ("both", "all", "pure"):

@@ -18,6 +18,8 @@ import pytest
 
 from tests.conftest import missing
 from tools.bench_middleware import main
+from tools.benchkit.conversation import tool_call_reply
+from tools.benchkit.engine import fixture_tokenizer
 from tools.benchkit.slime_peer import ADAPTER_MODULE
 
 SLIME_ENV = "TR_SLIME_SRC"
@@ -106,6 +108,27 @@ def test_bench_middleware_cpu_section_measures_each_process(
     out = capsys.readouterr().out
     assert "CPU per turn of each recorder process" in out and "load average" in out
     assert "slime" not in out and "floor = the I/O" in out
+
+
+def test_bench_middleware_cpu_section_with_long_answers(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--answer-words`: every contender gets the engine's long answers (text, then the
+    call), and the contexts grow by them."""
+    results = main(
+        ["--section", "cpu", "--cpu-contexts", "1200", "--turns", "2", "--engine-latency-ms",
+         "2", "--no-floor", "--answer-words", "150"]
+    )  # fmt: skip
+    (row,) = results.cpu
+    assert set(row.cpu_ms) == {"ours", "re-render"}
+    assert all(len(v) == 2 and min(v) > 0 for v in row.cpu_ms.values())
+    assert row.context["ours"] == row.context["re-render"]
+    assert "answers of 150 words of text and a tool call" in capsys.readouterr().out
+
+
+def test_long_answers_put_their_text_before_the_call() -> None:
+    tok = fixture_tokenizer()
+    short, long = tool_call_reply(tok, 7, 3), tool_call_reply(tok, 7, 3, words=150)
+    assert long.endswith(short[short.index("<tool_call>") :])
+    assert len(tok.encode(long)) > len(tok.encode(short)) + 150
 
 
 # Collected only where TR_SLIME_SRC is set (a developer's machine with a THUDM/slime

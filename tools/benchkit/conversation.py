@@ -150,15 +150,20 @@ def assistant_text(tok: Tokenizer, message: dict[str, Any]) -> str:
     return tok.render([*head, message], None, False)[len(start) :].rstrip("\n")
 
 
-def tool_call_reply(tok: Tokenizer, n: int, k: int = 0) -> str:
+def tool_call_reply(tok: Tokenizer, n: int, k: int = 0, words: int = 0) -> str:
     """The model's ~50-token turn: a sentence and a Read call, written the way
     the chat template renders it (so a full re-render reproduces its tokens).
 
     `k` numbers the engine's answers: every output differs, as a sampling
-    model's would, so no turn's output arrays are already stored."""
+    model's would, so no turn's output arrays are already stored. `words`:
+    that many words of reasoning-like text before the call (a thinking
+    model's turn runs to hundreds or thousands of tokens)."""
+    content = "I will read the next file to find the failing test."
+    if words:
+        content = f"{content}\n{text(random.Random(k), words).strip()}"
     message = {
         "role": "assistant",
-        "content": "I will read the next file to find the failing test.",
+        "content": content,
         "tool_calls": [
             {
                 "id": "call",

@@ -40,7 +40,7 @@ import aiohttp
 from recorder.log import events as ev
 from recorder.log.store import open_store
 from tools.benchkit import wire
-from tools.benchkit.conversation import Conversation
+from tools.benchkit.conversation import Conversation, words_per_token
 from tools.benchkit.cpu import cpu_ns, cpu_ticks_s, machine_state
 from tools.benchkit.engine import EngineProcess, fixture_tokenizer
 from tools.benchkit.floor import FloorProcess
@@ -54,6 +54,7 @@ from tools.benchkit.slime_peer import (
 from tools.benchkit.table import rich_table
 
 STEP_WORDS = 110  # ~150 tokens of tool result; with the ~50-token answer ~200 per turn
+STEP_TOKENS = 200
 GROW_WORDS = 6000
 
 
@@ -114,12 +115,18 @@ async def run_cpu(
     peer: bool = True,
     slime_src: Path | None = None,
     floor: bool = True,
+    answer_words: int = 0,
 ) -> CpuRun:
-    """Every contender through every checkpoint, the load average before and after."""
+    """Every contender through every checkpoint, the load average before and after.
+
+    `answer_words`: the engine's answers carry that many words of text before
+    their call (~50 tokens without)."""
     if slime_src is not None:
         slime_src = check_slime_src(slime_src)  # before any process starts
     load_before = machine_state()
-    engine = EngineProcess(int(max(contexts) * 1.3) + 40_000, engine_latency_s)
+    per_turn = STEP_TOKENS + int(answer_words / words_per_token(fixture_tokenizer()))
+    top = int(max(contexts) * 1.3) + 40_000 + turns * per_turn
+    engine = EngineProcess(top, engine_latency_s, answer_words)
     await engine.start()
     with tempfile.TemporaryDirectory() as tmp:
         specs: list[tuple[str, dict[str, object]]] = [("ours", {})]
@@ -143,7 +150,10 @@ async def run_cpu(
                     await c.proc.wait_healthy(http)
                     c.session_id = await c.proc.open_session(http)
                     await _turn(http, c, None)
-                rows = [await _checkpoint(http, contenders, t, turns) for t in sorted(contexts)]
+                rows = [
+                    await _checkpoint(http, contenders, t, turns, per_turn)
+                    for t in sorted(contexts)
+                ]
                 slime = contenders[-1].proc
                 if isinstance(slime, SlimeProcess):
                     check = await _check_prompt(http, contenders[0], slime, f"{tmp}/ours.db")
@@ -181,9 +191,14 @@ async def _turn(http: aiohttp.ClientSession, c: Contender, words: int | None) ->
 
 
 async def _checkpoint(
-    http: aiohttp.ClientSession, contenders: list[Contender], target: int, turns: int
+    http: aiohttp.ClientSession,
+    contenders: list[Contender],
+    target: int,
+    turns: int,
+    per_turn: int = 200,
 ) -> CpuRow:
-    start_at = target - turns * 200 // 2
+    """`turns` rounds centred on `target` tokens of context, ~`per_turn` added a round."""
+    start_at = target - turns * per_turn // 2
     while contenders[0].context < start_at:
         words = max(STEP_WORDS, min(GROW_WORDS, int((start_at - contenders[0].context) * 0.7)))
         for c in contenders:
@@ -211,12 +226,19 @@ async def _checkpoint(
     )
 
 
-def cpu_table(rows: list[CpuRow], engine_latency_ms: float, loads: tuple[str, str]) -> object:
+def cpu_table(
+    rows: list[CpuRow], engine_latency_ms: float, loads: tuple[str, str], answer_words: int = 0
+) -> object:
     names = list(rows[0].cpu_ms)
+    answers = (
+        f"answers of {answer_words} words of text and a tool call"
+        if answer_words
+        else "~50-token answers (a sentence and a tool call)"
+    )
     title = (
         "CPU per turn of each recorder process (all threads, /proc/PID/task/*/schedstat), "
         f"median (mean) over turns; wall p50 includes the scripted engine's {engine_latency_ms:g} "
-        f"ms per call\nbefore the run: {loads[0]}; after: {loads[1]}"
+        f"ms per call; {answers}\nbefore the run: {loads[0]}; after: {loads[1]}"
     )
     if "slime" in names:
         title += (

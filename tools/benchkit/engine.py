@@ -63,18 +63,21 @@ def engine_app(
     latency_s: float = 0.0,
     *,
     max_spans: int | None = None,
+    answer_words: int = 0,
 ) -> web.Application:
     """The scripted engine answering tool calls, timing each `/generate` into `spans`.
 
     `latency_s` simulates the GPU's time per call (an idle sleep): it counts as
     engine time, and the server's background writes may overlap it as they
     would a real engine's. `max_spans`: keep only the newest (a long run reads
-    them as it goes).
+    them as it goes). `answer_words`: words of text before each answer's call.
     """
     count = itertools.count()
     backend = ScriptedBackend(
         tok,
-        default_reply=lambda req: Reply(text=tool_call_reply(tok, len(req.input_ids), next(count))),
+        default_reply=lambda req: Reply(
+            text=tool_call_reply(tok, len(req.input_ids), next(count), answer_words)
+        ),
     )
     core = EngineCore(
         backend, tok, context_length=context_length, keep_history=False, check_contract=False
@@ -154,9 +157,10 @@ class EngineThread:
 class EngineProcess:
     """The same engine in a child process: no GIL shared with the server."""
 
-    def __init__(self, context_length: int, latency_s: float = 0.0) -> None:
+    def __init__(self, context_length: int, latency_s: float = 0.0, answer_words: int = 0) -> None:
         self.context_length = context_length
         self.latency_s = latency_s
+        self.answer_words = answer_words
         self.url = ""
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -164,6 +168,7 @@ class EngineProcess:
         port = free_port()
         args = [str(port), "--context", str(self.context_length)]
         args += ["--latency-ms", str(self.latency_s * 1000)]
+        args += ["--answer-words", str(self.answer_words)]
         proc = self._proc = python_module("tools.benchkit.engine", *args)
         self.url = f"http://127.0.0.1:{port}"
         async with aiohttp.ClientSession() as http:
@@ -181,11 +186,16 @@ class EngineProcess:
             await asyncio.to_thread(proc.wait, 30)
 
 
-def serve_engine(port: int, context_length: int, latency_s: float = 0.0) -> None:
+def serve_engine(
+    port: int, context_length: int, latency_s: float = 0.0, answer_words: int = 0
+) -> None:
     """Run the timed scripted engine on `port` until SIGTERM."""
     tok = fixture_tokenizer()
     serve_until_sigterm(
-        lambda: engine_app(tok, context_length, [], latency_s, max_spans=100_000), port
+        lambda: engine_app(
+            tok, context_length, [], latency_s, max_spans=100_000, answer_words=answer_words
+        ),
+        port,
     )
 
 
@@ -210,5 +220,6 @@ if __name__ == "__main__":
     ap.add_argument("port", type=int)
     ap.add_argument("--context", type=int, default=131072)
     ap.add_argument("--latency-ms", type=float, default=0.0)
+    ap.add_argument("--answer-words", type=int, default=0)
     args = ap.parse_args()
-    serve_engine(args.port, args.context, args.latency_ms / 1000)
+    serve_engine(args.port, args.context, args.latency_ms / 1000, args.answer_words)
