@@ -221,17 +221,39 @@ class Evidence:
         """Did a request after `t` answer one of its tool calls or carry its answer?"""
         if t.response is None:
             return False
-        content = t.response.content
-        ids = (b.get("id") for b in content if isinstance(b, dict) and b.get("type") == "tool_use")
-        if any(self.tool_results.get(str(i), -1) > t.first_seq for i in ids):
+        if any(self.tool_results.get(i, -1) > t.first_seq for i in _tool_use_ids(t)):
             return True
         if not self.answers:
             return False
-        try:
-            keys = echo_keys(response_message_digest(content))
-        except ValueError:  # content that is no Anthropic blocks: no message to find
-            return False
-        return any(self.answers.get(k, -1) > t.first_seq for k in keys)
+        return any(self.answers.get(k, -1) > t.first_seq for k in _answer_keys(t))
+
+
+def _tool_use_ids(t: Turn) -> list[str]:
+    """The ids of the tool calls `t` answered with."""
+    content = t.response.content if t.response is not None else []
+    return [
+        str(b.get("id")) for b in content if isinstance(b, dict) and b.get("type") == "tool_use"
+    ]
+
+
+def _answer_keys(t: Turn) -> tuple[str, ...]:
+    """The keys a request carrying `t`'s answer as an assistant message has for it."""
+    if t.response is None:
+        return ()
+    try:
+        return tuple(echo_keys(response_message_digest(t.response.content)))
+    except ValueError:  # content that is no Anthropic blocks: no message to find
+        return ()
+
+
+def _carries(t: Turn, answer: Turn) -> bool:
+    """Does `t`'s request answer one of `answer`'s tool calls or carry its message?"""
+    r = t.request
+    if r is None:
+        return False
+    if set(r.tool_result_ids) & set(_tool_use_ids(answer)):
+        return True
+    return bool(set(r.answer_keys or ()) & set(_answer_keys(answer)))
 
 
 class ChainBuilder:
@@ -272,10 +294,7 @@ class ChainBuilder:
 
     def _assign(self, t: Turn) -> Chain:
         assert t.input is not None
-        best: Chain | None = None
-        for c in self.chains:
-            if _extends(t.input, c) and (best is None or c.seq_size >= best.seq_size):
-                best = c
+        best = self._extended(t)
         if best is not None:
             best.extend(t)
             self._note_decision(t, "extend", best)
@@ -292,6 +311,19 @@ class ChainBuilder:
             self.last_main = best
         elif best.line == "nested" and best.owner is not None:
             best.owner.nested_dropped_turns += 1
+        return best
+
+    def _extended(self, t: Turn) -> Chain | None:
+        """The longest chain `t` extends. Chains of equal length hold the same tokens
+        (a request re-sent and answered alike): the one whose answer `t`'s request
+        carries (its tool results, its message), else the latest."""
+        assert t.input is not None
+        best: Chain | None = None
+        for c in self.chains:
+            if not _extends(t.input, c) or (best is not None and c.seq_size < best.seq_size):
+                continue
+            if best is None or c.seq_size > best.seq_size or not _carries(t, best.turns[-1]):
+                best = c
         return best
 
     def _fork_point(self, t: Turn) -> tuple[Chain, int] | None:
@@ -397,8 +429,12 @@ class ChainBuilder:
 
         A side request asked again (a title, a check) is another side request;
         a subagent's first request re-sent while a dispatch waits for its
-        subagent is the same task dispatched again. Otherwise it is a retry
-        (the live planner's twin: `recorder.model.tokens._another_conversation`).
+        subagent is the same task dispatched again, if the recorder linked it
+        to a dispatch: it matched the dispatch's prompt, which the reducer
+        cannot see (a retry while another task's dispatch waits is no new
+        task). Without a recorded decision, any waiting dispatch counts.
+        Otherwise it is a retry (the live planner's twin:
+        `recorder.model.tokens._another_conversation`).
         """
         first = c.turns[0].input
         if not (
@@ -409,8 +445,12 @@ class ChainBuilder:
             and bool(np.array_equal(t.input, first))
         ):
             return False
-        waiting = any(not d.chains for d in self.main_pending.values())
-        return c.line == "side" or (c.line == "subagent" and waiting)
+        if c.line == "side":
+            return True
+        if c.line != "subagent" or not any(not d.chains for d in self.main_pending.values()):
+            return False
+        d = t.decision
+        return d is None or (d.reason == "subagent" and bool(d.dispatch_tool_use_id))
 
     def _claimed_by_live_decision(self, t: Turn) -> Dispatch | None:
         """The waiting dispatch the recorder linked `t`'s new chain to, if any.

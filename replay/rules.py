@@ -21,7 +21,10 @@ from typing import Any, Literal
 import msgspec
 
 # Bump when the reducer changes what it builds from the same log and rules.
-REDUCER_VERSION = "5"  # 5: a turn sampled under a grammar (json_schema, regex) is masked
+# 5: a turn sampled under a grammar (json_schema, regex) is masked
+# 6: of chains holding the same tokens, a request extends the one whose answer it carries;
+#    a re-sent first subagent request starts another subagent only as the recorder decided
+REDUCER_VERSION = "6"
 # 4: acted-on answers of a branch left are trained; without tools,
 # the main line is the conversation carrying the work (replay.chains)
 # 3: no false forks, side segments, final never dropped (replay.chains)

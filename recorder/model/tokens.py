@@ -258,7 +258,7 @@ def _plan(chains: SessionChains, req: ChatRequest, tok: Tokenizer, limit: int | 
         "n_tools": len(req.tools),
         "eos_token_ids": tuple(tok.eos_token_ids),
     }
-    if match is None or _another_conversation(chains, match):
+    if match is None or _another_conversation(chains, match, req):
         return _fresh(chains, req, tok, common, limit)
     plan = _continue(chains, match, req, tok, common, limit)
     if plan is not None:
@@ -274,15 +274,17 @@ def _plan(chains: SessionChains, req: ChatRequest, tok: Tokenizer, limit: int | 
     )
 
 
-def _another_conversation(chains: SessionChains, match: _Match) -> bool:
+def _another_conversation(chains: SessionChains, match: _Match, req: ChatRequest) -> bool:
     """Does a re-sent first request of a chain start another conversation (not a retry)?
 
     A side request asked again (a title, a check) is another side request.
     The agent may dispatch the same task twice (in parallel or one after the
     other): the second subagent's first request is byte-identical to the
-    first's; while a dispatch waits for its subagent, it starts that one
-    (`_fresh` claims it). Otherwise it is a retry. The reducer applies the
-    same rule (`replay.chains`).
+    first's; while a dispatch of that task waits for its subagent (its prompt
+    is in the request, or unknown), it starts that one (`_fresh` claims it).
+    A dispatch of another task waiting beside it makes no difference: the
+    request is a retry. The reducer follows the decision recorded here
+    (`replay.chains`).
     """
     chain, main = match.chain, chains.main
     if not match.is_retry or match.boundary is not chain.boundaries[0]:
@@ -293,7 +295,10 @@ def _another_conversation(chains: SessionChains, match: _Match) -> bool:
         and is_side_request(chain.n_tools, chain.system_digest, main.system_digest)
     ):
         return True
-    return not chain.main_line and any(d.chain_id is None for d in chains.pending_dispatches)
+    return not chain.main_line and any(
+        d.chain_id is None and (not d.prompt.strip() or _prompt_matches(d, req))
+        for d in chains.pending_dispatches
+    )
 
 
 def render_chars(chains: SessionChains, req: ChatRequest, tok: Tokenizer, body_len: int) -> int:
@@ -306,7 +311,11 @@ def render_chars(chains: SessionChains, req: ChatRequest, tok: Tokenizer, body_l
     work on a thread, by the work itself rather than the body size.
     """
     match = _best_match(chains, req)
-    if match is None or _another_conversation(chains, match) or _template_pieces(tok, req) is None:
+    if (
+        match is None
+        or _another_conversation(chains, match, req)
+        or _template_pieces(tok, req) is None
+    ):
         return body_len
     if match.is_retry:
         return 0

@@ -133,6 +133,52 @@ async def test_a_zombie_is_not_a_process_left_to_kill(tmp_path: Path) -> None:
         assert Path(f"/proc/{child}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
 
 
+# A process that ends its main thread alone (SYS_exit, not exit_group) while a thread
+# of it runs on: /proc/<pid>/stat says Z, its environ is unreadable, the thread lives.
+HEADLESS = (
+    "import ctypes, os, threading, time\n"
+    "threading.Thread(target=time.sleep, args=(300,)).start()\n"
+    "ctypes.CDLL(None).syscall({'x86_64': 60, 'aarch64': 93}[os.uname().machine], 0)\n"
+)
+
+
+@needs_root
+async def test_a_process_whose_main_thread_ended_is_still_killed(tmp_path: Path) -> None:
+    """Its live thread keeps it a process: found, killed, and its user not handed out
+    while it runs (the next sandbox of that user could be the rollout's own eval)."""
+    async with await open_sandbox(SandboxSpec(options={"root": str(tmp_path)})) as sb:
+        assert sb.user is not None
+        uid = sb.user.uid
+        await sb.write_file("headless.py", HEADLESS)
+        await sb.exec("setsid python3 headless.py </dev/null >/dev/null 2>&1 & sleep 0.5")
+        (pid,) = users.user_pids(uid)
+        assert Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+        assert marked_pids(sb.id) == []  # its mark cannot be read: only the uid finds it
+    assert users.user_pids(uid) == []
+    assert not Path(f"/proc/{pid}/task").exists() or all(
+        (t / "stat").read_text().rpartition(")")[2].split()[0] == "Z"
+        for t in Path(f"/proc/{pid}/task").iterdir()
+    )
+
+
+@needs_root
+def test_a_user_that_cannot_be_emptied_is_not_handed_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    tried: list[int] = []
+
+    def kill(uid: int) -> bool:
+        tried.append(uid)
+        return len(tried) > 1  # the first user keeps a process alive
+
+    monkeypatch.setattr(users, "kill_user_processes", kill)
+    claimed = users.claim_user()
+    monkeypatch.undo()
+    assert claimed is not None
+    try:
+        assert claimed.uid == tried[1] != tried[0]
+    finally:
+        claimed.release()
+
+
 @needs_root
 async def test_a_command_enters_its_directory_as_the_sandbox_user(tmp_path: Path) -> None:
     """Found in an audit: Popen's `cwd` is entered before the user changes, so a sandbox

@@ -449,6 +449,94 @@ async def test_a_resent_subagent_request_with_no_dispatch_waiting_is_a_retry(
     assert any("abandoned branch" in d for d in result.diagnostics)
 
 
+async def assert_only_turn_1_is_abandoned(h: Harness, sid: str, result: SessionResult) -> None:
+    """Every engine output token is trained but turn 1's, booked as an abandoned branch."""
+    outputs = [r.output_ids.length for r in await h.payloads(sid, ev.GenerateResult)]
+    assert sum(sum(s.loss_mask) for s in result.samples) == sum(outputs) - outputs[1]
+    abandoned = "in no segment (abandoned branch, nested or orphan chain)"
+    assert result.token_accounting[abandoned] == outputs[1]
+    assert any("abandoned branch" in d for d in result.diagnostics)
+
+
+async def test_a_retried_subagent_request_keeps_its_dispatch_while_another_waits(
+    any_harness: Harness,
+) -> None:
+    """Alpha's first request is retried while Beta's dispatch still waits: a retry, not
+    Beta's subagent. The lost answer is abandoned, each subagent keeps its own label."""
+    h = any_harness
+    sid = await h.open_session(instance_id="sub-retry-beside")
+    client = h.client(sid)
+    alpha = {"description": "Alpha", "prompt": "SUBTASK: inspect module alpha"}
+    beta = {"description": "Beta", "prompt": "SUBTASK: inspect module beta"}
+    h.engine.push(
+        tool_call_text("Agent", alpha) + "\n" + tool_call_text("Agent", beta),
+        "alpha: looking (answer lost in a timeout)",
+        tool_call_text("Bash", {"command": "cat alpha.py"}),
+        "alpha is fine.",
+        "beta has a bug.",
+        "Beta needs a fix. Done.",
+    )
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Inspect both modules."}]
+    first = await ask(client, messages, stream=False)
+    d_alpha, d_beta = (b.id for b in first.content if b.type == "tool_use")
+    sub_a: list[dict[str, Any]] = [{"role": "user", "content": alpha["prompt"]}]
+    await ask(client, sub_a, stream=False, system=SUB_SYSTEM)  # the client timed out
+    retried = await ask(client, sub_a, stream=False, system=SUB_SYSTEM)  # the same body
+    sub_a += [echo(retried), tool_result(retried.content[-1].id, "def f(): pass")]
+    await ask(client, sub_a, stream=False, system=SUB_SYSTEM)
+    sub_b = [{"role": "user", "content": beta["prompt"]}]
+    await ask(client, sub_b, stream=False, system=SUB_SYSTEM)
+    messages += [
+        echo(first),
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": d_alpha, "content": "fine"},
+                {"type": "tool_result", "tool_use_id": d_beta, "content": "bug"},
+            ],
+        },
+    ]
+    await ask(client, messages, stream=False)
+    await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
+    decisions = await h.payloads(sid, ev.ChainDecision)
+    assert [(d.reason, d.dispatch_tool_use_id) for d in decisions][4] == ("subagent", d_beta)
+    assert all(d.dispatch_tool_use_id != d_beta for d in decisions[:4])
+    result = await replayed(h, sid)
+    assert_live_equals_offline(result)
+    assert [(s.kind, s.dispatch_tool_use_id, s.turns) for s in result.segments] == [
+        ("subagent", d_alpha, [2, 3]),
+        ("subagent", d_beta, [4]),
+        ("final", None, [0, 5]),
+    ]
+    await assert_only_turn_1_is_abandoned(h, sid, result)
+
+
+async def test_an_answer_repeated_by_a_retry_trains_once_on_the_branch_the_client_kept(
+    any_harness: Harness,
+) -> None:
+    """A re-sent request answered with the same tokens: two chains hold the same tokens.
+    The next request answers the first answer's tool call, so it extends that chain; the
+    repeat is an abandoned branch, not a second sample nor a compaction."""
+    h = any_harness
+    sid = await h.open_session(instance_id="retry-same-answer")
+    client = h.client(sid)
+    same = tool_call_text("Bash", {"command": "ls"})
+    h.engine.push(same, same, "done")  # a low-entropy answer sampled twice alike
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Go"}]
+    kept = await ask(client, messages, stream=False)
+    await ask(client, messages, stream=False)  # the same body again
+    messages += [echo(kept), tool_result(kept.content[-1].id, "a.txt")]
+    await ask(client, messages, stream=False)
+    status, closed = await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
+    assert status == 200
+    samples = [(s["metadata"]["segment_kind"], s["metadata"]["turns"], s["reward"])
+               for s in closed["samples"]]  # fmt: skip
+    assert samples == [("final", [0, 2], 1.0)]
+    result = await replayed(h, sid)
+    assert_live_equals_offline(result)
+    await assert_only_turn_1_is_abandoned(h, sid, result)
+
+
 async def test_parallel_subagents_starting_out_of_order_keep_their_dispatch_labels(
     any_harness: Harness,
 ) -> None:

@@ -117,11 +117,15 @@ def claim_user() -> SandboxUser | None:
             continue
         try:
             entry = _ensure_user(name)
-            kill_user_processes(entry.pw_uid)  # a crashed driver's leftovers
-            remove_strays(entry.pw_uid)
+            emptied = kill_user_processes(entry.pw_uid)  # a crashed driver's leftovers
+            if emptied:
+                remove_strays(entry.pw_uid)
         except BaseException:
             os.close(fd)
             raise
+        if not emptied:  # something of it survives: never hand it to a sandbox
+            os.close(fd)
+            continue
         return SandboxUser(name, entry.pw_uid, entry.pw_gid, fd)
     raise UserPoolError(f"all {POOL_SIZE} sandbox users are in use; run fewer sandboxes at once")
 
@@ -152,7 +156,9 @@ def _ensure_user(name: str) -> pwd.struct_passwd:
 
 def user_pids(uid: int) -> list[int]:
     """Live processes whose owner is `uid`. A zombie is left out: it is already dead and
-    holds nothing, and its reaper (pid 1, once its parent was killed) may take its time."""
+    holds nothing, and its reaper (pid 1, once its parent was killed) may take its time.
+    A process whose main thread ended (`SYS_exit`) while other threads run shows as a
+    zombie too, but is not one: it is found by its live threads (`_zombie`)."""
     found = []
     with contextlib.suppress(FileNotFoundError):
         for entry in os.scandir("/proc"):
@@ -164,21 +170,37 @@ def user_pids(uid: int) -> list[int]:
 
 
 def _zombie(proc_dir: str) -> bool:
-    with open(f"{proc_dir}/stat", "rb") as f:
+    """Is the process dead: its main thread a zombie, and no other thread left?"""
+    if not _zombie_task(proc_dir):
+        return False
+    with contextlib.suppress(OSError):
+        for task in os.scandir(f"{proc_dir}/task"):
+            with contextlib.suppress(OSError):
+                if not _zombie_task(task.path):
+                    return False
+    return True
+
+
+def _zombie_task(task_dir: str) -> bool:
+    with open(f"{task_dir}/stat", "rb") as f:
         return f.read().rpartition(b")")[2][:2] == b" Z"
 
 
-def kill_user_processes(uid: int) -> None:
-    """SIGKILL every process of `uid` until none is left (they may fork meanwhile)."""
+def kill_user_processes(uid: int) -> bool:
+    """SIGKILL every process of `uid` until none is left (they may fork meanwhile).
+    False if some are still there: the user must not be handed out."""
     for _ in range(50):
         pids = user_pids(uid)
         if not pids:
-            return
+            return True
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.01)
-    log.warning("processes of uid %d kept appearing while being killed: %s", uid, user_pids(uid))
+    left = user_pids(uid)
+    if left:
+        log.warning("processes of uid %d kept appearing while being killed: %s", uid, left)
+    return not left
 
 
 def remove_strays(uid: int) -> None:
