@@ -135,8 +135,27 @@ def test_an_added_token_that_strips_blanks_disables_the_cache(tmp_path: Path) ->
 def test_a_probe_that_disagrees_disables_the_cache(tokenizer: Tokenizer) -> None:
     cache = WordCache.for_tokenizer(tokenizer._raw)
     assert cache is not None and cache.agrees(["hello world"])
-    cache._words["hello"] = [0]  # a wrong entry: the probe must notice
+    cache._chunk_ids["world"] = [0]  # a wrong chunk (" world"): the probe must notice
     assert not cache.agrees(["hello world"])
+    cache._chunk_ids.clear()
+    cache._words["hello"] = [0]  # a wrong pre-token, under no chunk yet
+    assert not cache.agrees(["hello world"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([*_ATOMS, "x", " x", "  x", "x ", "\n  x", ":\n  ", "\t x"]),
+                max_size=40))  # fmt: skip
+def test_chunks_cut_only_where_a_pre_token_begins(tokenizer: Tokenizer, atoms: list[str]) -> None:
+    """Each chunk (`word_cache._chunks`) tokenized alone, in order, gives the text's ids:
+    twice, so the second time every chunk comes from the chunk cache."""
+    text = "".join(atoms)
+    lead, spaced = word_cache._chunks(text)
+    chunks = [lead, *(" " + s for s in spaced)]
+    assert "".join(chunks).replace(word_cache._KEPT, " ") == text
+    alone = [i for c in chunks for i in _raw_ids(tokenizer, c.replace(word_cache._KEPT, " "))]
+    if not any(t in text for t in ("<|", "|>", "<repo", "<reponame>")):  # no added tokens
+        assert alone == _raw_ids(tokenizer, text)
+    assert tokenizer.encode(text) == tokenizer.encode(text) == _raw_ids(tokenizer, text)
 
 
 def test_non_ascii_added_tokens_leave_the_cache_on(tmp_path: Path) -> None:
