@@ -150,37 +150,32 @@ class WordCache:
         """Add the ids of `text` (no added token in it) chunk by chunk; False if the
         regex skipped characters."""
         lead, spaced = _chunks(text)
-        try:
-            ids = self._chunk_ids
-            parts = [ids[_LEAD + lead], *map(ids.__getitem__, spaced)]  # the usual case
-        except KeyError:
-            found = self._fill_chunks(lead, spaced)
-            if found is None:
-                return False
-            parts = found
+        get = self._chunk_ids.get
+        parts: list[list[int] | None] = [get(_LEAD + lead), *map(get, spaced)]
+        if None in parts and not self._fill_chunks(parts, lead, spaced):
+            return False
         for part in parts:
-            out.extend(part)
+            out.extend(part)  # type: ignore[arg-type]  (filled: none is None)
         return True
 
-    def _fill_chunks(self, lead: str, spaced: list[str]) -> list[list[int]] | None:
-        """Each chunk's ids; those not cached yet from their pre-tokens (`_pre_token_ids`).
+    def _fill_chunks(self, parts: list[list[int] | None], lead: str, spaced: list[str]) -> bool:
+        """Fill in the chunks not cached (None in `parts`) from their pre-tokens, and cache
+        them; False if the regex skipped characters.
 
         Safe while another thread fills or empties the cache, as `_fill` is."""
         cache = self._chunk_ids
-        if len(cache) + 1 + len(spaced) > _MAX_WORDS:
+        if len(cache) + parts.count(None) > _MAX_WORDS:
             cache.clear()
-        parts = []
-        for key, chunk in ((_LEAD + lead, lead), *((s, " " + s) for s in spaced)):
-            ids = cache.get(key)
+        for i in [i for i, part in enumerate(parts) if part is None]:
+            key = _LEAD + lead if i == 0 else spaced[i - 1]
+            text = (lead if i == 0 else " " + spaced[i - 1]).replace(_KEPT, " ")
+            ids = self._pre_token_ids(text)
             if ids is None:
-                text = chunk.replace(_KEPT, " ")
-                ids = self._pre_token_ids(text)
-                if ids is None:
-                    return None
-                if len(text) <= _MAX_CHUNK_CHARS:
-                    cache[key] = ids
-            parts.append(ids)
-        return parts
+                return False
+            if len(text) <= _MAX_CHUNK_CHARS:
+                cache[key] = ids
+            parts[i] = ids
+        return True
 
     def _pre_token_ids(self, text: str) -> list[int] | None:
         """The ids of `text` split by the regex, each pre-token's from the cache; None if
