@@ -28,6 +28,7 @@ from recorder.model.engine_wire import (
     GenerateBodies,
     GenerateOutput,
     SamplingParams,
+    decode_generate_answer,
     error_message,
     json_ids,
     parse_generate_response,
@@ -148,10 +149,15 @@ class EngineClient(EnginePool):
         ids = np.asarray(json_ids(input_ids), dtype=np.int32)
         raw = self.bodies.build(cache_key, body, ids)
         started = time.monotonic()
-        status, answer = await self._post_raw(url, "/generate", raw, on_sent)
+        status, data = await self._post_raw(url, "/generate", raw, on_sent)
         latency = time.monotonic() - started
         if status != 200:
+            answer = _decoded("/generate", status, data, url)
             raise EngineError("http", error_message(answer), status=status, url=url)
+        typed = decode_generate_answer(data, rid=rid, latency_s=latency, url=url)
+        if typed is not None:
+            return typed
+        answer = _decoded("/generate", status, data, url)
         return parse_generate_response(answer, rid=rid, latency_s=latency, url=url)
 
     async def abort(self, url: str, rid: str) -> None:
@@ -192,12 +198,12 @@ class EngineClient(EnginePool):
 
     async def _post_raw(
         self, url: str, path: str, raw: bytes, on_sent: Callable[[], None] | None
-    ) -> tuple[int, Any]:
-        """`_request("POST", url, path, raw=raw, on_sent=on_sent)`; over `LeanPool` when
-        the engine speaks plain HTTP (~130 us less CPU a request), with the same errors."""
+    ) -> tuple[int, bytes]:
+        """(status, the answer's bytes) of a POST of `raw`; over `LeanPool` when the engine
+        speaks plain HTTP (~130 us less CPU a request), with `_request`'s errors."""
         origin = self._lean.origin(url)
         if origin is None:
-            return await self._request("POST", url, path, raw=raw, on_sent=on_sent)
+            return await self._exchange("POST", url, path, raw=raw, on_sent=on_sent)
         if self._session is None:
             raise RuntimeError("EngineClient.start() was not called")
         try:
@@ -214,7 +220,7 @@ class EngineClient(EnginePool):
             ) from exc
         except BadAnswer as exc:
             raise EngineError("protocol", f"BadAnswer: {exc}", url=url) from exc
-        return status, _decoded(path, status, data, url)
+        return status, data
 
     async def _request(
         self,
@@ -228,6 +234,24 @@ class EngineClient(EnginePool):
         raw: bytes | None = None,
     ) -> tuple[int, Any]:
         """(status, decoded JSON answer); the body is `body` as JSON, or `raw` JSON bytes."""
+        if body is not None:
+            raw = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+        status, data = await self._exchange(
+            method, url, path, timeout_s=timeout_s, on_sent=on_sent, raw=raw
+        )
+        return status, _decoded(path, status, data, url)
+
+    async def _exchange(
+        self,
+        method: str,
+        url: str,
+        path: str,
+        *,
+        timeout_s: float | None = None,
+        on_sent: Callable[[], None] | None = None,
+        raw: bytes | None = None,
+    ) -> tuple[int, bytes]:
+        """(status, the answer's bytes) over aiohttp; the body is `raw` JSON bytes."""
         if self._session is None:
             raise RuntimeError("EngineClient.start() was not called")
         target = url.rstrip("/") + path
@@ -237,14 +261,12 @@ class EngineClient(EnginePool):
             else None
         )
         kwargs: dict[str, Any] = {"timeout": timeout} if timeout else {}
-        if body is not None:
-            raw = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
         if raw is not None:
             kwargs["data"] = raw if on_sent is None else _SentBody(raw, on_sent)
             kwargs["headers"] = _JSON_HEADERS
         try:
             async with self._session.request(method, target, **kwargs) as resp:
-                raw = await resp.read()
+                data = await resp.read()
                 status = resp.status
         except TimeoutError as exc:
             raise EngineError("timeout", f"{method} {path} timed out", url=url) from exc
@@ -257,7 +279,7 @@ class EngineClient(EnginePool):
             ) from exc
         except aiohttp.ClientError as exc:
             raise EngineError("protocol", f"{type(exc).__name__}: {exc}", url=url) from exc
-        return status, _decoded(path, status, raw, url)
+        return status, data
 
 
 def _decoded(path: str, status: int, raw: bytes, url: str) -> Any:

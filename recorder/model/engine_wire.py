@@ -148,6 +148,67 @@ def new_rid() -> str:
 # --------------------------------------------------------------------------
 
 
+class _Meta(msgspec.Struct):
+    """The `meta_info` fields a GenerateOutput takes, typed as SGLang sends them."""
+
+    finish_reason: Any = None
+    output_token_logprobs: list[tuple[float | None, int, Any]] | None = None
+    weight_version: Any = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    routed_experts: Any = None
+
+
+class _Answer(msgspec.Struct):
+    output_ids: list[int]
+    meta_info: _Meta
+    error: Any = msgspec.UNSET  # any `error` at all: the untyped reading raises it
+
+
+_ANSWER = msgspec.json.Decoder(_Answer)
+
+
+def decode_generate_answer(
+    raw: bytes, *, rid: str, latency_s: float, url: str = ""
+) -> GenerateOutput | None:
+    """`/generate`'s usual answer straight from its bytes into a GenerateOutput; None for
+    any other shape (`parse_generate_response` then reads it and says what is wrong).
+
+    Decoding into types checks every id and logprob in C: a thinking model's answer
+    runs to thousands of tokens, each a list of three in the untyped JSON."""
+    try:
+        answer = _ANSWER.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    if answer.error is not msgspec.UNSET:
+        return None
+    meta, ids = answer.meta_info, answer.output_ids
+    triples = meta.output_token_logprobs
+    logprobs: list[float] | None = []
+    if ids:
+        if triples is None or len(triples) < len(ids):
+            logprobs = None
+        else:
+            if len(triples) > len(ids):
+                triples = triples[: len(ids)]
+            if [t[1] for t in triples] != ids:
+                return None  # the untyped reading names the first wrong id
+            values = [t[0] for t in triples]
+            logprobs = None if None in values else values  # type: ignore[assignment]
+    reason, detail = _finish(meta.finish_reason)
+    return GenerateOutput(
+        output_ids=ids,
+        logprobs=logprobs,
+        finish_reason=reason,
+        finish_detail=detail,
+        weight_version=str(meta.weight_version or ""),
+        prompt_tokens=int(meta.prompt_tokens or 0),
+        cached_tokens=int(meta.cached_tokens or 0),
+        routed_experts=_routed_experts(meta.routed_experts, url),
+        latency_s=latency_s,
+    )
+
+
 def parse_generate_response(
     body: Any, *, rid: str, latency_s: float, url: str = ""
 ) -> GenerateOutput:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 
 import numpy as np
 import pytest
@@ -485,3 +486,57 @@ def test_logprobs_fast_path_decides_as_the_entry_by_entry_check(
         return None if len(raw) < len(want) else engine_wire._checked_logprobs(raw, want, url)
 
     assert outcome(engine_wire._logprobs) == outcome(one_by_one)
+
+
+_META_VALUE = st.one_of(
+    st.none(), st.integers(-2, 5), st.floats(allow_nan=False), st.text(max_size=3), st.booleans()
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    ids=st.lists(st.one_of(st.integers(0, 9), st.booleans()), max_size=5),
+    entries=st.lists(_ENTRY, max_size=6),
+    meta=st.dictionaries(
+        st.sampled_from(
+            ["finish_reason", "weight_version", "prompt_tokens", "cached_tokens", "extra"]
+        ),
+        _META_VALUE,
+    ),
+    well_formed=st.booleans(),
+    error=st.sampled_from([None, "absent", "boom"]),
+    wrong=st.integers(-1, 4),
+)
+def test_typed_answer_decoding_agrees_with_the_untyped_reading(
+    ids: list[int],
+    entries: list[object],
+    meta: dict[str, object],
+    well_formed: bool,
+    error: object,
+    wrong: int,
+) -> None:
+    """`decode_generate_answer` gives what `parse_generate_response` gives for the same
+    bytes, or None (the caller then takes the untyped reading): never another output."""
+    if well_formed:  # the triples SGLang sends, and maybe one more (ignored)
+        entries = [[-0.25 * i, t, None] for i, t in enumerate(ids)] + [[-1.0, 0, None]][
+            : len(entries) % 2
+        ]
+        if 0 <= wrong < len(ids):  # a triple for another token
+            entries[wrong] = [-0.5, int(ids[wrong]) + 1, None]
+    body: dict[str, object] = {
+        "output_ids": ids,
+        "meta_info": {**meta, "output_token_logprobs": entries},
+    }
+    if error != "absent":
+        body["error"] = error
+    raw = json.dumps(body).encode()
+    typed = engine_wire.decode_generate_answer(raw, rid="r", latency_s=0.5, url="u")
+    try:
+        untyped: object = parse_generate_response(json.loads(raw), rid="r", latency_s=0.5, url="u")
+    except (EngineError, TypeError, ValueError) as exc:
+        untyped = exc
+    if typed is not None:
+        assert isinstance(untyped, GenerateOutput) and typed == untyped
+    usual = well_formed and error == "absent" and not meta and not 0 <= wrong < len(ids)
+    if usual and all(type(i) is int for i in ids):
+        assert typed is not None  # the usual answer takes the typed path
