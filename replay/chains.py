@@ -246,6 +246,18 @@ def _answer_keys(t: Turn) -> tuple[str, ...]:
         return ()
 
 
+def _twins(a: Turn, b: Turn) -> bool:
+    """Same engine input and output, token for token (a request re-sent and answered alike)."""
+    if a.input is None or b.input is None or a.output is None or b.output is None:
+        return False
+    return (
+        a.input.size == b.input.size
+        and a.output.size == b.output.size
+        and bool(np.array_equal(a.output, b.output))
+        and bool(np.array_equal(a.input, b.input))
+    )
+
+
 def _carries(t: Turn, answer: Turn) -> bool:
     """Does `t`'s request answer one of `answer`'s tool calls or carry its message?"""
     r = t.request
@@ -268,6 +280,7 @@ class ChainBuilder:
         self.nested_pending: dict[str, Chain] = {}
         self.last_main: Chain | None = None
         self.evidence = Evidence()
+        self.turn_of_call: dict[str, Turn] = {}  # tool_use id -> the turn that answered it
 
     def add(self, t: Turn) -> None:
         if self.main_digest is None and t.system_digest is not None:
@@ -276,6 +289,8 @@ class ChainBuilder:
         self._returns(t)
         chain = self._assign(t) if t.unusable is None else None
         self._dispatches(t, chain)
+        for call in _tool_use_ids(t):
+            self.turn_of_call.setdefault(call, t)
 
     def _is_main_system(self, digest: str | None) -> bool:
         return digest is None or self.main_digest is None or digest == self.main_digest
@@ -322,9 +337,28 @@ class ChainBuilder:
         for c in self.chains:
             if not _extends(t.input, c) or (best is not None and c.seq_size < best.seq_size):
                 continue
+            if self._carries_a_twin_instead(t, c):
+                continue
             if best is None or c.seq_size > best.seq_size or not _carries(t, best.turns[-1]):
                 best = c
         return best
+
+    def _carries_a_twin_instead(self, t: Turn, c: Chain) -> bool:
+        """Does `t`'s request carry the answer of a twin of `c`'s last turn (same input,
+        same output), not that turn's own? Then `c` holds only the repeat the client did
+        not use, and `t` is no extension of it: a later request that extends no chain the
+        client kept (a retry, a compaction) must not land on the repeat."""
+        r = t.request
+        if r is None or not (r.tool_result_ids or r.answer_keys):
+            return False
+        last = c.turns[-1]
+        if _carries(t, last):
+            return False
+        carried = {self.turn_of_call.get(i) for i in r.tool_result_ids}
+        if r.answer_keys:
+            keys = set(r.answer_keys)
+            carried.update(u for ch in self.chains for u in ch.turns if keys & set(_answer_keys(u)))
+        return any(u is not None and u is not last and _twins(u, last) for u in carried)
 
     def _fork_point(self, t: Turn) -> tuple[Chain, int] | None:
         """(chain, turns it shares with `t`) if `t` re-sends at least its first input.

@@ -22,8 +22,9 @@ import msgspec
 
 # Bump when the reducer changes what it builds from the same log and rules.
 # 5: a turn sampled under a grammar (json_schema, regex) is masked
-# 6: of chains holding the same tokens, a request extends the one whose answer it carries;
-#    a re-sent first subagent request starts another subagent only as the recorder decided
+# 6: a request never extends the repeat of an answer it carries a twin of (a retry answered
+#    alike) and of equal chains takes the one whose answer it carries; a re-sent first
+#    subagent request starts another subagent only as the recorder decided
 REDUCER_VERSION = "6"
 # 4: acted-on answers of a branch left are trained; without tools,
 # the main line is the conversation carrying the work (replay.chains)

@@ -280,11 +280,12 @@ def _another_conversation(chains: SessionChains, match: _Match, req: ChatRequest
     A side request asked again (a title, a check) is another side request.
     The agent may dispatch the same task twice (in parallel or one after the
     other): the second subagent's first request is byte-identical to the
-    first's; while a dispatch of that task waits for its subagent (its prompt
-    is in the request, or unknown), it starts that one (`_fresh` claims it).
-    A dispatch of another task waiting beside it makes no difference: the
-    request is a retry. The reducer follows the decision recorded here
-    (`replay.chains`).
+    first's; while a dispatch of that task waits for its subagent, it starts
+    that one (`_fresh` claims it). The same task: the prompt of the dispatch
+    the re-sent chain answers, or, not knowing it, a prompt the request
+    carries. A dispatch of another task, or of an unknown one (an Agent call
+    without a prompt), waiting beside it makes no difference: the request is
+    a retry. The reducer follows the decision recorded here (`replay.chains`).
     """
     chain, main = match.chain, chains.main
     if not match.is_retry or match.boundary is not chain.boundaries[0]:
@@ -295,9 +296,17 @@ def _another_conversation(chains: SessionChains, match: _Match, req: ChatRequest
         and is_side_request(chain.n_tools, chain.system_digest, main.system_digest)
     ):
         return True
-    return not chain.main_line and any(
-        d.chain_id is None and (not d.prompt.strip() or _prompt_matches(d, req))
+    if chain.main_line:
+        return False
+    task = next(
+        (d.prompt.strip() for d in chains.pending_dispatches
+         if d.chain_id == chain.chain_id and d.prompt.strip()),
+        None,
+    )  # fmt: skip
+    return any(
+        d.prompt.strip() == task if task is not None else _prompt_matches(d, req)
         for d in chains.pending_dispatches
+        if d.chain_id is None and d.prompt.strip()
     )
 
 
@@ -589,13 +598,14 @@ def takes_main_line(
 
 
 def _dispatch_for(chains: SessionChains, req: ChatRequest) -> PendingDispatch | None:
-    """The pending dispatch whose prompt this request carries, else the oldest pending one."""
+    """The pending dispatch whose prompt this request carries (the longest: one task's
+    prompt may hold another's), else the oldest pending one."""
     waiting = [d for d in chains.pending_dispatches if d.chain_id is None]
     if not waiting:
         return None
-    for dispatch in waiting:
-        if _prompt_matches(dispatch, req):
-            return dispatch
+    matching = [d for d in waiting if _prompt_matches(d, req)]
+    if matching:
+        return max(matching, key=lambda d: len(d.prompt.strip()))  # the first of the longest
     return waiting[0]
 
 
