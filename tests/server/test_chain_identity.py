@@ -37,6 +37,18 @@ def assert_live_equals_offline(result: SessionResult) -> None:
     assert not disagreements, disagreements
 
 
+def returns(first: Any, results: dict[str, str]) -> list[dict[str, Any]]:
+    """The main line's next messages: the answer that dispatched, then each dispatch's
+    tool result (dispatch id -> its text)."""
+    blocks = [{"type": "tool_result", "tool_use_id": i, "content": c} for i, c in results.items()]
+    return [echo(first), {"role": "user", "content": blocks}]
+
+
+async def closed_and_replayed(h: Harness, sid: str) -> SessionResult:
+    await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
+    return await replayed(h, sid)
+
+
 # (tool, input the model emitted, the input as the client re-sends it)
 NORMALISATIONS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     # Seen in Claude Code 2.1.197 and 2.1.330 traffic: the schema default first.
@@ -486,22 +498,12 @@ async def test_a_retried_subagent_request_keeps_its_dispatch_while_another_waits
     await ask(client, sub_a, stream=False, system=SUB_SYSTEM)
     sub_b = [{"role": "user", "content": beta["prompt"]}]
     await ask(client, sub_b, stream=False, system=SUB_SYSTEM)
-    messages += [
-        echo(first),
-        {
-            "role": "user",
-            "content": [
-                {"type": "tool_result", "tool_use_id": d_alpha, "content": "fine"},
-                {"type": "tool_result", "tool_use_id": d_beta, "content": "bug"},
-            ],
-        },
-    ]
+    messages += returns(first, {d_alpha: "fine", d_beta: "bug"})
     await ask(client, messages, stream=False)
-    await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
+    result = await closed_and_replayed(h, sid)
     decisions = await h.payloads(sid, ev.ChainDecision)
     assert [(d.reason, d.dispatch_tool_use_id) for d in decisions][4] == ("subagent", d_beta)
     assert all(d.dispatch_tool_use_id != d_beta for d in decisions[:4])
-    result = await replayed(h, sid)
     assert_live_equals_offline(result)
     assert [(s.kind, s.dispatch_tool_use_id, s.turns) for s in result.segments] == [
         ("subagent", d_alpha, [2, 3]),

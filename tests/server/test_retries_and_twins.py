@@ -21,7 +21,8 @@ from tests.server.test_chain_identity import (
     COMPACT,
     SUB_SYSTEM,
     assert_live_equals_offline,
-    replayed,
+    closed_and_replayed,
+    returns,
 )
 from tests.server.test_e2e import ask, echo, tool_result
 
@@ -52,8 +53,7 @@ async def test_a_repeated_answer_then_a_timeout_retry_trains_each_answer_once(
     second = await ask(client, messages, stream=False)  # the same body again
     messages += [echo(second), tool_result(second.content[-1].id, "B")]
     await ask(client, messages, stream=False)
-    await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
-    result = await replayed(h, sid)
+    result = await closed_and_replayed(h, sid)
     out = await outputs(h, sid)
     assert_live_equals_offline(result)
     # turns 1 and 2 are unused; 0, 3, 4 trained once each
@@ -87,8 +87,7 @@ async def test_a_repeated_answer_then_compaction_right_after_a_tool_result(
     await ask(client, summary_request, stream=False)
     continued = [{"role": "user", "content": "This session continues from a summary: ..."}]
     await ask(client, continued, stream=False)
-    await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
-    result = await replayed(h, sid)
+    result = await closed_and_replayed(h, sid)
     out = await outputs(h, sid)
     assert_live_equals_offline(result)
     assert [(s.kind, s.turns) for s in result.segments] == [
@@ -126,8 +125,7 @@ async def test_a_repeated_first_answer_does_not_capture_a_retry_many_turns_later
     retry = await ask(client, messages, stream=False)  # turn 4's answer was lost
     messages += [echo(retry), tool_result(retry.content[-1].id, "ok")]
     await ask(client, messages, stream=False)
-    await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
-    result = await replayed(h, sid)
+    result = await closed_and_replayed(h, sid)
     out = await outputs(h, sid)
     assert_live_equals_offline(result)
     assert [(s.kind, s.turns) for s in result.segments] == [("final", [0, 2, 3, 5, 6])]
@@ -156,16 +154,9 @@ async def test_a_prompt_inside_another_prompt_keeps_each_dispatch_label(
     for task in (BETA, ALPHA):  # beta's subagent asks first
         await ask(client, [{"role": "user", "content": task["prompt"]}], stream=False,
                   system=SUB_SYSTEM)  # fmt: skip
-    messages += [
-        echo(first),
-        {"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": d_alpha, "content": "pass"},
-            {"type": "tool_result", "tool_use_id": d_beta, "content": "fixed"},
-        ]},
-    ]  # fmt: skip
+    messages += returns(first, {d_alpha: "pass", d_beta: "fixed"})
     await ask(client, messages, stream=False)
-    await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
-    result = await replayed(h, sid)
+    result = await closed_and_replayed(h, sid)
     assert_live_equals_offline(result)
     assert [(s.kind, s.dispatch_tool_use_id, s.turns) for s in result.segments] == [
         ("subagent", d_beta, [1]),
@@ -197,16 +188,9 @@ async def test_a_retried_subagent_request_beside_a_prompt_inside_its_own(
     await ask(client, sub_b, stream=False, system=SUB_SYSTEM)  # the same body
     await ask(client, [{"role": "user", "content": ALPHA["prompt"]}], stream=False,
               system=SUB_SYSTEM)  # fmt: skip
-    messages += [
-        echo(first),
-        {"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": d_alpha, "content": "pass"},
-            {"type": "tool_result", "tool_use_id": d_beta, "content": "fixed"},
-        ]},
-    ]  # fmt: skip
+    messages += returns(first, {d_alpha: "pass", d_beta: "fixed"})
     await ask(client, messages, stream=False)
-    await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
-    result = await replayed(h, sid)
+    result = await closed_and_replayed(h, sid)
     out = await outputs(h, sid)
     assert_live_equals_offline(result)
     assert sum(sum(s.loss_mask) for s in result.samples) == sum(out) - out[1]
@@ -231,8 +215,7 @@ async def test_three_identical_answers_the_client_keeps_one(harness: Harness, ke
     b = await ask(client, messages, stream=False)
     messages += [echo(b), {"role": "user", "content": "thanks"}]
     await ask(client, messages, stream=False)
-    await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
-    result = await replayed(h, sid)
+    result = await closed_and_replayed(h, sid)
     out = await outputs(h, sid)
     assert_live_equals_offline(result)
     assert [(s.kind, s.turns) for s in result.segments] == [("final", [kept, 3, 4])]
@@ -278,16 +261,9 @@ async def test_twin_subagents_answering_alike(harness: Harness, order: str) -> N
         await step2(subs[0])
         await step1(subs[1])
         await step2(subs[1])
-    messages += [
-        echo(first),
-        {"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": d1, "content": "green"},
-            {"type": "tool_result", "tool_use_id": d2, "content": "green"},
-        ]},
-    ]  # fmt: skip
+    messages += returns(first, {d1: "green", d2: "green"})
     await ask(client, messages, stream=False)
-    await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
-    result = await replayed(h, sid)
+    result = await closed_and_replayed(h, sid)
     out = await outputs(h, sid)
     assert_live_equals_offline(result)
     assert sum(sum(s.loss_mask) for s in result.samples) == sum(out)
@@ -332,8 +308,7 @@ async def test_a_retry_beside_a_malformed_dispatch_stays_a_retry(
         ]},
     ]  # fmt: skip
     await ask(client, messages, stream=False)
-    await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
-    result = await replayed(h, sid)
+    result = await closed_and_replayed(h, sid)
     out = await outputs(h, sid)
     assert_live_equals_offline(result)
     assert [(s.kind, s.dispatch_tool_use_id, s.turns) for s in result.segments] == [
