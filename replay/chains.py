@@ -281,16 +281,36 @@ class ChainBuilder:
         self.last_main: Chain | None = None
         self.evidence = Evidence()
         self.turn_of_call: dict[str, Turn] = {}  # tool_use id -> the turn that answered it
+        self.foreign_calls_noted = False
 
     def add(self, t: Turn) -> None:
         if self.main_digest is None and t.system_digest is not None:
             self.main_digest = t.system_digest
         self.evidence.note(t)
         self._returns(t)
+        self._note_foreign_calls(t)
         chain = self._assign(t) if t.unusable is None else None
         self._dispatches(t, chain)
         for call in _tool_use_ids(t):
             self.turn_of_call.setdefault(call, t)
+
+    def _note_foreign_calls(self, t: Turn) -> None:
+        """Say once when a request answers tool calls only under ids none of this session's
+        answers had, though the session has answered with calls: a client that rewrites
+        call ids cannot be followed, and its answers end up abandoned (`replay stats`:
+        "in no segment") without any other sign."""
+        r = t.request
+        if self.foreign_calls_noted or r is None or not r.tool_result_ids or not self.turn_of_call:
+            return
+        if any(i in self.turn_of_call for i in r.tool_result_ids):
+            return
+        self.foreign_calls_noted = True
+        self.diags.append(
+            f"turn {t.turn}: the request answers tool calls under ids no answer of this "
+            f"session carried ({', '.join(sorted(r.tool_result_ids)[:3])}): a client that "
+            "rewrites tool-call ids cannot be followed by id; wherever the history it sends "
+            "is not the model's tokens, its answers count as abandoned"
+        )
 
     def _is_main_system(self, digest: str | None) -> bool:
         return digest is None or self.main_digest is None or digest == self.main_digest

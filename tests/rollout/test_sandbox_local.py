@@ -165,7 +165,7 @@ async def test_a_process_whose_main_thread_ended_is_still_killed(tmp_path: Path)
 def test_a_user_that_cannot_be_emptied_is_not_handed_out(monkeypatch: pytest.MonkeyPatch) -> None:
     tried: list[int] = []
 
-    def kill(uid: int) -> bool:
+    def kill(uid: int, *_: object) -> bool:
         tried.append(uid)
         return len(tried) > 1  # the first user keeps a process alive
 

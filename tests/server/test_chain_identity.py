@@ -539,14 +539,22 @@ async def test_an_answer_repeated_by_a_retry_trains_once_on_the_branch_the_clien
     await assert_only_turn_1_is_abandoned(h, sid, result)
 
 
+# (Alpha's prompt, Beta's): a prompt inside the other's must not take the other's dispatch.
+PROMPT_PAIRS = [
+    ("SUBTASK: inspect module alpha", "SUBTASK: inspect module beta"),
+    ("SUBTASK: run the tests", "SUBTASK: run the tests and fix what fails"),
+]
+
+
+@pytest.mark.parametrize("prompts", PROMPT_PAIRS, ids=["apart", "one-inside-the-other"])
 async def test_parallel_subagents_starting_out_of_order_keep_their_dispatch_labels(
-    any_harness: Harness,
+    any_harness: Harness, prompts: tuple[str, str]
 ) -> None:
     h = any_harness
     sid = await h.open_session(instance_id="out-of-order")
     client = h.client(sid)
-    alpha = {"description": "Alpha", "prompt": "SUBTASK: inspect module alpha"}
-    beta = {"description": "Beta", "prompt": "SUBTASK: inspect module beta"}
+    alpha = {"description": "Alpha", "prompt": prompts[0]}
+    beta = {"description": "Beta", "prompt": prompts[1]}
     h.engine.push(
         tool_call_text("Agent", alpha) + "\n" + tool_call_text("Agent", beta),
         "beta has a bug.",
@@ -560,21 +568,11 @@ async def test_parallel_subagents_starting_out_of_order_keep_their_dispatch_labe
         await ask(
             client, [{"role": "user", "content": task["prompt"]}], stream=False, system=SUB_SYSTEM
         )
-    messages += [
-        echo(first),
-        {
-            "role": "user",
-            "content": [
-                {"type": "tool_result", "tool_use_id": d_alpha, "content": "fine"},
-                {"type": "tool_result", "tool_use_id": d_beta, "content": "bug"},
-            ],
-        },
-    ]
+    messages += returns(first, {d_alpha: "fine", d_beta: "bug"})
     await ask(client, messages, stream=False)
-    await h.admin("POST", f"/sessions/{sid}/close", {"reward": 1.0})
+    result = await closed_and_replayed(h, sid)
     decisions = await h.payloads(sid, ev.ChainDecision)
     assert [d.dispatch_tool_use_id for d in decisions][1:3] == [d_beta, d_alpha]
-    result = await replayed(h, sid)
     assert_live_equals_offline(result)
     assert [(s.kind, s.dispatch_tool_use_id, s.turns) for s in result.segments] == [
         ("subagent", d_beta, [1]),

@@ -25,6 +25,8 @@ from tests.server.test_chain_identity import (
     returns,
 )
 from tests.server.test_e2e import ask, echo, tool_result
+from tests.server.test_echoes import REASONED
+from tests.server.test_openai import CHAT_TOOLS, openai_client
 
 
 async def outputs(h: Harness, sid: str) -> list[int]:
@@ -134,35 +136,6 @@ async def test_a_repeated_first_answer_does_not_capture_a_retry_many_turns_later
 
 ALPHA = {"description": "Tests", "prompt": "SUBTASK: run the tests"}
 BETA = {"description": "Fix", "prompt": "SUBTASK: run the tests and fix what fails"}
-
-
-async def test_a_prompt_inside_another_prompt_keeps_each_dispatch_label(
-    harness: Harness,
-) -> None:
-    h = harness
-    sid = await h.open_session(instance_id="prefix-prompts")
-    client = h.client(sid)
-    h.engine.push(
-        tool_call_text("Agent", ALPHA) + "\n" + tool_call_text("Agent", BETA),
-        "fixed one failure.",
-        "all tests pass.",
-        "Done.",
-    )
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "Test and fix."}]
-    first = await ask(client, messages, stream=False)
-    d_alpha, d_beta = (b.id for b in first.content if b.type == "tool_use")
-    for task in (BETA, ALPHA):  # beta's subagent asks first
-        await ask(client, [{"role": "user", "content": task["prompt"]}], stream=False,
-                  system=SUB_SYSTEM)  # fmt: skip
-    messages += returns(first, {d_alpha: "pass", d_beta: "fixed"})
-    await ask(client, messages, stream=False)
-    result = await closed_and_replayed(h, sid)
-    assert_live_equals_offline(result)
-    assert [(s.kind, s.dispatch_tool_use_id, s.turns) for s in result.segments] == [
-        ("subagent", d_beta, [1]),
-        ("subagent", d_alpha, [2]),
-        ("final", None, [0, 3]),
-    ]
 
 
 async def test_a_retried_subagent_request_beside_a_prompt_inside_its_own(
@@ -317,3 +290,29 @@ async def test_a_retry_beside_a_malformed_dispatch_stays_a_retry(
         ("final", None, [0, 4]),
     ]
     assert sum(sum(s.loss_mask) for s in result.samples) == sum(out) - out[1]
+
+
+async def test_a_client_that_rewrites_tool_call_ids_is_named_in_the_diagnostics(
+    harness: Harness,
+) -> None:
+    """A Chat Completions client that answers our calls under ids of its own (an audit:
+    96 of 104 output tokens untrained) cannot be followed; the reducer says why, once,
+    beside the tokens booked as abandoned."""
+    h = harness
+    sid = await h.open_session(instance_id="rewritten-ids")
+    h.engine.push(*REASONED)  # thinking, then a call: the re-rendered history differs
+    client = openai_client(h, sid)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "What is in this repo?"}]
+    for n, output in enumerate(("a.txt", "hello", None)):
+        done = await client.chat.completions.create(
+            model="m", messages=messages, tools=CHAT_TOOLS, max_tokens=256
+        )
+        if output is None:
+            break
+        message = done.choices[0].message.model_dump(exclude_none=True)
+        message["tool_calls"][0]["id"] = own = f"call_{n}"  # the client's own id
+        messages += [message, {"role": "tool", "tool_call_id": own, "content": output}]
+    result = await closed_and_replayed(h, sid)
+    named = [d for d in result.diagnostics if "rewrites tool-call ids" in d]
+    assert len(named) == 1 and "call_0" in named[0], result.diagnostics
+    assert result.token_accounting["in no segment (abandoned branch, nested or orphan chain)"]

@@ -9,11 +9,21 @@ a command of a sandbox user starts in a mount namespace of its own whose
 processes of the reader's own user there. The rest of the file system is the
 host's.
 
-The start is a chain of execs in one process: `unshare --mount` (root), a
-`/bin/sh` that mounts the procfs, then `setpriv` drops to the sandbox user
-(no supplementary groups) and execs the command's `/bin/sh -c`. The pid,
-process group, exit status and signals stay the command's own, so the
-sandbox's kill and sweep work as before.
+Two more things a command must not carry past its sandbox (a fifth audit):
+its System V IPC objects and POSIX message queues outlive their processes and
+belong to the uid, which the pool hands to the next sandbox (the rollout's
+own eval, where code under test had stashed the hidden tests and the grader's
+command in them for a later agent): each command gets an IPC namespace of its
+own, whose objects die with it. And a setuid file left in a directory every
+user may write (`/run/lock`) let another sandbox's user act as a released
+pool user and edit that user's next sandbox: commands run with no new
+privileges, so a setuid bit does nothing for them.
+
+The start is a chain of execs in one process: `unshare --mount --ipc` (root),
+a `/bin/sh` that mounts the procfs, then `setpriv` drops to the sandbox user
+(no supplementary groups, no new privileges) and execs the command's
+`/bin/sh -c`. The pid, process group, exit status and signals stay the
+command's own, so the sandbox's kill and sweep work as before.
 
 The root part must not be steerable by the command's environment: it runs
 with the loader's and shells' start-up variables removed (`ROOT_UNSAFE`), and
@@ -49,7 +59,7 @@ ROOT_UNSAFE = re.compile(
 _WRAPPER = (
     "{mount} -t proc -o hidepid=2,nosuid,nodev,noexec proc /proc || exit 125\n"
     "uid=$1 gid=$2\nshift 2\n"
-    'exec {setpriv} --reuid="$uid" --regid="$gid" --clear-groups -- "$@"\n'
+    'exec {setpriv} --reuid="$uid" --regid="$gid" --clear-groups --no-new-privs -- "$@"\n'
 )
 # The command's own shell enters its directory, as the sandbox user: entered by root
 # (Popen's `cwd` is, before any user change), a `repo` the sandbox had replaced with a
@@ -75,10 +85,11 @@ class _Tools:
     env: str
 
     def argv(self, uid: int, gid: int, tail: list[str]) -> list[str]:
-        """unshare -> mount a private /proc -> setpriv to uid/gid -> exec `tail`."""
+        """unshare (mounts, IPC) -> mount a private /proc -> setpriv to uid/gid, no new
+        privileges -> exec `tail`."""
         wrapper = _WRAPPER.format(mount=self.mount, setpriv=self.setpriv)
-        return [self.unshare, "--mount", "--propagation", "private", "--", "/bin/sh", "-c",
-                wrapper, "sh", str(uid), str(gid), *tail]  # fmt: skip
+        return [self.unshare, "--mount", "--ipc", "--propagation", "private", "--", "/bin/sh",
+                "-c", wrapper, "sh", str(uid), str(gid), *tail]  # fmt: skip
 
 
 def launch(cmd: str, env: Mapping[str, str], cwd: str, uid: int | None, gid: int | None) -> Launch:

@@ -40,8 +40,19 @@ log = logging.getLogger("recorder.rollout")
 
 PREFIX = "tr-sbx-"
 POOL_SIZE = 4096  # users at most: far above the sandboxes one machine runs at once
-# Where a sandbox user's strays are looked for when the user is handed back.
-SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")
+# Where a sandbox user's strays are looked for when the user is handed back: these
+# and every directory below them that any user may write.
+SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+_SYSTEM_PATH = "/usr/bin:/bin:/usr/sbin:/sbin"
+# Run as the user, after its processes are gone: empty its user and user-session
+# keyrings (KEYCTL_CLEAR), which the kernel keeps per uid for the next sandbox.
+_CLEAR_KEYRINGS = (
+    "import ctypes, os\n"
+    "keyctl = {'x86_64': 250, 'aarch64': 219}.get(os.uname().machine)\n"
+    "libc = ctypes.CDLL(None)\n"
+    "for ring in (-4, -5) if keyctl else ():\n"
+    "    libc.syscall(keyctl, 7, ctypes.c_long(ring))\n"
+)
 _created = threading.Lock()
 _warned = False
 
@@ -60,12 +71,12 @@ class SandboxUser:
     _lock_fd: int
 
     def release(self) -> None:
-        """Kill what the user still runs, remove its strays, and hand it back. Idempotent."""
+        """Kill what the user still runs, remove what it left, and hand it back. Idempotent."""
         if self._lock_fd < 0:
             return
         try:
-            kill_user_processes(self.uid)
-            remove_strays(self.uid)
+            if kill_user_processes(self.uid, self.gid):
+                remove_strays(self.uid, self.gid)
         finally:
             os.close(self._lock_fd)
             self._lock_fd = -1
@@ -117,9 +128,9 @@ def claim_user() -> SandboxUser | None:
             continue
         try:
             entry = _ensure_user(name)
-            emptied = kill_user_processes(entry.pw_uid)  # a crashed driver's leftovers
+            emptied = kill_user_processes(entry.pw_uid, entry.pw_gid)  # a crashed driver's
             if emptied:
-                remove_strays(entry.pw_uid)
+                remove_strays(entry.pw_uid, entry.pw_gid)
         except BaseException:
             os.close(fd)
             raise
@@ -186,10 +197,19 @@ def _zombie_task(task_dir: str) -> bool:
         return f.read().rpartition(b")")[2][:2] == b" Z"
 
 
-def kill_user_processes(uid: int) -> bool:
+def kill_user_processes(uid: int, gid: int | None = None) -> bool:
     """SIGKILL every process of `uid` until none is left (they may fork meanwhile).
-    False if some are still there: the user must not be handed out."""
+    False if some are still there: the user must not be handed out.
+
+    A scan of /proc cannot see a process that forks and exits in a loop (each one
+    lives for microseconds: a fifth audit's chain outlived 33 of 34 scans, and its
+    user went to the rollout's own eval). So the user itself first signals every
+    process it may (`kill -9 -1`): the kernel walks its whole task list, and a fork
+    under way fails. Then the scan checks, and kills what is left one by one."""
+    group = _gid_of(uid) if gid is None else gid
     for _ in range(50):
+        if group is not None:
+            _run_as(uid, group, ["kill", "-9", "-1"])
         pids = user_pids(uid)
         if not pids:
             return True
@@ -203,16 +223,76 @@ def kill_user_processes(uid: int) -> bool:
     return not left
 
 
-def remove_strays(uid: int) -> None:
-    """Remove what `uid` left at the top of the shared temporary directories (a next
-    sandbox of the same user must not find it)."""
+def remove_strays(uid: int, gid: int | None = None) -> None:
+    """Remove what `uid` left where the next sandbox of the same user (or any other
+    user) could find it: files in the shared temporary directories and in any
+    directory below them that every user may write; its System V IPC objects; its
+    keyrings. A fifth audit's code under test stashed the hidden tests and the
+    grader's command in each of these, and a later agent of the same user read them
+    back."""
     for base in SHARED_TMP:
-        with contextlib.suppress(OSError):
-            for entry in os.scandir(base):
-                with contextlib.suppress(OSError):
-                    if entry.stat(follow_symlinks=False).st_uid != uid:
-                        continue
-                    if entry.is_dir(follow_symlinks=False):
+        _remove_owned(base, uid)
+    remove_ipc_objects(uid)
+    group = _gid_of(uid) if gid is None else gid
+    if group is not None:
+        _run_as(uid, group, [_python() or "python3", "-I", "-S", "-c", _CLEAR_KEYRINGS])
+
+
+def _remove_owned(directory: str, uid: int, depth: int = 0) -> None:
+    """Remove `uid`'s entries of `directory`, and look into its world-writable
+    subdirectories (another user's `0777` directory is as open as /tmp)."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(directory):
+            with contextlib.suppress(OSError):
+                st = entry.stat(follow_symlinks=False)
+                is_dir = entry.is_dir(follow_symlinks=False)
+                if st.st_uid == uid:
+                    if is_dir:
                         shutil.rmtree(entry.path, ignore_errors=True)
                     else:
                         os.unlink(entry.path)
+                elif is_dir and st.st_mode & 0o002 and depth < 8:
+                    _remove_owned(entry.path, uid, depth + 1)
+
+
+def remove_ipc_objects(uid: int) -> None:
+    """Remove the System V message queues, shared memory and semaphores `uid` owns or
+    made (root may). Commands with a private view run in IPC namespaces of their own
+    (`procview`), whose objects die with them; this covers the others."""
+    ipcrm = shutil.which("ipcrm", path=_SYSTEM_PATH)
+    args: list[str] = []
+    for kind, flag in (("msg", "-q"), ("shm", "-m"), ("sem", "-s")):
+        with contextlib.suppress(OSError):
+            lines = Path(f"/proc/sysvipc/{kind}").read_text().splitlines()
+            head = lines[0].split() if lines else []
+            for line in lines[1:]:
+                row = dict(zip(head, line.split(), strict=False))
+                if str(uid) in (row.get("uid"), row.get("cuid")):
+                    args += [flag, row[head[1]]]
+    if args and ipcrm:
+        subprocess.run([ipcrm, *args], capture_output=True, check=False, timeout=30)
+
+
+def _run_as(uid: int, gid: int, argv: list[str]) -> None:
+    """Run `argv` as `uid`/`gid` (no groups, no new privileges) from /, and wait."""
+    setpriv = shutil.which("setpriv", path=_SYSTEM_PATH)
+    if setpriv is None:
+        return
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+        subprocess.run(
+            [setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--no-new-privs",
+             *argv],
+            cwd="/", env={"PATH": _SYSTEM_PATH}, capture_output=True, check=False, timeout=30,
+        )  # fmt: skip
+
+
+def _python() -> str | None:
+    """The system's python3 (the driver's own may sit where a sandbox user cannot read)."""
+    return shutil.which("python3", path=_SYSTEM_PATH)
+
+
+def _gid_of(uid: int) -> int | None:
+    try:
+        return pwd.getpwuid(uid).pw_gid
+    except KeyError:
+        return None
