@@ -122,10 +122,12 @@ def private_view() -> _Tools | None:
     if why is None:
         return _Tools(**found)  # type: ignore[arg-type]
     log.warning(
-        "local sandboxes can see each other's processes and command lines (%s); a private "
-        "/proc per command needs root with CAP_SYS_ADMIN and util-linux's unshare, setpriv "
-        "and mount. A grader that passes a secret on its command line is readable by "
-        "other rollouts: use --sandbox e2b, or run the driver where mounts are allowed",
+        "local sandboxes can see each other's processes and command lines (%s), share the "
+        "host's POSIX message queues, and may gain privileges from setuid files; a private "
+        "/proc, IPC namespace and no-new-privileges per command need root with "
+        "CAP_SYS_ADMIN and util-linux's unshare, setpriv and mount. A grader that passes a "
+        "secret on its command line is readable by other rollouts: use --sandbox e2b, or "
+        "run the driver where mounts are allowed",
         why,
     )
     return None
