@@ -17,8 +17,9 @@ Python's `re` still costs ~0.3 us a pre-token, the bulk of a long text's
 encoding. So a text is first cut into chunks with `str.split(" ")`, where a
 pre-token must begin: before every space followed by a non-blank character
 (`_chunks`). A chunk seen before (most often a word and its space) is one
-dict lookup; a new one goes through the regex and the pre-token cache. A
-1,400-token answer seen word for word before: ~4x less CPU again.
+dict lookup; a new one goes through the regex and the pre-token cache: 1.5x
+less CPU on prose whose words were seen before, 2.8x on indented code
+(tools/BENCHMARKS.md, 2026-11-29).
 
 Only configurations known to split this way get a cache (`WordCache.for_tokenizer`
 returns None otherwise): a BPE model without dropout, no normalizer or NFC
@@ -68,7 +69,7 @@ _MAX_WORD_CHARS = 64
 # New words joined longer than this are tokenized with the GIL released (see
 # `Tokenizer.encode`), shorter ones by the plain call.
 _GIL_FREE_CHARS = 64
-_MAX_WORDS = 1 << 16  # ~200 bytes each: ~13 MB at most
+_MAX_WORDS = 1 << 16  # ~200 bytes each: ~13 MB at most, for each of the two caches
 
 
 def _ascii(pattern: str) -> re.Pattern[str]:
