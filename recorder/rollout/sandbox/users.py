@@ -13,8 +13,9 @@ the first time they are needed, no home, no login shell). A sandbox claims the
 lowest free one by holding an exclusive `flock` on its lock file for its whole
 life, so driver processes on one machine (several Ray workers) never share a
 user, and a crashed driver's users free themselves. A user is handed out only
-after every process it still runs is killed and what it left in the shared
-temporary directories is removed: nothing passes from one sandbox to the next.
+after every process it still runs is killed and what it left is removed (files
+in the shared temporary directories, System V IPC objects, keyrings): nothing
+passes from one sandbox to the next.
 
 Only root can do this. `claim_user` returns None for any other driver, and
 `warn_unisolated` says once, in the log, what that means.
