@@ -113,8 +113,13 @@ PYTEST_ONLY = ("conftest.py", "pytest.ini", ".pytest.ini", "pytest.toml", ".pyte
 # Config files a fix may have reasons to edit: protected where pytest looks for them.
 PYTEST_SHARED = ("pyproject.toml", "tox.ini", "setup.cfg")
 # Compiled Python: a `__pycache__/calc.cpython-311.pyc` of the patch's (unchecked-hash,
-# PEP 552) was loaded instead of the buggy `calc.py` it left alone. No fix needs one.
-BYTECODE = (":(glob)**/__pycache__/**", ":(glob)**/*.pyc", ":(glob)**/*.pyo")
+# PEP 552) was loaded instead of the buggy `calc.py` it left alone; so was a
+# `calc.cpython-311-x86_64-linux-gnu.so` (Python tries extension suffixes before
+# `.py` in each directory; a sixth audit, 1.0 on the shipped task). No fix needs one.
+BYTECODE = (
+    ":(glob)**/__pycache__/**", ":(glob)**/*.pyc", ":(glob)**/*.pyo", ":(glob)**/*.so",
+    ":(glob)**/*.pyd",
+)  # fmt: skip
 
 
 def pytest_reads(task: Task) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -667,4 +668,54 @@ CHAIN_AGENT = literal(
 async def test_a_fork_chain_dies_with_the_agent_sandbox(recorder: Harness, tmp_path: Path) -> None:
     result = await on_calc(recorder, tmp_path, CHAIN_AGENT)
     assert "return a + b" not in result.diff
+    assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
+
+
+# -- a sixth audit ----------------------------------------------------------------------
+
+# The fix as a compiled extension module beside the buggy source: Python tries extension
+# suffixes before `.py`, so `from calc import add` loaded it (1.0 on the shipped task too;
+# its exact-type check passes: the C code returns a real int).
+CALC_C = r"""
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+static PyObject *add(PyObject *s, PyObject *a) {
+    long x, y; if (!PyArg_ParseTuple(a, "ll", &x, &y)) return NULL; return PyLong_FromLong(x + y);
+}
+static PyObject *sub(PyObject *s, PyObject *a) {
+    long x, y; if (!PyArg_ParseTuple(a, "ll", &x, &y)) return NULL; return PyLong_FromLong(x - y);
+}
+static PyMethodDef M[] = {{"add", add, METH_VARARGS, 0}, {"sub", sub, METH_VARARGS, 0}, {0}};
+static struct PyModuleDef D = {PyModuleDef_HEAD_INIT, "calc", 0, -1, M};
+PyMODINIT_FUNC PyInit_calc(void) { return PyModule_Create(&D); }
+"""
+
+
+def _extension_agent(tmp_path: Path) -> str:
+    """An agent command that drops the compiled fix (`calc.<abi tag>.so`) at the root."""
+    import base64
+    import sysconfig
+
+    gcc, include = shutil.which("gcc"), sysconfig.get_paths()["include"]
+    if gcc is None or not Path(include, "Python.h").exists():
+        pytest.skip("needs gcc and Python's headers to build the extension module")
+    source, name = tmp_path / "calcmod.c", f"calc{sysconfig.get_config_var('EXT_SUFFIX')}"
+    source.write_text(CALC_C)
+    built = tmp_path / name
+    subprocess.run([gcc, "-shared", "-fPIC", "-O2", f"-I{include}", str(source), "-o",
+                    str(built)], check=True, capture_output=True)  # fmt: skip
+    return f"echo {base64.b64encode(built.read_bytes()).decode()} | base64 -d > {name}"
+
+
+@pytest.mark.parametrize("task", ["fixture", "calc-add"])
+async def test_a_fix_only_as_an_extension_module_earns_nothing(
+    recorder: Harness, tmp_path: Path, task: str
+) -> None:
+    agent = _extension_agent(tmp_path)
+    (tmp_path / "run").mkdir()
+    if task == "fixture":
+        result = await on_calc(recorder, tmp_path / "run", agent)
+    else:
+        result = await rollout(recorder, local(tmp_path / "run"), shipped(task), agent)
+    assert "+++ b/calc.py" not in result.diff  # the source is not fixed
     assert (result.reward, result.infra_cause) == (0.0, None), result.evidence

@@ -317,7 +317,8 @@ def test_the_default_protection_follows_the_tests_and_the_test_patch() -> None:
         # pytest runs it: its own files anywhere, and bytecode (for every grader).
         *(f":(glob)**/{n}" for n in ("conftest.py", "pytest.ini", ".pytest.ini", "pytest.toml",
                                     ".pytest.toml")),
-        ":(glob)**/__pycache__/**", ":(glob)**/*.pyc", ":(glob)**/*.pyo",
+        ":(glob)**/__pycache__/**", ":(glob)**/*.pyc", ":(glob)**/*.pyo", ":(glob)**/*.so",
+        ":(glob)**/*.pyd",
     ]  # fmt: skip
     # Tests beside the code they test protect themselves, not their directory.
     assert test_dirs(["test_c.py", "pkg/test_x.py", "a/tests/t.py", "b/testing/u.py"]) == [
