@@ -249,7 +249,8 @@ class Missed:
         self.names.add(name.partition(".")[0])
 sys.meta_path.append(Missed())
 import contextlib, pkgutil, tempfile
-entries = os.listdir(".")
+# A name that is not UTF-8 names no module (and its escapes are no JSON text).
+entries = [e for e in os.listdir(".") if not any("\\udc80" <= c <= "\\udcff" for c in e)]
 modules = set(getattr(sys, "stdlib_module_names", ())) | set(sys.builtin_module_names)
 modules |= {m.name for m in pkgutil.iter_modules()}
 with tempfile.TemporaryDirectory() as empty, open(os.devnull, "w") as null:

@@ -719,3 +719,13 @@ async def test_a_fix_only_as_an_extension_module_earns_nothing(
         result = await rollout(recorder, local(tmp_path / "run"), shipped(task), agent)
     assert "+++ b/calc.py" not in result.diff  # the source is not fixed
     assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
+
+
+async def test_a_root_name_that_is_not_utf8_is_a_policy_failure_not_an_abort(
+    recorder: Harness, tmp_path: Path
+) -> None:
+    """An empty root file named with a byte that is no UTF-8 made the root probe's
+    answer unreadable: the grading crashed and the rollout closed as an infrastructure
+    failure, so a policy that fixed nothing escaped its reward 0 (fully masked)."""
+    result = await on_calc(recorder, tmp_path, "touch \"$(printf 'x\\377')\"")
+    assert (result.outcome, result.reward, result.infra_cause) == ("failed", 0.0, None)
