@@ -3,8 +3,9 @@
 The parsing and the reward are pure functions (`parse_test_report`,
 `grade_tests`, `grade_exit`); `run_grader` is the one I/O step. A grader that
 cannot run at all (exit 126/127: command not found or not executable) is
-infrastructure (`eval_crashed`); any other outcome, a timeout included, is the
-patch's result.
+infrastructure (`eval_crashed`), unless its pytest started (then the code under
+test chose that status); any other outcome, a timeout included, is the patch's
+result.
 """
 
 from __future__ import annotations
@@ -120,6 +121,17 @@ def grade_exit(result: ExecResult, proof: Proof | None = None) -> Grade:
     )
 
 
+async def _pytest_started(sb: Sandbox, proof: Proof | None) -> bool:
+    """Did the grader's pytest load our plugin (it takes its nonce file as it loads)?
+    Then the grader could run, and an exit status of 126/127 is the code under test's:
+    a sixth audit's `os._exit(127)` in the module under test had turned a policy's
+    failure into an infrastructure abort (masked: no gradient)."""
+    if proof is None:
+        return False
+    gone = await sb.exec(f"test ! -e {shlex.quote(proof.nonce_file(sb.workdir))}", timeout_s=60)
+    return gone.exit_code == 0
+
+
 def grader_command(task: Task, workdir: str) -> str:
     if task.tests is not None:
         return task.tests.cmd.replace("{tests}", " ".join(shlex.quote(t) for t in task.tests.all))
@@ -142,7 +154,7 @@ async def run_grader(sb: Sandbox, task: Task, repo: str) -> Grade:
         result = await sb.exec(cmd, timeout_s=task.eval_timeout_s, cwd=repo)
     except CommandTimeout:
         return Grade(reward=0.0, passed=False, exit_code=None, timed_out=True)
-    if result.exit_code in _CANNOT_RUN:
+    if result.exit_code in _CANNOT_RUN and not await _pytest_started(sb, proof):
         raise InfraError(
             "eval_crashed",
             f"the grader could not run (exit {result.exit_code}): {tail(result.stderr, 500)}",

@@ -147,7 +147,11 @@ class Proof(msgspec.Struct, frozen=True):
     def files(self, workdir: str) -> dict[str, str]:
         """What to write in the eval sandbox before the grader runs: path -> text."""
         base = posixpath.join(workdir, PROOF_DIR, self.module)
-        return {f"{base}.py": _PLUGIN, f"{base}.nonce": self.nonce}
+        return {f"{base}.py": _PLUGIN, self.nonce_file(workdir): self.nonce}
+
+    def nonce_file(self, workdir: str) -> str:
+        """The nonce's file: the grader's pytest deletes it when it loads the plugin."""
+        return posixpath.join(workdir, PROOF_DIR, f"{self.module}.nonce")
 
     def wrap(self, cmd: str, workdir: str) -> str:
         """`cmd` with pytest told to load the plugin (kept: the sandbox's own settings)."""

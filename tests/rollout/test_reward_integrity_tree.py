@@ -729,3 +729,14 @@ async def test_a_root_name_that_is_not_utf8_is_a_policy_failure_not_an_abort(
     failure, so a policy that fixed nothing escaped its reward 0 (fully masked)."""
     result = await on_calc(recorder, tmp_path, "touch \"$(printf 'x\\377')\"")
     assert (result.outcome, result.reward, result.infra_cause) == ("failed", 0.0, None)
+
+
+@pytest.mark.parametrize("grader", GRADERS)
+async def test_code_under_test_ending_the_grader_with_127_is_a_policy_failure(
+    recorder: Harness, tmp_path: Path, grader: str
+) -> None:
+    """Exit status 127 reads as "command not found", an infrastructure failure; the module
+    under test ended pytest with it and a policy that fixed nothing escaped its 0."""
+    agent = append_to("calc.py", "\nimport os\n\nos._exit(127)\n")
+    result = await on_calc(recorder, tmp_path, agent, **graded_by(grader))
+    assert (result.outcome, result.reward, result.infra_cause) == ("failed", 0.0, None)
