@@ -13,8 +13,10 @@ one rollout, each step also appended to the session's log as a SandboxEvent
     test_patch applied, grader run: eval_result
 
 The agent's sandbox is dead before the eval sandbox exists (nothing it left
-running can touch the grading); the eval sandbox restores the task's protected
-paths from `base_commit` and applies its `test_patch` (`recorder.rollout.protect`).
+running can touch the grading). The diff is taken against the tree the task's
+setup left (`workspace.Baseline`: what setup writes is not the agent's), and
+the eval sandbox, after its own setup, restores the task's protected paths to
+that state and applies its `test_patch` (`recorder.rollout.protect`).
 
 `run_rollout` never raises (except CancelledError, after cleanup): a policy
 failure is reward 0, an infrastructure failure (`errors.InfraError`) closes
@@ -58,12 +60,15 @@ from recorder.rollout.sandbox import (
 )
 from recorder.rollout.tasks import Task
 from recorder.rollout.workspace import (
+    Baseline,
+    BrokenRepository,
     apply_patch,
     apply_test_patch,
     checkout,
     remove_root_shadows,
     restore_protected,
     run_setup,
+    snapshot,
     tail,
     take_diff,
 )
@@ -167,7 +172,9 @@ class _Rollout:
         self.events: list[RolloutEvent] = []
         self.timings: dict[str, float] = {}
         self.turns = 0
-        self.base = req.task.base_commit  # its full hash once checked out
+        # The repository as setup left it, in each sandbox (set by `prepare`).
+        self.bases: dict[str, Baseline] = {}
+        self.broken: str | None = None  # why the agent's repository could not be diffed
         self.diff = b""
         self.started = time.perf_counter()
         self.deadline = time.monotonic() + req.wall_budget_s
@@ -248,12 +255,16 @@ class _Rollout:
                     log.warning("rollout %s: a sandbox kill failed: %r", self.sid, done)
 
     async def prepare(self, sb: Sandbox, role: str) -> str:
+        """The task's repository in `sb`, set up; its baseline in `self.bases[role]` (the
+        eval's lists the ignored files setup left among the protected paths)."""
         task = self.req.task
         with self.timed("checkout_s"):
             done = await checkout(sb, task)
-        repo, self.base = done.path, done.commit
+        repo = done.path
         with self.timed("setup_s"):
             results = await run_setup(sb, task, repo)
+            specs = protected_pathspecs(task) if role == "eval" else []
+            self.bases[role] = await snapshot(sb, repo, done.commit, specs)
         for cmd, result in zip(
             ["git checkout of base_commit", *task.setup], [done.result, *results], strict=True
         ):
@@ -295,7 +306,10 @@ class _Rollout:
             )
         await self.after_agent(run)
         with self.timed("diff_s"):
-            patch = await take_diff(sb, repo, self.base)
+            try:
+                patch = await take_diff(sb, repo, self.bases["agent"])
+            except BrokenRepository as exc:
+                patch, self.broken = b"", str(exc)
         self.diff = patch
         paths = re.findall(rb"^diff --git a/(.*) b/", patch, flags=re.M)
         self.note(
@@ -304,6 +318,7 @@ class _Rollout:
             files=len(paths),
             paths=[p.decode(errors="replace") for p in paths[:200]],
             empty=not patch.strip(),
+            **({"broken": self.broken} if self.broken else {}),
             patch=patch[:PATCH_IN_LOG].decode(errors="replace"),
             patch_truncated=len(patch) > PATCH_IN_LOG,
         )
@@ -365,27 +380,57 @@ class _Rollout:
             )
 
     async def eval_phase(self, patch: bytes) -> Grade:
-        if not patch.strip():
-            grade = Grade(reward=0.0, passed=False, exit_code=None, output_tail="empty diff")
+        if self.broken or not patch.strip():
+            grade = Grade(
+                reward=0.0,
+                passed=False,
+                exit_code=None,
+                output_tail=self.broken or "empty diff",
+                failure="repository_broken" if self.broken else None,
+            )
             self.note("eval_result", **grade.evidence(), empty_diff=True)
             return grade
         with self.timed("eval_s"):
             sb = await self.boot("eval")
             repo = await self.prepare(sb, "eval")
-            await apply_patch(sb, repo, patch)
-            self.note("patch_applied", bytes=len(patch))
-            grade = await self.grade(sb, repo)
+            refused = await self.apply(sb, repo, patch)
+            grade = refused or await self.grade(sb, repo)
         self.note(
             "eval_result", **grade.evidence(), duration_s=round(self.timings.get("grader_s", 0), 3)
         )
         self.release(sb)
         return grade
 
+    async def apply(self, sb: Sandbox, repo: str, patch: bytes) -> Grade | None:
+        """Apply the agent's patch; None, or its 0 when it does not apply.
+
+        A diff against the tree setup left applies to that same tree by construction,
+        so when the eval's setup made the agent's tree again, a refusal is the agent's
+        doing (its object store rewritten, ignore rules gamed): a policy failure, not an
+        infrastructure abort that would mask its 0. Otherwise (a setup whose output
+        differs run to run) it stays infrastructure."""
+        try:
+            await apply_patch(sb, repo, patch)
+        except InfraError as exc:
+            if self.bases["eval"].tree != self.bases["agent"].tree:
+                raise
+            return Grade(
+                reward=0.0,
+                passed=False,
+                exit_code=None,
+                failure="patch_apply",
+                output_tail=tail(exc.message, 2000),
+            )
+        self.note("patch_applied", bytes=len(patch))
+        return None
+
     async def grade(self, sb: Sandbox, repo: str) -> Grade:
-        """Protected paths back to base_commit, the task's test_patch on top, then the grader."""
+        """Protected paths back as setup left them, the task's test_patch on top, then the
+        grader."""
         task = self.req.task
-        changed = await restore_protected(sb, repo, self.base, protected_pathspecs(task))
-        changed += await remove_root_shadows(sb, repo, self.base)
+        base = self.bases["eval"]
+        changed = await restore_protected(sb, repo, base, protected_pathspecs(task))
+        changed += await remove_root_shadows(sb, repo, base)
         if changed:
             self.note("protected_restored", paths=changed[:200], count=len(changed))
         if task.test_patch:

@@ -14,7 +14,9 @@ model is never punished for a broken machine. Causes:
     budget_before_answer  the wall-clock budget ran out before any model answer
     engine_error          the engine failed (the agent's last turn got a 5xx)
     recorder_unreachable  the recorder did not answer
-    patch_apply           the agent's own diff did not apply on a clean checkout
+    patch_apply           the agent's own diff did not apply on a clean checkout whose
+                          setup made another tree than the agent's (when the trees are the
+                          same, a refusal is the agent's doing: reward 0, `failure` says so)
     eval_crashed          the grader could not run (command not found, sandbox error)
     cancelled             the rollout was stopped (Ctrl-C, the trainer cancelled it)
     node_lost             its Ray node (or the worker process) died mid-rollout: the driver

@@ -1,8 +1,8 @@
-"""Which files the grader takes from `base_commit` rather than from the agent's patch.
+"""Which files the grader takes from the task (base_commit and its setup), not the patch.
 
 A policy that may edit the tests it is graded by learns to edit them (`assert
 True` earns the same reward as a fix). So before grading, the eval sandbox
-restores these paths from `base_commit` (`workspace.restore_protected`), then
+restores these paths as its setup left them (`workspace.restore_protected`), then
 applies the task's `test_patch`:
 
 - `protected_paths` given: those git globs (`*` stays inside a directory,
@@ -197,8 +197,9 @@ def unprotected_reason(task: Task) -> str | None:
 # `pytest/` there replaces the test runner itself, and a `*.dist-info` there registers
 # entry points: a `pytest11` one is a plugin pytest loads before any test, which can pass
 # them all. None of that is a fix: such additions are removed before grading, as protected
-# paths are restored. A root entry the repository already has at base_commit is its own and
-# stays (a repository may be the very package that is also installed).
+# paths are restored. A root entry the repository has at base_commit or after its setup is
+# its own and stays (a repository may be the very package that is also installed; a
+# `pip install -e .` in setup writes its `.egg-info` there).
 
 # Package metadata whose entry points the import system reads from any sys.path entry.
 PACKAGE_METADATA = (".dist-info", ".egg-info", ".egg-link")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import posixpath
 import shlex
+from collections.abc import Sequence
 
 import msgspec
 
@@ -155,20 +156,89 @@ async def run_setup(sb: Sandbox, task: Task, repo: str) -> list[ExecResult]:
     return results
 
 
-async def take_diff(sb: Sandbox, repo: str, base_commit: str) -> bytes:
-    """Everything the agent changed since `base_commit`, as a binary git diff (read as
-    bytes from a file, so text in any encoding survives)."""
+class Baseline(msgspec.Struct, frozen=True):
+    """The repository as the checkout and the task's setup left it.
+
+    What setup writes (a `pip install -e .`'s `.egg-info`, a version file, an
+    extension module built in place) is the task's, not the agent's: the agent's
+    diff is taken against `tree`, the eval sandbox applies it on what its own setup
+    made, and grading removes only what is new since then. Against `base_commit`,
+    setup's output was in every diff and the eval (which ran the same setup) refused
+    it, and an ignored `*.so` that setup built was removed before grading as bytecode.
+    """
+
+    commit: str  # base_commit's full hash
+    tree: str  # the tree `git add -A` makes right after setup (ignored files left out)
+    root: frozenset[str]  # the entries at the repository's root after setup, ignored ones too
+    ignored: frozenset[str] = frozenset()  # ignored files after setup under `snapshot`'s specs
+
+
+async def snapshot(sb: Sandbox, repo: str, commit: str, ignored_in: Sequence[str] = ()) -> Baseline:
+    """The repository's state after setup (`Baseline`), with the ignored files among the
+    pathspecs `ignored_in`; the index and refs are untouched, so the agent finds the
+    repository as setup left it."""
+    q = shlex.quote
+    index = q(posixpath.join(sb.workdir, ".tr-setup.index"))
+    # Sections: the tree's hash on a line, then root names and ignored paths, each
+    # NUL-terminated, apart by "/" (which is neither a root name nor a file's path).
+    ignored = (
+        f" && printf '/\\0' && {_GIT} ls-files -z --others --ignored --exclude-standard -- "
+        + " ".join(q(p) for p in ignored_in)
+        if ignored_in
+        else ""
+    )
+    result = await sb.exec(
+        f"cp .git/index {index} && GIT_INDEX_FILE={index} {_GIT} -c core.fsmonitor=false "
+        f"add -A && GIT_INDEX_FILE={index} {_GIT} write-tree; rc=$?; rm -f {index}; "
+        f"[ $rc = 0 ] && find . -mindepth 1 -maxdepth 1 -printf '%P\\0'{ignored}",
+        timeout_s=300,
+        cwd=repo,
+    )
+    if result.exit_code != 0:
+        raise InfraError(
+            "setup_failed", f"cannot snapshot the tree setup left: {tail(result.stderr)}"
+        )
+    tree, _, rest = result.stdout.partition("\n")
+    names, _, paths = rest.partition("\0/\0")
+    return Baseline(
+        commit,
+        tree.strip(),
+        frozenset(n for n in names.split("\0") if n),
+        frozenset(p for p in paths.split("\0") if p),
+    )
+
+
+class BrokenRepository(Exception):
+    """The agent's repository can no longer say what changed (its `.git` removed, or the
+    baseline's objects gone): the agent destroyed its own work, a policy failure."""
+
+
+async def take_diff(sb: Sandbox, repo: str, base: Baseline) -> bytes:
+    """Everything the agent changed since setup (`base.tree`), as a binary git diff (read
+    as bytes from a file, so text in any encoding survives).
+
+    Raises BrokenRepository when the sandbox answers but its repository cannot diff
+    (an `rm -rf .git` had closed the rollout as a lost sandbox, which masks its 0)."""
     out = posixpath.join(sb.workdir, "agent.diff")
+    q = shlex.quote
     # The agent owns .git/config: pin what would change the diff's shape (prefixes,
     # textconv, a relative diff), so its patch always applies where it is graded.
     cmd = (
         f"{_GIT} -c core.fsmonitor=false add -A && {_GIT} diff --cached --binary --no-color "
         "--no-ext-diff --no-textconv --no-relative --src-prefix=a/ --dst-prefix=b/ "
-        f"{shlex.quote(base_commit)} > {shlex.quote(out)}"
+        f"{q(base.tree)} > {q(out)}"
     )
     result = await sb.exec(cmd, timeout_s=300, cwd=repo)
     if result.exit_code != 0:
-        raise InfraError("sandbox_gone", f"git diff failed in the agent's sandbox: {result.stderr}")
+        intact = await sb.exec(
+            f"{_GIT} cat-file -e {q(base.tree + '^{tree}')}",
+            timeout_s=120,
+            cwd=repo,
+        )
+        failed = f"git diff failed in the agent's sandbox: {tail(result.stderr)}"
+        if intact.exit_code != 0:
+            raise BrokenRepository(f"{failed}; the repository is broken: {tail(intact.stderr)}")
+        raise InfraError("sandbox_gone", failed)
     return await sb.read_file(out)
 
 
@@ -195,10 +265,12 @@ async def apply_patch(sb: Sandbox, repo: str, patch: bytes) -> None:
 
 
 async def restore_protected(
-    sb: Sandbox, repo: str, base_commit: str, pathspecs: list[str]
+    sb: Sandbox, repo: str, base: Baseline, pathspecs: list[str]
 ) -> list[str]:
-    """Put the protected paths back as `base_commit` has them (files the patch added there
-    are removed); returns the paths the patch had changed (the attempt, for the evidence)."""
+    """Put the protected paths back as setup left them (`base.tree`; files the patch added
+    there are removed); returns the paths the patch had changed (the attempt, for the
+    evidence). `base.ignored` must list the ignored files under `pathspecs` before the
+    patch: they are setup's (an extension module built in place), not the patch's."""
     if not pathspecs:
         return []
     specs = " ".join(shlex.quote(p) for p in pathspecs)
@@ -210,21 +282,27 @@ async def restore_protected(
     )
     listed = await sb.exec(
         f"{_GIT} add -A && {ignored} && {_GIT} diff --cached --name-status -z --no-renames "
-        f"{shlex.quote(base_commit)} -- {specs}",
+        f"{shlex.quote(base.tree)} -- {specs}",
         timeout_s=300,
         cwd=repo,
     )
     if listed.exit_code != 0:
         raise InfraError("eval_crashed", f"cannot list the protected paths: {tail(listed.stderr)}")
     fields = listed.stdout.split("\0")
-    changed = list(zip(fields[0::2], fields[1::2], strict=False))
+    changed = [
+        (status, path)
+        for status, path in zip(fields[0::2], fields[1::2], strict=False)
+        if not (
+            status == "A" and path in base.ignored
+        )  # setup's own (git apply adds no file that exists)
+    ]
     added = [path for status, path in changed if status == "A"]
     restored = [path for status, path in changed if status != "A"]
     steps = []
     if added:
         steps.append(f"{_GIT} rm -q -f -- {_literal(added)}")
     if restored:
-        steps.append(f"{_GIT} checkout -q {shlex.quote(base_commit)} -- {_literal(restored)}")
+        steps.append(f"{_GIT} checkout -q {shlex.quote(base.tree)} -- {_literal(restored)}")
     if steps:
         done = await sb.exec(" && ".join(steps), timeout_s=300, cwd=repo)
         if done.exit_code != 0:
@@ -265,9 +343,10 @@ print(json.dumps({"entries": entries, "modules": sorted(modules | Missed.names)}
 """
 
 
-async def remove_root_shadows(sb: Sandbox, repo: str, base_commit: str) -> list[str]:
+async def remove_root_shadows(sb: Sandbox, repo: str, base: Baseline) -> list[str]:
     """Remove what the patch added at the repository's root that would shadow the grader's
-    imports (`protect.shadowing_entries`); returns those entries. Nothing when no Python
+    imports (`protect.shadowing_entries`); returns those entries. What base_commit or
+    setup put there stays (a `pip install -e .`'s `.egg-info`). Nothing when no Python
     runs in the sandbox (no Python grader to shadow)."""
     q = shlex.quote
     probe = f"python -I -c {q(_ROOT_PROBE)} 2>/dev/null || python3 -I -c {q(_ROOT_PROBE)}"
@@ -275,11 +354,13 @@ async def remove_root_shadows(sb: Sandbox, repo: str, base_commit: str) -> list[
     if found.exit_code != 0:
         return []
     listing = msgspec.json.decode(found.stdout.strip().splitlines()[-1])
-    base = await sb.exec(f"{_GIT} ls-tree -z --name-only {q(base_commit)}", timeout_s=120, cwd=repo)
-    if base.exit_code != 0:
-        raise InfraError("eval_crashed", f"cannot list base_commit's root: {tail(base.stderr)}")
+    listed = await sb.exec(
+        f"{_GIT} ls-tree -z --name-only {q(base.commit)}", timeout_s=120, cwd=repo
+    )
+    if listed.exit_code != 0:
+        raise InfraError("eval_crashed", f"cannot list base_commit's root: {tail(listed.stderr)}")
     shadows = shadowing_entries(
-        listing["entries"], set(base.stdout.split("\0")), set(listing["modules"])
+        listing["entries"], set(listed.stdout.split("\0")) | base.root, set(listing["modules"])
     )
     if shadows:
         done = await sb.exec(

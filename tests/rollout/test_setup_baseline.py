@@ -1,0 +1,177 @@
+"""What the task's setup writes is the task's, and what the agent breaks is the agent's.
+
+Through the real driver, git and local sandboxes (`add` subtracts; FIX repairs it):
+- setup's output in the repository (a real setuptools `.egg-info`, a version file it
+  stamps, an ignored extension module it builds) had gone into the agent's diff, which
+  the eval sandbox (after the same setup) refused: every rollout of such a task, a
+  correct fix included, closed as an infrastructure failure. The built extension was
+  also removed before grading as bytecode, so its tests failed;
+- an agent that broke its own repository (`rm -rf .git`, a rewritten object store)
+  turned its reward 0 into an infrastructure abort, which is masked from training.
+"""
+
+# ruff: noqa: F811  (recorder, the fixture, is imported by name)
+from __future__ import annotations
+
+import base64
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import pytest
+from task_repos import PASS_TO_PASS, base_repo, git
+from test_reward_integrity import (  # noqa: F401  (recorder is a fixture)
+    FIX,
+    GRADERS,
+    calc_task,
+    graded_by,
+    local,
+    recorder,
+    rollout,
+)
+
+from recorder.rollout.driver import RolloutResult
+from tests.server.conftest import Harness
+
+SETUP_PY = (
+    'from setuptools import setup\n\nsetup(name="calc", version="0.1", py_modules=["calc"])\n'
+)
+NATIVE_C = r"""
+#include <Python.h>
+static PyObject *answer(PyObject *self, PyObject *args) { return PyLong_FromLong(42); }
+static PyMethodDef M[] = {{"answer", answer, METH_NOARGS, ""}, {NULL, NULL, 0, NULL}};
+static struct PyModuleDef D = {PyModuleDef_HEAD_INIT, "native", NULL, -1, M};
+PyMODINIT_FUNC PyInit_native(void) { return PyModule_Create(&D); }
+"""
+NATIVE_TEST = "import native\n\n\ndef test_native():\n    assert native.answer() == 42\n"
+
+
+def calc_repo(src: Path, files: dict[str, str]) -> str:
+    """The calc repository with `files` added in a second commit; its hash."""
+    base_repo(src)
+    for name, text in files.items():
+        (src / name).write_text(text)
+    git(src, "add", "-A")
+    git(src, "commit", "-q", "--allow-empty", "-m", "setup files")
+    return git(src, "rev-parse", "HEAD")
+
+
+async def run(
+    recorder: Harness, tmp_path: Path, agent: str, files: dict[str, str], **task: Any
+) -> RolloutResult:
+    src = tmp_path / "src"
+    return await rollout(
+        recorder, local(tmp_path), calc_task(str(src), calc_repo(src, files), **task), agent
+    )
+
+
+def diffed(result: RolloutResult) -> list[str]:
+    return [line[6:] for line in result.diff.splitlines() if line.startswith("+++ b/")]
+
+
+@pytest.mark.parametrize("grader", GRADERS)
+async def test_an_egg_info_setup_writes_is_not_the_agents(
+    recorder: Harness, tmp_path: Path, grader: str
+) -> None:
+    """`setup.py egg_info` (what `pip install -e .` runs) writes `calc.egg-info/` at the
+    root: not in the diff, and kept for the grader (package metadata the patch adds
+    there is removed as a shadow; setup's is the task's)."""
+    task = graded_by(grader)
+    if "eval_cmd" in task:
+        task["eval_cmd"] = f"test -f calc.egg-info/PKG-INFO && {task['eval_cmd']}"
+    result = await run(
+        recorder,
+        tmp_path,
+        FIX,
+        {"setup.py": SETUP_PY},
+        setup=["python setup.py -q egg_info"],
+        **task,
+    )
+    assert (result.outcome, result.reward, result.infra_cause) == ("passed", 1.0, None), (
+        result.evidence
+    )
+    assert diffed(result) == ["calc.py"]
+
+
+async def test_a_file_setup_stamps_is_not_the_agents(recorder: Harness, tmp_path: Path) -> None:
+    """Setup rewrites a tracked file (a version stamp): the agent's diff leaves it out, and
+    the eval's own setup stamps it again."""
+    result = await run(
+        recorder,
+        tmp_path,
+        FIX,
+        {"VERSION": "0.0.0\n"},
+        setup=["echo 1.2.3 > VERSION", "mkdir -p build && echo generated > build/notes.txt"],
+    )
+    assert (result.outcome, result.reward, result.infra_cause) == ("passed", 1.0, None), (
+        result.evidence
+    )
+    assert diffed(result) == ["calc.py"]
+
+
+async def test_an_extension_module_setup_builds_stays_for_the_grader(
+    recorder: Harness, tmp_path: Path
+) -> None:
+    """Setup puts an ignored `native*.so` the tests import in place (here unpacked from
+    the repository: the sandbox's user cannot read this interpreter's headers to build
+    it): it is the task's, not a fix the patch shipped as bytecode, so it stays."""
+    gcc, include = shutil.which("gcc"), sysconfig.get_paths()["include"]
+    if gcc is None or not Path(include, "Python.h").exists():
+        pytest.skip("needs gcc and Python's headers to build the extension module")
+    (tmp_path / "native.c").write_text(NATIVE_C)
+    built = tmp_path / "native.so"
+    subprocess.run([gcc, "-shared", "-fPIC", f"-I{include}", str(tmp_path / "native.c"), "-o",
+                    str(built)], check=True, capture_output=True)  # fmt: skip
+    files = {
+        "native.b64": base64.b64encode(built.read_bytes()).decode(),
+        ".gitignore": "*.so\n",
+        "tests/test_native.py": NATIVE_TEST,
+    }
+    unpack = f"base64 -d native.b64 > native{sysconfig.get_config_var('EXT_SUFFIX')}"
+    passing = [*PASS_TO_PASS, "tests/test_native.py::test_native"]
+    result = await run(
+        recorder,
+        tmp_path,
+        FIX,
+        files,
+        setup=[unpack],
+        tests={"FAIL_TO_PASS": ["tests/test_calc.py::test_add"], "PASS_TO_PASS": passing},
+    )
+    assert (result.outcome, result.reward, result.infra_cause) == ("passed", 1.0, None), (
+        result.evidence
+    )
+
+
+async def test_removing_the_repositorys_git_is_a_policy_failure(
+    recorder: Harness, tmp_path: Path
+) -> None:
+    """`rm -rf .git` left nothing to diff: the rollout had closed as a lost sandbox (an
+    infrastructure abort, masked), so a policy could escape its 0 that way."""
+    result = await run(recorder, tmp_path, f"{FIX} && rm -rf .git", {})
+    assert (result.outcome, result.reward, result.infra_cause) == ("failed", 0.0, None)
+    assert result.evidence["failure"] == "repository_broken"
+
+
+# Unpack the object store and rewrite the blob of calc.py at base_commit: the diff of the
+# fixed calc.py is then taken against text that is not base_commit's, and does not apply.
+TAMPER = (
+    "blob=$(git rev-parse HEAD:calc.py) && mv .git/objects/pack/pack-*.pack ../p.pack && "
+    "rm -f .git/objects/pack/pack-* && git unpack-objects -q < ../p.pack && rm ../p.pack && "
+    'obj=.git/objects/$(echo $blob | cut -c1-2)/$(echo $blob | cut -c3-) && rm -f "$obj" && '
+    "python3 -c 'import sys, zlib; sys.stdout.buffer.write(zlib.compress(b\"blob 8\\0garbage\\n\"))'"
+    ' > "$obj"'
+)
+
+
+async def test_a_diff_the_agent_made_unappliable_is_a_policy_failure(
+    recorder: Harness, tmp_path: Path
+) -> None:
+    """The agent rewrote its object store: its diff does not apply where it is graded,
+    which had closed the rollout as an infrastructure failure (masked). The eval's setup
+    made the very tree the diff was taken against, so the refusal is the agent's."""
+    result = await run(recorder, tmp_path, f"{FIX} && {TAMPER}", {})
+    assert "-garbage" in result.diff  # the attack took effect
+    assert (result.outcome, result.reward, result.infra_cause) == ("failed", 0.0, None)
+    assert result.evidence["failure"] == "patch_apply"
