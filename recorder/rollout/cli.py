@@ -442,7 +442,7 @@ def admin_token(o: dict[str, Any]) -> str | None:
     "sandbox_options",
     multiple=True,
     metavar="KEY=VALUE",
-    help="Backend option (local: root=DIR; e2b: api_url=..., domain=...).",
+    help="Backend option (local: root=DIR, max_processes=N; e2b: api_url=..., domain=...).",
 )
 @click.option("--samples-per-task", type=int, default=4, show_default=True)
 @click.option("--concurrency", type=int, default=8, show_default=True)

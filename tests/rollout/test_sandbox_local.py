@@ -246,3 +246,45 @@ async def test_commands_get_the_host_basics_not_the_host_environment(
     assert seen["HTTPS_PROXY"] == "http://proxy.example:3128" and seen["LC_ALL"] == "C.UTF-8"
     assert seen["GIVEN"] == "on purpose" and seen["PATH"] == os.environ["PATH"]
     assert seen["HOME"] == f"{sb.workdir}/home" and seen["TMPDIR"] == f"{sb.workdir}/tmp"
+
+
+# Forks up to 400 children that wait; prints how many it started and how the last fork
+# failed. Bounded on purpose: without the limit it would still stop.
+FORKER = """
+import os, sys, time
+started = 0
+try:
+    for _ in range(400):
+        if os.fork() == 0:
+            time.sleep(60)
+            os._exit(0)
+        started += 1
+except OSError as exc:
+    print("refused", exc.errno)
+print("started", started)
+sys.stdout.flush()
+"""
+
+
+@needs_root
+async def test_a_fork_bomb_stops_at_the_sandboxs_process_limit(tmp_path: Path) -> None:
+    """A sandbox's user is held to `max_processes` processes and threads (the kernel's
+    per-user count); before, one rollout could fill the machine's pid space and starve
+    every other rollout, the driver and the recorder. Another sandbox still starts
+    commands, and the end of the command takes every child."""
+    spec = SandboxSpec(options={"root": str(tmp_path), "max_processes": 64})
+    async with await open_sandbox(spec) as a, await open_sandbox(spec) as b:
+        forked = await a.exec(f"python3 -c '{FORKER}'", timeout_s=120)
+        words = forked.stdout.split()
+        assert words[:2] == ["refused", "11"], forked.stdout  # EAGAIN
+        assert 16 < int(words[-1]) < 64
+        assert (await b.exec("echo alive")).stdout == "alive\n"
+        assert marked_pids(a.id) == []  # what the command left died with it
+        assert (await a.exec("echo again")).stdout == "again\n"  # its user is free again
+
+
+@pytest.mark.parametrize("value", [0, 8, "many", -1])
+async def test_a_process_limit_that_is_no_number_is_refused(tmp_path: Path, value: object) -> None:
+    spec = SandboxSpec(options={"root": str(tmp_path), "max_processes": value})
+    with pytest.raises(SandboxBootError, match="max_processes"):
+        await open_sandbox(spec)

@@ -73,6 +73,10 @@ from recorder.rollout.sandbox.users import SandboxUser, UserPoolError, claim_use
 MARK = "TR_SANDBOX_ID"  # in every command's environment; `kill` sweeps for it
 COMMAND_MARK = "TR_SANDBOX_COMMAND"  # one per command: what a finished `exec` left is swept
 _CHUNK = 65536
+# Processes and threads one sandbox's user may run at once: an agent (Node runs ~a dozen
+# threads), its tools and a test suite fit; a fork bomb stops there (`procview.process_limit`).
+DEFAULT_MAX_PROCESSES = 1024
+MIN_PROCESSES = 32
 # How long a finished command's pipes may take to close once its group is killed,
 # before the process table is searched for an escaped holder (a few ms in practice).
 _PIPE_GRACE_S = 0.2
@@ -207,6 +211,7 @@ class LocalSandbox(Sandbox):
         self.workdir = str(workdir)
         self.user = user  # None: commands run as the driver's own user
         self._spec = spec
+        self._max_processes = max_processes(spec)
         self._handles: list[LocalHandle] = []
         self._commands = 0
         self._gone = False
@@ -220,6 +225,7 @@ class LocalSandbox(Sandbox):
         mode = str(spec.options.get("user", "auto"))
         if mode not in ("auto", "driver"):
             raise SandboxBootError(f"options['user'] is 'auto' or 'driver', not {mode!r}")
+        max_processes(spec)  # refuse a bad limit before anything is made
         try:
             user = await asyncio.to_thread(claim_user) if mode == "auto" else None
         except (UserPoolError, OSError) as exc:
@@ -277,7 +283,7 @@ class LocalSandbox(Sandbox):
         if not os.path.isdir(where):  # what Popen would say; entered as the user below
             raise FileNotFoundError(f"cannot run in {where}: no such directory")
         ids = (user.uid, user.gid) if user else (None, None)
-        how = launch(cmd, self._env(env, mark), where, *ids)
+        how = launch(cmd, self._env(env, mark), where, *ids, self._max_processes)
         try:
             proc = subprocess.Popen(
                 how.argv,
@@ -347,6 +353,25 @@ HOME_DIR = "home"  # the sandbox's own HOME, inside its directory
 TMP_DIR = "tmp"  # and its TMPDIR
 # A root driver's sandboxes by default: below directories only root may write.
 ROOT_SANDBOXES = "/var/lib/trajectory-recorder/sandboxes"
+
+
+def max_processes(spec: SandboxSpec) -> int | None:
+    """`options["max_processes"]`: how many processes and threads a sandbox's user may
+    run at once (`DEFAULT_MAX_PROCESSES`; "none" for no limit). Only a sandbox with a
+    user of its own is limited (the kernel counts per user)."""
+    value = spec.options.get("max_processes", DEFAULT_MAX_PROCESSES)
+    if value is None or str(value).lower() == "none":
+        return None
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = 0
+    if n < MIN_PROCESSES:
+        raise SandboxBootError(
+            f"options['max_processes'] is a number of at least {MIN_PROCESSES}, or 'none'; "
+            f"not {value!r}"
+        )
+    return n
 
 
 def default_root() -> str:

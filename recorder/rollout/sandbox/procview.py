@@ -41,6 +41,7 @@ import functools
 import logging
 import os
 import re
+import resource
 import shutil
 import subprocess
 from collections.abc import Mapping
@@ -92,20 +93,54 @@ class _Tools:
                 "-c", wrapper, "sh", str(uid), str(gid), *tail]  # fmt: skip
 
 
-def launch(cmd: str, env: Mapping[str, str], cwd: str, uid: int | None, gid: int | None) -> Launch:
+def launch(
+    cmd: str,
+    env: Mapping[str, str],
+    cwd: str,
+    uid: int | None,
+    gid: int | None,
+    max_processes: int | None = None,
+) -> Launch:
     """How to start `/bin/sh -c cmd` in `cwd` with `env`: as the driver (uid None), or as
     a sandbox user that sees only its own processes (or, where that is not possible, as
-    the user), entering `cwd` with that user's rights."""
+    the user), entering `cwd` with that user's rights, its user held to `max_processes`
+    processes and threads (`process_limit`)."""
     if uid is None or gid is None:
         return Launch(["/bin/sh", "-c", cmd], dict(env), cwd, {})
     shell = ["/bin/sh", "-c", _ENTER, "sh", cwd, cmd]
+    limit = process_limit(max_processes)
     tools = private_view()
     if tools is None:
-        return Launch(shell, dict(env), "/", as_user(uid, gid))
+        return Launch([*limit, *shell], dict(env), "/", as_user(uid, gid))
     root_env = {k: v for k, v in env.items() if not ROOT_UNSAFE.match(k)}
     restored = [f"{k}={v}" for k, v in env.items() if ROOT_UNSAFE.match(k)]
     tail = [tools.env, *restored, *shell] if restored else shell
-    return Launch(tools.argv(uid, gid, tail), root_env, "/", {"umask": 0o077})
+    return Launch([*limit, *tools.argv(uid, gid, tail)], root_env, "/", {"umask": 0o077})
+
+
+def process_limit(max_processes: int | None) -> list[str]:
+    """The argv prefix that holds the command's user to `max_processes` tasks ([] for
+    none): `RLIMIT_NPROC`, which the kernel counts per user, so with a user per sandbox
+    it bounds the whole sandbox. A fork bomb in one rollout had no bound but the host's
+    pid space: every other rollout, the driver and a recorder on the same machine
+    could no longer start a process. Root, before the drop to the user, is exempt."""
+    prlimit = _prlimit()
+    if max_processes is None or prlimit is None:
+        return []
+    hard = resource.getrlimit(resource.RLIMIT_NPROC)[1]
+    n = max_processes if hard == resource.RLIM_INFINITY else min(max_processes, hard)
+    return [prlimit, f"--nproc={n}:{n}", "--"]
+
+
+@functools.cache
+def _prlimit() -> str | None:
+    found = shutil.which("prlimit", path=_SYSTEM_PATH)
+    if found is None:
+        log.warning(
+            "util-linux's prlimit is not installed: a local sandbox's processes are not "
+            "limited, and a fork bomb in one rollout can exhaust this machine's processes"
+        )
+    return found
 
 
 def as_user(uid: int, gid: int) -> dict[str, object]:
