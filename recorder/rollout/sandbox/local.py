@@ -26,7 +26,9 @@ plants reaches nothing more). `options["user"] = "driver"` opts out. Not root:
 the commands run as the driver's user and a warning says so once; that is
 isolation by directory and process group only, not a security boundary.
 A sandbox user's commands see only that user's processes (`procview.py`: a
-private `/proc` mounted `hidepid=2`), not other rollouts' command lines.
+private `/proc` mounted `hidepid=2`), not other rollouts' command lines, and
+run at most `options["max_processes"]` processes and threads at once (a fork
+bomb fails inside its own sandbox).
 
 Where: a root driver's sandboxes go under `ROOT_SANDBOXES` (not the system's
 temp dir), and a sandbox refuses to start where any directory above it is
