@@ -6,7 +6,7 @@ from these; keeping the conversion here lets it be tested without verl's
 
     prompt_ids        tokens[:prompt_len], left-clipped to rollout.prompt_length
     response_ids      tokens[prompt_len:], right-clipped to rollout.response_length
-    response_mask     loss_mask (clipped alike)
+    response_mask     loss_mask (clipped alike); all 0 when the prompt was clipped
     response_logprobs rollout_logprobs (clipped alike)
     routed_experts    (len(prompt_ids) + len(response_ids), layers, top_k) int32, the
                       rows of the kept tokens; None when routing replay is off (with it
@@ -26,7 +26,11 @@ from these; keeping the conversion here lets it be tested without verl's
 Clipping: verl's legacy postprocess pads to exactly prompt_length and
 response_length and crashes on anything longer; verl's own prompt cap keeps
 the prompt's tail, so we do too, and keep the response's head. A clipped
-sample says so (`recorder_truncated`, `recorder_clipped`).
+sample says so (`recorder_truncated`, `recorder_clipped`). verl caps a prompt
+*before* it samples; ours was sampled on the whole prompt, so a response
+whose prompt lost its head (the system prompt, the task) would be trained on
+a context it was never sampled on: it keeps its place in the batch, fully
+masked, and a warning says to raise `rollout.prompt_length`.
 
 Trainer modes:
 - v1 (`trainer.use_v1`, verl 0.9's default): one output per segment,
@@ -47,6 +51,7 @@ Trainer modes:
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 import msgspec
@@ -60,6 +65,8 @@ from recorder.integrations.common import (
     routing_problem,
 )
 from replay.samples import Sample
+
+log = logging.getLogger("recorder.integrations.verl")
 
 Mode = Literal["v1", "legacy"]
 
@@ -108,6 +115,8 @@ def to_fields(
     prompt = s.tokens[p0 : s.prompt_len]
     response = s.tokens[s.prompt_len : s.prompt_len + keep]
     clipped = {"prompt": p0, "response": s.response_len - keep}
+    if p0:
+        _warn_prompt_clipped(s.prompt_len, limits.prompt_length)
     experts = None
     if routing is not None:
         if s.routed_experts is not None:
@@ -118,7 +127,7 @@ def to_fields(
     return OutputFields(
         prompt_ids=list(prompt),
         response_ids=list(response),
-        response_mask=list(s.loss_mask[:keep]),
+        response_mask=[0] * keep if p0 else list(s.loss_mask[:keep]),
         response_logprobs=list(s.rollout_logprobs[:keep]),
         routed_experts=experts,
         reward_score=float(s.reward if reward is None else reward),
@@ -139,6 +148,24 @@ def to_fields(
             **_steps(s.weight_versions, global_steps),
         },
     )
+
+
+_prompt_clips = 0
+
+
+def _warn_prompt_clipped(prompt_len: int, prompt_length: int) -> None:
+    """Say so at the first clipped prompt and every 100th after (a batch has many)."""
+    global _prompt_clips
+    _prompt_clips += 1
+    if _prompt_clips % 100 == 1:
+        log.warning(
+            "a %d-token prompt is longer than rollout.prompt_length=%d: its response is left "
+            "untrained (masked), since it was sampled on the whole prompt (%d such so far); "
+            "raise rollout.prompt_length to the agent's context length",
+            prompt_len,
+            prompt_length,
+            _prompt_clips,
+        )
 
 
 def _steps(versions: list[str], global_steps: int | None) -> dict[str, int | None]:

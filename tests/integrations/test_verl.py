@@ -176,6 +176,7 @@ async def test_legacy_clips_what_would_crash_verls_padding(
         batch.batch["prompts"][0].tolist() == final.tokens[final.prompt_len - 2 : final.prompt_len]
     )
     assert batch.batch["responses"][0].tolist() == final.tokens[final.prompt_len :][:3]
+    assert batch.batch["response_mask"][0].tolist() == [0, 0, 0]  # its prompt lost its head
     assert batch.non_tensor_batch["recorder_truncated"][0] is True
     assert batch.batch["rm_scores"][0, 2].item() == 1.0
 

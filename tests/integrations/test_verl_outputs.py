@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from recorder.integrations import verl_outputs
 from recorder.integrations.verl_outputs import Limits, outputs_for, to_fields
 from replay.rules import Rules
 from tests.integrations.results import fan_out_log, infra_failure, result_of
@@ -38,17 +39,28 @@ def test_legacy_gets_exactly_the_final_segment_with_the_task_reward() -> None:
     assert o.extra_fields["recorder_dropped_segments"] == 2
 
 
-def test_clipping_keeps_the_prompt_tail_and_the_response_head_and_says_so() -> None:
+def test_clipping_keeps_the_prompt_tail_and_the_response_head_and_says_so(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A response whose prompt lost its head was sampled on a context the trainer never
+    sees: it keeps its place (verl's shapes), untrained; a response cut at its tail is
+    a causal prefix of what was sampled, and trains."""
     result = result_of(fan_out_log(routed=(2, 2)), rules=Rules(routed_experts=(2, 2)))
     s = result.samples[-1]  # final: prompt [1, 2, 77], response [24, 7, 25, 2]
+    assert any(s.loss_mask[:3])
+    monkeypatch.setattr(verl_outputs, "_prompt_clips", 0)  # the first clip of the process warns
     limits = Limits(prompt_length=2, response_length=3)
     o = to_fields(s, result, limits, routing=(2, 2))
     assert o.prompt_ids == s.tokens[1:3] and o.response_ids == s.tokens[3:6]
-    assert o.response_mask == s.loss_mask[:3] and o.response_logprobs == s.rollout_logprobs[:3]
+    assert o.response_mask == [0, 0, 0] and o.response_logprobs == s.rollout_logprobs[:3]
+    assert "raise rollout.prompt_length" in caplog.text
     assert (o.routed_experts == s.routed_experts.to_array()[1:6]).all()
     assert o.routed_experts.shape == (5, 2, 2)
     assert o.extra_fields["recorder_truncated"] is True
     assert o.extra_fields["recorder_clipped"] == {"prompt": 1, "response": 1}
+    tail_only = to_fields(s, result, Limits(prompt_length=3, response_length=3))
+    assert tail_only.response_mask == s.loss_mask[:3]
+    assert tail_only.extra_fields["recorder_clipped"] == {"prompt": 0, "response": 1}
 
 
 @pytest.mark.parametrize("mode", ["v1", "legacy"])
