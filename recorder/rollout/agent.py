@@ -15,6 +15,7 @@ pinned. `command` is a template, so another CLI agent can be dropped in.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import posixpath
@@ -33,6 +34,8 @@ CLAUDE_CODE_VERSION = "2.1.197"
 # The repository's own pinned install (tools/setup.sh): the local sandbox's default.
 REPO_CLI = Path(__file__).resolve().parents[2] / "tools" / "claude-code" / "node_modules" / ".bin"
 NO_TURN_LIMIT = 100_000
+# Characters of the agent's output kept for a run that times out (its last result record).
+_TAIL_KEPT = 1024 * 1024
 
 
 class AgentSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -215,8 +218,16 @@ async def run_agent(
     await sb.write_file(prompt_file, prompt)
     await sb.exec(f"mkdir -p {shlex.quote(env['HOME'])}", timeout_s=30)
     cmd = agent_command(spec, binary=binary, prompt_file=prompt_file, max_turns=max_turns)
-    out: list[str] = []
-    handle = await sb.start(cmd, cwd=repo, env=env, on_stdout=out.append)
+    out: collections.deque[str] = collections.deque()  # the output's tail, for a timeout
+    kept = [0]
+
+    def keep(text: str) -> None:
+        out.append(text)
+        kept[0] += len(text)
+        while kept[0] > _TAIL_KEPT and len(out) > 1:
+            kept[0] -= len(out.popleft())
+
+    handle = await sb.start(cmd, cwd=repo, env=env, on_stdout=keep)
     try:
         result = await handle.wait(max(timeout_s, 0.0))
     except CommandTimeout:

@@ -306,6 +306,9 @@ class _Rollout:
             )
         await self.after_agent(run)
         with self.timed("diff_s"):
+            # Nothing of the agent's may run while its work is read: a process left
+            # behind had swapped the diff file for a FIFO and hijacked the reader.
+            await sb.end_processes()
             try:
                 patch = await take_diff(sb, repo, self.bases["agent"])
             except BrokenRepository as exc:

@@ -223,7 +223,9 @@ async def take_diff(sb: Sandbox, repo: str, base: Baseline) -> bytes:
     q = shlex.quote
     # The agent owns .git/config: pin what would change the diff's shape (prefixes,
     # textconv, a relative diff), so its patch always applies where it is graded.
+    # A fresh file: one the agent planted there (a link to /dev/zero, a FIFO) goes first.
     cmd = (
+        f"rm -f {q(out)} && "
         f"{_GIT} -c core.fsmonitor=false add -A && {_GIT} diff --cached --binary --no-color "
         "--no-ext-diff --no-textconv --no-relative --src-prefix=a/ --dst-prefix=b/ "
         f"{q(base.tree)} > {q(out)}"

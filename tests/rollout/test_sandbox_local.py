@@ -288,3 +288,66 @@ async def test_a_process_limit_that_is_no_number_is_refused(tmp_path: Path, valu
     spec = SandboxSpec(options={"root": str(tmp_path), "max_processes": value})
     with pytest.raises(SandboxBootError, match="max_processes"):
         await open_sandbox(spec)
+
+
+@pytest.mark.parametrize("user", ["auto", "driver"])
+async def test_a_lurker_without_the_marks_does_not_hang_its_command(
+    tmp_path: Path, user: str
+) -> None:
+    """`env -i` drops the sandbox's marks, `setsid` leaves the group: the lurker held the
+    command's output open, and the command, its timeout and the sandbox's kill never
+    returned. Now it is found by the pipe it holds, and killed."""
+    async with await open_sandbox(SandboxSpec(options={"root": str(tmp_path), "user": user})) as sb:
+        lurk = "env -i /usr/bin/setsid /bin/sh -c 'exec sleep 120' & sleep 0.3; echo done"
+        handle = await sb.start(lurk)
+        result = await asyncio.wait_for(handle.wait(60), 30)
+        assert (result.exit_code, result.stdout) == (0, "done\n")
+        assert not [p for p in _pids_running("sleep 120")]
+
+
+def _pids_running(cmdline: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                text = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if text.strip() == cmdline:
+                found.append(int(entry.name))
+    return found
+
+
+async def test_a_commands_output_keeps_its_head_and_tail_only(tmp_path: Path) -> None:
+    """A command printing 40 MB had every byte kept in the driver (and a policy could print
+    gigabytes): the result keeps the first and last 8 MB and says what it left out."""
+    async with await open_sandbox(SandboxSpec(options={"root": str(tmp_path)})) as sb:
+        big = "echo first; head -c 40000000 /dev/zero | tr '\\0' x; echo; echo last"
+        out = (await sb.exec(big, timeout_s=120)).stdout
+        assert len(out) < local.KEPT_OUTPUT + 100
+        assert out.startswith("first\nxxx") and out.endswith("xxx\nlast\n")
+        left_out = 6 + 40_000_001 + 5 - local.KEPT_OUTPUT
+        assert f"[... {left_out} characters of output left out ...]" in out
+
+
+@pytest.mark.parametrize("user", ["auto", "driver"])
+@pytest.mark.parametrize("plant", ["mkfifo agent.diff", "ln -s /dev/zero agent.diff"])
+async def test_a_planted_fifo_or_device_is_not_read(tmp_path: Path, user: str, plant: str) -> None:
+    """The driver reads the agent's diff from a file: a FIFO there hung the read (and the
+    executor thread with it), a link to /dev/zero filled the driver's memory."""
+    async with await open_sandbox(SandboxSpec(options={"root": str(tmp_path), "user": user})) as sb:
+        await sb.exec(plant)
+        with pytest.raises(OSError, match="not a regular file"):
+            await asyncio.wait_for(sb.read_file("agent.diff"), 30)
+
+
+@needs_root
+async def test_ending_a_sandboxs_processes_takes_those_without_marks(tmp_path: Path) -> None:
+    async with await open_sandbox(SandboxSpec(options={"root": str(tmp_path)})) as sb:
+        await sb.exec(
+            "env -i /usr/bin/setsid /bin/sh -c 'exec sleep 121' > /dev/null 2>&1 & sleep 0.3"
+        )
+        assert _pids_running("sleep 121")
+        await sb.end_processes()
+        assert not _pids_running("sleep 121")
+        assert (await sb.exec("echo still")).stdout == "still\n"  # its files and use remain

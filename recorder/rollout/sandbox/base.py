@@ -148,6 +148,12 @@ class Sandbox(abc.ABC):
         """The file's bytes; `FileNotFoundError` if it does not exist."""
 
     @abc.abstractmethod
+    async def end_processes(self) -> None:
+        """Kill everything the sandbox's commands left running; its files stay. The
+        driver calls it when the agent is done, before it reads the agent's work: a
+        process left behind must not swap the files it reads, nor the driver's helpers."""
+
+    @abc.abstractmethod
     async def kill(self) -> None:
         """Remove the sandbox and everything running in it. Idempotent; never raises
         for a sandbox that is already gone."""

@@ -201,6 +201,7 @@ class E2BSandbox(Sandbox):
         self._sdk = sdk
         self._user = user
         self._gone = False
+        self._handles: list[E2BHandle] = []
 
     @classmethod
     async def create(cls, spec: SandboxSpec) -> E2BSandbox:
@@ -289,7 +290,10 @@ class E2BSandbox(Sandbox):
                 on_stderr=on_stderr,
                 timeout=0,  # the deadline is ours (E2BHandle.wait), not the stream's
             )
-        return E2BHandle(self, cmd, handle, started)
+        started_handle = E2BHandle(self, cmd, handle, started)
+        self._handles = [h for h in self._handles if not h._finished.done()]
+        self._handles.append(started_handle)
+        return started_handle
 
     # -- files ------------------------------------------------------------------------------
 
@@ -306,6 +310,14 @@ class E2BSandbox(Sandbox):
             )
 
     # -- lifetime ---------------------------------------------------------------------------
+
+    async def end_processes(self) -> None:
+        """Kills the background commands this sandbox started. A process that left them
+        lives on in the VM until `kill`; it reaches nothing of the driver's but the
+        files the driver reads there (the diff, written to a fresh file)."""
+        self._check()
+        handles, self._handles = self._handles, []
+        await asyncio.gather(*(h.kill() for h in handles))
 
     async def kill(self) -> None:
         if self._gone:

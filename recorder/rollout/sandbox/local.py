@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import collections
 import contextlib
 import os
 import shutil
@@ -65,12 +66,18 @@ from recorder.rollout.sandbox.base import (
     OutputCallback,
     Sandbox,
     SandboxBootError,
+    SandboxError,
     SandboxGone,
     SandboxSpec,
 )
 from recorder.rollout.sandbox.environment import host_basics
 from recorder.rollout.sandbox.procview import as_user, launch, private_view
-from recorder.rollout.sandbox.users import SandboxUser, UserPoolError, claim_user
+from recorder.rollout.sandbox.users import (
+    SandboxUser,
+    UserPoolError,
+    claim_user,
+    kill_user_processes,
+)
 
 MARK = "TR_SANDBOX_ID"  # in every command's environment; `kill` sweeps for it
 COMMAND_MARK = "TR_SANDBOX_COMMAND"  # one per command: what a finished `exec` left is swept
@@ -80,17 +87,32 @@ _CHUNK = 65536
 DEFAULT_MAX_PROCESSES = 1024
 MIN_PROCESSES = 32
 # How long a finished command's pipes may take to close once its group is killed,
-# before the process table is searched for an escaped holder (a few ms in practice).
+# before the process table is searched for an escaped holder (a few ms in practice),
+# and how long after that search its output is still read.
 _PIPE_GRACE_S = 0.2
+_PIPE_GIVE_UP_S = 5.0
+# Characters of each output stream a command's result keeps: its head and its tail.
+KEPT_OUTPUT = 16 * 1024 * 1024
+# What the driver reads from a sandbox's files at most, and how long a read or a
+# write may take (a planted FIFO or a link to /dev/zero must not hang or fill it).
+MAX_READ_BYTES = 512 * 1024 * 1024
+_FILE_IO_TIMEOUT_S = 300.0
 
 
 class _Output:
-    """One output pipe read in order: each chunk goes to the callback, then to the total."""
+    """One output pipe read in order: each chunk goes to the callback, then to the text
+    kept, its head and its tail (`KEPT_OUTPUT` characters in all): a command printing
+    gigabytes (code under test, in the grader's captured output) had every byte kept
+    in the driver, which one policy could run out of memory with every rollout in it."""
 
     def __init__(self, pipe: IO[bytes], callback: OutputCallback | None) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._parts: list[str] = []
+        self._head: list[str] = []
+        self._tail: collections.deque[str] = collections.deque()
+        self._sizes = [0, 0]  # characters in head, tail
+        self._left_out = 0
         self._callback = callback
+        self.inode = os.fstat(pipe.fileno()).st_ino  # to find who else holds the pipe
         self.task = asyncio.ensure_future(self._pump(pipe))
 
     async def _pump(self, pipe: IO[bytes]) -> None:
@@ -109,12 +131,33 @@ class _Output:
     def _emit(self, text: str) -> None:
         if not text:
             return
-        self._parts.append(text)
         if self._callback is not None:
             self._callback(text)
+        half = KEPT_OUTPUT // 2
+        if self._sizes[0] < half:
+            head = text[: half - self._sizes[0]]
+            self._head.append(head)
+            self._sizes[0] += len(head)
+            text = text[len(head) :]
+        if text:
+            self._tail.append(text)
+            self._sizes[1] += len(text)
+            self._trim_tail(half)
+
+    def _trim_tail(self, half: int) -> None:
+        while self._sizes[1] > half:
+            excess, first = self._sizes[1] - half, self._tail[0]
+            cut = min(excess, len(first))
+            if cut == len(first):
+                self._tail.popleft()
+            else:
+                self._tail[0] = first[cut:]
+            self._sizes[1] -= cut
+            self._left_out += cut
 
     def text(self) -> str:
-        return "".join(self._parts)
+        gap = f"\n[... {self._left_out} characters of output left out ...]\n"
+        return "".join(self._head) + (gap if self._left_out else "") + "".join(self._tail)
 
 
 def _exited(proc: subprocess.Popen[bytes]) -> asyncio.Future[int]:
@@ -179,13 +222,19 @@ class LocalHandle(CommandHandle):
     async def _finish(self, exited: asyncio.Future[int]) -> ExecResult:
         code = await exited
         # What the command left running would hold the pipes open forever: kill its
-        # group, and if a process escaped the group (setsid), find it by its mark.
+        # group, and if a process escaped the group (setsid), find it by its mark, and
+        # then by the pipes it holds (`env -i` drops the mark: an audit's lurker hung
+        # the command, its timeout, the sandbox's kill and the whole rollout).
         self._signal_group()
         readers = (self._out.task, self._err.task)
         _, pending = await asyncio.wait(readers, timeout=_PIPE_GRACE_S)
         if pending:
             await asyncio.to_thread(_sweep, COMMAND_MARK, self._mark)
-        await asyncio.gather(*readers)
+            await asyncio.to_thread(_kill_pipe_holders, {self._out.inode, self._err.inode})
+            _, pending = await asyncio.wait(readers, timeout=_PIPE_GIVE_UP_S)
+            for reader in pending:  # a holder that could not be killed: stop reading
+                reader.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
         return ExecResult(
             exit_code=code,
             stdout=self._out.text(),
@@ -320,7 +369,7 @@ class LocalSandbox(Sandbox):
     async def read_file(self, path: str) -> bytes:
         self._check()
         if self.user is None:
-            return await asyncio.to_thread(self._path(path).read_bytes)
+            return await asyncio.to_thread(_read_bounded, self._path(path))
         return await asyncio.to_thread(_read_as, self.user, self._path(path))
 
     # -- lifetime ---------------------------------------------------------------------------
@@ -344,6 +393,18 @@ class LocalSandbox(Sandbox):
         await asyncio.to_thread(_remove_tree, Path(self.workdir))
         if self.user is not None:
             await asyncio.to_thread(self.user.release)
+
+    async def end_processes(self) -> None:
+        """Every command's group, every marked process, and with a user of its own every
+        process of that user (`env -i` drops the marks): the kernel's whole task list."""
+        self._check()
+        handles, self._handles = self._handles, []
+        await asyncio.gather(*(h.kill() for h in handles))
+        await asyncio.to_thread(_sweep, MARK, self.id)
+        if self.user is not None:
+            user = self.user
+            if not await asyncio.to_thread(kill_user_processes, user.uid, user.gid):
+                raise SandboxError(f"local sandbox {self.id}: its user's processes survive kill")
 
     async def kill(self) -> None:
         """Returns once every process and the directory are gone, also when the sandbox's
@@ -450,25 +511,47 @@ def _as_user(user: SandboxUser | None) -> dict[str, object]:
 def _write_as(user: SandboxUser, path: Path, raw: bytes) -> None:
     """Write `path` with the sandbox user's rights (a planted symlink reaches no more)."""
     script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
-    done = subprocess.run(
-        ["/bin/sh", "-c", script, "sh", str(path)],
-        input=raw, capture_output=True, env={"PATH": "/usr/bin:/bin"}, check=False,
-        **_as_user(user),  # type: ignore[arg-type]
-    )  # fmt: skip
+    done = _run_as(user, ["/bin/sh", "-c", script, "sh", str(path)], path, raw)
     if done.returncode != 0:
         raise _os_error(done.stderr, path)
 
 
 def _read_as(user: SandboxUser, path: Path) -> bytes:
-    """Read `path` with the sandbox user's rights."""
-    done = subprocess.run(
-        ["/bin/cat", "--", str(path)],
-        capture_output=True, env={"PATH": "/usr/bin:/bin"}, check=False,
-        **_as_user(user),  # type: ignore[arg-type]
-    )  # fmt: skip
+    """Read `path` with the sandbox user's rights, at most `MAX_READ_BYTES`."""
+    script = (
+        'if [ -e "$1" ] && [ ! -f "$1" ] && [ ! -d "$1" ]; then '
+        'echo "not a regular file: $1" >&2; exit 1; fi; exec head -c "$2" -- "$1"'
+    )
+    done = _run_as(user, ["/bin/sh", "-c", script, "sh", str(path), str(MAX_READ_BYTES + 1)], path)
     if done.returncode != 0:
         raise _os_error(done.stderr, path)
+    if len(done.stdout) > MAX_READ_BYTES:
+        raise OSError(f"{path} is larger than {MAX_READ_BYTES} bytes: not read")
     return done.stdout
+
+
+def _read_bounded(path: Path) -> bytes:
+    """A regular file's bytes, at most `MAX_READ_BYTES` (never a FIFO or a device)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file: not read")
+        data = f.read(MAX_READ_BYTES + 1)
+    if len(data) > MAX_READ_BYTES:
+        raise OSError(f"{path} is larger than {MAX_READ_BYTES} bytes: not read")
+    return data
+
+
+def _run_as(
+    user: SandboxUser, argv: list[str], path: Path, stdin: bytes | None = None
+) -> subprocess.CompletedProcess[bytes]:
+    try:
+        return subprocess.run(
+            argv, input=stdin, capture_output=True, env={"PATH": "/usr/bin:/bin"}, check=False,
+            timeout=_FILE_IO_TIMEOUT_S, **_as_user(user),  # type: ignore[arg-type]
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as exc:
+        raise TimeoutError(f"{path}: no end after {_FILE_IO_TIMEOUT_S:g} s") from exc
 
 
 def _os_error(stderr: bytes, path: Path) -> OSError:
@@ -506,6 +589,34 @@ def marked_pids(sandbox_id: str, name: str = MARK) -> list[int]:
                 continue
             if needle in environ.split(b"\0"):
                 found.append(int(entry.name))
+    return found
+
+
+def _kill_pipe_holders(inodes: set[int]) -> None:
+    """SIGKILL every other process holding one of these pipes open (by `/proc/*/fd`),
+    until none is left (a holder may fork meanwhile)."""
+    for _ in range(5):
+        holders = pipe_holders(inodes)
+        if not holders:
+            return
+        for pid in holders:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def pipe_holders(inodes: set[int]) -> list[int]:
+    """The processes, this one aside, with a descriptor on one of these pipes."""
+    links = {f"pipe:[{inode}]" for inode in inodes}
+    found, me = [], os.getpid()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            fds = list(os.scandir(f"/proc/{entry.name}/fd"))
+            if any(os.readlink(fd.path) in links for fd in fds):
+                found.append(int(entry.name))
+        except OSError:  # gone, or not ours to look at
+            continue
     return found
 
 
