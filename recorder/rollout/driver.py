@@ -65,6 +65,7 @@ from recorder.rollout.workspace import (
     apply_patch,
     apply_test_patch,
     checkout,
+    remove_bytecode,
     remove_root_shadows,
     restore_protected,
     run_setup,
@@ -434,6 +435,7 @@ class _Rollout:
         base = self.bases["eval"]
         changed = await restore_protected(sb, repo, base, protected_pathspecs(task))
         changed += await remove_root_shadows(sb, repo, base)
+        await remove_bytecode(sb, repo)
         if changed:
             self.note("protected_restored", paths=changed[:200], count=len(changed))
         if task.test_patch:

@@ -31,7 +31,7 @@ import msgspec
 
 from recorder.rollout.errors import InfraError
 from recorder.rollout.protect import shadowing_entries
-from recorder.rollout.sandbox import ExecResult, Sandbox
+from recorder.rollout.sandbox import CommandTimeout, ExecResult, Sandbox
 from recorder.rollout.tasks import Task
 
 REPO_DIR = "repo"
@@ -160,38 +160,55 @@ class Baseline(msgspec.Struct, frozen=True):
     """The repository as the checkout and the task's setup left it.
 
     What setup writes (a `pip install -e .`'s `.egg-info`, a version file, an
-    extension module built in place) is the task's, not the agent's: the agent's
-    diff is taken against `tree`, the eval sandbox applies it on what its own setup
-    made, and grading removes only what is new since then. Against `base_commit`,
-    setup's output was in every diff and the eval (which ran the same setup) refused
-    it, and an ignored `*.so` that setup built was removed before grading as bytecode.
+    extension module built in place, bytecode) is the task's, not the agent's: the
+    agent's diff is taken against `tree` and leaves out every path in `made`, and the
+    eval sandbox applies it on what its own setup made. Against `base_commit`, setup's
+    output was in every diff and the eval (which ran the same setup) refused it; an
+    ignored `*.so` that setup built was removed before grading as bytecode. And what
+    setup made must stay setup's: an agent that wrote a `[pytest11]` entry point into
+    setup's `.egg-info` had its plugin loaded by the grader (1.0, an audit).
+
+    From here on git reads and writes every file's bytes as they are
+    (`RAW_ATTRIBUTES`), in both sandboxes: `tree` holds the raw bytes, so a diff of
+    a CRLF or `ident` file applies byte for byte where it is graded, and no filter
+    of the agent's runs while its diff is taken.
     """
 
     commit: str  # base_commit's full hash
-    tree: str  # the tree `git add -A` makes right after setup (ignored files left out)
+    tree: str  # every file not ignored after setup, as raw bytes (a git tree's hash)
     root: frozenset[str]  # the entries at the repository's root after setup, ignored ones too
+    # What setup made or changed: untracked entries (a directory whole, as `dir/`) and
+    # tracked files it modified or deleted.
+    made: tuple[str, ...] = ()
     ignored: frozenset[str] = frozenset()  # ignored files after setup under `snapshot`'s specs
 
 
 async def snapshot(sb: Sandbox, repo: str, commit: str, ignored_in: Sequence[str] = ()) -> Baseline:
     """The repository's state after setup (`Baseline`), with the ignored files among the
-    pathspecs `ignored_in`; the index and refs are untouched, so the agent finds the
-    repository as setup left it."""
+    pathspecs `ignored_in`; the agent's index and refs are untouched."""
     q = shlex.quote
     index = q(posixpath.join(sb.workdir, ".tr-setup.index"))
-    # Sections: the tree's hash on a line, then root names and ignored paths, each
-    # NUL-terminated, apart by "/" (which is neither a root name nor a file's path).
+    # Sections of NUL-terminated entries, each ended by a "/" entry (neither a root
+    # name nor a file's path): root names, what setup made, the ignored files.
+    end = "printf '/\\0'"
     ignored = (
-        f" && printf '/\\0' && {_GIT} ls-files -z --others --ignored --exclude-standard -- "
+        f"{_GIT} ls-files -z --others --ignored --exclude-standard -- "
         + " ".join(q(p) for p in ignored_in)
+        + " && "
         if ignored_in
         else ""
     )
+    # What setup made is read with the repository's own attributes (a CRLF file it left
+    # alone is no change), then they are set aside and the raw tree is written.
     result = await sb.exec(
-        f"cp .git/index {index} && GIT_INDEX_FILE={index} {_GIT} -c core.fsmonitor=false "
-        f"add -A && GIT_INDEX_FILE={index} {_GIT} write-tree; rc=$?; rm -f {index}; "
-        f"[ $rc = 0 ] && find . -mindepth 1 -maxdepth 1 -printf '%P\\0'{ignored}",
-        timeout_s=300,
+        f"{{ find . -mindepth 1 -maxdepth 1 -printf '%P\\0' && {end} && "
+        f"{_GIT} ls-files -z --others --directory && {_GIT} diff --name-only -z && {end} && "
+        f"{ignored}{end}; }} > {index}.out && mkdir -p .git/info && "
+        f"printf %s {q(RAW_ATTRIBUTES)} > .git/info/attributes && rm -f {index} && "
+        f"GIT_INDEX_FILE={index} {_GIT} -c core.fsmonitor=false add -A && "
+        f"GIT_INDEX_FILE={index} {_GIT} write-tree && cat {index}.out; "
+        f"rc=$?; rm -f {index} {index}.out; exit $rc",
+        timeout_s=600,
         cwd=repo,
     )
     if result.exit_code != 0:
@@ -199,48 +216,75 @@ async def snapshot(sb: Sandbox, repo: str, commit: str, ignored_in: Sequence[str
             "setup_failed", f"cannot snapshot the tree setup left: {tail(result.stderr)}"
         )
     tree, _, rest = result.stdout.partition("\n")
-    names, _, paths = rest.partition("\0/\0")
+    sections: list[list[str]] = [[]]
+    for entry in rest.split("\0"):
+        if entry == "/":
+            sections.append([])
+        elif entry:
+            sections[-1].append(entry)
+    names, made, ignored_files = ([*sections, [], [], []])[:3]
     return Baseline(
         commit,
         tree.strip(),
-        frozenset(n for n in names.split("\0") if n),
-        frozenset(p for p in paths.split("\0") if p),
+        frozenset(names),
+        tuple(dict.fromkeys(made)),
+        frozenset(ignored_files),
     )
 
 
 class BrokenRepository(Exception):
-    """The agent's repository can no longer say what changed (its `.git` removed, or the
-    baseline's objects gone): the agent destroyed its own work, a policy failure."""
+    """The agent's repository can no longer say what changed (its `.git` removed, its
+    objects or files made unreadable): the agent destroyed its own work, a policy
+    failure."""
 
 
 async def take_diff(sb: Sandbox, repo: str, base: Baseline) -> bytes:
-    """Everything the agent changed since setup (`base.tree`), as a binary git diff (read
-    as bytes from a file, so text in any encoding survives).
+    """Everything the agent changed since setup (`base.tree`), but what setup made, as a
+    binary git diff (read as bytes from a file, so text in any encoding survives).
 
-    Raises BrokenRepository when the sandbox answers but its repository cannot diff
-    (an `rm -rf .git` had closed the rollout as a lost sandbox, which masks its 0)."""
+    Taken with an index of its own, read from `base.tree`: nothing the agent did to its
+    index (a force-added ignored file, a lock, garbage) counts. The sandbox's processes
+    must be ended first (`Sandbox.end_processes`). Raises BrokenRepository when the
+    sandbox answers but the repository cannot be diffed (an `rm -rf .git` had closed
+    the rollout as a lost sandbox, which masks its 0); a full disk stays infrastructure.
+    """
     out = posixpath.join(sb.workdir, "agent.diff")
+    index = posixpath.join(sb.workdir, ".tr-diff.index")
+    specs = posixpath.join(sb.workdir, ".tr-diff.pathspecs")
     q = shlex.quote
-    # The agent owns .git/config: pin what would change the diff's shape (prefixes,
-    # textconv, a relative diff), so its patch always applies where it is graded.
-    # A fresh file: one the agent planted there (a link to /dev/zero, a FIFO) goes first.
-    cmd = (
-        f"rm -f {q(out)} && "
-        f"{_GIT} -c core.fsmonitor=false add -A && {_GIT} diff --cached --binary --no-color "
-        "--no-ext-diff --no-textconv --no-relative --src-prefix=a/ --dst-prefix=b/ "
-        f"{q(base.tree)} > {q(out)}"
-    )
-    result = await sb.exec(cmd, timeout_s=300, cwd=repo)
-    if result.exit_code != 0:
-        intact = await sb.exec(
-            f"{_GIT} cat-file -e {q(base.tree + '^{tree}')}",
-            timeout_s=120,
-            cwd=repo,
+    try:  # no filter or conversion of the agent's runs (its processes are gone by now)
+        await sb.write_file(posixpath.join(repo, ".git", "info", "attributes"), RAW_ATTRIBUTES)
+    except OSError as exc:  # `.git` made a file, or unwritable
+        raise BrokenRepository(f"cannot write the repository's attributes: {exc}") from exc
+    git = f"GIT_INDEX_FILE={q(index)} {_GIT} -c core.fsmonitor=false"
+    # What setup made goes back to setup's state in that index (a pathspec naming an
+    # ignored file would make `git add` fail, `git reset` takes any).
+    keep_setups = ""
+    if base.made:
+        await sb.write_file(specs, "\0".join(base.made))
+        keep_setups = (
+            f" && {git} --literal-pathspecs reset -q {q(base.tree)} "
+            f"--pathspec-file-nul --pathspec-from-file={q(specs)}"
         )
+    # The agent owns .git/config: pin what would change the diff's shape (prefixes,
+    # textconv, a relative diff), so its patch always applies where it is graded. A
+    # fresh output file: one the agent planted there (a FIFO, a link) goes first.
+    cmd = (
+        f"rm -f {q(out)} {q(index)} && {git} read-tree {q(base.tree)} && "
+        f"{git} add -A{keep_setups} && "
+        f"{git} diff --cached --binary --no-color --no-ext-diff --no-textconv --no-relative "
+        f"--src-prefix=a/ --dst-prefix=b/ {q(base.tree)} > {q(out)}; "
+        f"rc=$?; rm -f {q(index)} {q(specs)}; exit $rc"
+    )
+    try:
+        result = await sb.exec(cmd, timeout_s=600, cwd=repo)
+    except CommandTimeout as exc:
+        raise BrokenRepository(f"git diff did not end: {exc}") from exc
+    if result.exit_code != 0:
         failed = f"git diff failed in the agent's sandbox: {tail(result.stderr)}"
-        if intact.exit_code != 0:
-            raise BrokenRepository(f"{failed}; the repository is broken: {tail(intact.stderr)}")
-        raise InfraError("sandbox_gone", failed)
+        if "No space left on device" in result.stderr:
+            raise InfraError("sandbox_gone", failed)
+        raise BrokenRepository(failed)
     return await sb.read_file(out)
 
 
@@ -272,20 +316,27 @@ async def restore_protected(
     """Put the protected paths back as setup left them (`base.tree`; files the patch added
     there are removed); returns the paths the patch had changed (the attempt, for the
     evidence). `base.ignored` must list the ignored files under `pathspecs` before the
-    patch: they are setup's (an extension module built in place), not the patch's."""
+    patch: they are setup's (an extension module built in place), not the patch's.
+
+    Works on an index of its own read from `base.tree` (raw bytes, like the tree), and
+    takes path lists from files: thousands of files a patch added under `tests/` had
+    made one command line too long (an abort, which masked the policy's 0)."""
     if not pathspecs:
         return []
-    specs = " ".join(shlex.quote(p) for p in pathspecs)
+    q = shlex.quote
+    specs = " ".join(q(p) for p in pathspecs)
+    index = posixpath.join(sb.workdir, ".tr-restore.index")
+    git = f"GIT_INDEX_FILE={q(index)} {_GIT}"
     # Ignored files count too: a file the patch also names in a .gitignore of its own
     # is still the patch's (`git add -A` alone would leave it out).
     ignored = (
-        f"{_GIT} ls-files -z --others --ignored --exclude-standard -- {specs} "
-        f"| xargs -0 -r {_GIT} --literal-pathspecs add -f --"
+        f"{git} ls-files -z --others --ignored --exclude-standard -- {specs} "
+        f"| xargs -0 -r env GIT_INDEX_FILE={q(index)} {_GIT} --literal-pathspecs add -f --"
     )
     listed = await sb.exec(
-        f"{_GIT} add -A && {ignored} && {_GIT} diff --cached --name-status -z --no-renames "
-        f"{shlex.quote(base.tree)} -- {specs}",
-        timeout_s=300,
+        f"rm -f {q(index)} && {git} read-tree {q(base.tree)} && {git} add -A && {ignored} && "
+        f"{git} diff --cached --name-status -z --no-renames {q(base.tree)} -- {specs}",
+        timeout_s=600,
         cwd=repo,
     )
     if listed.exit_code != 0:
@@ -294,24 +345,44 @@ async def restore_protected(
     changed = [
         (status, path)
         for status, path in zip(fields[0::2], fields[1::2], strict=False)
-        if not (
-            status == "A" and path in base.ignored
-        )  # setup's own (git apply adds no file that exists)
+        # setup's own: git apply adds no file where one exists
+        if not (status == "A" and path in base.ignored)
     ]
     added = [path for status, path in changed if status == "A"]
     restored = [path for status, path in changed if status != "A"]
-    steps = []
+    steps, lists = [], posixpath.join(sb.workdir, ".tr-restore")
+    from_file = "--pathspec-file-nul --pathspec-from-file="
     if added:
-        steps.append(f"{_GIT} rm -q -f -- {_literal(added)}")
+        await sb.write_file(f"{lists}.added", "\0".join(added))
+        steps.append(f"{git} --literal-pathspecs rm -q -f {from_file}{q(lists + '.added')}")
     if restored:
-        steps.append(f"{_GIT} checkout -q {shlex.quote(base.tree)} -- {_literal(restored)}")
+        await sb.write_file(f"{lists}.restored", "\0".join(restored))
+        steps.append(
+            f"{git} --literal-pathspecs checkout -q {q(base.tree)} "
+            f"{from_file}{q(lists + '.restored')}"
+        )
     if steps:
-        done = await sb.exec(" && ".join(steps), timeout_s=300, cwd=repo)
+        done = await sb.exec(" && ".join(steps), timeout_s=600, cwd=repo)
         if done.exit_code != 0:
             raise InfraError(
                 "eval_crashed", f"cannot restore the protected paths: {tail(done.stderr)}"
             )
     return [path for _, path in changed]
+
+
+async def remove_bytecode(sb: Sandbox, repo: str) -> None:
+    """Remove every compiled Python file (`*.pyc`, `*.pyo`) before grading. Setup's own
+    bytecode is stale once the patch changes a module within the same second and at
+    the same size (Python checks only mtime and size): a correct fix graded 0 under a
+    setup that ran `compileall`. No test needs one; Python writes them again."""
+    done = await sb.exec(
+        "find . -path ./.git -prune -o -type f \\( -name '*.pyc' -o -name '*.pyo' \\) "
+        "-exec rm -f -- {} +",
+        timeout_s=600,
+        cwd=repo,
+    )
+    if done.exit_code != 0:
+        raise InfraError("eval_crashed", f"cannot remove bytecode: {tail(done.stderr)}")
 
 
 # Run in the eval sandbox by the grader's interpreter (isolated: neither the repository
@@ -371,10 +442,6 @@ async def remove_root_shadows(sb: Sandbox, repo: str, base: Baseline) -> list[st
         if done.exit_code != 0:
             raise InfraError("eval_crashed", f"cannot remove {shadows}: {tail(done.stderr)}")
     return shadows
-
-
-def _literal(paths: list[str]) -> str:
-    return " ".join(shlex.quote(f":(literal){p}") for p in paths)
 
 
 async def apply_test_patch(sb: Sandbox, repo: str, patch: str) -> str | None:

@@ -395,16 +395,28 @@ SHADOW = (
 )
 
 
-# The same module, ignored by a .gitignore of the patch's (added with -f, so it is in the
+# The same module, ignored by a .gitignore of the patch's (added with -f, so it was in the
 # diff): a grader that lists the patch's files with a plain `git add -A` never sees it.
 IGNORED_SHADOW = f"printf 'tests/calc.py\\n' >> .gitignore && {SHADOW} && git add -f tests/calc.py"
 
 
-@pytest.mark.parametrize("agent", [SHADOW, IGNORED_SHADOW], ids=["plain", "git-ignored"])
 async def test_a_module_shadowing_the_code_under_test_earns_nothing(
-    recorder: Harness, tmp_path: Path, agent: str
+    recorder: Harness, tmp_path: Path
 ) -> None:
-    await assert_restored_and_real(recorder, tmp_path, agent, "tests/calc.py")
+    await assert_restored_and_real(recorder, tmp_path, SHADOW, "tests/calc.py")
+
+
+async def test_a_module_the_agent_force_added_past_its_gitignore_never_reaches_the_eval(
+    recorder: Harness, tmp_path: Path
+) -> None:
+    """The diff is taken with an index of its own (`workspace.take_diff`): what the agent
+    forced into its index is not in it, and the restore's pass over ignored files in
+    the eval stays as a second line."""
+    src = tmp_path / "src"
+    task = calc_task(str(src), base_repo(src))
+    result = await rollout(recorder, local(tmp_path), task, IGNORED_SHADOW)
+    assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
+    assert "+++ b/tests/calc.py" not in result.diff and "+++ b/.gitignore" in result.diff
 
 
 # The tests' directory replaced by a symlink to passing tests of the agent's.

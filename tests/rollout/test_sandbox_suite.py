@@ -142,6 +142,19 @@ async def test_waiting_too_long_on_a_background_command_kills_it(sandbox: Sandbo
     assert (await handle.wait()).exit_code != 0
 
 
+async def test_ending_the_processes_keeps_the_sandbox(sandbox: Sandbox) -> None:
+    """What the driver does once the agent is done, before it reads the agent's work."""
+    out = Lines()
+    handle = await sandbox.start("sleep 300 & echo child=$!; wait", on_stdout=out)
+    child = (await out.until("\n")).strip().removeprefix("child=")
+    await sandbox.write_file("kept.txt", "kept")
+    await sandbox.end_processes()
+    assert (await handle.wait(timeout_s=30)).exit_code != 0
+    assert (await sandbox.exec(alive(handle.pid))).exit_code != 0
+    assert (await sandbox.exec(alive(child))).exit_code != 0
+    assert await sandbox.read_file("kept.txt") == b"kept"
+
+
 async def test_commands_run_side_by_side(sandbox: Sandbox) -> None:
     slow = await sandbox.start("sleep 300")
     assert (await sandbox.exec("echo meanwhile")).stdout == "meanwhile\n"

@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from task_repos import PASS_TO_PASS, base_repo, git
+from task_repos import BUGGY, PASS_TO_PASS, base_repo, git
 from test_reward_integrity import (  # noqa: F401  (recorder is a fixture)
     FIX,
     GRADERS,
+    PLUGIN,
     calc_task,
     graded_by,
     local,
@@ -175,3 +176,78 @@ async def test_a_diff_the_agent_made_unappliable_is_a_policy_failure(
     assert "-garbage" in result.diff  # the attack took effect
     assert (result.outcome, result.reward, result.infra_cause) == ("failed", 0.0, None)
     assert result.evidence["failure"] == "patch_apply"
+
+
+# An eighth audit, through the real driver: what setup made must stay setup's ...
+ENTRY_POINT = f"{PLUGIN} && printf '[pytest11]\\nforge = forge\\n' > calc.egg-info/entry_points.txt"
+
+
+@pytest.mark.parametrize("ignore", ["", "*.egg-info/\n"], ids=["tracked", "ignored"])
+async def test_a_plugin_entry_point_written_into_setups_egg_info_earns_nothing(
+    recorder: Harness, tmp_path: Path, ignore: str
+) -> None:
+    """Setup's `.egg-info` was kept as the repository's own, so an entry point the agent
+    wrote there loaded its plugin into the grader's pytest (1.0, calc.py unfixed)."""
+    force = " && git add -f calc.egg-info/entry_points.txt" if ignore else ""
+    files = {"setup.py": SETUP_PY, **({".gitignore": ignore} if ignore else {})}
+    result = await run(
+        recorder, tmp_path, ENTRY_POINT + force, files, setup=["python setup.py -q egg_info"]
+    )
+    assert (result.outcome, result.reward, result.infra_cause) == ("failed", 0.0, None), (
+        result.evidence
+    )
+    assert "entry_points" not in result.diff
+
+
+NOFIX = "echo '# looked, changed nothing' >> calc.py"
+
+
+@pytest.mark.parametrize(
+    "agent",
+    [
+        "echo x > junk.txt && chmod 000 junk.txt",
+        "touch .git/index.lock",
+        "echo junk > .git/index",
+        "git config filter.x.clean false && git config filter.x.required true && "
+        "echo '* filter=x' > .gitattributes",
+        "mkdir sub && git init -q sub",
+        "mkdir ../agent.diff",
+        "mkdir -p tests/zz && cd tests/zz && seq -f 'file_number_%06g.txt' 7000 | xargs touch",
+        "echo x >> stamp.txt",
+    ],
+    ids=["unreadable", "index-lock", "index", "filter", "nested-repo", "diff-dir", "7000-files",
+         "setup-stamp"],
+)  # fmt: skip
+async def test_what_the_agent_does_to_its_repository_is_never_an_abort(
+    recorder: Harness, tmp_path: Path, agent: str
+) -> None:
+    """Each had closed a failing rollout as an infrastructure failure (masked): the diff
+    failed (`sandbox_gone`), the restore's command line was too long (`driver_error`),
+    or setup's own output in the diff did not apply (`patch_apply`)."""
+    result = await run(
+        recorder, tmp_path, f"{NOFIX} && {agent}", {}, setup=["date +%s%N > stamp.txt"]
+    )
+    assert (result.outcome, result.reward, result.infra_cause) == ("failed", 0.0, None), (
+        result.evidence
+    )
+
+
+@pytest.mark.parametrize(
+    ("files", "setup"),
+    [
+        ({}, ["python -m compileall -q ."]),
+        ({".gitignore": "__pycache__/\n"}, ["python -m compileall -q ."]),
+        ({".gitattributes": "*.py text eol=crlf\n"}, []),
+        ({".gitattributes": "calc.py ident\n", "calc.py": "# $Id$\n" + BUGGY}, []),
+    ],
+    ids=["compileall", "compileall-ignored", "crlf", "ident"],
+)
+async def test_a_correct_fix_earns_its_reward_whatever_setup_and_attributes_do(
+    recorder: Harness, tmp_path: Path, files: dict[str, str], setup: list[str]
+) -> None:
+    """Setup's bytecode of the buggy module (same size and second as the fix) ran instead
+    of the fix; a diff of a CRLF or `ident` file did not apply where it was graded."""
+    result = await run(recorder, tmp_path, FIX, files, setup=setup)
+    assert (result.outcome, result.reward, result.infra_cause) == ("passed", 1.0, None), (
+        result.evidence
+    )
