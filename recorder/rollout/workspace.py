@@ -161,7 +161,7 @@ class Baseline(msgspec.Struct, frozen=True):
 
     What setup writes (a `pip install -e .`'s `.egg-info`, a version file, an
     extension module built in place, bytecode) is the task's, not the agent's: the
-    agent's diff is taken against `tree` and leaves out every path in `made`, and the
+    agent's diff is taken against `tree` and leaves out what setup created (`made`), and the
     eval sandbox applies it on what its own setup made. Against `base_commit`, setup's
     output was in every diff and the eval (which ran the same setup) refused it; an
     ignored `*.so` that setup built was removed before grading as bytecode. And what
@@ -177,8 +177,9 @@ class Baseline(msgspec.Struct, frozen=True):
     commit: str  # base_commit's full hash
     tree: str  # every file not ignored after setup, as raw bytes (a git tree's hash)
     root: frozenset[str]  # the entries at the repository's root after setup, ignored ones too
-    # What setup made or changed: untracked entries (a directory whole, as `dir/`) and
-    # tracked files it modified or deleted.
+    # What setup created: untracked entries, ignored ones too (a directory whole, as
+    # `dir/`). A tracked file setup changed is the repository's still: the agent's
+    # change on top of setup's goes into its diff.
     made: tuple[str, ...] = ()
     ignored: frozenset[str] = frozenset()  # ignored files after setup under `snapshot`'s specs
 
@@ -198,11 +199,11 @@ async def snapshot(sb: Sandbox, repo: str, commit: str, ignored_in: Sequence[str
         if ignored_in
         else ""
     )
-    # What setup made is read with the repository's own attributes (a CRLF file it left
-    # alone is no change), then they are set aside and the raw tree is written.
+    # What setup made is listed, then the repository's attributes are set aside and
+    # the raw tree is written.
     result = await sb.exec(
         f"{{ find . -mindepth 1 -maxdepth 1 -printf '%P\\0' && {end} && "
-        f"{_GIT} ls-files -z --others --directory && {_GIT} diff --name-only -z && {end} && "
+        f"{_GIT} ls-files -z --others --directory && {end} && "
         f"{ignored}{end}; }} > {index}.out && mkdir -p .git/info && "
         f"printf %s {q(RAW_ATTRIBUTES)} > .git/info/attributes && rm -f {index} && "
         f"GIT_INDEX_FILE={index} {_GIT} -c core.fsmonitor=false add -A && "

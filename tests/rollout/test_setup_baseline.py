@@ -112,6 +112,21 @@ async def test_a_file_setup_stamps_is_not_the_agents(recorder: Harness, tmp_path
     assert diffed(result) == ["calc.py"]
 
 
+async def test_a_fix_to_a_file_setup_also_changed_is_kept(
+    recorder: Harness, tmp_path: Path
+) -> None:
+    """Setup edits the very module the fix is in (a compatibility patch, say): the fix is
+    the agent's change on top of setup's, and goes into the diff; only what setup
+    created (untracked) is left out."""
+    result = await run(
+        recorder, tmp_path, FIX, {}, setup=["printf '\\n# patched by setup\\n' >> calc.py"]
+    )
+    assert (result.outcome, result.reward, result.infra_cause) == ("passed", 1.0, None), (
+        result.evidence
+    )
+    assert diffed(result) == ["calc.py"] and "patched by setup" not in result.diff
+
+
 async def test_an_extension_module_setup_builds_stays_for_the_grader(
     recorder: Harness, tmp_path: Path
 ) -> None:
