@@ -65,6 +65,7 @@ from recorder.rollout.workspace import (
     apply_patch,
     apply_test_patch,
     checkout,
+    preimages_in_tree,
     remove_bytecode,
     remove_root_shadows,
     restore_protected,
@@ -409,14 +410,18 @@ class _Rollout:
         """Apply the agent's patch; None, or its 0 when it does not apply.
 
         A diff against the tree setup left applies to that same tree by construction,
-        so when the eval's setup made the agent's tree again, a refusal is the agent's
-        doing (its object store rewritten, ignore rules gamed): a policy failure, not an
-        infrastructure abort that would mask its 0. Otherwise (a setup whose output
-        differs run to run) it stays infrastructure."""
+        so when the eval's setup made the agent's tree again, or at least the content
+        of every file the patch changes, a refusal is the agent's doing (its object
+        store rewritten): a policy failure, not an infrastructure abort that would mask
+        its 0. Otherwise (a setup whose output differs run to run, in a file the patch
+        changes) it stays infrastructure."""
         try:
             await apply_patch(sb, repo, patch)
         except InfraError as exc:
-            if self.bases["eval"].tree != self.bases["agent"].tree:
+            tree = self.bases["eval"].tree
+            if tree != self.bases["agent"].tree and not await preimages_in_tree(
+                sb, repo, tree, patch
+            ):
                 raise
             return Grade(
                 reward=0.0,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import posixpath
+import re
 import shlex
 from collections.abc import Sequence
 
@@ -35,7 +36,8 @@ from recorder.rollout.sandbox import CommandTimeout, ExecResult, Sandbox
 from recorder.rollout.tasks import Task
 
 REPO_DIR = "repo"
-_GIT = "git -c core.fileMode=false -c advice.detachedHead=false"
+# `--no-replace-objects`: a `git replace` ref of the agent's must not change what a diff reads.
+_GIT = "git --no-replace-objects -c core.fileMode=false -c advice.detachedHead=false"
 _PACK = ".tr-base.pack"  # in the sandbox's workdir, deleted once indexed
 _STAGING = ".tr-staging.git"  # a URL repository's whole clone, deleted once packed
 _packs: dict[tuple[str, str], asyncio.Task[BasePack]] = {}
@@ -203,9 +205,10 @@ async def snapshot(sb: Sandbox, repo: str, commit: str, ignored_in: Sequence[str
     # the raw tree is written.
     result = await sb.exec(
         f"{{ find . -mindepth 1 -maxdepth 1 -printf '%P\\0' && {end} && "
-        f"{_GIT} ls-files -z --others --directory && {end} && "
+        f"{_GIT} ls-files -z --others --directory --no-empty-directory && {end} && "
         f"{ignored}{end}; }} > {index}.out && mkdir -p .git/info && "
         f"printf %s {q(RAW_ATTRIBUTES)} > .git/info/attributes && rm -f {index} && "
+        f"GIT_INDEX_FILE={index} {_GIT} read-tree {q(commit)} && "
         f"GIT_INDEX_FILE={index} {_GIT} -c core.fsmonitor=false add -A && "
         f"GIT_INDEX_FILE={index} {_GIT} write-tree && cat {index}.out; "
         f"rc=$?; rm -f {index} {index}.out; exit $rc",
@@ -273,7 +276,8 @@ async def take_diff(sb: Sandbox, repo: str, base: Baseline) -> bytes:
     cmd = (
         f"rm -f {q(out)} {q(index)} && {git} read-tree {q(base.tree)} && "
         f"{git} add -A{keep_setups} && "
-        f"{git} diff --cached --binary --no-color --no-ext-diff --no-textconv --no-relative "
+        f"{git} diff --cached --binary --full-index --no-color --no-ext-diff --no-textconv "
+        "--no-relative "
         f"--src-prefix=a/ --dst-prefix=b/ {q(base.tree)} > {q(out)}; "
         f"rc=$?; rm -f {q(index)} {q(specs)}; exit $rc"
     )
@@ -287,6 +291,26 @@ async def take_diff(sb: Sandbox, repo: str, base: Baseline) -> bytes:
             raise InfraError("sandbox_gone", failed)
         raise BrokenRepository(failed)
     return await sb.read_file(out)
+
+
+_PREIMAGE = re.compile(rb"^index ([0-9a-f]{40,64})\.\.", re.M)
+
+
+async def preimages_in_tree(sb: Sandbox, repo: str, tree: str, patch: bytes) -> bool:
+    """Whether every file the patch changes had, where its diff was taken, content the
+    tree `tree` holds (the diff's `--full-index` preimage hashes). Then the patch would
+    apply on that tree, and a refusal is of the agent's making (its object store
+    rewritten), whatever else a run-to-run setup made differently."""
+    wanted = {m.decode() for m in _PREIMAGE.findall(patch)} - {"0" * 40, "0" * 64}
+    if not wanted:
+        return False
+    listed = await sb.exec(f"{_GIT} ls-tree -r -z {shlex.quote(tree)}", timeout_s=300, cwd=repo)
+    if listed.exit_code != 0:
+        return False
+    blobs = {
+        entry.split(" ", 2)[2].split("\t", 1)[0] for entry in listed.stdout.split("\0") if entry
+    }
+    return wanted <= blobs
 
 
 # Written to the eval repository's `.git/info/attributes` (which overrides every
@@ -372,12 +396,14 @@ async def restore_protected(
 
 
 async def remove_bytecode(sb: Sandbox, repo: str) -> None:
-    """Remove every compiled Python file (`*.pyc`, `*.pyo`) before grading. Setup's own
-    bytecode is stale once the patch changes a module within the same second and at
-    the same size (Python checks only mtime and size): a correct fix graded 0 under a
-    setup that ran `compileall`. No test needs one; Python writes them again."""
+    """Remove the bytecode cache (`__pycache__/*.pyc`) before grading. Setup's cache is
+    stale once the patch changes a module within the same second and at the same size
+    (Python checks only mtime and size): a correct fix graded 0 under a setup that ran
+    `compileall`. Python writes the cache again; a sourceless module (a `.pyc` outside
+    `__pycache__`) is not cache, and stays."""
     done = await sb.exec(
-        "find . -path ./.git -prune -o -type f \\( -name '*.pyc' -o -name '*.pyo' \\) "
+        "find . -path ./.git -prune -o -type f -path '*/__pycache__/*' "
+        "\\( -name '*.pyc' -o -name '*.pyo' \\) "
         "-exec rm -f -- {} +",
         timeout_s=600,
         cwd=repo,

@@ -266,3 +266,71 @@ async def test_a_correct_fix_earns_its_reward_whatever_setup_and_attributes_do(
     assert (result.outcome, result.reward, result.infra_cause) == ("passed", 1.0, None), (
         result.evidence
     )
+
+
+# A third round over the fixes above.
+MOVE_TO_PKG = (
+    "printf 'def add(a, b):\\n    return a + b\\n' > pkg/impl.py && "
+    "printf 'from pkg.impl import add\\n\\n\\ndef sub(a, b):\\n    return a - b\\n' > calc.py"
+)
+SOURCELESS = (
+    "cp gen.txt gen.py && python -c \"import py_compile; py_compile.compile('gen.py', "
+    "cfile='gen.pyc')\" && rm gen.py"
+)
+GEN_TEST = "import gen\n\n\ndef test_gen():\n    assert gen.ANSWER == 42\n"
+
+
+@pytest.mark.parametrize(
+    ("agent", "files", "setup", "tests"),
+    [
+        (FIX, {".gitignore": "calc.py\n"}, [], None),
+        (MOVE_TO_PKG, {}, ["mkdir -p pkg"], None),
+        (
+            FIX,
+            {"gen.txt": "ANSWER = 42\n", "tests/test_gen.py": GEN_TEST},
+            [SOURCELESS],
+            [*PASS_TO_PASS, "tests/test_gen.py::test_gen"],
+        ),
+        (
+            f"{FIX} && n=$(printf 'garbage\\n' | git hash-object -w --stdin) && "
+            "git replace -f $(git rev-parse HEAD:calc.py) $n",
+            {},
+            ["date +%s%N > stamp.txt"],
+            None,
+        ),
+    ],
+    ids=["tracked-and-ignored", "dir-setup-made-empty", "sourceless-module", "replace-ref"],
+)
+async def test_a_correct_fix_is_graded_as_a_fix(
+    recorder: Harness,
+    tmp_path: Path,
+    agent: str,
+    files: dict[str, str],
+    setup: list[str],
+    tests: list[str] | None,
+) -> None:
+    """A tracked file its `.gitignore` names dropped out of the setup tree (and the fix
+    with it); an empty directory setup made swallowed the files the fix put there; a
+    sourceless module setup compiled was removed as cache; a `git replace` ref made the
+    diff of a fix unappliable."""
+    spec = {"FAIL_TO_PASS": ["tests/test_calc.py::test_add"], "PASS_TO_PASS": tests}
+    result = await run(
+        recorder, tmp_path, agent, files, setup=setup, **({"tests": spec} if tests else {})
+    )
+    assert (result.outcome, result.reward, result.infra_cause) == ("passed", 1.0, None), (
+        result.evidence
+    )
+
+
+async def test_an_unappliable_diff_under_a_run_to_run_setup_is_a_policy_failure(
+    recorder: Harness, tmp_path: Path
+) -> None:
+    """Setup writes a timestamp, so the two sandboxes' setup trees differ; the rewritten
+    object store still made the diff refuse to apply, and that had been masked as an
+    infrastructure failure. The files the patch changes were the same in both."""
+    result = await run(
+        recorder, tmp_path, f"{FIX} && {TAMPER}", {}, setup=["date +%s%N > stamp.txt"]
+    )
+    assert "-garbage" in result.diff
+    assert (result.outcome, result.reward, result.infra_cause) == ("failed", 0.0, None)
+    assert result.evidence["failure"] == "patch_apply"
