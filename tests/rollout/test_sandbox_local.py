@@ -351,3 +351,19 @@ async def test_ending_a_sandboxs_processes_takes_those_without_marks(tmp_path: P
         await sb.end_processes()
         assert not _pids_running("sleep 121")
         assert (await sb.exec("echo still")).stdout == "still\n"  # its files and use remain
+
+
+@needs_root
+async def test_a_commands_shared_memory_is_its_own_and_capped(tmp_path: Path) -> None:
+    """`/dev/shm` was the host's, as big as RAM and shared by every sandbox: 512 MB one
+    command left there outlived it, a memory no OOM kill frees. Now each command has a
+    tmpfs of its own (`procview.SHM_SIZE`), gone with it."""
+    assert procview.private_view() is not None
+    spec = SandboxSpec(options={"root": str(tmp_path)})
+    async with await open_sandbox(spec) as a, await open_sandbox(spec) as b:
+        wrote = await a.exec("head -c 1048576 /dev/zero > /dev/shm/left && df -k /dev/shm")
+        assert wrote.exit_code == 0, wrote.stderr
+        assert int(wrote.stdout.splitlines()[-1].split()[1]) == 1024 * 1024  # 1 GiB
+        for sb in (a, b):
+            assert (await sb.exec("ls /dev/shm")).stdout == ""
+        assert not Path("/dev/shm/left").exists()

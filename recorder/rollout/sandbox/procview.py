@@ -9,6 +9,10 @@ a command of a sandbox user starts in a mount namespace of its own whose
 processes of the reader's own user there. The rest of the file system is the
 host's.
 
+Its `/dev/shm` is a tmpfs of its own too, capped at `SHM_SIZE`: memory there
+belongs to no process, and the host's, shared by every sandbox, is as big as
+RAM.
+
 Two more things a command must not carry past its sandbox (a fifth audit):
 its System V IPC objects and POSIX message queues outlive their processes and
 belong to the uid, which the pool hands to the next sandbox (the rollout's
@@ -55,10 +59,15 @@ ROOT_UNSAFE = re.compile(
     r"^(LD_[A-Z_]*|GLIBC_TUNABLES|GCONV_PATH|LOCPATH|NLSPATH|NIS_PATH|MALLOC_[A-Z_]*|BASH_ENV"
     r"|ENV|HOSTALIASES|RES_OPTIONS|LOCALDOMAIN|RESOLV_HOST_CONF|TZDIR|GETCONF_DIR|TMPDIR)$"
 )
+# Each command's own /dev/shm, a tmpfs of at most this much memory. The host's is a tmpfs
+# as big as RAM that every sandbox shared: what one wrote there outlived its processes
+# (no OOM kill frees it) until its user was released, 512 MB in an audit.
+SHM_SIZE = "1g"
 # $1 uid, $2 gid; the rest is what setpriv execs. A failed mount never runs the
 # command with the full process table in view: 125 (the command did not run).
 _WRAPPER = (
     "{mount} -t proc -o hidepid=2,nosuid,nodev,noexec proc /proc || exit 125\n"
+    "{mount} -t tmpfs -o size={shm},mode=1777,nosuid,nodev tmpfs /dev/shm || exit 125\n"
     "uid=$1 gid=$2\nshift 2\n"
     'exec {setpriv} --reuid="$uid" --regid="$gid" --clear-groups --no-new-privs -- "$@"\n'
 )
@@ -88,7 +97,7 @@ class _Tools:
     def argv(self, uid: int, gid: int, tail: list[str]) -> list[str]:
         """unshare (mounts, IPC) -> mount a private /proc -> setpriv to uid/gid, no new
         privileges -> exec `tail`."""
-        wrapper = _WRAPPER.format(mount=self.mount, setpriv=self.setpriv)
+        wrapper = _WRAPPER.format(mount=self.mount, setpriv=self.setpriv, shm=SHM_SIZE)
         return [self.unshare, "--mount", "--ipc", "--propagation", "private", "--", "/bin/sh",
                 "-c", wrapper, "sh", str(uid), str(gid), *tail]  # fmt: skip
 
