@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import glob
 import os
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
-from task_repos import FIXED, base_repo
+from task_repos import EXT_SUFFIX, FIXED, base_repo, extension_b64
 from test_reward_integrity import (  # noqa: F401  (recorder is a fixture)
     FIX,
     GRADERS,
@@ -693,18 +692,7 @@ PyMODINIT_FUNC PyInit_calc(void) { return PyModule_Create(&D); }
 
 def _extension_agent(tmp_path: Path) -> str:
     """An agent command that drops the compiled fix (`calc.<abi tag>.so`) at the root."""
-    import base64
-    import sysconfig
-
-    gcc, include = shutil.which("gcc"), sysconfig.get_paths()["include"]
-    if gcc is None or not Path(include, "Python.h").exists():
-        pytest.skip("needs gcc and Python's headers to build the extension module")
-    source, name = tmp_path / "calcmod.c", f"calc{sysconfig.get_config_var('EXT_SUFFIX')}"
-    source.write_text(CALC_C)
-    built = tmp_path / name
-    subprocess.run([gcc, "-shared", "-fPIC", "-O2", f"-I{include}", str(source), "-o",
-                    str(built)], check=True, capture_output=True)  # fmt: skip
-    return f"echo {base64.b64encode(built.read_bytes()).decode()} | base64 -d > {name}"
+    return f"echo {extension_b64(CALC_C, tmp_path)} | base64 -d > calc{EXT_SUFFIX}"
 
 
 @pytest.mark.parametrize("task", ["fixture", "calc-add"])

@@ -13,15 +13,11 @@ Through the real driver, git and local sandboxes (`add` subtracts; FIX repairs i
 # ruff: noqa: F811  (recorder, the fixture, is imported by name)
 from __future__ import annotations
 
-import base64
-import shutil
-import subprocess
-import sysconfig
 from pathlib import Path
 from typing import Any
 
 import pytest
-from task_repos import BUGGY, PASS_TO_PASS, base_repo, git
+from task_repos import BUGGY, EXT_SUFFIX, PASS_TO_PASS, base_repo, extension_b64, git
 from test_reward_integrity import (  # noqa: F401  (recorder is a fixture)
     FIX,
     GRADERS,
@@ -133,19 +129,12 @@ async def test_an_extension_module_setup_builds_stays_for_the_grader(
     """Setup puts an ignored `native*.so` the tests import in place (here unpacked from
     the repository: the sandbox's user cannot read this interpreter's headers to build
     it): it is the task's, not a fix the patch shipped as bytecode, so it stays."""
-    gcc, include = shutil.which("gcc"), sysconfig.get_paths()["include"]
-    if gcc is None or not Path(include, "Python.h").exists():
-        pytest.skip("needs gcc and Python's headers to build the extension module")
-    (tmp_path / "native.c").write_text(NATIVE_C)
-    built = tmp_path / "native.so"
-    subprocess.run([gcc, "-shared", "-fPIC", f"-I{include}", str(tmp_path / "native.c"), "-o",
-                    str(built)], check=True, capture_output=True)  # fmt: skip
     files = {
-        "native.b64": base64.b64encode(built.read_bytes()).decode(),
+        "native.b64": extension_b64(NATIVE_C, tmp_path),
         ".gitignore": "*.so\n",
         "tests/test_native.py": NATIVE_TEST,
     }
-    unpack = f"base64 -d native.b64 > native{sysconfig.get_config_var('EXT_SUFFIX')}"
+    unpack = f"base64 -d native.b64 > native{EXT_SUFFIX}"
     passing = [*PASS_TO_PASS, "tests/test_native.py::test_native"]
     result = await run(
         recorder,
