@@ -14,7 +14,7 @@ one rollout, each step also appended to the session's log as a SandboxEvent
 
 The agent's sandbox is dead before the eval sandbox exists (nothing it left
 running can touch the grading). The diff is taken against the tree the task's
-setup left (`workspace.Baseline`: what setup writes is not the agent's), and
+setup left (`diff.Baseline`: what setup writes is not the agent's), and
 the eval sandbox, after its own setup, restores the task's protected paths to
 that state and applies its `test_patch` (`recorder.rollout.protect`).
 
@@ -47,7 +47,17 @@ from recorder.rollout.agent import (
     run_agent,
 )
 from recorder.rollout.client import RecorderClient, RecorderError, RecorderRefused, RolloutEvent
+from recorder.rollout.diff import (
+    Baseline,
+    BrokenRepository,
+    apply_patch,
+    apply_test_patch,
+    preimages_in_tree,
+    snapshot,
+    take_diff,
+)
 from recorder.rollout.errors import InfraError
+from recorder.rollout.eval_tree import remove_bytecode, remove_root_shadows, restore_protected
 from recorder.rollout.evaluate import Grade, run_grader
 from recorder.rollout.protect import protected_pathspecs
 from recorder.rollout.sandbox import (
@@ -59,21 +69,7 @@ from recorder.rollout.sandbox import (
     open_sandbox,
 )
 from recorder.rollout.tasks import Task
-from recorder.rollout.workspace import (
-    Baseline,
-    BrokenRepository,
-    apply_patch,
-    apply_test_patch,
-    checkout,
-    preimages_in_tree,
-    remove_bytecode,
-    remove_root_shadows,
-    restore_protected,
-    run_setup,
-    snapshot,
-    tail,
-    take_diff,
-)
+from recorder.rollout.workspace import checkout, run_setup, tail
 from replay.placeholders import minimal_sample
 from replay.samples import Sample
 

@@ -2,7 +2,7 @@
 
 A policy that may edit the tests it is graded by learns to edit them (`assert
 True` earns the same reward as a fix). So before grading, the eval sandbox
-restores these paths as its setup left them (`workspace.restore_protected`), then
+restores these paths as its setup left them (`eval_tree.restore_protected`), then
 applies the task's `test_patch`:
 
 - `protected_paths` given: those git globs (`*` stays inside a directory,

@@ -409,7 +409,7 @@ async def test_a_module_shadowing_the_code_under_test_earns_nothing(
 async def test_a_module_the_agent_force_added_past_its_gitignore_never_reaches_the_eval(
     recorder: Harness, tmp_path: Path
 ) -> None:
-    """The diff is taken with an index of its own (`workspace.take_diff`): what the agent
+    """The diff is taken with an index of its own (`diff.take_diff`): what the agent
     forced into its index is not in it, and the restore's pass over ignored files in
     the eval stays as a second line."""
     src = tmp_path / "src"

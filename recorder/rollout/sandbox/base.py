@@ -88,6 +88,11 @@ class CommandHandle(abc.ABC):
     def pid(self) -> int:
         """The process id inside the sandbox."""
 
+    @property
+    def running(self) -> bool:
+        """Whether the command has not ended yet."""
+        return not self._finished.done()
+
     async def wait(self, timeout_s: float | None = None) -> ExecResult:
         """Wait for the command to end. Past `timeout_s` kill it and raise `CommandTimeout`."""
         try:

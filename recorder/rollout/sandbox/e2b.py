@@ -291,7 +291,7 @@ class E2BSandbox(Sandbox):
                 timeout=0,  # the deadline is ours (E2BHandle.wait), not the stream's
             )
         started_handle = E2BHandle(self, cmd, handle, started)
-        self._handles = [h for h in self._handles if not h._finished.done()]
+        self._handles = [h for h in self._handles if h.running]
         self._handles.append(started_handle)
         return started_handle
 

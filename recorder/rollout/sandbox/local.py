@@ -215,10 +215,6 @@ class LocalHandle(CommandHandle):
     def pid(self) -> int:
         return self._proc.pid
 
-    @property
-    def running(self) -> bool:
-        return not self._finished.done()
-
     async def _finish(self, exited: asyncio.Future[int]) -> ExecResult:
         code = await exited
         # What the command left running would hold the pipes open forever: kill its
