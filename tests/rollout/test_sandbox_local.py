@@ -367,3 +367,84 @@ async def test_a_commands_shared_memory_is_its_own_and_capped(tmp_path: Path) ->
         for sb in (a, b):
             assert (await sb.exec("ls /dev/shm")).stdout == ""
         assert not Path("/dev/shm/left").exists()
+
+
+def _memory_cgroup(tmp_name: str, limit: int) -> Path:
+    """A fresh memory cgroup of `limit` bytes below this process's own (cgroup v1's memory
+    controller, or v2's); removed by the caller."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, where = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            mount = Path("/sys/fs/cgroup/memory")
+            limit_file, procs = "memory.limit_in_bytes", "cgroup.procs"
+            break
+    else:
+        mount = Path("/sys/fs/cgroup")
+        if "memory" not in (mount / "cgroup.controllers").read_text().split():
+            raise OSError("no memory controller")
+        where = Path("/proc/self/cgroup").read_text().strip().split("::", 1)[1]
+        limit_file, procs = "memory.max", "cgroup.procs"
+    group = mount / where.lstrip("/") / tmp_name
+    group.mkdir()
+    try:
+        (group / limit_file).write_text(str(limit))  # v2: only where memory is delegated
+    except OSError:
+        group.rmdir()
+        raise
+    assert (group / procs).exists()
+    return group
+
+
+def _join(group: Path, pid: int) -> None:
+    (group / "cgroup.procs").write_text(str(pid))
+
+
+_HOG = "import sys; x = bytearray({n}); sys.stdout.write('held\\n'); sys.stdout.flush(); sys.stdin.read()"
+
+
+@needs_root
+async def test_the_oom_killer_takes_the_sandboxs_process_not_a_larger_one_of_the_host(
+    tmp_path: Path,
+) -> None:
+    """The kernel's OOM killer scores a process by its own memory, so a sandbox filling
+    memory with processes smaller than the driver (or a recorder beside it) had the
+    driver killed, and every rollout with it. Sandbox commands now carry the highest
+    `oom_score_adj`. Here in a memory cgroup of 600 MB: a host process holding 350 MB, a
+    sandbox command allocating 300 MB."""
+    mib = 1024 * 1024
+    try:
+        group = _memory_cgroup(f"tr-oom-{os.getpid()}", 600 * mib)
+    except OSError as exc:
+        pytest.skip(f"no memory cgroup can be made here: {exc}")
+    host = None
+    try:
+        host = await asyncio.create_subprocess_exec(
+            "python3", "-c", _HOG.format(n=350 * mib),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        _join(group, host.pid)
+        assert host.stdout is not None
+        assert await asyncio.wait_for(host.stdout.readline(), 60) == b"held\n"
+        spec = SandboxSpec(options={"root": str(tmp_path)})
+        async with await open_sandbox(spec) as sb:
+            go = tmp_path / "go"
+            handle = await sb.start(
+                f"while [ ! -e {go} ]; do sleep 0.05; done; "
+                f"cat /proc/self/oom_score_adj; python3 -c 'x = bytearray({300 * mib})'"
+            )
+            _join(group, handle.pid)
+            go.touch()
+            done = await handle.wait(120)
+        assert host.returncode is None, "the OOM killer took the host's process"
+        assert done.exit_code == 137, done  # the shell's python, killed (SIGKILL)
+        assert done.stdout.split() == [str(procview.OOM_SCORE_ADJ)]
+    finally:
+        if host is not None and host.returncode is None:
+            host.kill()
+            await host.wait()
+        for _ in range(50):
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                await asyncio.sleep(0.1)

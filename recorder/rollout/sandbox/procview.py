@@ -63,10 +63,18 @@ ROOT_UNSAFE = re.compile(
 # as big as RAM that every sandbox shared: what one wrote there outlived its processes
 # (no OOM kill frees it) until its user was released, 512 MB in an audit.
 SHM_SIZE = "1g"
+# A sandbox's processes are what the kernel's OOM killer takes first (the most it can
+# add to a score). It scores a process by its own memory: a sandbox that fills memory
+# with many processes of a few hundred MB each left the driver, or a recorder on the
+# same machine, the largest process, and every rollout would have ended with it. The
+# sandbox user may lower it, but not below the kernel's default (0) for a process of
+# its own: a score it sets back only gives up the preference.
+OOM_SCORE_ADJ = 1000
 # $1 uid, $2 gid; the rest is what setpriv execs. A failed mount never runs the
 # command with the full process table in view: 125 (the command did not run).
 _WRAPPER = (
     "{mount} -t proc -o hidepid=2,nosuid,nodev,noexec proc /proc || exit 125\n"
+    f"echo {OOM_SCORE_ADJ} > /proc/self/oom_score_adj 2>/dev/null\n"
     "{mount} -t tmpfs -o size={shm},mode=1777,nosuid,nodev tmpfs /dev/shm || exit 125\n"
     "uid=$1 gid=$2\nshift 2\n"
     'exec {setpriv} --reuid="$uid" --regid="$gid" --clear-groups --no-new-privs -- "$@"\n'
@@ -74,7 +82,10 @@ _WRAPPER = (
 # The command's own shell enters its directory, as the sandbox user: entered by root
 # (Popen's `cwd` is, before any user change), a `repo` the sandbox had replaced with a
 # link to a directory its user cannot reach let the next command read it.
-_ENTER = 'cd -- "$1" || exit 125\nshift\nexec /bin/sh -c "$@"'
+_ENTER = (
+    f"echo {OOM_SCORE_ADJ} > /proc/self/oom_score_adj 2>/dev/null\n"
+    'cd -- "$1" || exit 125\nshift\nexec /bin/sh -c "$@"'
+)
 
 
 @dataclass(frozen=True)
