@@ -448,3 +448,38 @@ async def test_the_oom_killer_takes_the_sandboxs_process_not_a_larger_one_of_the
                 break
             except OSError:
                 await asyncio.sleep(0.1)
+
+
+@needs_root
+async def test_a_runaway_write_stops_at_the_sandboxs_file_size_limit(tmp_path: Path) -> None:
+    """One file a sandbox user's command writes holds at most `max_file_size` bytes:
+    `yes > out` had no bound but the disk, which the driver's files and a recorder's log
+    may share. A shell's command dies of SIGXFSZ, Python gets EFBIG; smaller files and
+    another sandbox are untouched."""
+    spec = SandboxSpec(options={"root": str(tmp_path), "max_file_size": "2m"})
+    async with await open_sandbox(spec) as sb:
+        shell = await sb.exec("yes > out; echo $?; stat -c %s out")
+        assert shell.stdout.split() == [str(128 + 25), str(2 << 20)]  # SIGXFSZ
+        py = await sb.exec('python3 -c \'open("big", "wb").write(bytes(3 << 20))\' 2>&1 | tail -1')
+        assert "File too large" in py.stdout
+        fits = await sb.exec("head -c 1048576 /dev/zero > fits && stat -c %s fits")
+        assert fits.stdout.strip() == str(1 << 20)
+    async with await open_sandbox(SandboxSpec(options={"root": str(tmp_path)})) as other:
+        big = await other.exec("head -c 3145728 /dev/zero > f && stat -c %s f")
+        assert big.stdout.strip() == str(3 << 20)
+
+
+@pytest.mark.parametrize("value", [0, "1k", "lots", "-5g", "2x"])
+async def test_a_file_size_limit_that_is_no_size_is_refused(tmp_path: Path, value: object) -> None:
+    spec = SandboxSpec(options={"root": str(tmp_path), "max_file_size": value})
+    with pytest.raises(SandboxBootError, match="max_file_size"):
+        await open_sandbox(spec)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("8g", 8 << 30), ("512M", 512 << 20), (3 << 20, 3 << 20), ("none", None), (None, None)],
+)
+def test_file_size_limits_read_as_bytes(value: object, expected: int | None) -> None:
+    assert local.max_file_size(SandboxSpec(options={"max_file_size": value})) == expected
+    assert local.max_file_size(SandboxSpec()) == 8 << 30

@@ -28,7 +28,8 @@ isolation by directory and process group only, not a security boundary.
 A sandbox user's commands see only that user's processes (`procview.py`: a
 private `/proc` mounted `hidepid=2`), not other rollouts' command lines, and
 run at most `options["max_processes"]` processes and threads at once (a fork
-bomb fails inside its own sandbox).
+bomb fails inside its own sandbox), and write no file larger than
+`options["max_file_size"]`.
 
 Where: a root driver's sandboxes go under `ROOT_SANDBOXES` (not the system's
 temp dir), and a sandbox refuses to start where any directory above it is
@@ -71,7 +72,7 @@ from recorder.rollout.sandbox.base import (
     SandboxSpec,
 )
 from recorder.rollout.sandbox.environment import host_basics
-from recorder.rollout.sandbox.procview import as_user, launch, private_view
+from recorder.rollout.sandbox.procview import Limits, as_user, launch, private_view
 from recorder.rollout.sandbox.users import (
     SandboxUser,
     UserPoolError,
@@ -83,9 +84,13 @@ MARK = "TR_SANDBOX_ID"  # in every command's environment; `kill` sweeps for it
 COMMAND_MARK = "TR_SANDBOX_COMMAND"  # one per command: what a finished `exec` left is swept
 _CHUNK = 65536
 # Processes and threads one sandbox's user may run at once: an agent (Node runs ~a dozen
-# threads), its tools and a test suite fit; a fork bomb stops there (`procview.process_limit`).
+# threads), its tools and a test suite fit; a fork bomb stops there (`procview.limit_argv`).
 DEFAULT_MAX_PROCESSES = 1024
 MIN_PROCESSES = 32
+# The largest file a sandbox user's command may write (`procview.limit_argv`): a
+# repository's pack, a build's artifacts and a test suite's data fit.
+DEFAULT_MAX_FILE_SIZE = "8g"
+MIN_FILE_SIZE = 1 << 20
 # How long a finished command's pipes may take to close once its group is killed,
 # before the process table is searched for an escaped holder (a few ms in practice),
 # and how long after that search its output is still read.
@@ -258,7 +263,7 @@ class LocalSandbox(Sandbox):
         self.workdir = str(workdir)
         self.user = user  # None: commands run as the driver's own user
         self._spec = spec
-        self._max_processes = max_processes(spec)
+        self._limits = Limits(max_processes(spec), max_file_size(spec))
         self._handles: list[LocalHandle] = []
         self._commands = 0
         self._gone = False
@@ -273,6 +278,7 @@ class LocalSandbox(Sandbox):
         if mode not in ("auto", "driver"):
             raise SandboxBootError(f"options['user'] is 'auto' or 'driver', not {mode!r}")
         max_processes(spec)  # refuse a bad limit before anything is made
+        max_file_size(spec)
         try:
             user = await asyncio.to_thread(claim_user) if mode == "auto" else None
         except (UserPoolError, OSError) as exc:
@@ -330,7 +336,7 @@ class LocalSandbox(Sandbox):
         if not os.path.isdir(where):  # what Popen would say; entered as the user below
             raise FileNotFoundError(f"cannot run in {where}: no such directory")
         ids = (user.uid, user.gid) if user else (None, None)
-        how = launch(cmd, self._env(env, mark), where, *ids, self._max_processes)
+        how = launch(cmd, self._env(env, mark), where, *ids, self._limits)
         try:
             proc = subprocess.Popen(
                 how.argv,
@@ -429,6 +435,27 @@ def max_processes(spec: SandboxSpec) -> int | None:
         raise SandboxBootError(
             f"options['max_processes'] is a number of at least {MIN_PROCESSES}, or 'none'; "
             f"not {value!r}"
+        )
+    return n
+
+
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def max_file_size(spec: SandboxSpec) -> int | None:
+    """`options["max_file_size"]`: the most bytes any one file a sandbox user's command
+    writes may hold (`DEFAULT_MAX_FILE_SIZE`; a number of bytes, or with a k/m/g/t
+    suffix, binary; "none" for no limit)."""
+    value = spec.options.get("max_file_size", DEFAULT_MAX_FILE_SIZE)
+    text = str(value).strip().lower()
+    if value is None or text == "none":
+        return None
+    digits, unit = (text[:-1], text[-1]) if text[-1:] in _SIZE_UNITS else (text, "")
+    n = int(digits) * _SIZE_UNITS[unit] if digits.isdigit() else 0
+    if n < MIN_FILE_SIZE:
+        raise SandboxBootError(
+            f"options['max_file_size'] is a size of at least 1m (bytes, or with a k/m/g/t "
+            f"suffix), or 'none'; not {value!r}"
         )
     return n
 

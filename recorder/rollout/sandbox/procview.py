@@ -113,22 +113,29 @@ class _Tools:
                 "-c", wrapper, "sh", str(uid), str(gid), *tail]  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What a sandbox user's command may use (None: no limit)."""
+
+    processes: int | None = None  # processes and threads of its user at once
+    file_size: int | None = None  # bytes of any one file it writes
+
+
 def launch(
     cmd: str,
     env: Mapping[str, str],
     cwd: str,
     uid: int | None,
     gid: int | None,
-    max_processes: int | None = None,
+    limits: Limits = Limits(),
 ) -> Launch:
     """How to start `/bin/sh -c cmd` in `cwd` with `env`: as the driver (uid None), or as
     a sandbox user that sees only its own processes (or, where that is not possible, as
-    the user), entering `cwd` with that user's rights, its user held to `max_processes`
-    processes and threads (`process_limit`)."""
+    the user), entering `cwd` with that user's rights, under `limits` (`limit_argv`)."""
     if uid is None or gid is None:
         return Launch(["/bin/sh", "-c", cmd], dict(env), cwd, {})
     shell = ["/bin/sh", "-c", _ENTER, "sh", cwd, cmd]
-    limit = process_limit(max_processes)
+    limit = limit_argv(limits)
     tools = private_view()
     if tools is None:
         return Launch([*limit, *shell], dict(env), "/", as_user(uid, gid))
@@ -138,18 +145,37 @@ def launch(
     return Launch([*limit, *tools.argv(uid, gid, tail)], root_env, "/", {"umask": 0o077})
 
 
-def process_limit(max_processes: int | None) -> list[str]:
-    """The argv prefix that holds the command's user to `max_processes` tasks ([] for
-    none): `RLIMIT_NPROC`, which the kernel counts per user, so with a user per sandbox
-    it bounds the whole sandbox. A fork bomb in one rollout had no bound but the host's
-    pid space: every other rollout, the driver and a recorder on the same machine
-    could no longer start a process. Root, before the drop to the user, is exempt."""
+def limit_argv(limits: Limits) -> list[str]:
+    """The argv prefix that holds a command to `limits` ([] for none), util-linux's
+    `prlimit` (a limit above the driver's own hard limit is lowered to it):
+
+    - `RLIMIT_NPROC`, which the kernel counts per user, so with a user per sandbox it
+      bounds the whole sandbox. A fork bomb in one rollout had no bound but the host's
+      pid space: every other rollout, the driver and a recorder on the same machine
+      could no longer start a process. Root, before the drop to the user, is exempt.
+    - `RLIMIT_FSIZE`, per file: one runaway write (a loop's output sent to a file) had
+      no bound but the disk, which the driver's files and a recorder's log may share.
+      The writer gets `EFBIG` (a shell's command, `SIGXFSZ`). Many files still add up.
+    """
     prlimit = _prlimit()
-    if max_processes is None or prlimit is None:
+    if prlimit is None:
         return []
-    hard = resource.getrlimit(resource.RLIMIT_NPROC)[1]
-    n = max_processes if hard == resource.RLIM_INFINITY else min(max_processes, hard)
-    return [prlimit, f"--nproc={n}:{n}", "--"]
+    args = [
+        f"--{name}={n}:{n}"
+        for name, kind, wanted in (
+            ("nproc", resource.RLIMIT_NPROC, limits.processes),
+            ("fsize", resource.RLIMIT_FSIZE, limits.file_size),
+        )
+        if (n := _within_hard(kind, wanted)) is not None
+    ]
+    return [prlimit, *args, "--"] if args else []
+
+
+def _within_hard(kind: int, wanted: int | None) -> int | None:
+    if wanted is None:
+        return None
+    hard = resource.getrlimit(kind)[1]
+    return wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
 
 
 @functools.cache
