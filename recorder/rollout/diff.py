@@ -183,18 +183,101 @@ async def preimages_in_tree(sb: Sandbox, repo: str, tree: str, patch: bytes) -> 
 RAW_ATTRIBUTES = "* -text -eol -ident -filter -working-tree-encoding\n"
 
 
-async def apply_patch(sb: Sandbox, repo: str, patch: bytes) -> None:
+class ForgedDiff(Exception):
+    """The agent's diff changes what setup made, which `take_diff` never puts in a diff:
+    the diff was made elsewhere than there (the agent's sandbox is the agent's: a
+    process left behind swapped the diff file, or, on E2B, its own `git`)."""
+
+    def __init__(self, paths: list[str]) -> None:
+        super().__init__(
+            f"the agent's diff changes {len(paths)} path(s) that setup made, which no diff "
+            f"taken by the driver holds: {', '.join(paths[:20])}"
+        )
+        self.paths = paths
+
+
+async def apply_patch(sb: Sandbox, repo: str, patch: bytes, agents: Baseline) -> None:
+    """Apply the agent's diff on the eval sandbox's tree. Raises ForgedDiff, before
+    anything is applied, when it changes what setup made in the agent's sandbox
+    (`agents.made`): such a diff had an entry point written into setup's `.egg-info`
+    load a plugin into the grader's pytest. InfraError("patch_apply") when git refuses it."""
     path = posixpath.join(sb.workdir, "agent.patch")
     await sb.write_file(path, patch)
+    # Again, though `snapshot` wrote it: the guarantee belongs where the patch goes in.
     attributes = posixpath.join(sb.workdir, repo, ".git", "info", "attributes")
     await sb.write_file(attributes, RAW_ATTRIBUTES)
+    q = shlex.quote
+    listed = await sb.exec(f"{GIT} apply --numstat -z {q(path)}", timeout_s=300, cwd=repo)
+    if listed.exit_code == 0:  # else the apply below says why
+        touched = numstat_paths(listed.stdout) + rename_sources(patch)
+        if forged := setup_made(touched, agents.made):
+            raise ForgedDiff(forged)
     result = await sb.exec(
-        f"{GIT} apply --binary --whitespace=nowarn {shlex.quote(path)}", timeout_s=300, cwd=repo
+        f"{GIT} apply --binary --whitespace=nowarn {q(path)}", timeout_s=300, cwd=repo
     )
     if result.exit_code != 0:
         raise InfraError(
             "patch_apply", f"the agent's diff does not apply on a clean checkout: {result.stderr}"
         )
+
+
+def numstat_paths(out: str) -> list[str]:
+    """The paths in `git apply --numstat -z` output: `added TAB deleted TAB path NUL`,
+    or for a rename or copy an empty path and then `source NUL destination NUL`."""
+    fields = out.split("\0")
+    paths: list[str] = []
+    i = 0
+    while i < len(fields):
+        entry = fields[i]
+        i += 1
+        if not entry:
+            continue
+        path = entry.split("\t", 2)[-1]
+        if path:
+            paths.append(path)
+        else:
+            paths += fields[i : i + 2]
+            i += 2
+    return paths
+
+
+_SOURCE = re.compile(rb"^(?:rename|copy) from (.+)$", re.M)
+_ESCAPES = {
+    ord("a"): 7, ord("b"): 8, ord("t"): 9, ord("n"): 10, ord("v"): 11, ord("f"): 12,
+    ord("r"): 13, ord('"'): 34, ord("\\"): 92,
+}  # fmt: skip
+
+
+def rename_sources(patch: bytes) -> list[str]:
+    """The sources of a diff's renames and copies (`git apply --numstat` names only
+    where a rename goes): its `rename from` / `copy from` lines, unquoted as git
+    quotes a path (C escapes and octal bytes within double quotes)."""
+    return [unquote_path(m.rstrip(b"\r")) for m in _SOURCE.findall(patch)]
+
+
+def unquote_path(raw: bytes) -> str:
+    if not (len(raw) >= 2 and raw.startswith(b'"') and raw.endswith(b'"')):
+        return raw.decode(errors="replace")
+    body, out, i = raw[1:-1], bytearray(), 0
+    while i < len(body):
+        if body[i] != 92 or i + 1 == len(body):  # not a backslash
+            out.append(body[i])
+            i += 1
+        elif body[i + 1 : i + 4].isdigit():
+            out.append(int(body[i + 1 : i + 4], 8) & 0xFF)
+            i += 4
+        else:
+            out.append(_ESCAPES.get(body[i + 1], body[i + 1]))
+            i += 2
+    return out.decode(errors="replace")
+
+
+def setup_made(paths: Sequence[str], made: Sequence[str]) -> list[str]:
+    """The `paths` that are, or lie below, an entry of what setup made (`Baseline.made`:
+    a directory whole, as `dir/`)."""
+    files = {m for m in made if not m.endswith("/")}
+    dirs = tuple(m for m in made if m.endswith("/"))
+    return [p for p in dict.fromkeys(paths) if p in files or p.startswith(dirs)]
 
 
 async def apply_test_patch(sb: Sandbox, repo: str, patch: str) -> str | None:

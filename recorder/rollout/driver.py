@@ -50,6 +50,7 @@ from recorder.rollout.client import RecorderClient, RecorderError, RecorderRefus
 from recorder.rollout.diff import (
     Baseline,
     BrokenRepository,
+    ForgedDiff,
     apply_patch,
     apply_test_patch,
     preimages_in_tree,
@@ -403,7 +404,8 @@ class _Rollout:
         return grade
 
     async def apply(self, sb: Sandbox, repo: str, patch: bytes) -> Grade | None:
-        """Apply the agent's patch; None, or its 0 when it does not apply.
+        """Apply the agent's patch; None, or its 0 when it does not apply or changes what
+        setup made (`ForgedDiff`: no diff the driver takes does).
 
         A diff against the tree setup left applies to that same tree by construction,
         so when the eval's setup made the agent's tree again, or at least the content
@@ -412,7 +414,15 @@ class _Rollout:
         its 0. Otherwise (a setup whose output differs run to run, in a file the patch
         changes) it stays infrastructure."""
         try:
-            await apply_patch(sb, repo, patch)
+            await apply_patch(sb, repo, patch, self.bases["agent"])
+        except ForgedDiff as exc:
+            return Grade(
+                reward=0.0,
+                passed=False,
+                exit_code=None,
+                failure="diff_forged",
+                output_tail=tail(str(exc), 2000),
+            )
         except InfraError as exc:
             tree = self.bases["eval"].tree
             if tree != self.bases["agent"].tree and not await preimages_in_tree(

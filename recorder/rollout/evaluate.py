@@ -41,7 +41,8 @@ class Grade(msgspec.Struct, frozen=True, kw_only=True):
     # Why the patch earned 0 whatever its grader printed: "test_patch_conflict",
     # "pytest_did_not_finish" (`grade_tests`: no report of our plugin's),
     # "exit_code_without_pytest_pass" (`grade_exit`), "patch_apply" (the agent's diff
-    # does not apply on the tree it was taken against) or "repository_broken" (the
+    # does not apply on the tree it was taken against), "diff_forged" (the diff changes
+    # what setup made, which no diff the driver takes holds) or "repository_broken" (the
     # agent's repository could not be diffed: its `.git` removed).
     failure: str | None = None
     # Protected paths the agent's patch changed (restored as setup left them before grading).

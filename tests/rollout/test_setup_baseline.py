@@ -14,9 +14,10 @@ Through the real driver, git and local sandboxes (`add` subtracts; FIX repairs i
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+from sandbox_backends import Backend
 from task_repos import BUGGY, EXT_SUFFIX, PASS_TO_PASS, base_repo, extension_b64, git
 from test_reward_integrity import (  # noqa: F401  (recorder is a fixture)
     FIX,
@@ -31,6 +32,9 @@ from test_reward_integrity import (  # noqa: F401  (recorder is a fixture)
 
 from recorder.rollout.driver import RolloutResult
 from tests.server.conftest import Harness
+
+if TYPE_CHECKING:
+    from e2b_doubles import E2BDoubles
 
 SETUP_PY = (
     'from setuptools import setup\n\nsetup(name="calc", version="0.1", py_modules=["calc"])\n'
@@ -201,6 +205,45 @@ async def test_a_plugin_entry_point_written_into_setups_egg_info_earns_nothing(
         result.evidence
     )
     assert "entry_points" not in result.diff
+
+
+# The same entry point, in a diff the agent made itself (`git diff` leaves out what setup
+# made), swapped for the driver's diff file by a process left behind without the
+# sandbox's marks, while the driver's `git diff` deflates a 50 MB new binary file (~1 s).
+FORGE = (
+    f"{ENTRY_POINT} && git add -f forge.py calc.egg-info/entry_points.txt && "
+    "git diff --cached --binary HEAD -- forge.py calc.egg-info/entry_points.txt > ../forged && "
+    "git rm -q --cached forge.py calc.egg-info/entry_points.txt && "
+    "rm forge.py calc.egg-info/entry_points.txt && "
+    "head -c 50000000 /dev/urandom > big.bin && "
+    "(env -i /usr/bin/setsid /bin/sh -c ': > ../lurking; "
+    "while [ ! -e ../agent.diff ]; do /bin/sleep 0.01; done; "
+    "/bin/rm -f ../agent.diff; /bin/cp ../forged ../agent.diff' "
+    "</dev/null >/dev/null 2>&1 &) && "
+    # out of the command's process group before the command ends (and its group is killed)
+    "while [ ! -e ../lurking ]; do sleep 0.01; done"
+)
+
+
+async def test_a_diff_swapped_by_a_process_left_behind_earns_nothing(
+    recorder: Harness, tmp_path: Path, e2b_doubles: E2BDoubles
+) -> None:
+    """On E2B a process the agent left behind lives on (the driver ends only the commands
+    it started), and the agent's VM is its own (with sudo, its `git` too): the diff read
+    from it is the agent's word. A diff swapped there for one that writes an entry point
+    into setup's `.egg-info` earned 1.0 with calc.py unfixed. A diff the driver takes
+    never holds what setup made, so one that does is refused before it is applied."""
+    src = tmp_path / "src"
+    task = calc_task(
+        str(src), calc_repo(src, {"setup.py": SETUP_PY}), setup=["python setup.py -q egg_info"]
+    )
+    result = await rollout(recorder, Backend("e2b", tmp_path, e2b_doubles), task, FORGE)
+    assert "entry_points" in result.diff and "big.bin" not in result.diff  # swapped
+    assert (result.outcome, result.reward, result.infra_cause) == ("failed", 0.0, None), (
+        result.evidence
+    )
+    assert result.evidence["failure"] == "diff_forged"
+    assert "calc.egg-info/entry_points.txt" in result.evidence["output_tail"]
 
 
 NOFIX = "echo '# looked, changed nothing' >> calc.py"
