@@ -208,13 +208,15 @@ async def apply_patch(sb: Sandbox, repo: str, patch: bytes, agents: Baseline) ->
     await sb.write_file(attributes, RAW_ATTRIBUTES)
     q = shlex.quote
     listed = await sb.exec(f"{GIT} apply --numstat -z {q(path)}", timeout_s=300, cwd=repo)
-    if listed.exit_code == 0:  # else the apply below says why
+    if listed.exit_code == 0:  # nothing is applied that was not listed
         touched = numstat_paths(listed.stdout) + rename_sources(patch)
         if forged := setup_made(touched, agents.made):
             raise ForgedDiff(forged)
-    result = await sb.exec(
-        f"{GIT} apply --binary --whitespace=nowarn {q(path)}", timeout_s=300, cwd=repo
-    )
+        result = await sb.exec(
+            f"{GIT} apply --binary --whitespace=nowarn {q(path)}", timeout_s=300, cwd=repo
+        )
+    else:
+        result = listed
     if result.exit_code != 0:
         raise InfraError(
             "patch_apply", f"the agent's diff does not apply on a clean checkout: {result.stderr}"
