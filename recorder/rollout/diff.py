@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import msgspec
 
 from recorder.rollout.errors import InfraError
+from recorder.rollout.protect import PACKAGE_METADATA
 from recorder.rollout.sandbox import CommandTimeout, Sandbox
 from recorder.rollout.workspace import GIT, tail
 
@@ -82,13 +83,7 @@ async def snapshot(sb: Sandbox, repo: str, commit: str, ignored_in: Sequence[str
             "setup_failed", f"cannot snapshot the tree setup left: {tail(result.stderr)}"
         )
     tree, _, rest = result.stdout.partition("\n")
-    sections: list[list[str]] = [[]]
-    for entry in rest.split("\0"):
-        if entry == "/":
-            sections.append([])
-        elif entry:
-            sections[-1].append(entry)
-    names, made, ignored_files = ([*sections, [], [], []])[:3]
+    names, made, ignored_files = ([*_sections(rest), [], [], []])[:3]
     return Baseline(
         commit,
         tree.strip(),
@@ -184,102 +179,92 @@ RAW_ATTRIBUTES = "* -text -eol -ident -filter -working-tree-encoding\n"
 
 
 class ForgedDiff(Exception):
-    """The agent's diff changes what setup made, which `take_diff` never puts in a diff:
+    """The agent's diff changed what setup made, which `take_diff` never puts in a diff:
     the diff was made elsewhere than there (the agent's sandbox is the agent's: a
     process left behind swapped the diff file, or, on E2B, its own `git`)."""
 
-    def __init__(self, paths: list[str]) -> None:
+    def __init__(self, entries: list[str]) -> None:
         super().__init__(
-            f"the agent's diff changes {len(paths)} path(s) that setup made, which no diff "
-            f"taken by the driver holds: {', '.join(paths[:20])}"
+            f"the agent's diff changed what setup made, which no diff taken by the driver "
+            f"holds: {'; '.join(entries[:20])}"
         )
-        self.paths = paths
+        self.entries = entries
 
 
-async def apply_patch(sb: Sandbox, repo: str, patch: bytes, agents: Baseline) -> None:
-    """Apply the agent's diff on the eval sandbox's tree. Raises ForgedDiff, before
-    anything is applied, when it changes what setup made in the agent's sandbox
-    (`agents.made`): such a diff had an entry point written into setup's `.egg-info`
-    load a plugin into the grader's pytest. InfraError("patch_apply") when git refuses it."""
+# The state, before and after `git apply`, of what setup made in the agent's sandbox
+# (every file and directory below those paths: type, size, mtime, inode), and of the
+# package metadata anywhere in the repository (the import system reads a `[pytest11]`
+# entry point from such a directory on any sys.path entry, matched case-blind, its name
+# UTF-8 or not). Compared in the sandbox, byte for byte: a forged diff renamed setup's
+# files away under headers a path parser does not know (`rename old`), and a listing
+# of 6,000 long paths passed the command's output cap with one in the middle.
+_METADATA = " -o ".join(f"-iname '*{suffix}'" for suffix in PACKAGE_METADATA)
+_STATE = (
+    "state() {{ "
+    "find . -path ./.git -prune -o \\( " + _METADATA + " \\) -print0 | sort -z > {at}.$1.meta && "
+    'xargs -0 -r sh -c \'exec find "$@" -printf "%y %s %T@ %i %p\\0"\' sh < {at}.made '
+    "2>/dev/null | sort -z > {at}.$1.made; }}; "
+)
+
+
+async def apply_patch(sb: Sandbox, repo: str, patch: bytes, agents: Baseline) -> list[str]:
+    """Apply the agent's diff on the eval sandbox's tree; returns the package metadata it
+    added (`*.dist-info`, `*.egg-info`, `*.egg-link`, in any directory: removed, since
+    a `[pytest11]` entry point there loads a plugin into the grader's pytest from any
+    sys.path entry, `src/` or a `PYTHONPATH` directory as well as the root).
+
+    Raises ForgedDiff when it changed what setup made in the agent's sandbox
+    (`agents.made`), which no diff the driver takes holds: such a diff had an entry
+    point written into setup's `.egg-info`. InfraError("patch_apply") when git refuses it.
+    """
+    at = posixpath.join(sb.workdir, ".tr-apply")
     path = posixpath.join(sb.workdir, "agent.patch")
     await sb.write_file(path, patch)
+    await sb.write_file(f"{at}.made", "\0".join(agents.made))
     # Again, though `snapshot` wrote it: the guarantee belongs where the patch goes in.
     attributes = posixpath.join(sb.workdir, repo, ".git", "info", "attributes")
     await sb.write_file(attributes, RAW_ATTRIBUTES)
-    q = shlex.quote
-    listed = await sb.exec(f"{GIT} apply --numstat -z {q(path)}", timeout_s=300, cwd=repo)
-    if listed.exit_code == 0:  # nothing is applied that was not listed
-        touched = numstat_paths(listed.stdout) + rename_sources(patch)
-        if forged := setup_made(touched, agents.made):
-            raise ForgedDiff(forged)
-        result = await sb.exec(
-            f"{GIT} apply --binary --whitespace=nowarn {q(path)}", timeout_s=300, cwd=repo
-        )
-    else:
-        result = listed
+    q, state = shlex.quote, _STATE.format(at=shlex.quote(at))
+    result = await sb.exec(
+        f"{state}state before && {GIT} apply --binary --whitespace=nowarn {q(path)}",
+        timeout_s=600,
+        cwd=repo,
+    )
     if result.exit_code != 0:
         raise InfraError(
             "patch_apply", f"the agent's diff does not apply on a clean checkout: {result.stderr}"
         )
+    # Sections of NUL-terminated entries, each ended by a "/" entry: what changed of
+    # setup's (at most 64 entries), the metadata the patch added (removed here).
+    a = q(at)
+    compared = await sb.exec(
+        f"{state}state after && "
+        f"{{ comm -z -3 {a}.before.made {a}.after.made | head -z -n 64 && printf '/\\0' && "
+        f"comm -z -13 {a}.before.meta {a}.after.meta > {a}.added && "
+        f"xargs -0 -r rm -rf -- < {a}.added && cat {a}.added && printf '/\\0'; }}; "
+        f"rc=$?; rm -f {a}.*; exit $rc",
+        timeout_s=600,
+        cwd=repo,
+    )
+    sections = _sections(compared.stdout)
+    if compared.exit_code != 0 or len(sections) < 2:
+        raise InfraError(
+            "eval_crashed", f"cannot compare the tree with setup's: {tail(compared.stderr)}"
+        )
+    if sections[0]:
+        raise ForgedDiff([entry.strip() for entry in sections[0]])
+    return [posixpath.normpath(p) for p in sections[1]]
 
 
-def numstat_paths(out: str) -> list[str]:
-    """The paths in `git apply --numstat -z` output: `added TAB deleted TAB path NUL`,
-    or for a rename or copy an empty path and then `source NUL destination NUL`."""
-    fields = out.split("\0")
-    paths: list[str] = []
-    i = 0
-    while i < len(fields):
-        entry = fields[i]
-        i += 1
-        if not entry:
-            continue
-        path = entry.split("\t", 2)[-1]
-        if path:
-            paths.append(path)
-        else:
-            paths += fields[i : i + 2]
-            i += 2
-    return paths
-
-
-_SOURCE = re.compile(rb"^(?:rename|copy) from (.+)$", re.M)
-_ESCAPES = {
-    ord("a"): 7, ord("b"): 8, ord("t"): 9, ord("n"): 10, ord("v"): 11, ord("f"): 12,
-    ord("r"): 13, ord('"'): 34, ord("\\"): 92,
-}  # fmt: skip
-
-
-def rename_sources(patch: bytes) -> list[str]:
-    """The sources of a diff's renames and copies (`git apply --numstat` names only
-    where a rename goes): its `rename from` / `copy from` lines, unquoted as git
-    quotes a path (C escapes and octal bytes within double quotes)."""
-    return [unquote_path(m.rstrip(b"\r")) for m in _SOURCE.findall(patch)]
-
-
-def unquote_path(raw: bytes) -> str:
-    if not (len(raw) >= 2 and raw.startswith(b'"') and raw.endswith(b'"')):
-        return raw.decode(errors="replace")
-    body, out, i = raw[1:-1], bytearray(), 0
-    while i < len(body):
-        if body[i] != 92 or i + 1 == len(body):  # not a backslash
-            out.append(body[i])
-            i += 1
-        elif body[i + 1 : i + 4].isdigit():
-            out.append(int(body[i + 1 : i + 4], 8) & 0xFF)
-            i += 4
-        else:
-            out.append(_ESCAPES.get(body[i + 1], body[i + 1]))
-            i += 2
-    return out.decode(errors="replace")
-
-
-def setup_made(paths: Sequence[str], made: Sequence[str]) -> list[str]:
-    """The `paths` that are, or lie below, an entry of what setup made (`Baseline.made`:
-    a directory whole, as `dir/`)."""
-    files = {m for m in made if not m.endswith("/")}
-    dirs = tuple(m for m in made if m.endswith("/"))
-    return [p for p in dict.fromkeys(paths) if p in files or p.startswith(dirs)]
+def _sections(out: str) -> list[list[str]]:
+    """NUL-terminated entries in sections, each ended by a "/" entry (no path's name)."""
+    sections: list[list[str]] = [[]]
+    for entry in out.split("\0"):
+        if entry == "/":
+            sections.append([])
+        elif entry:
+            sections[-1].append(entry)
+    return sections[:-1]
 
 
 async def apply_test_patch(sb: Sandbox, repo: str, patch: str) -> str | None:

@@ -709,6 +709,49 @@ async def test_a_fix_only_as_an_extension_module_earns_nothing(
     assert (result.reward, result.infra_cause) == (0.0, None), result.evidence
 
 
+def _dist_info(where: str) -> str:
+    """The plugin, and package metadata at `where` whose entry point loads it."""
+    return (
+        f'{PLUGIN} && d={where} && mkdir -p "$d" && '
+        "printf 'Metadata-Version: 2.1\\nName: forge\\nVersion: 1.0\\n' > \"$d/METADATA\" && "
+        "printf '[pytest11]\\nforge = forge\\n' > \"$d/entry_points.txt\""
+    )
+
+
+@pytest.mark.parametrize(
+    ("where", "grader"),
+    [
+        ("$(printf 'forge\\377.dist-info')", "tests"),
+        ("$(printf 'forge\\377.dist-info')", "pytest exit code"),
+        ("lib/forge.dist-info", "PYTHONPATH=lib"),
+    ],
+    ids=["root-not-utf8-tests", "root-not-utf8-exit-code", "pythonpath-dir"],
+)
+async def test_package_metadata_the_patch_adds_anywhere_earns_nothing(
+    recorder: Harness, tmp_path: Path, where: str, grader: str
+) -> None:
+    """The import system reads a `[pytest11]` entry point from package metadata on any
+    sys.path entry, whatever the bytes of its name. An audit's `forge\\377.dist-info`
+    at the root (the root probe skipped names that are not UTF-8), or a `.dist-info`
+    in a directory the grader puts on `PYTHONPATH`, loaded the patch's plugin: 1.0,
+    calc.py unfixed. Now what the patch adds of it, anywhere, is removed before
+    grading."""
+    if grader.startswith("PYTHONPATH"):
+        task = {
+            "tests": None,
+            "eval_cmd": f"{grader} python -m pytest -q -p no:cacheprovider tests",
+        }
+        task["protected_paths"] = ["tests/**"]
+    else:
+        task = graded_by(grader)
+    result = await on_calc(recorder, tmp_path, _dist_info(where), **task)
+    assert "entry_points.txt" in result.diff  # the attempt is in what the trainer sees
+    assert (result.outcome, result.reward, result.infra_cause) == ("failed", 0.0, None), (
+        result.evidence
+    )
+    assert any("dist-info" in p for p in result.evidence["protected_changed"])
+
+
 async def test_a_root_name_that_is_not_utf8_is_a_policy_failure_not_an_abort(
     recorder: Harness, tmp_path: Path
 ) -> None:

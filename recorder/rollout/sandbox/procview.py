@@ -67,8 +67,8 @@ SHM_SIZE = "1g"
 # add to a score). It scores a process by its own memory: a sandbox that fills memory
 # with many processes of a few hundred MB each left the driver, or a recorder on the
 # same machine, the largest process, and every rollout would have ended with it. The
-# sandbox user may lower it, but not below the kernel's default (0) for a process of
-# its own: a score it sets back only gives up the preference.
+# sandbox user can set it back to 0, not lower (root's setting is its floor only where
+# the driver has CAP_SYS_RESOURCE): a score set back gives up the preference.
 OOM_SCORE_ADJ = 1000
 # $1 uid, $2 gid; the rest is what setpriv execs. A failed mount never runs the
 # command with the full process table in view: 125 (the command did not run).
