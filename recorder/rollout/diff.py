@@ -16,7 +16,6 @@ from collections.abc import Sequence
 import msgspec
 
 from recorder.rollout.errors import InfraError
-from recorder.rollout.protect import PACKAGE_METADATA
 from recorder.rollout.sandbox import CommandTimeout, Sandbox
 from recorder.rollout.workspace import GIT, tail
 
@@ -191,69 +190,65 @@ class ForgedDiff(Exception):
         self.entries = entries
 
 
-# The state, before and after `git apply`, of what setup made in the agent's sandbox
-# (every file and directory below those paths: type, size, mtime, inode), and of the
-# package metadata anywhere in the repository (the import system reads a `[pytest11]`
-# entry point from such a directory on any sys.path entry, matched case-blind, its name
-# UTF-8 or not). Compared in the sandbox, byte for byte: a forged diff renamed setup's
-# files away under headers a path parser does not know (`rename old`), and a listing
-# of 6,000 long paths passed the command's output cap with one in the middle.
-_METADATA = " -o ".join(f"-iname '*{suffix}'" for suffix in PACKAGE_METADATA)
+# What setup made in the agent's sandbox, as the eval sandbox holds it before and after
+# `git apply` (every file and directory below each path: type, mode, inode, path, a
+# link's target), compared byte for byte in the sandbox. `git apply` writes a file it
+# changes anew (another inode) and chmods in place; a process setup left that appends
+# to its log changes neither. A first version parsed the paths out of the diff: an
+# audit got past it with git's old `rename old` header, a header whose two names
+# differ, and a listing longer than a command's kept output. The paths go to `find` as
+# `./path` (a setup's `-logs/` was read as an option) and any error but a missing path
+# fails the comparison.
 _STATE = (
-    "state() {{ "
-    "find . -path ./.git -prune -o \\( " + _METADATA + " \\) -print0 | sort -z > {at}.$1.meta && "
-    'xargs -0 -r sh -c \'exec find "$@" -printf "%y %s %T@ %i %p\\0"\' sh < {at}.made '
-    "2>/dev/null | sort -z > {at}.$1.made; }}; "
+    'xargs -0 -r sh -c \'exec find "$@" -printf "%y %m %i %p -> %l\\0"\' sh < {at}.made '
+    "2> {at}.{when}.err | LC_ALL=C sort -z > {at}.{when} && "
+    "! grep -v 'No such file or directory$' {at}.{when}.err"
 )
 
 
-async def apply_patch(sb: Sandbox, repo: str, patch: bytes, agents: Baseline) -> list[str]:
-    """Apply the agent's diff on the eval sandbox's tree; returns the package metadata it
-    added (`*.dist-info`, `*.egg-info`, `*.egg-link`, in any directory: removed, since
-    a `[pytest11]` entry point there loads a plugin into the grader's pytest from any
-    sys.path entry, `src/` or a `PYTHONPATH` directory as well as the root).
+async def apply_patch(sb: Sandbox, repo: str, patch: bytes, agents: Baseline) -> None:
+    """Apply the agent's diff on the eval sandbox's tree.
 
     Raises ForgedDiff when it changed what setup made in the agent's sandbox
     (`agents.made`), which no diff the driver takes holds: such a diff had an entry
-    point written into setup's `.egg-info`. InfraError("patch_apply") when git refuses it.
+    point written into setup's `.egg-info` load a plugin into the grader's pytest.
+    InfraError("patch_apply") when git refuses it, "eval_crashed" when the state of
+    what setup made cannot be read.
     """
     at = posixpath.join(sb.workdir, ".tr-apply")
     path = posixpath.join(sb.workdir, "agent.patch")
     await sb.write_file(path, patch)
-    await sb.write_file(f"{at}.made", "\0".join(agents.made))
+    await sb.write_file(f"{at}.made", "".join(f"./{m}\0" for m in agents.made))
     # Again, though `snapshot` wrote it: the guarantee belongs where the patch goes in.
     attributes = posixpath.join(sb.workdir, repo, ".git", "info", "attributes")
     await sb.write_file(attributes, RAW_ATTRIBUTES)
-    q, state = shlex.quote, _STATE.format(at=shlex.quote(at))
+    q = shlex.quote
+    await _state_step(sb, repo, _STATE.format(at=q(at), when="before"))
     result = await sb.exec(
-        f"{state}state before && {GIT} apply --binary --whitespace=nowarn {q(path)}",
-        timeout_s=600,
-        cwd=repo,
+        f"{GIT} apply --binary --whitespace=nowarn {q(path)}", timeout_s=300, cwd=repo
     )
     if result.exit_code != 0:
         raise InfraError(
             "patch_apply", f"the agent's diff does not apply on a clean checkout: {result.stderr}"
         )
-    # Sections of NUL-terminated entries, each ended by a "/" entry: what changed of
-    # setup's (at most 64 entries), the metadata the patch added (removed here).
     a = q(at)
-    compared = await sb.exec(
-        f"{state}state after && "
-        f"{{ comm -z -3 {a}.before.made {a}.after.made | head -z -n 64 && printf '/\\0' && "
-        f"comm -z -13 {a}.before.meta {a}.after.meta > {a}.added && "
-        f"xargs -0 -r rm -rf -- < {a}.added && cat {a}.added && printf '/\\0'; }}; "
-        f"rc=$?; rm -f {a}.*; exit $rc",
-        timeout_s=600,
-        cwd=repo,
+    after = _STATE.format(at=a, when="after")
+    changed = await _state_step(
+        sb, repo, f"{after} && LC_ALL=C comm -z -3 {a}.before {a}.after | head -z -n 64"
     )
-    sections = _sections(compared.stdout)
-    if compared.exit_code != 0 or len(sections) < 2:
+    await sb.exec(f"rm -f {a}.*", timeout_s=60)
+    if changed:
+        raise ForgedDiff([entry.strip() for entry in changed.split("\0") if entry.strip()])
+
+
+async def _state_step(sb: Sandbox, repo: str, cmd: str) -> str:
+    done = await sb.exec(cmd, timeout_s=600, cwd=repo)
+    if done.exit_code != 0:
         raise InfraError(
-            "eval_crashed", f"cannot compare the tree with setup's: {tail(compared.stderr)}"
+            "eval_crashed",
+            f"cannot read what setup made: {tail(done.stdout + done.stderr, 1000)}",
         )
-    if sections[0]:
-        raise ForgedDiff([entry.strip() for entry in sections[0]])
-    return [posixpath.normpath(p) for p in sections[1]]
+    return done.stdout
 
 
 def _sections(out: str) -> list[list[str]]:

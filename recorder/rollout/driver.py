@@ -395,18 +395,17 @@ class _Rollout:
         with self.timed("eval_s"):
             sb = await self.boot("eval")
             repo = await self.prepare(sb, "eval")
-            applied = await self.apply(sb, repo, patch)
-            grade = applied if isinstance(applied, Grade) else await self.grade(sb, repo, applied)
+            refused = await self.apply(sb, repo, patch)
+            grade = refused or await self.grade(sb, repo)
         self.note(
             "eval_result", **grade.evidence(), duration_s=round(self.timings.get("grader_s", 0), 3)
         )
         self.release(sb)
         return grade
 
-    async def apply(self, sb: Sandbox, repo: str, patch: bytes) -> Grade | list[str]:
-        """Apply the agent's patch: the package metadata it added (removed), or its 0 when
-        it does not apply or changed what setup made (`ForgedDiff`: no diff the driver
-        takes does).
+    async def apply(self, sb: Sandbox, repo: str, patch: bytes) -> Grade | None:
+        """Apply the agent's patch; None, or its 0 when it does not apply or changed what
+        setup made (`ForgedDiff`: no diff the driver takes does).
 
         A diff against the tree setup left applies to that same tree by construction,
         so when the eval's setup made the agent's tree again, or at least the content
@@ -415,7 +414,7 @@ class _Rollout:
         its 0. Otherwise (a setup whose output differs run to run, in a file the patch
         changes) it stays infrastructure."""
         try:
-            added = await apply_patch(sb, repo, patch, self.bases["agent"])
+            await apply_patch(sb, repo, patch, self.bases["agent"])
         except ForgedDiff as exc:
             return Grade(
                 reward=0.0,
@@ -439,14 +438,14 @@ class _Rollout:
                 output_tail=tail(exc.message, 2000),
             )
         self.note("patch_applied", bytes=len(patch))
-        return added
+        return None
 
-    async def grade(self, sb: Sandbox, repo: str, removed: list[str]) -> Grade:
+    async def grade(self, sb: Sandbox, repo: str) -> Grade:
         """Protected paths back as setup left them, the task's test_patch on top, then the
-        grader. `removed`: what was taken out of the patch as it was applied."""
+        grader."""
         task = self.req.task
         base = self.bases["eval"]
-        changed = removed + await restore_protected(sb, repo, base, protected_pathspecs(task))
+        changed = await restore_protected(sb, repo, base, protected_pathspecs(task))
         changed += await remove_root_shadows(sb, repo, base)
         await remove_bytecode(sb, repo)
         if changed:

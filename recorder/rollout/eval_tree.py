@@ -39,30 +39,35 @@ async def restore_protected(
         f"{git} ls-files -z --others --ignored --exclude-standard -- {specs} "
         f"| xargs -0 -r env GIT_INDEX_FILE={q(index)} {GIT} --literal-pathspecs add -f --"
     )
+    lists = posixpath.join(sb.workdir, ".tr-restore")
     listed = await sb.exec(
         f"rm -f {q(index)} && {git} read-tree {q(base.tree)} && {git} add -A && {ignored} && "
-        f"{git} diff --cached --name-status -z --no-renames {q(base.tree)} -- {specs}",
+        f"{git} diff --cached --name-status -z --no-renames {q(base.tree)} -- {specs} "
+        f"> {q(lists + '.status')}",
         timeout_s=600,
         cwd=repo,
     )
     if listed.exit_code != 0:
         raise InfraError("eval_crashed", f"cannot list the protected paths: {tail(listed.stderr)}")
-    fields = listed.stdout.split("\0")
+    # Read as bytes: a path that is not UTF-8 (a patch's `forge\377.dist-info`) must name
+    # the same file when it goes back to git.
+    fields = (await sb.read_file(lists + ".status")).split(b"\0")
+    setups = {p.encode() for p in base.ignored}
     changed = [
         (status, path)
         for status, path in zip(fields[0::2], fields[1::2], strict=False)
         # setup's own: git apply adds no file where one exists
-        if not (status == "A" and path in base.ignored)
+        if not (status == b"A" and path in setups)
     ]
-    added = [path for status, path in changed if status == "A"]
-    restored = [path for status, path in changed if status != "A"]
-    steps, lists = [], posixpath.join(sb.workdir, ".tr-restore")
+    added = [path for status, path in changed if status == b"A"]
+    restored = [path for status, path in changed if status != b"A"]
+    steps = []
     from_file = "--pathspec-file-nul --pathspec-from-file="
     if added:
-        await sb.write_file(f"{lists}.added", "\0".join(added))
+        await sb.write_file(f"{lists}.added", b"\0".join(added))
         steps.append(f"{git} --literal-pathspecs rm -q -f {from_file}{q(lists + '.added')}")
     if restored:
-        await sb.write_file(f"{lists}.restored", "\0".join(restored))
+        await sb.write_file(f"{lists}.restored", b"\0".join(restored))
         steps.append(
             f"{git} --literal-pathspecs checkout -q {q(base.tree)} "
             f"{from_file}{q(lists + '.restored')}"
@@ -73,7 +78,7 @@ async def restore_protected(
             raise InfraError(
                 "eval_crashed", f"cannot restore the protected paths: {tail(done.stderr)}"
             )
-    return [path for _, path in changed]
+    return [path.decode(errors="replace") for _, path in changed]
 
 
 async def remove_bytecode(sb: Sandbox, repo: str) -> None:

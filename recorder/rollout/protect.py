@@ -9,7 +9,9 @@ applies the task's `test_patch`:
   `**` crosses directories), plus, when the grader runs pytest, what pytest
   reads (`pytest_reads`: its own files in every directory, the shared config
   files at the root and above the tests; an audit planted `.pytest.ini` past a
-  list that named `pytest.ini`), and for every grader bytecode (`BYTECODE`);
+  list that named `pytest.ini`), and for every grader bytecode (`BYTECODE`)
+  and what the interpreter loads from any sys.path directory (`IMPORT_HOOKS`:
+  package metadata, `sitecustomize`, `usercustomize`);
 - otherwise the default: every file a `tests` id names (`path::name`, or a bare
   `*.py` path), and all of its directory when that is a test directory
   (`tests/`, `test/`, `testing/`: pytest puts such a directory first on
@@ -122,6 +124,22 @@ BYTECODE = (
 )  # fmt: skip
 
 
+# What the interpreter loads before any test from whatever directory is on sys.path
+# (the root, `src/`, a `PYTHONPATH` directory, one a setup's `.pth` names): package
+# metadata, whose `[pytest11]` entry point is a plugin (matched case-blind, its name
+# UTF-8 or not), and the start-up hooks `site` imports. Audits loaded a plugin that
+# passed every test through `forge\377.dist-info` at the root, a `.dist-info` in a
+# `PYTHONPATH` directory, one added into an `.egg-info` the repository tracks, and a
+# `usercustomize.py` at a root a setup's `.pth` names. No fix needs one.
+IMPORT_HOOKS = tuple(
+    f":(glob,icase)**/*{suffix}{below}" for suffix in (".dist-info", ".egg-info", ".egg-link")
+    for below in ("", "/**")
+) + tuple(
+    f":(glob)**/{hook}{below}" for hook in ("sitecustomize", "usercustomize")
+    for below in (".py", "/**")
+)  # fmt: skip
+
+
 def pytest_reads(task: Task) -> list[str]:
     """The pathspecs of what pytest takes its configuration and plugins from for this
     task's grader, protected whatever `protected_paths` says; none for other graders."""
@@ -155,7 +173,9 @@ def command_paths(task: Task) -> list[str]:
 
 def protected_pathspecs(task: Task) -> list[str]:
     """The git pathspecs of the protected files of `task` (see the module docstring)."""
-    return list(dict.fromkeys([*_task_pathspecs(task), *pytest_reads(task), *BYTECODE]))
+    return list(
+        dict.fromkeys([*_task_pathspecs(task), *pytest_reads(task), *BYTECODE, *IMPORT_HOOKS])
+    )
 
 
 def _task_pathspecs(task: Task) -> list[str]:

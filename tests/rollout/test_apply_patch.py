@@ -1,8 +1,8 @@
 """What the eval lets a diff do (`diff.apply_patch`), on a real local sandbox and git: a
-diff that changes what setup made is refused however its headers name the paths, and
-the package metadata it adds anywhere is removed. The agent's sandbox is the agent's
-(on E2B a process left behind, or its own `git`, can hand the driver any diff), so
-these diffs are written by hand, as such an agent would."""
+diff that changes what setup made is refused however its headers name the paths, and a
+diff the driver took applies. The agent's sandbox is the agent's (on E2B a process left
+behind, or its own `git`, can hand the driver any diff), so these diffs are written by
+hand, as such an agent would."""
 
 from __future__ import annotations
 
@@ -25,14 +25,14 @@ MAKE = (
 )
 
 
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="a sandbox user of its own needs root")
+
+
 @pytest.fixture
-async def sandbox(tmp_path: Path) -> AsyncIterator[tuple[Sandbox, str, Baseline]]:
+async def calc_sandbox(tmp_path: Path) -> AsyncIterator[tuple[Sandbox, str, Baseline]]:
     """A sandbox whose repository setup left `calc.egg-info/`, and its baseline."""
     async with await open_sandbox(SandboxSpec(options={"root": str(tmp_path)})) as sb:
-        made = await sb.exec(MAKE, timeout_s=120)
-        assert made.exit_code == 0, made.stderr
-        repo = posixpath.join(sb.workdir, "repo")
-        base = await snapshot(sb, repo, made.stdout.split()[-1])
+        repo, base = await _setup(sb)
         assert "calc.egg-info/" in base.made
         yield sb, repo, base
 
@@ -66,33 +66,68 @@ DELETE = (
 CROWD = "".join(_new_file(f"n{i:04d}_{'x' * 200}.txt", "x") for i in range(300))
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="a sandbox user of its own needs root")
+@needs_root
 @pytest.mark.parametrize(
     "patch",
     [ENTRY, RENAME_OLD, MOVE, DELETE, CROWD + ENTRY + CROWD.replace("n0", "m0")],
     ids=["entry-point", "rename-old", "move", "delete", "crowd"],
 )
 async def test_a_diff_that_changes_what_setup_made_is_refused(
-    sandbox: tuple[Sandbox, str, Baseline], patch: str
+    calc_sandbox: tuple[Sandbox, str, Baseline], patch: str
 ) -> None:
-    sb, repo, base = sandbox
+    sb, repo, base = calc_sandbox
     with pytest.raises(ForgedDiff, match=r"calc\.egg-info"):
         await apply_patch(sb, repo, patch.encode(), base)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="a sandbox user of its own needs root")
-async def test_a_diff_the_driver_took_applies_and_package_metadata_it_adds_is_removed(
-    sandbox: tuple[Sandbox, str, Baseline], tmp_path: Path
+async def _setup(sb: Sandbox, extra: str = "") -> tuple[str, Baseline]:
+    made = await sb.exec(f"{MAKE} > ../head && {extra or ':'} && cat ../head", timeout_s=120)
+    assert made.exit_code == 0, made.stderr
+    repo = posixpath.join(sb.workdir, "repo")
+    return repo, await snapshot(sb, repo, made.stdout.split()[-1])
+
+
+@needs_root
+async def test_a_path_setup_made_that_reads_as_an_option_is_still_checked(tmp_path: Path) -> None:
+    """A setup's `-logs/` went to `find` first and was read as an option: the listing
+    failed silently, both states were empty, and setup's `.egg-info` took the patch's
+    entry point."""
+    async with await open_sandbox(SandboxSpec(options={"root": str(tmp_path)})) as sb:
+        repo, base = await _setup(sb, "mkdir -- -logs && echo x > -logs/setup.log")
+        assert base.made[:1] == ("-logs/",)
+        with pytest.raises(ForgedDiff, match=r"calc\.egg-info"):
+            await apply_patch(sb, repo, ENTRY.encode(), base)
+
+
+@needs_root
+async def test_a_process_setup_left_writing_its_log_is_no_forged_diff(tmp_path: Path) -> None:
+    """A process setup left behind (a server, a database) appends to a log in what setup
+    made while the patch goes in: that is no change of the diff's (a correct fix had
+    been graded 0 as forged, 4 runs in 5)."""
+    async with await open_sandbox(SandboxSpec(options={"root": str(tmp_path)})) as sb:
+        repo, base = await _setup(sb, "echo up > calc.egg-info/daemon.log")
+        writer = await sb.start(
+            "while :; do echo beat >> calc.egg-info/daemon.log; sleep 0.002; done", cwd="repo"
+        )
+        fix = (
+            "diff --git a/calc.py b/calc.py\n--- a/calc.py\n+++ b/calc.py\n"
+            "@@ -1,2 +1,2 @@\n def add(a, b):\n-    return a - b\n+    return a + b\n"
+        )
+        for _ in range(3):
+            await apply_patch(sb, repo, fix.encode(), base)
+            await sb.exec("git checkout -q -- calc.py", cwd="repo")
+        await writer.kill()
+
+
+@needs_root
+async def test_a_diff_the_driver_took_applies(
+    calc_sandbox: tuple[Sandbox, str, Baseline], tmp_path: Path
 ) -> None:
-    """The agent's own diff (fix, new module, metadata in a subdirectory and at the root
-    under a name that is not UTF-8) applies on the same setup in another sandbox; the
-    metadata is removed there and named, what setup made is untouched."""
-    sb, repo, base = sandbox
+    """The agent's own diff (a fix, a new module) applies on the same setup in another
+    sandbox; its change to what setup made is not in it, and setup's files stay."""
+    sb, repo, base = calc_sandbox
     agent = (
         "sed -i 's/a - b/a + b/' calc.py && printf 'X = 1\\n' > extra.py && "
-        "mkdir -p lib/forge.dist-info \"$(printf 'x\\377.DIST-INFO')\" && "
-        "echo '[pytest11]' > lib/forge.dist-info/entry_points.txt && "
-        "echo '[pytest11]' > \"$(printf 'x\\377.DIST-INFO')/entry_points.txt\" && "
         "echo changed >> calc.egg-info/PKG-INFO"  # setup's: not in the diff
     )
     assert (await sb.exec(agent, cwd=repo)).exit_code == 0
@@ -100,14 +135,8 @@ async def test_a_diff_the_driver_took_applies_and_package_metadata_it_adds_is_re
     patch = await take_diff(sb, repo, base)
     assert b"PKG-INFO" not in patch
     async with await open_sandbox(SandboxSpec(options={"root": str(tmp_path)})) as ev:
-        made = await ev.exec(MAKE, timeout_s=120)
-        eval_repo = posixpath.join(ev.workdir, "repo")
-        await snapshot(ev, eval_repo, made.stdout.split()[-1])
-        removed = await apply_patch(ev, eval_repo, patch, base)
-        assert sorted(removed) == ["lib/forge.dist-info", "x\ufffd.DIST-INFO"]
-        left = await ev.exec(
-            "ls -A; cat calc.py; ls lib; cat calc.egg-info/PKG-INFO", cwd=eval_repo
-        )
+        eval_repo, _ = await _setup(ev)
+        await apply_patch(ev, eval_repo, patch, base)
+        left = await ev.exec("ls -A; cat calc.py calc.egg-info/PKG-INFO", cwd=eval_repo)
         assert "return a + b" in left.stdout and "extra.py" in left.stdout
-        assert "DIST-INFO" not in left.stdout and "forge.dist-info" not in left.stdout
         assert "changed" not in left.stdout

@@ -322,7 +322,11 @@ ENTRY_POINT = (
 )
 ROOT_SHADOWS = {
     "runner": (FAKE_RUNNER, ["pytest.py"]),
-    "entry point": (ENTRY_POINT, ["forge-1.0.dist-info"]),
+    # package metadata is protected in every directory: its files are removed
+    "entry point": (
+        ENTRY_POINT,
+        ["forge-1.0.dist-info/METADATA", "forge-1.0.dist-info/entry_points.txt"],
+    ),
 }
 
 

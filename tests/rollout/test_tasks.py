@@ -278,6 +278,7 @@ def test_a_published_row_that_is_wrong_says_where() -> None:
 def test_the_default_protection_follows_the_tests_and_the_test_patch() -> None:
     from recorder.rollout.protect import (
         BYTECODE,
+        IMPORT_HOOKS,
         PYTEST_CONFIGS,
         command_paths,
         patch_paths,
@@ -319,6 +320,11 @@ def test_the_default_protection_follows_the_tests_and_the_test_patch() -> None:
                                     ".pytest.toml")),
         ":(glob)**/__pycache__/**", ":(glob)**/*.pyc", ":(glob)**/*.pyo", ":(glob)**/*.so",
         ":(glob)**/*.pyd",
+        # What the interpreter loads from any sys.path directory (for every grader).
+        *(f":(glob,icase)**/*{suffix}{below}" for suffix in (".dist-info", ".egg-info",
+          ".egg-link") for below in ("", "/**")),
+        ":(glob)**/sitecustomize.py", ":(glob)**/sitecustomize/**",
+        ":(glob)**/usercustomize.py", ":(glob)**/usercustomize/**",
     ]  # fmt: skip
     # Tests beside the code they test protect themselves, not their directory.
     assert test_dirs(["test_c.py", "pkg/test_x.py", "a/tests/t.py", "b/testing/u.py"]) == [
@@ -333,7 +339,7 @@ def test_the_default_protection_follows_the_tests_and_the_test_patch() -> None:
     for p in (":(glob)**/.pytest.ini", ":(glob)**/conftest.py", ":(literal)tests/tox.ini"):
         assert p in specs, p
     make = task_from_dict({**GOOD, "eval_cmd": "make check", "protected_paths": ["t/**"]})
-    assert protected_pathspecs(make) == [":(glob)t/**", *BYTECODE]
+    assert protected_pathspecs(make) == [":(glob)t/**", *BYTECODE, *IMPORT_HOOKS]
     named = task_from_dict({**GOOD, "eval_cmd": "python -m pytest -q sub/tests/test_a.py::t"})
     assert command_paths(named) == ["sub/tests/test_a.py"]
     assert ":(literal)sub/setup.cfg" in protected_pathspecs(named)
