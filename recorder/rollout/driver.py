@@ -58,9 +58,9 @@ from recorder.rollout.diff import (
     take_diff,
 )
 from recorder.rollout.errors import InfraError
-from recorder.rollout.eval_tree import remove_bytecode, remove_root_shadows, restore_protected
+from recorder.rollout.eval_tree import remove_bytecode, remove_path_shadows, restore_protected
 from recorder.rollout.evaluate import Grade, run_grader
-from recorder.rollout.protect import protected_pathspecs
+from recorder.rollout.protect import protected_pathspecs, pythonpath_entries
 from recorder.rollout.sandbox import (
     CommandTimeout,
     Sandbox,
@@ -446,7 +446,7 @@ class _Rollout:
         task = self.req.task
         base = self.bases["eval"]
         changed = await restore_protected(sb, repo, base, protected_pathspecs(task))
-        changed += await remove_root_shadows(sb, repo, base)
+        changed += await remove_path_shadows(sb, repo, base, pythonpath_entries(task))
         await remove_bytecode(sb, repo)
         if changed:
             self.note("protected_restored", paths=changed[:200], count=len(changed))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import posixpath
 import shlex
+from collections.abc import Sequence
 
 import msgspec
 
@@ -99,22 +100,46 @@ async def remove_bytecode(sb: Sandbox, repo: str) -> None:
 
 
 # Run in the eval sandbox by the grader's interpreter (isolated: neither the repository
-# nor PYTHON* variables on its path): the entries of the repository's root, every
-# top-level module that interpreter can import, and every one it tries to import and
-# cannot while pytest starts (in an empty directory: nothing of the repository runs).
-# A name tried in vain is as good a shadow as an importable one: Python 3.11's `copy`
-# tries `org.python.core` (Jython's), and a root `org/` the patch added then ran
-# inside pytest before it read its options.
-_ROOT_PROBE = """
+# nor PYTHON* variables on its path): the directories of the repository that the grader's
+# Python searches with their entries, every top-level module that interpreter can import,
+# and every one it tries to import and cannot while pytest starts (in an empty
+# directory: nothing of the repository runs). A name tried in vain is as good a shadow
+# as an importable one: Python 3.11's `copy` tries `org.python.core` (Jython's), and an
+# `org/` the patch added at the root, or in a `PYTHONPATH` directory or one a setup's
+# `.pth` names (a second and third audit), ran inside pytest before it read its options.
+# Searched: the root, the probe's own sys.path (site-packages `.pth` lines), what a `.pth`
+# in the user's site-packages names (the probe runs without the user site), the sandbox's
+# `PYTHONPATH` and the directories given as arguments (those the grader's command sets).
+_PATH_PROBE = """
 import json, os, sys
 class Missed:
     names = set()
     def find_spec(self, name, path=None, target=None):
         self.names.add(name.partition(".")[0])
 sys.meta_path.append(Missed())
-import contextlib, pkgutil, tempfile
+import contextlib, pkgutil, site, tempfile
+root = os.path.realpath(".")
+searched = [".", *sys.path, *sys.argv[1:], *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+user = site.getusersitepackages()
+try:
+    for pth in sorted(os.listdir(user)):
+        if pth.endswith(".pth"):
+            with open(os.path.join(user, pth)) as f:
+                searched += [os.path.join(user, line.strip()) for line in f
+                             if line.strip() and not line.startswith(("#", "import"))]
+except OSError:
+    pass
 # A name that is not UTF-8 names no module (and its escapes are no JSON text).
-entries = [e for e in os.listdir(".") if not any("\\udc80" <= c <= "\\udcff" for c in e)]
+def readable(name):
+    return not any("\\udc80" <= c <= "\\udcff" for c in name)
+dirs = {}
+for d in searched:
+    real = os.path.realpath(d) if d else ""
+    if real and os.path.isdir(real) and (real == root or real.startswith(root + os.sep)):
+        rel = os.path.relpath(real, root)
+        rel = "" if rel == "." else rel
+        if rel not in dirs and readable(rel):
+            dirs[rel] = [e for e in os.listdir(real) if readable(e)]
 modules = set(getattr(sys, "stdlib_module_names", ())) | set(sys.builtin_module_names)
 modules |= {m.name for m in pkgutil.iter_modules()}
 with tempfile.TemporaryDirectory() as empty, open(os.devnull, "w") as null:
@@ -125,29 +150,33 @@ with tempfile.TemporaryDirectory() as empty, open(os.devnull, "w") as null:
             pytest.main(["-q", "-p", "no:cacheprovider", "--collect-only", empty])
         except BaseException:
             pass
-print(json.dumps({"entries": entries, "modules": sorted(modules | Missed.names)}))
+print(json.dumps({"dirs": dirs, "modules": sorted(modules | Missed.names)}))
 """
 
 
-async def remove_root_shadows(sb: Sandbox, repo: str, base: Baseline) -> list[str]:
-    """Remove what the patch added at the repository's root that would shadow the grader's
-    imports (`protect.shadowing_entries`); returns those entries. What base_commit or
-    setup put there stays (a `pip install -e .`'s `.egg-info`). Nothing when no Python
-    runs in the sandbox (no Python grader to shadow)."""
+async def remove_path_shadows(
+    sb: Sandbox, repo: str, base: Baseline, pythonpath: Sequence[str] = ()
+) -> list[str]:
+    """Remove what the patch added to a directory of the repository that the grader's
+    Python searches (the root, `src/` through a setup's `.pth`, a `PYTHONPATH` directory:
+    `pythonpath`, those the grader's command sets) that would shadow the grader's imports
+    (`protect.shadowing_entries`); returns those paths. What base_commit or setup put
+    there stays (a `pip install -e .`'s `.egg-info`). Nothing when no Python runs in the
+    sandbox (no Python grader to shadow)."""
     q = shlex.quote
-    probe = f"python -I -c {q(_ROOT_PROBE)} 2>/dev/null || python3 -I -c {q(_ROOT_PROBE)}"
+    args = " ".join(q(p) for p in pythonpath)
+    probe = (
+        f"python -I -c {q(_PATH_PROBE)} {args} 2>/dev/null || python3 -I -c {q(_PATH_PROBE)} {args}"
+    )
     found = await sb.exec(probe, timeout_s=120, cwd=repo)
     if found.exit_code != 0:
         return []
     listing = msgspec.json.decode(found.stdout.strip().splitlines()[-1])
-    listed = await sb.exec(
-        f"{GIT} ls-tree -z --name-only {q(base.commit)}", timeout_s=120, cwd=repo
-    )
-    if listed.exit_code != 0:
-        raise InfraError("eval_crashed", f"cannot list base_commit's root: {tail(listed.stderr)}")
-    shadows = shadowing_entries(
-        listing["entries"], set(listed.stdout.split("\0")) | base.root, set(listing["modules"])
-    )
+    modules = set(listing["modules"])
+    shadows: list[str] = []
+    for rel, entries in sorted(listing["dirs"].items()):
+        own = await _own_entries(sb, repo, base, rel)
+        shadows += [posixpath.join(rel, e) for e in shadowing_entries(entries, own, modules)]
     if shadows:
         done = await sb.exec(
             f"rm -rf -- {' '.join(q(e) for e in shadows)}", timeout_s=120, cwd=repo
@@ -155,3 +184,20 @@ async def remove_root_shadows(sb: Sandbox, repo: str, base: Baseline) -> list[st
         if done.exit_code != 0:
             raise InfraError("eval_crashed", f"cannot remove {shadows}: {tail(done.stderr)}")
     return shadows
+
+
+async def _own_entries(sb: Sandbox, repo: str, base: Baseline, rel: str) -> set[str]:
+    """The entries of the repository's directory `rel` at base_commit or after setup."""
+    where = f"-- {shlex.quote(rel + '/')}" if rel else ""
+    listed = await sb.exec(
+        f"{GIT} ls-tree -z --name-only {shlex.quote(base.commit)} {where}", timeout_s=120, cwd=repo
+    )
+    if listed.exit_code != 0:
+        raise InfraError(
+            "eval_crashed", f"cannot list base_commit's {rel or 'root'}: {tail(listed.stderr)}"
+        )
+    own = {posixpath.basename(p) for p in listed.stdout.split("\0") if p}
+    if not rel:
+        return own | base.root
+    prefix = rel + "/"
+    return own | {m[len(prefix) :].split("/", 1)[0] for m in base.made if m.startswith(prefix)}

@@ -136,7 +136,7 @@ IMPORT_HOOKS = tuple(
     for below in ("", "/**")
 ) + tuple(
     f":(glob)**/{hook}{below}" for hook in ("sitecustomize", "usercustomize")
-    for below in (".py", "/**")
+    for below in ("", ".*", "/**")  # a link to a package elsewhere is a bare name
 )  # fmt: skip
 
 
@@ -238,6 +238,22 @@ def module_name(entry: str) -> str | None:
     x86_64-linux-gnu.so`), or None for a name that cannot be imported."""
     m = _MODULE_FILE.match(entry.rstrip("/"))
     return m.group(1) if m else None
+
+
+_PYTHONPATH = re.compile(r"\bPYTHONPATH=(\"[^\"]*\"|'[^']*'|[^\s;&|)]*)")
+
+
+def pythonpath_entries(task: Task) -> list[str]:
+    """The directories the grader's command puts on `PYTHONPATH` (`PYTHONPATH=lib:$X
+    pytest`), relative to the repository or absolute; variables left out."""
+    command = task.tests.cmd if task.tests is not None else ""
+    text = f"{command}\n{task.eval_cmd or ''}\n{task.eval_script or ''}"
+    found: dict[str, None] = {}
+    for m in _PYTHONPATH.finditer(text):
+        for entry in m.group(1).strip("\"'").split(":"):
+            if entry and "$" not in entry:
+                found[entry] = None
+    return list(found)
 
 
 def shadowing_entries(

@@ -323,8 +323,8 @@ def test_the_default_protection_follows_the_tests_and_the_test_patch() -> None:
         # What the interpreter loads from any sys.path directory (for every grader).
         *(f":(glob,icase)**/*{suffix}{below}" for suffix in (".dist-info", ".egg-info",
           ".egg-link") for below in ("", "/**")),
-        ":(glob)**/sitecustomize.py", ":(glob)**/sitecustomize/**",
-        ":(glob)**/usercustomize.py", ":(glob)**/usercustomize/**",
+        ":(glob)**/sitecustomize", ":(glob)**/sitecustomize.*", ":(glob)**/sitecustomize/**",
+        ":(glob)**/usercustomize", ":(glob)**/usercustomize.*", ":(glob)**/usercustomize/**",
     ]  # fmt: skip
     # Tests beside the code they test protect themselves, not their directory.
     assert test_dirs(["test_c.py", "pkg/test_x.py", "a/tests/t.py", "b/testing/u.py"]) == [
@@ -381,3 +381,17 @@ def test_root_entries_added_with_an_importable_name_or_as_package_metadata_are_s
     assert [module_name(e) for e in ("pluggy/", "site.pyc", "foo.bar", "README.md")] == [
         "pluggy", "site", None, None,
     ]  # fmt: skip
+
+
+def test_the_directories_a_grader_command_puts_on_pythonpath() -> None:
+    from recorder.rollout.protect import pythonpath_entries
+
+    task = task_from_dict(
+        {
+            **GOOD,
+            "eval_cmd": "PYTHONPATH=lib:$PYTHONPATH python -m pytest; "
+            "env PYTHONPATH=\"src:/opt/x\" pytest && PYTHONPATH='lib' true",
+        }
+    )
+    assert pythonpath_entries(task) == ["lib", "src", "/opt/x"]
+    assert pythonpath_entries(task_from_dict({**GOOD, "eval_cmd": "pytest"})) == []
