@@ -40,7 +40,9 @@ class Grade(msgspec.Struct, frozen=True, kw_only=True):
     output_tail: str = ""
     # Why the patch earned 0 whatever its grader printed: "test_patch_conflict",
     # "pytest_did_not_finish" (`grade_tests`: no report of our plugin's),
-    # "exit_code_without_pytest_pass" (`grade_exit`), "patch_apply" (the agent's diff
+    # "exit_code_without_pytest_pass" (`grade_exit`), "grader_plugin_not_loaded" (no
+    # pytest of the grader's loaded our plugin: its command runs pytest in a way that
+    # keeps it out, such as `python -I`), "patch_apply" (the agent's diff
     # does not apply on the tree it was taken against), "diff_forged" (the diff changes
     # what setup made, which no diff the driver takes holds) or "repository_broken" (the
     # agent's repository could not be diffed: its `.git` removed).
@@ -135,6 +137,13 @@ async def _pytest_started(sb: Sandbox, proof: Proof | None) -> bool:
     return gone.exit_code == 0
 
 
+async def _plugin_loaded(sb: Sandbox, proof: Proof, result: ExecResult) -> bool:
+    """Did a pytest of the grader's load our plugin (it reported, or took its nonce)?"""
+    if read_proofs(result.stdout + result.stderr, proof.nonce):
+        return True
+    return await _pytest_started(sb, proof)
+
+
 def grader_command(task: Task, workdir: str) -> str:
     if task.tests is not None:
         return task.tests.cmd.replace("{tests}", " ".join(shlex.quote(t) for t in task.tests.all))
@@ -145,10 +154,13 @@ def grader_command(task: Task, workdir: str) -> str:
 
 
 async def run_grader(sb: Sandbox, task: Task, repo: str) -> Grade:
-    if task.eval_script is not None:
-        await sb.write_file(posixpath.join(sb.workdir, "eval.sh"), task.eval_script)
-    cmd = grader_command(task, sb.workdir)
     proof = Proof.new() if runs_pytest(task) else None
+    if task.eval_script is not None:
+        script = task.eval_script
+        if proof is not None:
+            script = proof.kept_through(script, sb.workdir)
+        await sb.write_file(posixpath.join(sb.workdir, "eval.sh"), script)
+    cmd = grader_command(task, sb.workdir)
     if proof is not None:
         for path, text in proof.files(sb.workdir).items():
             await sb.write_file(path, text)
@@ -163,5 +175,11 @@ async def run_grader(sb: Sandbox, task: Task, repo: str) -> Grade:
             f"the grader could not run (exit {result.exit_code}): {tail(result.stderr, 500)}",
         )
     if task.tests is not None:
-        return grade_tests(task.tests, result, task.reward, proof)
-    return grade_exit(result, proof)
+        grade = grade_tests(task.tests, result, task.reward, proof)
+    else:
+        grade = grade_exit(result, proof)
+    if proof is not None and not grade.passed and not await _plugin_loaded(sb, proof, result):
+        # Still 0 (a patch may be what kept pytest from starting), but named: a task
+        # whose grader never loads the plugin gives every patch 0, a correct fix too.
+        grade = msgspec.structs.replace(grade, failure="grader_plugin_not_loaded")
+    return grade

@@ -45,6 +45,12 @@ import msgspec
 
 PROOF_DIR = ".tr-grader"  # in the eval sandbox's directory, outside the repository
 _LINE = re.compile(r"^TR-PROOF ([0-9a-f]{32}) ([A-Za-z0-9+/=]+)$")
+# A shell assignment of a variable the plugin is loaded through, with a value that is a
+# plain word or one quoted string, ending where the word ends.
+_ASSIGNMENT = re.compile(
+    r"(?<![\w${])(?P<name>PYTHONPATH|PYTEST_ADDOPTS)="
+    r"(?P<value>\"[^\"`\\]*\"|'[^']*'|[^\s;&|()<>`\"'\\]*)(?=[\s;&|)]|$)"
+)
 
 _PLUGIN = '''"""The recorder's grader plugin (recorder/rollout/proof.py)."""
 import base64
@@ -158,8 +164,31 @@ class Proof(msgspec.Struct, frozen=True):
         where = shlex.quote(posixpath.join(workdir, PROOF_DIR))
         return (
             f'export PYTHONPATH={where}"${{PYTHONPATH:+:$PYTHONPATH}}" '
-            f'PYTEST_ADDOPTS="${{PYTEST_ADDOPTS:+$PYTEST_ADDOPTS }}-p {self.module}"\n{cmd}'
+            f'PYTEST_ADDOPTS="${{PYTEST_ADDOPTS:+$PYTEST_ADDOPTS }}-p {self.module}"\n'
+            f"{self.kept_through(cmd, workdir)}"
         )
+
+    def kept_through(self, script: str, workdir: str) -> str:
+        """`script` with each assignment that would drop the plugin keeping it.
+
+        A grader's `PYTHONPATH=lib pytest` (or `PYTEST_ADDOPTS=-x`) replaces what
+        `wrap` exported: pytest cannot import the plugin, reports nothing, and every
+        patch, a correct fix too, earns 0. An assignment that keeps the variable's
+        value (`PYTHONPATH=lib:$PYTHONPATH`) is left as it is, and so is one whose value
+        is not a plain word or quoted string (`$(pwd)/lib`): rewriting that could
+        change what the task's command means."""
+        where = posixpath.join(workdir, PROOF_DIR)
+
+        def keep(m: re.Match[str]) -> str:
+            name, value = m.group("name"), m.group("value")
+            if name in value:
+                return m.group(0)
+            if name == "PYTHONPATH":
+                added = shlex.quote(f":{where}" if value.strip("\"'") else where)
+                return f"{name}={value}{added}"
+            return f"{name}={value}{shlex.quote(f' -p {self.module}')}"
+
+        return _ASSIGNMENT.sub(keep, script)
 
 
 class Run(msgspec.Struct, frozen=True):

@@ -852,6 +852,48 @@ async def test_a_fix_is_graded_as_a_fix_where_the_grader_searches_other_director
     assert (result.outcome, result.reward) == ("passed", 1.0), result.evidence
 
 
+# Graders that set PYTHONPATH themselves, replacing what the sandbox had.
+OWN_PYTHONPATH = {
+    "tests-cmd": {
+        "tests": {
+            "FAIL_TO_PASS": ["tests/test_calc.py::test_add"],
+            "cmd": "PYTHONPATH=lib python -m pytest -q -p no:cacheprovider {tests}",
+        }
+    },
+    "eval-cmd": {"tests": None, "eval_cmd": "PYTHONPATH=lib python -m pytest -q tests"},
+    "eval-script": {
+        "tests": None,
+        "eval_script": "export PYTHONPATH=lib PYTEST_ADDOPTS=-q\npython -m pytest tests\n",
+    },
+}
+
+
+@pytest.mark.parametrize("grader", list(OWN_PYTHONPATH))
+@pytest.mark.parametrize("fixed", [True, False])
+async def test_a_grader_that_sets_its_own_pythonpath_grades_a_fix_as_a_fix(
+    recorder: Harness, tmp_path: Path, grader: str, fixed: bool
+) -> None:
+    """A grader's `PYTHONPATH=lib pytest` replaced the directory the proof plugin loads
+    from: pytest could not load it, and a correct fix earned 0 (so did every patch)."""
+    src = tmp_path / "src"
+    task = calc_task(str(src), base_repo(src), **OWN_PYTHONPATH[grader])
+    result = await rollout(recorder, local(tmp_path), task, FIX if fixed else "true")
+    expected = ("passed", 1.0) if fixed else ("failed", 0.0)
+    assert (result.outcome, result.reward) == expected, result.evidence
+
+
+async def test_a_grader_that_keeps_the_plugin_out_names_why_a_fix_earned_nothing(
+    recorder: Harness, tmp_path: Path
+) -> None:
+    """`python -I` ignores PYTHONPATH: the plugin cannot load, so no patch can earn a
+    reward. Still 0 (a patch could be what kept it out), but the grade says why."""
+    src = tmp_path / "src"
+    task = calc_task(str(src), base_repo(src), tests=None, eval_cmd="python -I -m pytest tests")
+    result = await rollout(recorder, local(tmp_path), task, FIX)
+    assert (result.outcome, result.reward) == ("failed", 0.0)
+    assert result.evidence["failure"] == "grader_plugin_not_loaded", result.evidence
+
+
 async def test_a_root_name_that_is_not_utf8_is_a_policy_failure_not_an_abort(
     recorder: Harness, tmp_path: Path
 ) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import subprocess
 from pathlib import Path
 
 import msgspec
@@ -188,6 +189,48 @@ def test_a_grader_that_runs_pytest_trusts_only_its_plugins_report() -> None:
     assert grade_exit(ExecResult(0, "", "")).reward == 1.0  # other graders: the exit code
     assert runs_pytest(task_from_dict({**GOOD, "eval_cmd": "python -m pytest -q t.py"}))
     assert not runs_pytest(task_from_dict({**GOOD, "eval_cmd": "make check"}))
+
+
+SHOW = "sh -c 'echo \"$PYTHONPATH|$PYTEST_ADDOPTS\"'"  # the environment a command gets
+
+
+@pytest.mark.parametrize(
+    ("command", "python_path", "addopts"),
+    [
+        # the task's own assignments, which replaced what `wrap` exported
+        (f"PYTHONPATH=lib {SHOW}", "lib:{where}", "{sandbox} -p {module}"),
+        (f"export PYTHONPATH=lib; {SHOW}", "lib:{where}", "{sandbox} -p {module}"),
+        (f'env PYTHONPATH="src:/opt/x" {SHOW}', "src:/opt/x:{where}", "{sandbox} -p {module}"),
+        (f"PYTHONPATH='' {SHOW}", "{where}", "{sandbox} -p {module}"),
+        (f"PYTHONPATH= {SHOW}", "{where}", "{sandbox} -p {module}"),
+        (f"PYTEST_ADDOPTS=-x {SHOW}", "{where}:/sb", "-x -p {module}"),
+        (f"PYTEST_ADDOPTS='-x -q' PYTHONPATH=$PWD {SHOW}", "{pwd}:{where}", "-x -q -p {module}"),
+        # assignments that keep what was there: left alone
+        (f"PYTHONPATH=lib:$PYTHONPATH {SHOW}", "lib:{where}:/sb", "{sandbox} -p {module}"),
+        (
+            f'PYTHONPATH="lib${{PYTHONPATH:+:$PYTHONPATH}}" {SHOW}',
+            "lib:{where}:/sb",
+            "{sandbox} -p {module}",
+        ),
+        # not a plain word: left as the task wrote it
+        (f"PYTHONPATH=$(printf lib) {SHOW}", "lib", "{sandbox} -p {module}"),
+        (f"MY_PYTHONPATH=lib {SHOW}", "{where}:/sb", "{sandbox} -p {module}"),
+    ],
+)
+def test_a_graders_own_assignment_keeps_the_proof_plugin_loadable(
+    tmp_path: Path, command: str, python_path: str, addopts: str
+) -> None:
+    """`PYTHONPATH=lib pytest` in an eval_cmd replaced the plugin's directory: pytest
+    could not load it and every patch, a correct fix too, earned 0. Run by a real shell."""
+    proof = Proof.new()
+    script = proof.wrap(command, str(tmp_path))
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": "/sb", "PYTEST_ADDOPTS": "-v"}
+    out = subprocess.run(
+        ["bash", "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    where = str(tmp_path / ".tr-grader")
+    names = {"where": where, "module": proof.module, "pwd": str(tmp_path), "sandbox": "-v"}
+    assert out == f"{python_path.format(**names)}|{addopts.format(**names)}"
 
 
 @pytest.mark.parametrize(
