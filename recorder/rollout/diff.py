@@ -218,12 +218,13 @@ async def apply_patch(sb: Sandbox, repo: str, patch: bytes, agents: Baseline) ->
     at = posixpath.join(sb.workdir, ".tr-apply")
     path = posixpath.join(sb.workdir, "agent.patch")
     await sb.write_file(path, patch)
-    await sb.write_file(f"{at}.made", "".join(f"./{m}\0" for m in agents.made))
     # Again, though `snapshot` wrote it: the guarantee belongs where the patch goes in.
     attributes = posixpath.join(sb.workdir, repo, ".git", "info", "attributes")
     await sb.write_file(attributes, RAW_ATTRIBUTES)
     q = shlex.quote
-    await _state_step(sb, repo, _STATE.format(at=q(at), when="before"))
+    if agents.made:  # else nothing to watch: two sandbox commands saved per eval
+        await sb.write_file(f"{at}.made", "".join(f"./{m}\0" for m in agents.made))
+        await _state_step(sb, repo, _STATE.format(at=q(at), when="before"))
     result = await sb.exec(
         f"{GIT} apply --binary --whitespace=nowarn {q(path)}", timeout_s=300, cwd=repo
     )
@@ -231,6 +232,8 @@ async def apply_patch(sb: Sandbox, repo: str, patch: bytes, agents: Baseline) ->
         raise InfraError(
             "patch_apply", f"the agent's diff does not apply on a clean checkout: {result.stderr}"
         )
+    if not agents.made:
+        return
     a = q(at)
     after = _STATE.format(at=a, when="after")
     changed = await _state_step(
