@@ -97,6 +97,15 @@ class BrokenRepository(Exception):
     objects or files made unreadable): the agent destroyed its own work, a policy
     failure."""
 
+    failure = "repository_broken"  # the grade's `failure`
+
+
+class DiskFull(BrokenRepository):
+    """The sandbox filled a disk of its own (`Sandbox.disk_is_own`): no diff could be
+    written. A policy failure; on a disk it shares it stays infrastructure."""
+
+    failure = "disk_full"
+
 
 async def take_diff(sb: Sandbox, repo: str, base: Baseline) -> bytes:
     """Everything the agent changed since setup (`base.tree`), but what setup made, as a
@@ -106,7 +115,8 @@ async def take_diff(sb: Sandbox, repo: str, base: Baseline) -> bytes:
     index (a force-added ignored file, a lock, garbage) counts. The sandbox's processes
     must be ended first (`Sandbox.end_processes`). Raises BrokenRepository when the
     sandbox answers but the repository cannot be diffed (an `rm -rf .git` had closed
-    the rollout as a lost sandbox, which masks its 0); a full disk stays infrastructure.
+    the rollout as a lost sandbox, which masks its 0), DiskFull when the sandbox filled
+    a disk of its own; a full disk the sandbox shares stays infrastructure.
     """
     out = posixpath.join(sb.workdir, "agent.diff")
     index = posixpath.join(sb.workdir, ".tr-diff.index")
@@ -143,9 +153,11 @@ async def take_diff(sb: Sandbox, repo: str, base: Baseline) -> bytes:
         raise BrokenRepository(f"git diff did not end: {exc}") from exc
     if result.exit_code != 0:
         failed = f"git diff failed in the agent's sandbox: {tail(result.stderr)}"
-        if "No space left on device" in result.stderr:
-            raise InfraError("sandbox_gone", failed)
-        raise BrokenRepository(failed)
+        if "No space left on device" not in result.stderr:
+            raise BrokenRepository(failed)
+        if sb.disk_is_own:
+            raise DiskFull(f"the sandbox filled its own disk: {failed}")
+        raise InfraError("sandbox_gone", failed)
     return await sb.read_file(out)
 
 

@@ -173,7 +173,7 @@ class _Rollout:
         self.turns = 0
         # The repository as setup left it, in each sandbox (set by `prepare`).
         self.bases: dict[str, Baseline] = {}
-        self.broken: str | None = None  # why the agent's repository could not be diffed
+        self.broken: BrokenRepository | None = None  # why the agent's work could not be diffed
         self.diff = b""
         self.started = time.perf_counter()
         self.deadline = time.monotonic() + req.wall_budget_s
@@ -311,7 +311,7 @@ class _Rollout:
             try:
                 patch = await take_diff(sb, repo, self.bases["agent"])
             except BrokenRepository as exc:
-                patch, self.broken = b"", str(exc)
+                patch, self.broken = b"", exc
         self.diff = patch
         paths = re.findall(rb"^diff --git a/(.*) b/", patch, flags=re.M)
         self.note(
@@ -320,7 +320,7 @@ class _Rollout:
             files=len(paths),
             paths=[p.decode(errors="replace") for p in paths[:200]],
             empty=not patch.strip(),
-            **({"broken": self.broken} if self.broken else {}),
+            **({"broken": str(self.broken)} if self.broken else {}),
             patch=patch[:PATCH_IN_LOG].decode(errors="replace"),
             patch_truncated=len(patch) > PATCH_IN_LOG,
         )
@@ -387,8 +387,8 @@ class _Rollout:
                 reward=0.0,
                 passed=False,
                 exit_code=None,
-                output_tail=self.broken or "empty diff",
-                failure="repository_broken" if self.broken else None,
+                output_tail=str(self.broken or "empty diff"),
+                failure=self.broken.failure if self.broken else None,
             )
             self.note("eval_result", **grade.evidence(), empty_diff=True)
             return grade

@@ -44,8 +44,9 @@ class Grade(msgspec.Struct, frozen=True, kw_only=True):
     # pytest of the grader's loaded our plugin: its command runs pytest in a way that
     # keeps it out, such as `python -I`), "patch_apply" (the agent's diff
     # does not apply on the tree it was taken against), "diff_forged" (the diff changes
-    # what setup made, which no diff the driver takes holds) or "repository_broken" (the
-    # agent's repository could not be diffed: its `.git` removed).
+    # what setup made, which no diff the driver takes holds), "repository_broken" (the
+    # agent's repository could not be diffed: its `.git` removed) or "disk_full" (the
+    # agent's sandbox filled a disk of its own: no diff could be written).
     failure: str | None = None
     # Protected paths the agent's patch changed (restored as setup left them before grading).
     protected_changed: list[str] = []

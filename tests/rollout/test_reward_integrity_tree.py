@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sandbox_backends import Backend
 from task_repos import EXT_SUFFIX, FIXED, base_repo, extension_b64, git
 from test_reward_integrity import (  # noqa: F401  (recorder is a fixture)
     FIX,
@@ -30,6 +31,7 @@ from test_reward_integrity import (  # noqa: F401  (recorder is a fixture)
 
 from recorder.rollout.agent import AgentSpec
 from recorder.rollout.driver import RolloutRequest, RolloutResult, run_group
+from recorder.rollout.sandbox import SandboxSpec
 from recorder.rollout.tasks import Task, load_tasks
 from tests.server.conftest import Harness
 
@@ -892,6 +894,29 @@ async def test_a_grader_that_keeps_the_plugin_out_names_why_a_fix_earned_nothing
     result = await rollout(recorder, local(tmp_path), task, FIX)
     assert (result.outcome, result.reward) == ("failed", 0.0)
     assert result.evidence["failure"] == "grader_plugin_not_loaded", result.evidence
+
+
+class _SmallDisks(Backend):
+    """Local sandboxes with disks of their own of 64 MB."""
+
+    def spec(self, **kw: Any) -> SandboxSpec:
+        return super().spec(options={"max_disk": "64m", "max_file_size": "16m"}, **kw)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a disk of its own needs root")
+async def test_an_agent_that_fills_its_disk_earns_its_zero_unmasked(
+    recorder: Harness, tmp_path: Path
+) -> None:
+    """A full disk while the driver took the diff was infrastructure (`sandbox_gone`),
+    which masked the policy's 0, and the disk was the one every sandbox and the
+    recorder's log share. On a disk of its own the fill is the sandbox's doing: 0."""
+    (tmp_path / "local").mkdir()
+    src = tmp_path / "src"
+    fill = f"{FIX} && for i in $(seq 1 12); do head -c 10485760 /dev/zero > junk$i; done; true"
+    task = calc_task(str(src), base_repo(src))
+    result = await rollout(recorder, _SmallDisks("local", tmp_path), task, fill)
+    assert (result.outcome, result.reward, result.infra_cause) == ("failed", 0.0, None)
+    assert result.evidence["failure"] == "disk_full", result.evidence
 
 
 async def test_a_root_name_that_is_not_utf8_is_a_policy_failure_not_an_abort(

@@ -483,3 +483,48 @@ async def test_a_file_size_limit_that_is_no_size_is_refused(tmp_path: Path, valu
 def test_file_size_limits_read_as_bytes(value: object, expected: int | None) -> None:
     assert local.max_file_size(SandboxSpec(options={"max_file_size": value})) == expected
     assert local.max_file_size(SandboxSpec()) == 8 << 30
+
+
+def _mounted(path: str) -> bool:
+    with open("/proc/self/mounts") as f:
+        return any(line.split()[1] == path for line in f)
+
+
+@needs_root
+async def test_a_sandbox_fills_its_own_disk_not_the_hosts(tmp_path: Path) -> None:
+    """Many files, each under the file-size limit, filled the disk every sandbox and the
+    recorder's log share. Now a sandbox's directory is a file system of its own,
+    `max_disk` big: writes past it fail there, another sandbox still writes, and
+    removing the sandbox leaves no mount and no image behind."""
+    root = tmp_path / "sandboxes"
+    root.mkdir()
+    free = os.statvfs(root)
+    spec = SandboxSpec(options={"root": str(root), "max_disk": "64m", "max_file_size": "16m"})
+    async with await open_sandbox(spec) as sb:
+        assert sb.disk_is_own and _mounted(sb.workdir)
+        fill = await sb.exec(
+            "for i in $(seq 1 12); do head -c 10485760 /dev/zero > f$i || exit 9; done"
+        )
+        assert fill.exit_code == 9 and "No space left on device" in fill.stderr
+        used = (free.f_bfree - os.statvfs(root).f_bfree) * free.f_frsize
+        assert used < 72 << 20, used  # the host's disk: at most the sandbox's own size
+        async with await open_sandbox(SandboxSpec(options={"root": str(root)})) as other:
+            more = await other.exec("head -c 20971520 /dev/zero > f && stat -c %s f")
+            assert more.stdout.strip() == str(20 << 20)
+        workdir = sb.workdir
+    assert not _mounted(workdir) and os.listdir(root) == []
+
+
+@needs_root
+async def test_a_sandbox_without_its_own_disk_when_asked(tmp_path: Path) -> None:
+    async with await open_sandbox(
+        SandboxSpec(options={"root": str(tmp_path), "max_disk": "none"})
+    ) as sb:
+        assert not sb.disk_is_own and not _mounted(sb.workdir)
+
+
+@pytest.mark.parametrize("value", [0, "1m", "lots", "-5g"])
+async def test_a_disk_size_that_is_no_size_is_refused(tmp_path: Path, value: object) -> None:
+    spec = SandboxSpec(options={"root": str(tmp_path), "max_disk": value})
+    with pytest.raises(SandboxBootError, match="max_disk"):
+        await open_sandbox(spec)

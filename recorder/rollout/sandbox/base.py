@@ -111,6 +111,9 @@ class Sandbox(abc.ABC):
 
     id: str
     workdir: str  # where commands run when no `cwd` is given
+    # Whether the sandbox's files sit on a disk nothing else writes (an E2B VM's, a local
+    # sandbox's own file system): a full disk there is the sandbox's own doing.
+    disk_is_own: bool = False
 
     async def exec(
         self,

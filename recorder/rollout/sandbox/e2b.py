@@ -195,6 +195,8 @@ class E2BHandle(CommandHandle):
 class E2BSandbox(Sandbox):
     """One E2B sandbox driven through the SDK's `AsyncSandbox`."""
 
+    disk_is_own = True  # a VM's disk of its own
+
     def __init__(self, sdk: Any, workdir: str, user: str | None) -> None:
         self.id = str(sdk.sandbox_id)
         self.workdir = workdir

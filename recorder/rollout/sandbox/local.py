@@ -29,7 +29,8 @@ A sandbox user's commands see only that user's processes (`procview.py`: a
 private `/proc` mounted `hidepid=2`), not other rollouts' command lines, and
 run at most `options["max_processes"]` processes and threads at once (a fork
 bomb fails inside its own sandbox), and write no file larger than
-`options["max_file_size"]`.
+`options["max_file_size"]`. Its directory is a file system of its own,
+`options["max_disk"]` big (`disk.py`): a sandbox fills that, not the host's disk.
 
 Where: a root driver's sandboxes go under `ROOT_SANDBOXES` (not the system's
 temp dir), and a sandbox refuses to start where any directory above it is
@@ -71,6 +72,7 @@ from recorder.rollout.sandbox.base import (
     SandboxGone,
     SandboxSpec,
 )
+from recorder.rollout.sandbox.disk import DiskError, make_disk, own_disks, remove_disk
 from recorder.rollout.sandbox.environment import host_basics
 from recorder.rollout.sandbox.procview import Limits, as_user, launch, private_view
 from recorder.rollout.sandbox.users import (
@@ -91,6 +93,10 @@ MIN_PROCESSES = 32
 # repository's pack, a build's artifacts and a test suite's data fit.
 DEFAULT_MAX_FILE_SIZE = "8g"
 MIN_FILE_SIZE = 1 << 20
+# The size of a sandbox's own disk (`disk.py`): its checkout, caches, builds and test
+# data fit. The image is sparse: the host's disk holds only what the sandbox writes.
+DEFAULT_MAX_DISK = "16g"
+MIN_DISK = 64 << 20
 # How long a finished command's pipes may take to close once its group is killed,
 # before the process table is searched for an escaped holder (a few ms in practice),
 # and how long after that search its output is still read.
@@ -258,10 +264,18 @@ class LocalHandle(CommandHandle):
 class LocalSandbox(Sandbox):
     """A temporary directory plus the process groups of the commands run in it."""
 
-    def __init__(self, spec: SandboxSpec, workdir: Path, user: SandboxUser | None = None) -> None:
+    def __init__(
+        self,
+        spec: SandboxSpec,
+        workdir: Path,
+        user: SandboxUser | None = None,
+        *,
+        own_disk: bool = False,
+    ) -> None:
         self.id = workdir.name
         self.workdir = str(workdir)
         self.user = user  # None: commands run as the driver's own user
+        self.disk_is_own = own_disk  # its directory is a file system of its own (disk.py)
         self._spec = spec
         self._limits = Limits(max_processes(spec), max_file_size(spec))
         self._handles: list[LocalHandle] = []
@@ -279,6 +293,7 @@ class LocalSandbox(Sandbox):
             raise SandboxBootError(f"options['user'] is 'auto' or 'driver', not {mode!r}")
         max_processes(spec)  # refuse a bad limit before anything is made
         max_file_size(spec)
+        disk_size = max_disk(spec)
         try:
             user = await asyncio.to_thread(claim_user) if mode == "auto" else None
         except (UserPoolError, OSError) as exc:
@@ -288,12 +303,16 @@ class LocalSandbox(Sandbox):
         try:
             if user is not None:
                 await asyncio.to_thread(private_view)  # its one probe, off the event loop
-            workdir = await asyncio.to_thread(_make_workdir, spec.options.get("root"), user)
+            if user is None or disk_size is None or not await asyncio.to_thread(own_disks):
+                disk_size = None  # (a driver's own user could write the host's disk anyway)
+            workdir = await asyncio.to_thread(
+                _make_workdir, spec.options.get("root"), user, disk_size
+            )
         except BaseException:
             if user is not None:
                 await asyncio.to_thread(user.release)
             raise
-        return cls(spec, workdir, user)
+        return cls(spec, workdir, user, own_disk=disk_size is not None)
 
     # -- commands ---------------------------------------------------------------------------
 
@@ -392,7 +411,7 @@ class LocalSandbox(Sandbox):
         handles, self._handles = self._handles, []
         await asyncio.gather(*(h.kill() for h in handles))
         await asyncio.to_thread(_sweep, MARK, self.id)
-        await asyncio.to_thread(_remove_tree, Path(self.workdir))
+        await asyncio.to_thread(_remove_workdir, Path(self.workdir), self.disk_is_own)
         if self.user is not None:
             await asyncio.to_thread(self.user.release)
 
@@ -446,15 +465,28 @@ def max_file_size(spec: SandboxSpec) -> int | None:
     """`options["max_file_size"]`: the most bytes any one file a sandbox user's command
     writes may hold (`DEFAULT_MAX_FILE_SIZE`; a number of bytes, or with a k/m/g/t
     suffix, binary; "none" for no limit)."""
-    value = spec.options.get("max_file_size", DEFAULT_MAX_FILE_SIZE)
+    return _size_option(spec, "max_file_size", DEFAULT_MAX_FILE_SIZE, MIN_FILE_SIZE, "1m")
+
+
+def max_disk(spec: SandboxSpec) -> int | None:
+    """`options["max_disk"]`: the size of a sandbox's own disk (`DEFAULT_MAX_DISK`; as
+    `max_file_size`; "none": the sandbox writes the host's disk). Only a sandbox with a
+    user of its own gets one, where the driver can mount it (`disk.own_disks`)."""
+    return _size_option(spec, "max_disk", DEFAULT_MAX_DISK, MIN_DISK, "64m")
+
+
+def _size_option(
+    spec: SandboxSpec, name: str, default: str, minimum: int, least: str
+) -> int | None:
+    value = spec.options.get(name, default)
     text = str(value).strip().lower()
     if value is None or text == "none":
         return None
     digits, unit = (text[:-1], text[-1]) if text[-1:] in _SIZE_UNITS else (text, "")
     n = int(digits) * _SIZE_UNITS[unit] if digits.isdigit() else 0
-    if n < MIN_FILE_SIZE:
+    if n < minimum:
         raise SandboxBootError(
-            f"options['max_file_size'] is a size of at least 1m (bytes, or with a k/m/g/t "
+            f"options['{name}'] is a size of at least {least} (bytes, or with a k/m/g/t "
             f"suffix), or 'none'; not {value!r}"
         )
     return n
@@ -471,24 +503,36 @@ def default_root() -> str:
     return str(path)
 
 
-def _make_workdir(root: str | None, user: SandboxUser | None) -> Path:
-    """The sandbox's directory (0700, with `home` and `tmp`), owned by `user` if any."""
+def _make_workdir(root: str | None, user: SandboxUser | None, disk: int | None = None) -> Path:
+    """The sandbox's directory (0700, with `home` and `tmp`), owned by `user` if any; with
+    `disk`, a file system of that many bytes of its own (`disk.make_disk`)."""
     try:
         if root is None:
             root = default_root()
         workdir = Path(tempfile.mkdtemp(prefix=f"tr-sbx-{uuid.uuid4().hex[:8]}-", dir=root))
+    except OSError as exc:
+        raise _no_workdir(root, exc) from exc
+    if disk is not None:
+        try:
+            make_disk(workdir, disk)
+        except DiskError as exc:
+            workdir.rmdir()
+            raise SandboxBootError(
+                f"cannot give the local sandbox a disk of its own under {root}: {exc}; "
+                "free space there, or set options['max_disk'] to 'none'"
+            ) from exc
+        workdir.chmod(0o700)
+    try:
         for sub in (HOME_DIR, TMP_DIR):
             (workdir / sub).mkdir(mode=0o700)
     except OSError as exc:
-        raise SandboxBootError(
-            f"cannot create a local sandbox directory under {root or ROOT_SANDBOXES}: "
-            f"{exc}; set options['root'] to a writable directory"
-        ) from exc
+        _remove_workdir(workdir, disk is not None)
+        raise _no_workdir(root, exc) from exc
     if user is None:
         return workdir
     shared = writable_parent(workdir)
     if shared is not None:
-        _remove_tree(workdir)
+        _remove_workdir(workdir, disk is not None)
         raise SandboxBootError(
             f"sandboxes under {root} would share {shared}, which every user may write: tools "
             "read files from every parent directory (pytest.ini and conftest.py, pyproject.toml, "
@@ -498,7 +542,7 @@ def _make_workdir(root: str | None, user: SandboxUser | None) -> Path:
         )
     blocked = _unreachable_parent(workdir, user.uid)
     if blocked is not None:
-        _remove_tree(workdir)
+        _remove_workdir(workdir, disk is not None)
         raise SandboxBootError(
             f"the sandbox user {user.name} cannot reach {workdir}: {blocked} is closed to other "
             f"users; choose options['root'] (--sandbox-option root=DIR) under directories "
@@ -507,6 +551,13 @@ def _make_workdir(root: str | None, user: SandboxUser | None) -> Path:
     for path in (workdir, workdir / HOME_DIR, workdir / TMP_DIR):
         os.chown(path, user.uid, user.gid)
     return workdir
+
+
+def _no_workdir(root: str | None, exc: OSError) -> SandboxBootError:
+    return SandboxBootError(
+        f"cannot create a local sandbox directory under {root or ROOT_SANDBOXES}: "
+        f"{exc}; set options['root'] to a writable directory"
+    )
 
 
 def writable_parent(path: Path) -> Path | None:
@@ -653,6 +704,13 @@ def _sweep(name: str, value: str) -> None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.01)
+
+
+def _remove_workdir(workdir: Path, own_disk: bool) -> None:
+    """The sandbox's directory and everything in it (with its own disk: unmounted)."""
+    if own_disk:
+        remove_disk(workdir)
+    _remove_tree(workdir)
 
 
 def _remove_tree(path: Path) -> None:
