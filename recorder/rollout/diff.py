@@ -101,8 +101,8 @@ class BrokenRepository(Exception):
 
 
 class DiskFull(BrokenRepository):
-    """The sandbox filled a disk of its own (`Sandbox.disk_is_own`): no diff could be
-    written. A policy failure; on a disk it shares it stays infrastructure."""
+    """The sandbox filled a disk of its own (`Sandbox.filled_its_own_disk`): no diff could
+    be written. A policy failure; on a disk it shares it stays infrastructure."""
 
     failure = "disk_full"
 
@@ -125,13 +125,16 @@ async def take_diff(sb: Sandbox, repo: str, base: Baseline) -> bytes:
     try:  # no filter or conversion of the agent's runs (its processes are gone by now)
         await sb.write_file(posixpath.join(repo, ".git", "info", "attributes"), RAW_ATTRIBUTES)
     except OSError as exc:  # `.git` made a file, or unwritable
-        raise BrokenRepository(f"cannot write the repository's attributes: {exc}") from exc
+        raise await _unwritable(sb, f"cannot write the repository's attributes: {exc}") from exc
     git = f"GIT_INDEX_FILE={q(index)} {GIT} -c core.fsmonitor=false"
     # What setup made goes back to setup's state in that index (a pathspec naming an
     # ignored file would make `git add` fail, `git reset` takes any).
     keep_setups = ""
     if base.made:
-        await sb.write_file(specs, "\0".join(base.made))
+        try:
+            await sb.write_file(specs, "\0".join(base.made))
+        except OSError as exc:  # the agent's disk out of inodes: an audit's masked 0
+            raise await _unwritable(sb, f"cannot write the diff's pathspecs: {exc}") from exc
         keep_setups = (
             f" && {git} --literal-pathspecs reset -q {q(base.tree)} "
             f"--pathspec-file-nul --pathspec-from-file={q(specs)}"
@@ -152,13 +155,20 @@ async def take_diff(sb: Sandbox, repo: str, base: Baseline) -> bytes:
     except CommandTimeout as exc:
         raise BrokenRepository(f"git diff did not end: {exc}") from exc
     if result.exit_code != 0:
-        failed = f"git diff failed in the agent's sandbox: {tail(result.stderr)}"
-        if "No space left on device" not in result.stderr:
-            raise BrokenRepository(failed)
-        if sb.disk_is_own:
-            raise DiskFull(f"the sandbox filled its own disk: {failed}")
-        raise InfraError("sandbox_gone", failed)
+        raise await _unwritable(
+            sb, f"git diff failed in the agent's sandbox: {tail(result.stderr)}"
+        )
     return await sb.read_file(out)
+
+
+async def _unwritable(sb: Sandbox, why: str) -> Exception:
+    """What a failed step of `take_diff` is: a full disk the sandbox filled itself (0), a
+    full disk it shares (infrastructure), or a repository the agent broke (0)."""
+    if "No space left on device" not in why:
+        return BrokenRepository(why)
+    if await sb.filled_its_own_disk():
+        return DiskFull(f"the sandbox filled its own disk: {why}")
+    return InfraError("sandbox_gone", why)
 
 
 _PREIMAGE = re.compile(rb"^index ([0-9a-f]{40,64})\.\.", re.M)

@@ -178,10 +178,11 @@ class Proof(msgspec.Struct, frozen=True):
         is not a plain word or quoted string (`$(pwd)/lib`): rewriting that could
         change what the task's command means."""
         where = posixpath.join(workdir, PROOF_DIR)
+        quoted = _quoted(script)
 
         def keep(m: re.Match[str]) -> str:
             name, value = m.group("name"), m.group("value")
-            if name in value:
+            if name in value or quoted[m.start()]:  # inside quotes: `bash -c '...'`, an id
                 return m.group(0)
             if name == "PYTHONPATH":
                 added = shlex.quote(f":{where}" if value.strip("\"'") else where)
@@ -189,6 +190,28 @@ class Proof(msgspec.Struct, frozen=True):
             return f"{name}={value}{shlex.quote(f' -p {self.module}')}"
 
         return _ASSIGNMENT.sub(keep, script)
+
+
+def _quoted(script: str) -> list[bool]:
+    """For each character of a shell script: is it inside quotes (or escaped)?
+
+    An assignment inside quotes is another program's text (`bash -c 'A=1 pytest'`, a
+    test id): appending to it there had ended the quoted string early and cut the
+    grader's command short. Heredoc bodies count as unquoted."""
+    flags = [False] * len(script)
+    quote, escaped = "", False
+    for i, c in enumerate(script):
+        flags[i] = bool(quote) or escaped
+        if escaped:
+            escaped = False
+        elif c == "\\" and quote != "'":
+            escaped = True
+        elif quote:
+            if c == quote:
+                quote = ""
+        elif c in "'\"":
+            quote = c
+    return flags
 
 
 class Run(msgspec.Struct, frozen=True):

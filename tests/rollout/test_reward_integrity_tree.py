@@ -919,6 +919,22 @@ async def test_an_agent_that_fills_its_disk_earns_its_zero_unmasked(
     assert result.evidence["failure"] == "disk_full", result.evidence
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="a disk of its own needs root")
+async def test_an_agent_that_uses_up_its_inodes_earns_its_zero_unmasked(
+    recorder: Harness, tmp_path: Path
+) -> None:
+    """An audit ran its disk out of inodes: the driver's own write of the diff's
+    pathspecs (setup had made a file) then failed outside any check, and the rollout
+    closed as `driver_error`, which masked the policy's 0."""
+    (tmp_path / "local").mkdir()
+    src = tmp_path / "src"
+    fill = f"{FIX} && mkdir n && cd n && seq 1 40000 | xargs touch; true"
+    task = calc_task(str(src), base_repo(src), setup=["touch build.stamp"])
+    result = await rollout(recorder, _SmallDisks("local", tmp_path), task, fill)
+    assert (result.outcome, result.reward, result.infra_cause) == ("failed", 0.0, None)
+    assert result.evidence["failure"] == "disk_full", result.evidence
+
+
 async def test_a_root_name_that_is_not_utf8_is_a_policy_failure_not_an_abort(
     recorder: Harness, tmp_path: Path
 ) -> None:

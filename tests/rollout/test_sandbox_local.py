@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -528,3 +529,25 @@ async def test_a_disk_size_that_is_no_size_is_refused(tmp_path: Path, value: obj
     spec = SandboxSpec(options={"root": str(tmp_path), "max_disk": value})
     with pytest.raises(SandboxBootError, match="max_disk"):
         await open_sandbox(spec)
+
+
+@needs_root
+async def test_a_full_disk_is_not_the_sandboxs_doing_when_the_host_is_short(
+    tmp_path: Path,
+) -> None:
+    """Images are sparse: together they may promise more than the host has, and then a
+    sandbox that wrote little gets "no space" too (an audit's sibling, 1% of its disk
+    used, was graded 0). On a host that is short, a full disk is infrastructure."""
+    async with await open_sandbox(SandboxSpec(options={"root": str(tmp_path)})) as sb:
+        assert await sb.filled_its_own_disk()
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=200m,mode=755", "tmpfs", str(small)], check=True
+    )
+    try:
+        spec = SandboxSpec(options={"root": str(small), "max_disk": "64m"})
+        async with await open_sandbox(spec) as sb:
+            assert sb.disk_is_own and not await sb.filled_its_own_disk()
+    finally:
+        subprocess.run(["umount", "--lazy", str(small)], check=True)

@@ -234,6 +234,22 @@ def test_a_graders_own_assignment_keeps_the_proof_plugin_loadable(
 
 
 @pytest.mark.parametrize(
+    "command",
+    [
+        "bash -c 'PYTEST_ADDOPTS=-q python -m pytest tests'",
+        "python -m pytest 'tests/t.py::test_env[PYTHONPATH=a b]'",
+        'python -m pytest "tests/t.py::test_env[PYTHONPATH=a b]"',
+        'echo "export PYTHONPATH=lib && cd src" > env.sh',
+    ],
+)
+def test_an_assignment_inside_quotes_is_another_programs_text(command: str) -> None:
+    """An audit's `bash -c 'PYTEST_ADDOPTS=-q pytest'` became `bash -c 'PYTEST_ADDOPTS=-q'
+    -p ...' pytest'`: bash ran the assignment alone and pytest never ran (a correct
+    fix earned 0). Quoted text is left as the task wrote it."""
+    assert Proof.new().kept_through(command, "/w") == command
+
+
+@pytest.mark.parametrize(
     ("tests", "message"),
     [
         ({"FAIL_TO_PASS": []}, "at least one test"),

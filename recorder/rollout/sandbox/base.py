@@ -166,6 +166,12 @@ class Sandbox(abc.ABC):
         """Remove the sandbox and everything running in it. Idempotent; never raises
         for a sandbox that is already gone."""
 
+    async def filled_its_own_disk(self) -> bool:
+        """After a write failed for want of space: was it the sandbox's own disk that it
+        filled? Then its rollout earns 0 (`diff.take_diff`); a disk it shares with others
+        is infrastructure."""
+        return self.disk_is_own
+
     async def __aenter__(self) -> Sandbox:
         return self
 

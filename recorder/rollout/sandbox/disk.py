@@ -73,6 +73,17 @@ def remove_disk(workdir: Path) -> None:
     image_of(workdir).unlink(missing_ok=True)
 
 
+# Below this much free space on the host's disk under the images, a sandbox's full
+# disk may be the host's doing: sparse images can promise more than the host has.
+HOST_RESERVE = 256 << 20
+
+
+def host_short(workdir: Path) -> bool:
+    """Is the host's disk under this sandbox's image (nearly) full?"""
+    st = os.statvfs(workdir.parent)
+    return st.f_bavail * st.f_frsize < HOST_RESERVE
+
+
 @functools.cache
 def own_disks() -> bool:
     """Can this process give sandboxes disks of their own? Probed once, with a small disk."""

@@ -72,7 +72,13 @@ from recorder.rollout.sandbox.base import (
     SandboxGone,
     SandboxSpec,
 )
-from recorder.rollout.sandbox.disk import DiskError, make_disk, own_disks, remove_disk
+from recorder.rollout.sandbox.disk import (
+    DiskError,
+    host_short,
+    make_disk,
+    own_disks,
+    remove_disk,
+)
 from recorder.rollout.sandbox.environment import host_basics
 from recorder.rollout.sandbox.procview import Limits, as_user, launch, private_view
 from recorder.rollout.sandbox.users import (
@@ -414,6 +420,12 @@ class LocalSandbox(Sandbox):
         await asyncio.to_thread(_remove_workdir, Path(self.workdir), self.disk_is_own)
         if self.user is not None:
             await asyncio.to_thread(self.user.release)
+
+    async def filled_its_own_disk(self) -> bool:
+        """Its own disk, unless the host's disk under the images is short too: images are
+        sparse, and together they may promise more than the host has (then a sandbox
+        that wrote little gets "no space" as well)."""
+        return self.disk_is_own and not await asyncio.to_thread(host_short, Path(self.workdir))
 
     async def end_processes(self) -> None:
         """Every command's group, every marked process, and with a user of its own every
