@@ -16,6 +16,7 @@ import pytest
 from recorder.rollout.sandbox import (
     SandboxBootError,
     SandboxSpec,
+    disk,
     local,
     open_sandbox,
     procview,
@@ -551,3 +552,34 @@ async def test_a_full_disk_is_not_the_sandboxs_doing_when_the_host_is_short(
             assert sb.disk_is_own and not await sb.filled_its_own_disk()
     finally:
         subprocess.run(["umount", "--lazy", str(small)], check=True)
+
+
+@needs_root
+async def test_tmp_is_the_sandboxs_own_and_no_other_disk_is_in_view(tmp_path: Path) -> None:
+    """/tmp and /var/tmp were the host's disk, written past a sandbox's own (an audit
+    wrote 60 MB there from a 64 MB sandbox), and shared by every sandbox. And the
+    mounts of other sandboxes' disks were in view, a crashed driver's too, which stay
+    mounted and owned by a pool user the next sandbox may get: an audit read a dead
+    sandbox's hidden tests through one."""
+    root = tmp_path / "sandboxes"
+    root.mkdir()
+    dead = root / "tr-sbx-dead-0"  # a crashed driver's sandbox, still mounted
+    dead.mkdir()
+    disk.make_disk(dead, 64 << 20)
+    try:
+        (dead / "secret").write_text("HIDDEN-TEST")
+        (dead / "secret").chmod(0o644)
+        dead.chmod(0o755)
+        async with await open_sandbox(SandboxSpec(options={"root": str(root)})) as sb:
+            mounts = await sb.exec("cat /proc/self/mounts")
+            assert str(dead) not in mounts.stdout and sb.workdir in mounts.stdout
+            read = await sb.exec(f"cat {dead}/secret")
+            assert read.exit_code != 0 and "HIDDEN" not in read.stdout
+            tmp = await sb.exec("echo a > /tmp/a && echo b > /var/tmp/b && ls $TMPDIR")
+            assert tmp.stdout.split() == ["a", "b"]
+            assert not Path("/tmp/a").exists() and not Path("/var/tmp/b").exists()
+            gone = await sb.exec('rm -rf "$TMPDIR"')
+            again = await sb.exec("echo c > /tmp/c && ls $TMPDIR")
+            assert gone.exit_code == 0 and again.stdout.split() == ["c"]
+    finally:
+        disk.remove_disk(dead)

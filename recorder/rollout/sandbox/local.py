@@ -361,7 +361,7 @@ class LocalSandbox(Sandbox):
         if not os.path.isdir(where):  # what Popen would say; entered as the user below
             raise FileNotFoundError(f"cannot run in {where}: no such directory")
         ids = (user.uid, user.gid) if user else (None, None)
-        how = launch(cmd, self._env(env, mark), where, *ids, self._limits)
+        how = launch(cmd, self._env(env, mark), where, *ids, self._limits, self.workdir)
         try:
             proc = subprocess.Popen(
                 how.argv,
