@@ -395,13 +395,30 @@ class _Rollout:
         with self.timed("eval_s"):
             sb = await self.boot("eval")
             repo = await self.prepare(sb, "eval")
-            refused = await self.apply(sb, repo, patch)
-            grade = refused or await self.grade(sb, repo)
+            grade = await self.patched_grade(sb, repo, patch)
         self.note(
             "eval_result", **grade.evidence(), duration_s=round(self.timings.get("grader_s", 0), 3)
         )
         self.release(sb)
         return grade
+
+    async def patched_grade(self, sb: Sandbox, repo: str, patch: bytes) -> Grade:
+        """The patch applied and graded. A step that fails because the eval sandbox's own
+        disk is full is the patch's doing (setup alone fits: it filled no more of the
+        agent's disk of the same size): 0, `disk_full`. An audit's patch of many empty
+        files had used up the fresh disk's inodes: `eval_crashed`, a masked 0."""
+        try:
+            return await self.apply(sb, repo, patch) or await self.grade(sb, repo)
+        except (InfraError, OSError) as exc:
+            if "No space left on device" not in str(exc) or not await sb.filled_its_own_disk():
+                raise
+            return Grade(
+                reward=0.0,
+                passed=False,
+                exit_code=None,
+                failure="disk_full",
+                output_tail=tail(str(exc), 2000),
+            )
 
     async def apply(self, sb: Sandbox, repo: str, patch: bytes) -> Grade | None:
         """Apply the agent's patch; None, or its 0 when it does not apply or changed what

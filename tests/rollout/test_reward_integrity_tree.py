@@ -896,6 +896,14 @@ async def test_a_grader_that_keeps_the_plugin_out_names_why_a_fix_earned_nothing
     assert result.evidence["failure"] == "grader_plugin_not_loaded", result.evidence
 
 
+# Files the patch creates, as many as the fresh eval disk has inodes free (counted
+# before the agent frees a few of its own the diff never carries, for its diff's files).
+EVAL_INODES = (
+    f"{FIX} && n=$(($(stat -f -c %d .) - 4)) && rm -f .git/hooks/*.sample .git/description "
+    "&& mkdir e && cd e && seq 1 $n | xargs touch"
+)
+
+
 class _SmallDisks(Backend):
     """Local sandboxes with disks of their own of 64 MB."""
 
@@ -915,6 +923,22 @@ async def test_an_agent_that_fills_its_disk_earns_its_zero_unmasked(
     fill = f"{FIX} && for i in $(seq 1 12); do head -c 10485760 /dev/zero > junk$i; done; true"
     task = calc_task(str(src), base_repo(src))
     result = await rollout(recorder, _SmallDisks("local", tmp_path), task, fill)
+    assert (result.outcome, result.reward, result.infra_cause) == ("failed", 0.0, None)
+    assert result.evidence["failure"] == "disk_full", result.evidence
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a disk of its own needs root")
+async def test_a_patch_that_fills_the_eval_disk_earns_its_zero_unmasked(
+    recorder: Harness, tmp_path: Path
+) -> None:
+    """An audit's patch of empty files used up the fresh eval disk's inodes: restoring
+    the protected paths then failed, `eval_crashed`, a masked 0. Setup alone fits the
+    eval's disk (it fit the agent's of the same size): a full one is the patch's doing."""
+    (tmp_path / "local").mkdir()
+    src = tmp_path / "src"
+    task = calc_task(str(src), base_repo(src))
+    result = await rollout(recorder, _SmallDisks("local", tmp_path), task, EVAL_INODES)
+    assert "+++ b/calc.py" in result.diff, result.evidence
     assert (result.outcome, result.reward, result.infra_cause) == ("failed", 0.0, None)
     assert result.evidence["failure"] == "disk_full", result.evidence
 
