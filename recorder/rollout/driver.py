@@ -59,7 +59,7 @@ from recorder.rollout.diff import (
 )
 from recorder.rollout.errors import InfraError
 from recorder.rollout.eval_tree import remove_bytecode, remove_path_shadows, restore_protected
-from recorder.rollout.evaluate import Grade, run_grader
+from recorder.rollout.evaluate import Grade, GraderCannotRun, run_grader
 from recorder.rollout.protect import protected_pathspecs, pythonpath_entries
 from recorder.rollout.sandbox import (
     CommandTimeout,
@@ -409,6 +409,16 @@ class _Rollout:
         files had used up the fresh disk's inodes: `eval_crashed`, a masked 0."""
         try:
             return await self.apply(sb, repo, patch) or await self.grade(sb, repo)
+        except GraderCannotRun as exc:
+            if not await self.grader_runs_unpatched():
+                raise
+            return Grade(
+                reward=0.0,
+                passed=False,
+                exit_code=None,
+                failure="grader_broken_by_patch",
+                output_tail=tail(exc.message, 2000),
+            )
         except (InfraError, OSError) as exc:
             if "No space left on device" not in str(exc) or not await sb.filled_its_own_disk():
                 raise
@@ -419,6 +429,24 @@ class _Rollout:
                 failure="disk_full",
                 output_tail=tail(str(exc), 2000),
             )
+
+    async def grader_runs_unpatched(self) -> bool:
+        """Does the grader run on a fresh eval sandbox without the patch? Asked only when it
+        could not run with it (exit 126/127 before pytest started): a patch that made a
+        script the grader sources `exit 127` had turned its 0 into an infrastructure
+        abort (an audit's `. ./env.sh && pytest`). Then the patch broke it: 0."""
+        sb = await self.boot("eval_unpatched")
+        try:
+            repo = await self.prepare(sb, "eval_unpatched")
+            task = self.req.task
+            if task.test_patch and await apply_test_patch(sb, repo, task.test_patch):
+                return False  # (it applied on the patched tree: a setup that differs)
+            await run_grader(sb, task, repo)
+        except GraderCannotRun:
+            return False
+        finally:
+            self.release(sb)
+        return True
 
     async def apply(self, sb: Sandbox, repo: str, patch: bytes) -> Grade | None:
         """Apply the agent's patch; None, or its 0 when it does not apply or changed what

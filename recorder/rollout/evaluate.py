@@ -30,6 +30,11 @@ _COLOR = re.compile(r"\x1b\[[0-9;]*m")  # `--color=yes`: SGR codes inside the li
 _CANNOT_RUN = (126, 127)
 
 
+class GraderCannotRun(InfraError):
+    """The grader exited 126/127 (not found, not executable) before its pytest started:
+    infrastructure, unless the patch is what broke it (`driver._Rollout.patched_grade`)."""
+
+
 class Grade(msgspec.Struct, frozen=True, kw_only=True):
     reward: float
     passed: bool
@@ -40,7 +45,8 @@ class Grade(msgspec.Struct, frozen=True, kw_only=True):
     output_tail: str = ""
     # Why the patch earned 0 whatever its grader printed: "test_patch_conflict",
     # "pytest_did_not_finish" (`grade_tests`: no report of our plugin's),
-    # "exit_code_without_pytest_pass" (`grade_exit`), "grader_plugin_not_loaded" (no
+    # "exit_code_without_pytest_pass" (`grade_exit`), "grader_broken_by_patch" (the
+    # grader could not run with the patch, and could without it), "grader_plugin_not_loaded" (no
     # pytest of the grader's loaded our plugin: its command runs pytest in a way that
     # keeps it out, such as `python -I`), "patch_apply" (the agent's diff
     # does not apply on the tree it was taken against), "diff_forged" (the diff changes
@@ -171,7 +177,7 @@ async def run_grader(sb: Sandbox, task: Task, repo: str) -> Grade:
     except CommandTimeout:
         return Grade(reward=0.0, passed=False, exit_code=None, timed_out=True)
     if result.exit_code in _CANNOT_RUN and not await _pytest_started(sb, proof):
-        raise InfraError(
+        raise GraderCannotRun(
             "eval_crashed",
             f"the grader could not run (exit {result.exit_code}): {tail(result.stderr, 500)}",
         )

@@ -904,6 +904,9 @@ EVAL_INODES = (
 )
 
 
+FAIL = ["tests/test_calc.py::test_add"]
+
+
 class _SmallDisks(Backend):
     """Local sandboxes with disks of their own of 64 MB."""
 
@@ -957,6 +960,37 @@ async def test_an_agent_that_uses_up_its_inodes_earns_its_zero_unmasked(
     result = await rollout(recorder, _SmallDisks("local", tmp_path), task, fill)
     assert (result.outcome, result.reward, result.infra_cause) == ("failed", 0.0, None)
     assert result.evidence["failure"] == "disk_full", result.evidence
+
+
+def _sourced_env_repo(src: Path) -> str:
+    """The calc repository with an `env.sh` the grader sources."""
+    base_repo(src)
+    (src / "env.sh").write_text("export CALC_ENV=1\n")
+    git(src, "add", "-A")
+    git(src, "commit", "-q", "-m", "env.sh")
+    return git(src, "rev-parse", "HEAD")
+
+
+@pytest.mark.parametrize(
+    ("agent", "expected"),
+    [
+        (f"{FIX} && echo 'exit 127' >> env.sh", ("failed", 0.0, None, "grader_broken_by_patch")),
+        (FIX, ("passed", 1.0, None, None)),
+    ],
+)
+async def test_a_patch_that_breaks_a_script_the_grader_sources_earns_its_zero_unmasked(
+    recorder: Harness, tmp_path: Path, agent: str, expected: tuple[object, ...]
+) -> None:
+    """An audit's patch made the `env.sh` a grader sources end with `exit 127`: "the grader
+    could not run", `eval_crashed`, a masked 0. Now a grader that cannot run with the
+    patch is run once more without it, in a fresh eval sandbox: it runs, so the patch
+    broke it, 0. (A grader that cannot run at all stays infrastructure.)"""
+    src = tmp_path / "src"
+    cmd = ". ./env.sh && python -m pytest -q -p no:cacheprovider {tests}"
+    task = calc_task(str(src), _sourced_env_repo(src), tests={"FAIL_TO_PASS": FAIL, "cmd": cmd})
+    result = await rollout(recorder, local(tmp_path), task, agent)
+    got = (result.outcome, result.reward, result.infra_cause, result.evidence.get("failure"))
+    assert got == expected, result.evidence
 
 
 async def test_a_root_name_that_is_not_utf8_is_a_policy_failure_not_an_abort(
