@@ -43,16 +43,20 @@ class Grade(msgspec.Struct, frozen=True, kw_only=True):
     tests_failed: list[str] = []
     timed_out: bool = False
     output_tail: str = ""
-    # Why the patch earned 0 whatever its grader printed: "test_patch_conflict",
-    # "pytest_did_not_finish" (`grade_tests`: no report of our plugin's),
-    # "exit_code_without_pytest_pass" (`grade_exit`), "grader_broken_by_patch" (the
-    # grader could not run with the patch, and could without it), "grader_plugin_not_loaded" (no
-    # pytest of the grader's loaded our plugin: its command runs pytest in a way that
-    # keeps it out, such as `python -I`), "patch_apply" (the agent's diff
-    # does not apply on the tree it was taken against), "diff_forged" (the diff changes
-    # what setup made, which no diff the driver takes holds), "repository_broken" (the
-    # agent's repository could not be diffed: its `.git` removed) or "disk_full" (the
-    # agent's sandbox filled a disk of its own: no diff could be written).
+    # Why the patch earned 0 whatever its grader printed:
+    # - "test_patch_conflict";
+    # - "pytest_did_not_finish" (`grade_tests`: no report of our plugin's);
+    # - "exit_code_without_pytest_pass" (`grade_exit`);
+    # - "grader_plugin_not_loaded" (no pytest of the grader's loaded our plugin: its
+    #   command keeps it out, such as `python -I`);
+    # - "grader_broken_by_patch" (the grader could not run with the patch, and could
+    #   without it: `driver`);
+    # - "patch_apply" (the agent's diff does not apply on the tree it was taken against);
+    # - "diff_forged" (the diff changes what setup made, which no diff the driver takes
+    #   holds);
+    # - "repository_broken" (the agent's repository could not be diffed: `.git` removed);
+    # - "disk_full" (the agent's sandbox, or the eval's after the patch, filled a disk of
+    #   its own).
     failure: str | None = None
     # Protected paths the agent's patch changed (restored as setup left them before grading).
     protected_changed: list[str] = []
