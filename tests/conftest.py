@@ -208,7 +208,17 @@ def sandbox_reachable_tmp_path(name: str) -> Iterator[Path]:
     try:
         yield path
     finally:
+        _unmount_below(path)
         shutil.rmtree(path, ignore_errors=True)
+
+
+def _unmount_below(path: Path) -> None:
+    """Sandbox disks a test left mounted (its driver killed with signal 9, on purpose)."""
+    prefix = f"{path}/"
+    with open("/proc/self/mounts") as f:
+        below = [m for line in f if (m := line.split()[1]).startswith(prefix)]
+    for mount in sorted(below, reverse=True):
+        subprocess.run(["umount", "--lazy", mount], capture_output=True, check=False)
 
 
 def tokenizer_variant(tmp_path: Path, name: str, edit: dict) -> Any:

@@ -9,6 +9,7 @@ import asyncio
 import os
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from recorder.rollout.sandbox import (
     SandboxBootError,
     SandboxSpec,
     disk,
+    leftovers,
     local,
     open_sandbox,
     procview,
@@ -583,3 +585,43 @@ async def test_tmp_is_the_sandboxs_own_and_no_other_disk_is_in_view(tmp_path: Pa
             assert gone.exit_code == 0 and again.stdout.split() == ["c"]
     finally:
         disk.remove_disk(dead)
+
+
+CRASH = """
+import asyncio, os, sys
+from recorder.rollout.sandbox import SandboxSpec, open_sandbox
+
+async def main():
+    sb = await open_sandbox(SandboxSpec(options={"root": sys.argv[1], "max_disk": "64m"}))
+    await sb.exec("echo hidden > secret")
+    print(sb.workdir, flush=True)
+    os.kill(os.getpid(), 9)
+
+asyncio.run(main())
+"""
+
+
+@needs_root
+async def test_a_crashed_drivers_sandboxes_are_removed_by_the_next(tmp_path: Path) -> None:
+    """A driver killed with signal 9 left its sandboxes (the agent's work, an eval's
+    hidden tests) and their disks mounted, holding a loop device and the host's space,
+    until someone cleaned up by hand. The next driver's first sandbox there removes
+    every sandbox whose driver is gone; a live driver's stay."""
+    root = tmp_path / "sandboxes"
+    root.mkdir()
+    async with await open_sandbox(SandboxSpec(options={"root": str(root)})) as live:
+        crashed = subprocess.run(
+            [sys.executable, "-c", CRASH, str(root)], capture_output=True, text=True,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        )  # fmt: skip
+        assert crashed.returncode == -9, crashed.stderr
+        dead = crashed.stdout.strip()
+        assert _mounted(dead)
+        assert leftovers.sweep(root) == 1
+        assert not _mounted(dead) and not Path(dead).exists()
+        assert sorted(os.listdir(root)) == sorted(
+            [Path(live.workdir).name, f"{Path(live.workdir).name}.disk",
+             f"{Path(live.workdir).name}.owner"]
+        )  # fmt: skip
+        assert (await live.exec("echo ok")).stdout.strip() == "ok"
+    assert os.listdir(root) == []

@@ -62,6 +62,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO
 
+from recorder.rollout.sandbox import leftovers
 from recorder.rollout.sandbox.base import (
     CommandHandle,
     ExecResult,
@@ -521,7 +522,9 @@ def _make_workdir(root: str | None, user: SandboxUser | None, disk: int | None =
     try:
         if root is None:
             root = default_root()
+        leftovers.sweep_once(root)
         workdir = Path(tempfile.mkdtemp(prefix=f"tr-sbx-{uuid.uuid4().hex[:8]}-", dir=root))
+        leftovers.claim(workdir)
     except OSError as exc:
         raise _no_workdir(root, exc) from exc
     if disk is not None:
@@ -723,6 +726,7 @@ def _remove_workdir(workdir: Path, own_disk: bool) -> None:
     if own_disk:
         remove_disk(workdir)
     _remove_tree(workdir)
+    leftovers.release(workdir)
 
 
 def _remove_tree(path: Path) -> None:
