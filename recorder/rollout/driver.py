@@ -383,13 +383,8 @@ class _Rollout:
 
     async def eval_phase(self, patch: bytes) -> Grade:
         if self.broken or not patch.strip():
-            grade = Grade(
-                reward=0.0,
-                passed=False,
-                exit_code=None,
-                output_tail=str(self.broken or "empty diff"),
-                failure=self.broken.failure if self.broken else None,
-            )
+            failure = self.broken.failure if self.broken else None
+            grade = Grade.zero(failure, str(self.broken or "empty diff"))
             self.note("eval_result", **grade.evidence(), empty_diff=True)
             return grade
         with self.timed("eval_s"):
@@ -412,23 +407,11 @@ class _Rollout:
         except GraderCannotRun as exc:
             if not await self.grader_runs_unpatched():
                 raise
-            return Grade(
-                reward=0.0,
-                passed=False,
-                exit_code=None,
-                failure="grader_broken_by_patch",
-                output_tail=tail(exc.message, 2000),
-            )
+            return Grade.zero("grader_broken_by_patch", exc.message)
         except (InfraError, OSError) as exc:
             if "No space left on device" not in str(exc) or not await sb.filled_its_own_disk():
                 raise
-            return Grade(
-                reward=0.0,
-                passed=False,
-                exit_code=None,
-                failure="disk_full",
-                output_tail=tail(str(exc), 2000),
-            )
+            return Grade.zero("disk_full", str(exc))
 
     async def grader_runs_unpatched(self) -> bool:
         """Does the grader run on a fresh eval sandbox without the patch? Asked only when it
@@ -461,13 +444,7 @@ class _Rollout:
         try:
             await apply_patch(sb, repo, patch, self.bases["agent"])
         except ForgedDiff as exc:
-            return Grade(
-                reward=0.0,
-                passed=False,
-                exit_code=None,
-                failure="diff_forged",
-                output_tail=tail(str(exc), 2000),
-            )
+            return Grade.zero("diff_forged", str(exc))
         except InfraError as exc:
             tree = self.bases["eval"].tree
             if exc.cause != "patch_apply" or (
@@ -475,13 +452,7 @@ class _Rollout:
                 and not await preimages_in_tree(sb, repo, tree, patch)
             ):
                 raise
-            return Grade(
-                reward=0.0,
-                passed=False,
-                exit_code=None,
-                failure="patch_apply",
-                output_tail=tail(exc.message, 2000),
-            )
+            return Grade.zero("patch_apply", exc.message)
         self.note("patch_applied", bytes=len(patch))
         return None
 
@@ -498,14 +469,7 @@ class _Rollout:
         if task.test_patch:
             conflict = await apply_test_patch(sb, repo, task.test_patch)
             if conflict is not None:
-                return Grade(
-                    reward=0.0,
-                    passed=False,
-                    exit_code=None,
-                    failure="test_patch_conflict",
-                    output_tail=conflict,
-                    protected_changed=changed,
-                )
+                return Grade.zero("test_patch_conflict", conflict, protected_changed=changed)
             self.note("test_patch_applied", bytes=len(task.test_patch.encode()))
         t = time.perf_counter()
         grade = await run_grader(sb, task, repo)

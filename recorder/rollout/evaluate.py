@@ -61,6 +61,18 @@ class Grade(msgspec.Struct, frozen=True, kw_only=True):
     # Protected paths the agent's patch changed (restored as setup left them before grading).
     protected_changed: list[str] = []
 
+    @classmethod
+    def zero(cls, failure: str | None, why: str, **fields: Any) -> Grade:
+        """Reward 0 for `failure`, decided without the grader's verdict (`why` kept)."""
+        return cls(
+            reward=0.0,
+            passed=False,
+            exit_code=None,
+            failure=failure,
+            output_tail=tail(why, 2000),
+            **fields,
+        )
+
     def evidence(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
 
