@@ -914,18 +914,29 @@ class _SmallDisks(Backend):
         return super().spec(options={"max_disk": "64m", "max_file_size": "16m"}, **kw)
 
 
+# An agent that fills its own disk: with blocks, or out of inodes once setup made a file
+# (the driver then writes the diff's pathspecs).
+FILLS = {
+    "blocks": (f"{FIX} && for i in $(seq 1 12); do head -c 10485760 /dev/zero > j$i; done", []),
+    "inodes": (f"{FIX} && mkdir n && cd n && seq 1 40000 | xargs touch", ["touch build.stamp"]),
+}
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="a disk of its own needs root")
+@pytest.mark.parametrize("fill", list(FILLS))
 async def test_an_agent_that_fills_its_disk_earns_its_zero_unmasked(
-    recorder: Harness, tmp_path: Path
+    recorder: Harness, tmp_path: Path, fill: str
 ) -> None:
     """A full disk while the driver took the diff was infrastructure (`sandbox_gone`),
     which masked the policy's 0, and the disk was the one every sandbox and the
-    recorder's log share. On a disk of its own the fill is the sandbox's doing: 0."""
+    recorder's log share. On a disk of its own the fill is the sandbox's doing: 0. An
+    audit ran it out of inodes: the driver's write of the diff's pathspecs then failed
+    outside any check (`driver_error`, masked too)."""
     (tmp_path / "local").mkdir()
     src = tmp_path / "src"
-    fill = f"{FIX} && for i in $(seq 1 12); do head -c 10485760 /dev/zero > junk$i; done; true"
-    task = calc_task(str(src), base_repo(src))
-    result = await rollout(recorder, _SmallDisks("local", tmp_path), task, fill)
+    agent, setup = FILLS[fill]
+    task = calc_task(str(src), base_repo(src), setup=setup)
+    result = await rollout(recorder, _SmallDisks("local", tmp_path), task, f"{agent}; true")
     assert (result.outcome, result.reward, result.infra_cause) == ("failed", 0.0, None)
     assert result.evidence["failure"] == "disk_full", result.evidence
 
@@ -942,22 +953,6 @@ async def test_a_patch_that_fills_the_eval_disk_earns_its_zero_unmasked(
     task = calc_task(str(src), base_repo(src))
     result = await rollout(recorder, _SmallDisks("local", tmp_path), task, EVAL_INODES)
     assert "+++ b/calc.py" in result.diff, result.evidence
-    assert (result.outcome, result.reward, result.infra_cause) == ("failed", 0.0, None)
-    assert result.evidence["failure"] == "disk_full", result.evidence
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="a disk of its own needs root")
-async def test_an_agent_that_uses_up_its_inodes_earns_its_zero_unmasked(
-    recorder: Harness, tmp_path: Path
-) -> None:
-    """An audit ran its disk out of inodes: the driver's own write of the diff's
-    pathspecs (setup had made a file) then failed outside any check, and the rollout
-    closed as `driver_error`, which masked the policy's 0."""
-    (tmp_path / "local").mkdir()
-    src = tmp_path / "src"
-    fill = f"{FIX} && mkdir n && cd n && seq 1 40000 | xargs touch; true"
-    task = calc_task(str(src), base_repo(src), setup=["touch build.stamp"])
-    result = await rollout(recorder, _SmallDisks("local", tmp_path), task, fill)
     assert (result.outcome, result.reward, result.infra_cause) == ("failed", 0.0, None)
     assert result.evidence["failure"] == "disk_full", result.evidence
 
