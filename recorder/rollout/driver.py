@@ -174,6 +174,7 @@ class _Rollout:
         # The repository as setup left it, in each sandbox (set by `prepare`).
         self.bases: dict[str, Baseline] = {}
         self.broken: BrokenRepository | None = None  # why the agent's work could not be diffed
+        self.restored: list[str] = []  # protected paths the patch changed, restored
         self.diff = b""
         self.started = time.perf_counter()
         self.deadline = time.monotonic() + req.wall_budget_s
@@ -398,16 +399,23 @@ class _Rollout:
         return grade
 
     async def patched_grade(self, sb: Sandbox, repo: str, patch: bytes) -> Grade:
-        """The patch applied and graded. A step that fails because the eval sandbox's own
-        disk is full is the patch's doing (setup alone fits: it filled no more of the
-        agent's disk of the same size): 0, `disk_full`. An audit's patch of many empty
-        files had used up the fresh disk's inodes: `eval_crashed`, a masked 0."""
+        """The patch applied and graded.
+
+        A grader that cannot run with the patch (`GraderCannotRun`) but runs without it
+        (`grader_runs_unpatched`), and again cannot with it, was broken by the patch: 0,
+        `grader_broken_by_patch`. A step that fails because the eval sandbox's own disk
+        is full is the patch's doing (setup alone fits: it filled no more of the agent's
+        disk of the same size): 0, `disk_full`. An audit's patch of many empty files
+        had used up the fresh disk's inodes: `eval_crashed`, a masked 0."""
         try:
             return await self.apply(sb, repo, patch) or await self.grade(sb, repo)
         except GraderCannotRun as exc:
             if not await self.grader_runs_unpatched():
                 raise
-            return Grade.zero("grader_broken_by_patch", exc.message)
+            try:  # once more with the patch: a grader that fails to start now and then
+                return await self.run_grader(sb, repo)  # must not give a correct fix 0
+            except GraderCannotRun:
+                return Grade.zero("grader_broken_by_patch", exc.message)
         except (InfraError, OSError) as exc:
             if "No space left on device" not in str(exc) or not await sb.filled_its_own_disk():
                 raise
@@ -471,10 +479,15 @@ class _Rollout:
             if conflict is not None:
                 return Grade.zero("test_patch_conflict", conflict, protected_changed=changed)
             self.note("test_patch_applied", bytes=len(task.test_patch.encode()))
+        self.restored = changed
+        return await self.run_grader(sb, repo)
+
+    async def run_grader(self, sb: Sandbox, repo: str) -> Grade:
+        """The task's grader on the tree `grade` made ready."""
         t = time.perf_counter()
-        grade = await run_grader(sb, task, repo)
+        grade = await run_grader(sb, self.req.task, repo)
         self.timings["grader_s"] = time.perf_counter() - t
-        return msgspec.structs.replace(grade, protected_changed=changed)
+        return msgspec.structs.replace(grade, protected_changed=self.restored)
 
     async def finish(self, grade: Grade) -> RolloutResult:
         await self.flush()

@@ -988,6 +988,23 @@ async def test_a_patch_that_breaks_a_script_the_grader_sources_earns_its_zero_un
     assert got == expected, result.evidence
 
 
+async def test_a_grader_that_fails_to_start_once_grades_a_fix_as_a_fix(
+    recorder: Harness, tmp_path: Path
+) -> None:
+    """A second audit: a grader that fails to start now and then (exit 127 before its
+    pytest, a tool fetched on first use) ran fine without the patch, so a correct fix
+    was `grader_broken_by_patch`, 0. The patched grader now runs once more first."""
+    flaky = tmp_path / "flaky"
+    flaky.mkdir()
+    flaky.chmod(0o777)
+    once = f"if [ ! -e {flaky}/first ]; then touch {flaky}/first; exit 127; fi"
+    cmd = f"{once}; python -m pytest -q -p no:cacheprovider {{tests}}"
+    src = tmp_path / "src"
+    task = calc_task(str(src), base_repo(src), tests={"FAIL_TO_PASS": FAIL, "cmd": cmd})
+    result = await rollout(recorder, local(tmp_path), task, FIX)
+    assert (result.outcome, result.reward, result.infra_cause) == ("passed", 1.0, None)
+
+
 async def test_a_root_name_that_is_not_utf8_is_a_policy_failure_not_an_abort(
     recorder: Harness, tmp_path: Path
 ) -> None:

@@ -581,10 +581,33 @@ async def test_tmp_is_the_sandboxs_own_and_no_other_disk_is_in_view(tmp_path: Pa
             assert tmp.stdout.split() == ["a", "b"]
             assert not Path("/tmp/a").exists() and not Path("/var/tmp/b").exists()
             gone = await sb.exec('rm -rf "$TMPDIR"')
-            again = await sb.exec("echo c > /tmp/c && ls $TMPDIR")
-            assert gone.exit_code == 0 and again.stdout.split() == ["c"]
+            again = await sb.exec('echo c > /tmp/c && ls $TMPDIR && stat -c %U "$TMPDIR"')
+            assert gone.exit_code == 0 and again.stdout.split() == ["c", sb.user.name]
+            # A link in its place (a second audit: root bound what it named, the dead
+            # sandbox's disk among them, and root's `chown` of a re-made one followed a
+            # link swapped in): refused, the command does not run.
+            own_tmp = Path(sb.workdir) / "tmp"
+            await sb.exec(f'rm -rf "$TMPDIR" && ln -s {dead} "$TMPDIR"')
+            assert own_tmp.is_symlink()
+            for target in (str(dead), "/etc", "/root"):
+                own_tmp.unlink()  # (the test swaps it: the sandbox's commands no longer run)
+                own_tmp.symlink_to(target)
+                linked = await sb.exec("cat /tmp/secret; ls /tmp")
+                assert linked.exit_code == 125 and linked.stdout == "", target
     finally:
         disk.remove_disk(dead)
+
+
+@needs_root
+async def test_a_sandboxes_root_behind_a_link_works(tmp_path: Path) -> None:
+    """/proc/self/mounts names a disk by its real path: compared with the root as given
+    (a link), the sandbox's own disk was unmounted in its own view and every command
+    failed (a second audit)."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    async with await open_sandbox(SandboxSpec(options={"root": str(tmp_path / "link")})) as sb:
+        done = await sb.exec("echo a > f && cat f && echo b > /tmp/b && ls $TMPDIR")
+        assert sb.disk_is_own and done.stdout.split() == ["a", "b"], done
 
 
 CRASH = """

@@ -283,6 +283,7 @@ class LocalSandbox(Sandbox):
         self.workdir = str(workdir)
         self.user = user  # None: commands run as the driver's own user
         self.disk_is_own = own_disk  # its directory is a file system of its own (disk.py)
+        self._real_dir = os.path.realpath(workdir)  # as /proc/self/mounts names its disk
         self._spec = spec
         self._limits = Limits(max_processes(spec), max_file_size(spec))
         self._handles: list[LocalHandle] = []
@@ -362,7 +363,7 @@ class LocalSandbox(Sandbox):
         if not os.path.isdir(where):  # what Popen would say; entered as the user below
             raise FileNotFoundError(f"cannot run in {where}: no such directory")
         ids = (user.uid, user.gid) if user else (None, None)
-        how = launch(cmd, self._env(env, mark), where, *ids, self._limits, self.workdir)
+        how = launch(cmd, self._env(env, mark), where, *ids, self._limits, self._real_dir)
         try:
             proc = subprocess.Popen(
                 how.argv,
@@ -529,6 +530,8 @@ def _make_workdir(root: str | None, user: SandboxUser | None, disk: int | None =
         raise _no_workdir(root, exc) from exc
     if disk is not None:
         try:
+            if any(c.isspace() or c == "\\" for c in os.path.realpath(workdir)):
+                raise DiskError(f"{root} has a space or a backslash in its path")
             make_disk(workdir, disk)
         except DiskError as exc:
             workdir.rmdir()

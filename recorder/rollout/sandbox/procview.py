@@ -70,31 +70,39 @@ SHM_SIZE = "1g"
 # sandbox user can set it back to 0, not lower (root's setting is its floor only where
 # the driver has CAP_SYS_RESOURCE): a score set back gives up the preference.
 OOM_SCORE_ADJ = 1000
-# $1 uid, $2 gid, $3 the sandbox's directory (or ""); the rest is what setpriv execs.
-# A failed mount never runs the command with the full process table in view: 125 (the
-# command did not run). The sandbox's `tmp` is its /tmp and /var/tmp: those are the
-# host's disk, which a sandbox filled past its own (`disk.py`), and every sandbox's.
+# $1 uid, $2 gid, $3 the sandbox's directory (its real path, or ""); the rest is what
+# setpriv execs. A failed mount never runs the command with the full process table in
+# view: 125 (the command did not run).
 # Other sandboxes' disks are unmounted in its view: their paths were in its
-# /proc/self/mounts, and a crashed driver's sandbox stays mounted, owned by a pool
-# user the next sandbox may get (an audit read a dead sandbox's hidden tests so).
+# /proc/self/mounts, and a crashed driver's sandbox stays mounted, owned by a pool user
+# the next sandbox may get (an audit read a dead sandbox's hidden tests so).
+# Then the sandbox's `tmp` is its /tmp and /var/tmp: those are the host's disk, which a
+# sandbox filled past its own (`disk.py`), and every sandbox's. Root touches nothing the
+# sandbox owns but to bind it, and binds only what turns out to be the sandbox's own:
+# its `tmp` is the user's to replace (a link to any path, swapped in between a check and
+# the bind), so a missing one is made again as the user (root's `mkdir` then `chown` had
+# been raced into giving the user any file of the host), and a bind that is not a
+# directory of the user's on the sandbox's own file system is refused.
 _WRAPPER = (
     "{mount} -t proc -o hidepid=2,nosuid,nodev,noexec proc /proc || exit 125\n"
     f"echo {OOM_SCORE_ADJ} > /proc/self/oom_score_adj 2>/dev/null\n"
     "{mount} -t tmpfs -o size={shm},mode=1777,nosuid,nodev tmpfs /dev/shm || exit 125\n"
     "uid=$1 gid=$2 own=$3\nshift 3\n"
     'if [ -n "$own" ]; then\n'
-    '  if [ ! -d "$own/tmp" ]; then\n'  # the sandbox removed its own
-    '    rm -f "$own/tmp"; mkdir -m 700 "$own/tmp" && chown "$uid:$gid" "$own/tmp" || exit 125\n'
-    "  fi\n"
-    "  for t in /tmp /var/tmp; do\n"
-    '    [ ! -d "$t" ] || {mount} --bind "$own/tmp" "$t" || exit 125\n'
-    "  done\n"
     "  others=\n"
     "  while read -r dev at rest; do\n"
     '    case "$dev $at" in "/dev/loop"*"/tr-sbx-"*) [ "$at" = "$own" ] || others="$others $at";;'
     " esac\n"
     "  done < /proc/self/mounts\n"
     '  [ -z "$others" ] || {umount} --lazy $others 2>/dev/null\n'
+    '  as_user="{setpriv} --reuid=$uid --regid=$gid --clear-groups --no-new-privs --"\n'
+    '  [ -d "$own/tmp" ] || $as_user mkdir -m 700 "$own/tmp" 2>/dev/null\n'
+    '  want="$(stat -c %d "$own") $uid directory"\n'
+    "  for t in /tmp /var/tmp; do\n"
+    '    [ -d "$t" ] || continue\n'
+    '    {mount} --bind "$own/tmp" "$t" || exit 125\n'
+    '    [ "$(stat -c \'%d %u %F\' "$t")" = "$want" ] || exit 125\n'
+    "  done\n"
     "fi\n"
     'exec {setpriv} --reuid="$uid" --regid="$gid" --clear-groups --no-new-privs -- "$@"\n'
 )
